@@ -1,0 +1,18 @@
+//! # nackd
+//!
+//! An AMQP 0-9-1 proxy in front of RabbitMQ that turns a consumer's
+//! `basic.nack` / `basic.reject` on configured queues into a delayed retry.
+//!
+//! # Layout
+//!
+//! - [`frame`]: cuts the byte stream into frames (nom), checks sizes on the header.
+//! - [`method`]: decodes the few methods nackd must understand (amq-protocol)
+//!   and encodes the frames nackd emits itself.
+//! - [`content`]: content headers (basic properties) and field tables.
+//! - [`reply`]: AMQP reply codes.
+#![forbid(unsafe_code)]
+
+pub mod content;
+pub mod frame;
+pub mod method;
+pub mod reply;

@@ -1,0 +1,34 @@
+//! AMQP 0-9-1 reply codes nackd sends or maps its errors to.
+
+/// The reply codes of the AMQP 0-9-1 spec that nackd uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ReplyCode {
+    /// 200: normal close.
+    Success = 200,
+    /// 320: the server (here: nackd or its upstream) forced the close.
+    ConnectionForced = 320,
+    /// 501: a frame that could not be decoded.
+    FrameError = 501,
+    /// 502: illegal values in a method's fields.
+    SyntaxError = 502,
+    /// 503: a method that is invalid in the current state.
+    CommandInvalid = 503,
+    /// 504: a channel that is not open, or beyond `channel_max`.
+    ChannelError = 504,
+    /// 505: a frame that was not expected where it came.
+    UnexpectedFrame = 505,
+    /// 506: the server ran out of a resource.
+    ResourceError = 506,
+    /// 530: not allowed.
+    NotAllowed = 530,
+    /// 541: the server hit an internal error.
+    InternalError = 541,
+}
+
+impl ReplyCode {
+    /// The numeric code carried in `connection.close`.
+    pub fn code(self) -> u16 {
+        self as u16
+    }
+}
