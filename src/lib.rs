@@ -16,3 +16,6 @@ pub mod content;
 pub mod frame;
 pub mod method;
 pub mod reply;
+pub mod channel;
+pub mod config;
+pub mod policy;

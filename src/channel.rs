@@ -1,0 +1,249 @@
+//! What nackd tracks per AMQP channel: consumers and their queues, pending
+//! `basic.get`s, tx mode, content in flight, and outstanding deliveries.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
+
+use crate::content;
+use crate::frame::{Frame, FrameError, FrameType};
+use crate::method::MethodId;
+
+/// A consumer registered on the channel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Consumer {
+    /// Queue it consumes from (resolved if the client gave an empty name).
+    pub queue: Arc<str>,
+    /// Deliveries are acked by the broker on send.
+    pub no_ack: bool,
+}
+
+/// A delivery the client still has to ack, nack or reject.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// Queue the message came from.
+    pub queue: Arc<str>,
+}
+
+/// Where a content (header + bodies) is in one direction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ContentState {
+    /// No content expected: a method may come.
+    #[default]
+    Idle,
+    /// A content-bearing method came; its header must follow.
+    Header,
+    /// Body frames must follow, this many bytes still.
+    Body(u64),
+}
+
+impl ContentState {
+    /// Checks `frame` against the state and moves on. Methods inside a
+    /// content, or content frames without a method, are 505 unexpected-frame.
+    pub fn advance(&mut self, frame: &Frame, method: Option<MethodId>) -> Result<(), FrameError> {
+        *self = match (*self, frame.kind) {
+            (Self::Idle, FrameType::Method) => match method {
+                Some(id) if id.carries_content() => Self::Header,
+                _ => Self::Idle,
+            },
+            (Self::Header, FrameType::Header) => match content::body_size(&frame.raw[7..])? {
+                0 => Self::Idle,
+                n => Self::Body(n),
+            },
+            (Self::Body(left), FrameType::Body) => {
+                let len = (frame.raw.len() - crate::frame::FRAME_OVERHEAD) as u64;
+                match left.checked_sub(len) {
+                    Some(0) => Self::Idle,
+                    Some(rest) => Self::Body(rest),
+                    None => return Err(FrameError::Unexpected("body frames longer than the announced size")),
+                }
+            }
+            (Self::Idle, FrameType::Header) => return Err(FrameError::Unexpected("content header without a method")),
+            (Self::Idle, FrameType::Body) => return Err(FrameError::Unexpected("content body without a header")),
+            (_, FrameType::Method) => return Err(FrameError::Unexpected("method frame inside a content")),
+            (Self::Header, FrameType::Body) => return Err(FrameError::Unexpected("content body before its header")),
+            (Self::Body(_), FrameType::Header) => return Err(FrameError::Unexpected("second content header")),
+            (state, FrameType::Heartbeat) => state,
+        };
+        Ok(())
+    }
+
+    /// Whether a content is being sent (an injected frame must wait).
+    pub fn in_flight(self) -> bool {
+        self != Self::Idle
+    }
+}
+
+/// One channel of one client connection.
+#[derive(Debug, Default)]
+pub struct Channel {
+    consumers: HashMap<String, Consumer>,
+    /// `basic.consume` sent without nowait, waiting for `consume-ok`.
+    pending_consumes: VecDeque<Consumer>,
+    /// `basic.get` sent, waiting for `get-ok` / `get-empty`.
+    pending_gets: VecDeque<Consumer>,
+    /// Last queue declared on the channel (an empty queue name means it).
+    last_queue: Option<Arc<str>>,
+    /// `tx.select` was sent: nothing on this channel is intercepted.
+    pub tx: bool,
+    /// `confirm.select` was sent.
+    pub confirm: bool,
+    /// Client to broker content (a publish).
+    pub publishing: ContentState,
+    /// Broker to client content (a delivery, get-ok or return).
+    pub delivering: ContentState,
+    outstanding: BTreeMap<u64, Delivery>,
+}
+
+impl Channel {
+    fn resolve(&self, queue: &str) -> Arc<str> {
+        match (queue.is_empty(), &self.last_queue) {
+            (true, Some(last)) => last.clone(),
+            _ => Arc::from(queue),
+        }
+    }
+
+    /// Observes a method the client sends on this channel.
+    pub fn on_client_method(&mut self, class: &AMQPClass) {
+        match class {
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if !d.queue.as_str().is_empty() => {
+                self.last_queue = Some(Arc::from(d.queue.as_str()));
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
+                let consumer = Consumer {
+                    queue: self.resolve(c.queue.as_str()),
+                    no_ack: c.no_ack,
+                };
+                if c.nowait {
+                    self.consumers.insert(c.consumer_tag.to_string(), consumer);
+                } else {
+                    self.pending_consumes.push_back(consumer);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if c.nowait => {
+                self.consumers.remove(c.consumer_tag.as_str());
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
+                let queue = self.resolve(g.queue.as_str());
+                self.pending_gets.push_back(Consumer { queue, no_ack: g.no_ack });
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => self.settle(a.delivery_tag, a.multiple),
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => self.settle(n.delivery_tag, n.multiple),
+            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => self.settle(r.delivery_tag, false),
+            AMQPClass::Basic(basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_)) => {
+                self.outstanding.clear();
+            }
+            AMQPClass::Tx(tx::AMQPMethod::Select(_)) => self.tx = true,
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(_)) => self.confirm = true,
+            _ => {}
+        }
+    }
+
+    /// Observes a method the broker sends on this channel.
+    pub fn on_broker_method(&mut self, class: &AMQPClass) {
+        match class {
+            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(d)) => {
+                self.last_queue = Some(Arc::from(d.queue.as_str()));
+            }
+            AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => {
+                if let Some(consumer) = self.pending_consumes.pop_front() {
+                    self.consumers.insert(ok.consumer_tag.to_string(), consumer);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
+                self.consumers.remove(ok.consumer_tag.as_str());
+            }
+            // The broker cancels a consumer (queue deleted, failover).
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
+                self.consumers.remove(c.consumer_tag.as_str());
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
+                if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
+                    if !consumer.no_ack {
+                        let queue = consumer.queue.clone();
+                        self.outstanding.insert(d.delivery_tag, Delivery { queue });
+                    }
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
+                if let Some(get) = self.pending_gets.pop_front() {
+                    if !get.no_ack {
+                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue });
+                    }
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::GetEmpty(_)) => {
+                self.pending_gets.pop_front();
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {}
+            _ => {}
+        }
+    }
+
+    /// Removes the deliveries an ack/nack/reject covers (`multiple` with tag
+    /// 0 means all of them, as in the spec).
+    fn settle(&mut self, tag: u64, multiple: bool) {
+        match (multiple, tag) {
+            (true, 0) => self.outstanding.clear(),
+            (true, tag) => {
+                let rest = self.outstanding.split_off(&(tag + 1));
+                self.outstanding = rest;
+            }
+            (false, tag) => {
+                self.outstanding.remove(&tag);
+            }
+        }
+    }
+
+    /// The consumer registered under `tag`.
+    pub fn consumer(&self, tag: &str) -> Option<&Consumer> {
+        self.consumers.get(tag)
+    }
+
+    /// Outstanding deliveries, in tag order.
+    pub fn outstanding(&self) -> impl Iterator<Item = (u64, &Delivery)> {
+        self.outstanding.iter().map(|(tag, d)| (*tag, d))
+    }
+
+    /// Number of consumers.
+    pub fn consumer_count(&self) -> usize {
+        self.consumers.len()
+    }
+}
+
+/// All channels of a connection.
+#[derive(Debug, Default)]
+pub struct Channels {
+    open: HashMap<u16, Channel>,
+}
+
+impl Channels {
+    /// The channel's state, created on first use.
+    pub fn get(&mut self, id: u16) -> &mut Channel {
+        self.open.entry(id).or_default()
+    }
+
+    /// Looks at a channel without creating it.
+    pub fn peek(&self, id: u16) -> Option<&Channel> {
+        self.open.get(&id)
+    }
+
+    /// Forgets a channel once `channel.close-ok` has passed either way.
+    pub fn remove(&mut self, id: u16) -> Option<Channel> {
+        self.open.remove(&id)
+    }
+
+    /// Number of channels tracked.
+    pub fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Whether no channel is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,423 @@
+//! The TOML configuration (`config/nackd.toml`), read once at startup.
+//!
+//! Every error names the key it is about (`listen.address: ...`), so a bad
+//! file stops startup with something an operator can act on.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// File path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A key has a wrong type, an unknown name or a bad value.
+    #[error("{path}: {key}: {reason}")]
+    Invalid {
+        /// File path.
+        path: PathBuf,
+        /// Dotted key (`listen.address`, `policy[0].delays`).
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where clients connect.
+    #[serde(default)]
+    pub listen: Listen,
+    /// The broker nackd forwards to.
+    #[serde(default)]
+    pub upstream: Upstream,
+    /// Credentials of nackd's own connections (republishing).
+    #[serde(default)]
+    pub republish: Republish,
+    /// The durable store of held messages.
+    #[serde(default)]
+    pub store: Store,
+    /// The metrics and health listener.
+    #[serde(default)]
+    pub metrics: Metrics,
+    /// Resource limits.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Retry policies, first match wins.
+    #[serde(default, rename = "policy")]
+    pub policies: Vec<PolicyConfig>,
+}
+
+/// `[listen]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// Address to accept AMQP clients on.
+    #[serde(default = "default_listen")]
+    pub address: SocketAddr,
+    /// Serve amqps with this certificate and key.
+    pub tls: Option<ServerTls>,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:5673".parse().expect("valid literal")
+}
+
+impl Default for Listen {
+    fn default() -> Self {
+        Self {
+            address: default_listen(),
+            tls: None,
+        }
+    }
+}
+
+/// `listen.tls`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTls {
+    /// PEM certificate chain.
+    pub cert: PathBuf,
+    /// PEM private key.
+    pub key: PathBuf,
+}
+
+/// `[upstream]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Upstream {
+    /// `host:port` of the broker (a name is resolved at each connect).
+    #[serde(default = "default_upstream")]
+    pub address: String,
+    /// Connect to the broker over TLS.
+    pub tls: Option<ClientTls>,
+    /// Give up connecting to the broker after this long.
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+}
+
+fn default_upstream() -> String {
+    "127.0.0.1:5672".into()
+}
+
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self {
+            address: default_upstream(),
+            tls: None,
+            connect_timeout: default_connect_timeout(),
+        }
+    }
+}
+
+/// `upstream.tls`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTls {
+    /// PEM CA certificates to trust (required: nackd does not read a system store).
+    pub ca: PathBuf,
+    /// Name to verify the broker's certificate against (default: the host of `address`).
+    pub server_name: Option<String>,
+}
+
+/// `[republish]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Republish {
+    /// User of nackd's own connections.
+    #[serde(default = "default_guest")]
+    pub username: String,
+    /// Its password, inline.
+    pub password: Option<String>,
+    /// Or the name of an environment variable holding it.
+    pub password_env: Option<String>,
+}
+
+fn default_guest() -> String {
+    "guest".into()
+}
+
+impl Default for Republish {
+    fn default() -> Self {
+        Self {
+            username: default_guest(),
+            password: None,
+            password_env: None,
+        }
+    }
+}
+
+/// `[store]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Store {
+    /// Directory of the embedded store.
+    #[serde(default = "default_store")]
+    pub path: PathBuf,
+}
+
+fn default_store() -> PathBuf {
+    "data".into()
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self {
+            path: default_store(),
+        }
+    }
+}
+
+/// `[metrics]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Metrics {
+    /// Address of `/metrics` and `/healthz`.
+    #[serde(default = "default_metrics")]
+    pub address: SocketAddr,
+}
+
+fn default_metrics() -> SocketAddr {
+    "127.0.0.1:9645".parse().expect("valid literal")
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            address: default_metrics(),
+        }
+    }
+}
+
+/// `[limits]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Client connections served at once; more are refused with a log line.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Time a client has from TCP accept to `connection.open-ok`.
+    #[serde(default = "default_handshake_timeout", with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// Largest frame nackd accepts from either side, whatever is negotiated.
+    #[serde(default = "default_max_frame")]
+    pub max_frame: u32,
+    /// Time sessions get to finish after SIGINT/SIGTERM.
+    #[serde(default = "default_grace", with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+fn default_max_connections() -> usize {
+    10_000
+}
+fn default_handshake_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_max_frame() -> u32 {
+    16 * 1024 * 1024
+}
+fn default_grace() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: default_max_connections(),
+            handshake_timeout: default_handshake_timeout(),
+            max_frame: default_max_frame(),
+            shutdown_grace: default_grace(),
+        }
+    }
+}
+
+/// One `[[policy]]` table, as written. Checked by [`crate::policy`].
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Virtual host the policy applies to.
+    #[serde(default = "default_vhost")]
+    pub vhost: String,
+    /// Glob patterns of queue names.
+    pub queues: Vec<String>,
+    /// Explicit schedule.
+    #[serde(default, deserialize_with = "duration_list")]
+    pub delays: Option<Vec<Duration>>,
+    /// Or a computed one.
+    pub backoff: Option<BackoffConfig>,
+    /// Retries before `on_exhausted` (with `backoff`; `delays` implies its length).
+    pub max_retries: Option<u32>,
+    /// What to do with `requeue=true` nacks.
+    #[serde(default)]
+    pub requeue: RequeueMode,
+    /// Where a message goes when the schedule is exhausted.
+    #[serde(default)]
+    pub on_exhausted: OnExhausted,
+}
+
+fn duration_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<Duration>>, D::Error> {
+    Vec::<String>::deserialize(d)?
+        .iter()
+        .map(|s| humantime::parse_duration(s).map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}"))))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn default_vhost() -> String {
+    "/".into()
+}
+
+/// `backoff = { initial, multiplier, max, jitter }`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffConfig {
+    /// First delay.
+    #[serde(with = "humantime_serde")]
+    pub initial: Duration,
+    /// Factor between two delays.
+    #[serde(default = "default_multiplier")]
+    pub multiplier: f64,
+    /// Cap.
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+    /// Randomisation.
+    #[serde(default)]
+    pub jitter: Jitter,
+}
+
+fn default_multiplier() -> f64 {
+    2.0
+}
+
+/// Jitter applied to a computed delay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// The computed delay.
+    #[default]
+    None,
+    /// Uniform in `[0, delay]`.
+    Full,
+    /// Uniform in `[delay/2, delay]`.
+    Equal,
+}
+
+/// `requeue = "delay" | "pass"`
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequeueMode {
+    /// `requeue=true` nacks are delayed too.
+    #[default]
+    Delay,
+    /// `requeue=true` nacks go to the broker as sent.
+    Pass,
+}
+
+/// `on_exhausted = "reject" | { exchange, routing_key }`
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum OnExhausted {
+    /// `"reject"`: hand back with `basic.reject(requeue=false)`; the queue's DLX applies.
+    #[default]
+    #[serde(with = "reject_literal")]
+    Reject,
+    /// Publish to this exchange with this routing key, then ack.
+    DeadLetter {
+        /// Exchange name.
+        exchange: String,
+        /// Routing key (default: the original queue).
+        routing_key: Option<String>,
+    },
+}
+
+mod reject_literal {
+    use serde::{Deserialize, Deserializer};
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<(), D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "reject" => Ok(()),
+            other => Err(serde::de::Error::custom(format!(
+                "expected \"reject\" or {{ exchange, routing_key }}, found {other:?}"
+            ))),
+        }
+    }
+}
+
+impl Config {
+    /// Reads and checks a configuration file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and checks configuration text; `path` is only used in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let invalid = |key: String, reason: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            reason,
+        };
+        let de = toml::Deserializer::parse(text)
+            .map_err(|e| invalid("(syntax)".into(), one_line(&e.to_string())))?;
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e.path().to_string();
+            invalid(key, one_line(&e.into_inner().to_string()))
+        })?;
+        config.check().map_err(|(key, reason)| invalid(key, reason))?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), (String, String)> {
+        if self.limits.max_connections == 0 {
+            return Err(("limits.max_connections".into(), "must be at least 1".into()));
+        }
+        if self.limits.max_frame < crate::frame::FRAME_MIN_SIZE {
+            return Err((
+                "limits.max_frame".into(),
+                format!("must be at least {}", crate::frame::FRAME_MIN_SIZE),
+            ));
+        }
+        if !self.upstream.address.contains(':') {
+            return Err(("upstream.address".into(), "expected host:port".into()));
+        }
+        if let (Some(_), Some(_)) = (&self.republish.password, &self.republish.password_env) {
+            return Err((
+                "republish.password_env".into(),
+                "set password or password_env, not both".into(),
+            ));
+        }
+        for (i, policy) in self.policies.iter().enumerate() {
+            crate::policy::check(policy).map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
+        }
+        Ok(())
+    }
+}
+
+/// toml errors span several lines with a source excerpt; logs want one.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('|') && !l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests;

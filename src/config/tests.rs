@@ -1,0 +1,64 @@
+use super::*;
+
+fn err(text: &str) -> String {
+    Config::parse(text, Path::new("nackd.toml")).unwrap_err().to_string()
+}
+
+#[test]
+fn shipped_example_parses() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/nackd.toml");
+    let config = Config::load(&path).unwrap();
+    assert_eq!(config.listen.address, "127.0.0.1:5673".parse().unwrap());
+    assert_eq!(config.upstream.address, "127.0.0.1:5672");
+    assert!(!config.policies.is_empty());
+}
+
+#[test]
+fn empty_file_means_defaults() {
+    let config = Config::parse("", Path::new("x")).unwrap();
+    assert_eq!(config.listen.address.port(), 5673);
+    assert_eq!(config.limits.handshake_timeout, Duration::from_secs(10));
+    assert!(config.policies.is_empty());
+}
+
+#[test]
+fn errors_name_the_key() {
+    let e = err("[listen]\naddress = \"nowhere\"\n");
+    assert!(e.starts_with("nackd.toml: listen.address: "), "{e}");
+    let e = err("[listen]\nadress = \"127.0.0.1:1\"\n");
+    assert!(e.contains("listen") && e.contains("adress"), "{e}");
+    let e = err("[limits]\nhandshake_timeout = \"soon\"\n");
+    assert!(e.contains("limits.handshake_timeout"), "{e}");
+    let e = err("[upstream]\naddress = \"rabbit\"\n");
+    assert!(e.contains("upstream.address: expected host:port"), "{e}");
+    let e = err("[listen\n");
+    assert!(e.contains("(syntax)"), "{e}");
+}
+
+#[test]
+fn policy_errors_name_the_policy_and_key() {
+    let e = err("[[policy]]\nqueues = [\"q\"]\n");
+    assert!(e.contains("policy[0].delays"), "{e}");
+    let e = err("[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\n[[policy]]\nqueues=[\"b\"]\ndelays=[\"1s\"]\nbackoff={initial=\"1s\",max=\"2s\"}\nmax_retries=2\n");
+    assert!(e.contains("policy[1].backoff: set delays or backoff"), "{e}");
+    let e = err("[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\non_exhausted=\"drop\"\n");
+    assert!(e.contains("policy[0].on_exhausted"), "{e}");
+    let e = err("[[policy]]\nqueues=[\"[\"]\ndelays=[\"1s\"]\n");
+    assert!(e.contains("policy[0].queues: bad pattern"), "{e}");
+    let e = err("[[policy]]\nqueues=[\"a\"]\ndelays=[\"0ms\"]\n");
+    assert!(e.contains("policy[0].delays"), "{e}");
+}
+
+#[test]
+fn on_exhausted_forms() {
+    let c = Config::parse(
+        "[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\non_exhausted={exchange=\"dlx\",routing_key=\"k\"}\n[[policy]]\nqueues=[\"b\"]\ndelays=[\"1s\"]\non_exhausted=\"reject\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        c.policies[0].on_exhausted,
+        OnExhausted::DeadLetter { exchange: "dlx".into(), routing_key: Some("k".into()) }
+    );
+    assert_eq!(c.policies[1].on_exhausted, OnExhausted::Reject);
+}

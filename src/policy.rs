@@ -1,0 +1,197 @@
+//! Retry policies: which queues nackd intercepts and with which schedule.
+
+use std::time::Duration;
+
+use crate::config::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
+
+/// Longest delay a schedule may hold (the wheel goes much further).
+pub const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A checked `[[policy]]`.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// Virtual host it applies to.
+    pub vhost: String,
+    patterns: Vec<glob::Pattern>,
+    schedule: Schedule,
+    /// What to do with `requeue=true`.
+    pub requeue: RequeueMode,
+    /// Where an exhausted message goes.
+    pub on_exhausted: OnExhausted,
+}
+
+#[derive(Clone, Debug)]
+enum Schedule {
+    Explicit(Vec<Duration>),
+    Backoff(BackoffConfig, u32),
+}
+
+/// What the schedule says for one retry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Hold for this long, then republish.
+    Delay(Duration),
+    /// The schedule is used up.
+    Exhausted,
+}
+
+/// Checks one policy table; `Err((key, reason))` with the key inside the table.
+pub fn check(p: &PolicyConfig) -> Result<(), (String, String)> {
+    let err = |k: &str, r: String| Err((k.to_string(), r));
+    if p.queues.is_empty() {
+        return err("queues", "needs at least one queue name or pattern".into());
+    }
+    for q in &p.queues {
+        if let Err(e) = glob::Pattern::new(q) {
+            return err("queues", format!("bad pattern {q:?}: {e}"));
+        }
+    }
+    let in_range = |d: &Duration| *d >= Duration::from_millis(1) && *d <= MAX_DELAY;
+    match (&p.delays, &p.backoff) {
+        (Some(_), Some(_)) => err("backoff", "set delays or backoff, not both".into()),
+        (None, None) => err("delays", "set delays (a list) or backoff (a table)".into()),
+        (Some(d), None) if d.is_empty() => err("delays", "must not be empty".into()),
+        (Some(d), None) if !d.iter().all(in_range) => err("delays", "each delay must be between 1ms and 365 days".into()),
+        (Some(_), None) if p.max_retries.is_some() => err("max_retries", "applies to backoff; delays has its own length".into()),
+        (Some(_), None) => Ok(()),
+        (None, Some(_)) if p.max_retries.is_none() => err("max_retries", "required with backoff".into()),
+        (None, Some(b)) if !in_range(&b.initial) => err("backoff.initial", "must be between 1ms and 365 days".into()),
+        (None, Some(b)) if b.max < b.initial || b.max > MAX_DELAY => err("backoff.max", "must be at least initial and at most 365 days".into()),
+        (None, Some(b)) if !(b.multiplier >= 1.0 && b.multiplier.is_finite()) => err("backoff.multiplier", "must be a finite number >= 1.0".into()),
+        (None, Some(_)) => Ok(()),
+    }
+}
+
+impl Policy {
+    /// Builds a policy from a table that passed [`check`].
+    pub fn new(p: &PolicyConfig) -> Self {
+        let schedule = match (&p.delays, &p.backoff) {
+            (Some(d), _) => Schedule::Explicit(d.clone()),
+            (None, Some(b)) => Schedule::Backoff(b.clone(), p.max_retries.unwrap_or(0)),
+            (None, None) => Schedule::Explicit(Vec::new()),
+        };
+        Self {
+            vhost: p.vhost.clone(),
+            patterns: p.queues.iter().filter_map(|q| glob::Pattern::new(q).ok()).collect(),
+            schedule,
+            requeue: p.requeue,
+            on_exhausted: p.on_exhausted.clone(),
+        }
+    }
+
+    /// Whether this policy covers `queue` in `vhost`.
+    pub fn matches(&self, vhost: &str, queue: &str) -> bool {
+        self.vhost == vhost && self.patterns.iter().any(|p| p.matches(queue))
+    }
+
+    /// The step for retry number `retry` (1 for the first redelivery).
+    pub fn step(&self, retry: u32) -> Step {
+        let index = retry.saturating_sub(1);
+        match &self.schedule {
+            Schedule::Explicit(delays) => delays
+                .get(index as usize)
+                .map_or(Step::Exhausted, |d| Step::Delay(*d)),
+            Schedule::Backoff(_, max) if retry > *max => Step::Exhausted,
+            Schedule::Backoff(b, _) => Step::Delay(backoff_delay(b, index)),
+        }
+    }
+}
+
+fn backoff_delay(b: &BackoffConfig, index: u32) -> Duration {
+    let base = b.initial.as_secs_f64() * b.multiplier.powi(index.min(1024) as i32);
+    let capped = base.min(b.max.as_secs_f64());
+    let ms = capped * 1000.0;
+    let jittered = match b.jitter {
+        Jitter::None => ms,
+        Jitter::Full => fastrand::f64() * ms,
+        Jitter::Equal => ms / 2.0 + fastrand::f64() * ms / 2.0,
+    };
+    Duration::from_millis(jittered.round().max(1.0) as u64)
+}
+
+/// All policies, in file order.
+#[derive(Clone, Debug, Default)]
+pub struct Policies(Vec<Policy>);
+
+impl Policies {
+    /// Builds the list from checked tables.
+    pub fn new(tables: &[PolicyConfig]) -> Self {
+        Self(tables.iter().map(Policy::new).collect())
+    }
+
+    /// The first policy covering `queue` in `vhost`.
+    pub fn find(&self, vhost: &str, queue: &str) -> Option<&Policy> {
+        self.0.iter().find(|p| p.matches(vhost, queue))
+    }
+
+    /// Whether no queue is intercepted at all.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::path::Path;
+
+    fn policies(text: &str) -> Policies {
+        Policies::new(&Config::parse(text, Path::new("t.toml")).unwrap().policies)
+    }
+
+    #[test]
+    fn first_match_wins_and_vhost_matters() {
+        let p = policies(
+            r#"
+            [[policy]]
+            queues = ["email-queue", "webhook-*"]
+            delays = ["50ms", "100ms"]
+            [[policy]]
+            queues = ["*"]
+            delays = ["1s"]
+            [[policy]]
+            vhost = "billing"
+            queues = ["pay"]
+            delays = ["2s"]
+            "#,
+        );
+        assert_eq!(p.find("/", "webhook-eu").unwrap().step(1), Step::Delay(Duration::from_millis(50)));
+        assert_eq!(p.find("/", "other").unwrap().step(1), Step::Delay(Duration::from_secs(1)));
+        assert_eq!(p.find("billing", "pay").unwrap().step(1), Step::Delay(Duration::from_secs(2)));
+        assert!(p.find("billing", "email-queue").is_none());
+    }
+
+    #[test]
+    fn explicit_schedule_exhausts_after_its_length() {
+        let p = policies("[[policy]]\nqueues=[\"q\"]\ndelays=[\"500ms\",\"5s\",\"1m\"]\n");
+        let p = p.find("/", "q").unwrap();
+        assert_eq!(p.step(3), Step::Delay(Duration::from_secs(60)));
+        assert_eq!(p.step(4), Step::Exhausted);
+    }
+
+    #[test]
+    fn backoff_grows_caps_and_exhausts() {
+        let p = policies(
+            "[[policy]]\nqueues=[\"q\"]\nmax_retries=6\nbackoff={initial=\"1s\",multiplier=3.0,max=\"20s\"}\n",
+        );
+        let p = p.find("/", "q").unwrap();
+        let got: Vec<Step> = (1..=7).map(|n| p.step(n)).collect();
+        let s = |n| Step::Delay(Duration::from_secs(n));
+        assert_eq!(got, vec![s(1), s(3), s(9), s(20), s(20), s(20), Step::Exhausted]);
+    }
+
+    #[test]
+    fn jitter_stays_in_its_band() {
+        let p = policies(
+            "[[policy]]\nqueues=[\"q\"]\nmax_retries=9\nbackoff={initial=\"1s\",max=\"1s\",jitter=\"equal\"}\n",
+        );
+        let p = p.find("/", "q").unwrap();
+        for _ in 0..1000 {
+            match p.step(1) {
+                Step::Delay(d) => assert!(d >= Duration::from_millis(500) && d <= Duration::from_secs(1), "{d:?}"),
+                Step::Exhausted => panic!("exhausted"),
+            }
+        }
+    }
+}
