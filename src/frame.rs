@@ -111,6 +111,14 @@ pub enum FrameError {
     /// A frame that is well formed but not allowed where it came.
     #[error("unexpected frame: {0}")]
     Unexpected(&'static str),
+    /// A channel number above the negotiated `channel_max`.
+    #[error("channel {channel} above channel_max {max}")]
+    ChannelOutOfRange {
+        /// Channel used.
+        channel: u16,
+        /// Negotiated limit.
+        max: u16,
+    },
     /// A method or content header whose fields cannot be decoded.
     #[error("cannot decode {0}")]
     Syntax(&'static str),
@@ -125,6 +133,7 @@ impl FrameError {
             | Self::UnknownType(_)
             | Self::BadHeartbeat(_) => ReplyCode::FrameError,
             Self::Unexpected(_) => ReplyCode::UnexpectedFrame,
+            Self::ChannelOutOfRange { .. } => ReplyCode::ChannelError,
             Self::Syntax(_) => ReplyCode::SyntaxError,
         }
     }

@@ -10,12 +10,18 @@
 //!   and encodes the frames nackd emits itself.
 //! - [`content`]: content headers (basic properties) and field tables.
 //! - [`reply`]: AMQP reply codes.
+//! - [`fuzzing`]: fuzz targets over the frame layer, shared by `fuzz/` and the
+//!   property tests.
 #![forbid(unsafe_code)]
 
 pub mod content;
 pub mod frame;
 pub mod method;
 pub mod reply;
+pub mod fuzzing;
 pub mod channel;
 pub mod config;
 pub mod policy;
+pub mod net;
+pub mod session;
+pub mod server;

@@ -31,4 +31,20 @@ impl ReplyCode {
     pub fn code(self) -> u16 {
         self as u16
     }
+
+    /// The spec's name of the code, as RabbitMQ puts it in front of reply texts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Success => "NORMAL",
+            Self::ConnectionForced => "CONNECTION_FORCED",
+            Self::FrameError => "FRAME_ERROR",
+            Self::SyntaxError => "SYNTAX_ERROR",
+            Self::CommandInvalid => "COMMAND_INVALID",
+            Self::ChannelError => "CHANNEL_ERROR",
+            Self::UnexpectedFrame => "UNEXPECTED_FRAME",
+            Self::ResourceError => "RESOURCE_ERROR",
+            Self::NotAllowed => "NOT_ALLOWED",
+            Self::InternalError => "INTERNAL_ERROR",
+        }
+    }
 }

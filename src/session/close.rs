@@ -1,0 +1,130 @@
+//! The closing handshake of a client/broker pair.
+
+use std::time::Instant;
+
+use super::CLOSE_TIMEOUT;
+
+/// Who sent the `connection.close` a side has to answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// The client: the broker's close-ok is relayed to it.
+    Client,
+    /// The broker: the client's close-ok is relayed to it.
+    Broker,
+    /// nackd itself: the close-ok is swallowed.
+    Nackd,
+}
+
+/// Where the pair is in closing.
+#[derive(Debug, Default)]
+pub struct Close {
+    since: Option<Instant>,
+    await_client: Option<Origin>,
+    await_upstream: Option<Origin>,
+    /// The client socket is closed (nothing is read from or written to it).
+    pub client_gone: bool,
+    /// The upstream socket is closed.
+    pub upstream_gone: bool,
+    /// The client broke the protocol: its frames are no longer forwarded.
+    pub client_failed: bool,
+    /// Shutdown asked this session to close.
+    pub forced: bool,
+}
+
+impl Close {
+    /// Marks the start of closing (the close timeout runs from here).
+    pub fn begin(&mut self) {
+        self.since.get_or_insert_with(Instant::now);
+    }
+
+    /// Whether closing has begun.
+    pub fn started(&self) -> bool {
+        self.since.is_some()
+    }
+
+    /// A `connection.close` went to the client; its close-ok is awaited.
+    pub fn expect_client_close_ok(&mut self, origin: Origin) {
+        self.begin();
+        self.await_client = Some(origin);
+    }
+
+    /// A `connection.close` went to the broker; its close-ok is awaited.
+    pub fn expect_upstream_close_ok(&mut self, origin: Origin) {
+        self.begin();
+        self.await_upstream = Some(origin);
+    }
+
+    /// The client answered; returns whose close it answered.
+    pub fn client_close_ok(&mut self) -> Option<Origin> {
+        self.await_client.take()
+    }
+
+    /// The broker answered; returns whose close it answered.
+    pub fn upstream_close_ok(&mut self) -> Option<Origin> {
+        self.await_upstream.take()
+    }
+
+    /// The close the client still has to answer, if any.
+    pub fn awaiting_client(&self) -> Option<Origin> {
+        self.await_client
+    }
+
+    /// The close the broker still has to answer, if any.
+    pub fn awaiting_upstream(&self) -> Option<Origin> {
+        self.await_upstream
+    }
+
+    /// Whether the session can end: both sockets gone, or closing begun and
+    /// no live side owes a close-ok, or the close timeout passed.
+    pub fn finished(&self, now: Instant) -> bool {
+        if self.client_gone && self.upstream_gone {
+            return true;
+        }
+        let Some(since) = self.since else { return false };
+        let client_owes = self.await_client.is_some() && !self.client_gone;
+        let upstream_owes = self.await_upstream.is_some() && !self.upstream_gone;
+        (!client_owes && !upstream_owes) || now.duration_since(since) > CLOSE_TIMEOUT
+    }
+
+    /// A short word for the log line at the end.
+    pub fn reason(&self) -> &'static str {
+        match (self.forced, self.client_failed, self.client_gone, self.upstream_gone) {
+            (true, ..) => "shutdown",
+            (_, true, ..) => "client protocol error",
+            (_, _, true, false) => "client socket closed",
+            (_, _, false, true) => "upstream lost",
+            _ => "closed",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn client_initiated_close_waits_for_the_broker() {
+        let mut c = Close::default();
+        let now = Instant::now();
+        assert!(!c.finished(now));
+        c.expect_upstream_close_ok(Origin::Client);
+        assert!(!c.finished(now));
+        assert_eq!(c.upstream_close_ok(), Some(Origin::Client));
+        assert!(c.finished(now));
+    }
+
+    #[test]
+    fn a_gone_side_owes_nothing_and_timeouts_end_everything() {
+        let mut c = Close::default();
+        c.expect_client_close_ok(Origin::Nackd);
+        c.expect_upstream_close_ok(Origin::Nackd);
+        let now = Instant::now();
+        assert!(!c.finished(now));
+        c.client_gone = true;
+        assert!(!c.finished(now));
+        assert!(c.finished(now + CLOSE_TIMEOUT + Duration::from_millis(1)));
+        c.upstream_gone = true;
+        assert!(c.finished(now));
+    }
+}

@@ -1,0 +1,101 @@
+//! Shared test harness: a real nackd in-process in front of the real
+//! RabbitMQ on 127.0.0.1:5672, and real lapin clients.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use lapin::{Connection, ConnectionProperties};
+use nackd::config::Config;
+use nackd::server::Proxy;
+use tokio_util::sync::CancellationToken;
+
+pub const BROKER: &str = "127.0.0.1:5672";
+
+/// Fails loudly when RabbitMQ is not there: tests never skip.
+pub fn require_broker() {
+    if std::net::TcpStream::connect_timeout(&BROKER.parse().unwrap(), Duration::from_secs(2)).is_err() {
+        panic!("RabbitMQ is not reachable on {BROKER}: run the test command from README.md (scripts/test), which starts it");
+    }
+}
+
+/// A nackd running inside the test's runtime.
+pub struct Nackd {
+    pub addr: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl Nackd {
+    /// AMQP URI of this nackd, with URI query options (e.g. `heartbeat=1`).
+    pub fn uri(&self, query: &str) -> String {
+        format!("amqp://guest:guest@{}/%2f?{query}", self.addr)
+    }
+
+    /// A lapin connection through this nackd.
+    pub async fn connect(&self) -> Connection {
+        connect(&self.uri("")).await
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.task).await;
+    }
+}
+
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("NACKD_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+}
+
+/// Starts nackd with `extra` TOML appended to a config listening on an
+/// ephemeral port in front of the local broker.
+pub async fn start(extra: &str) -> Nackd {
+    init_logs();
+    require_broker();
+    let text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{BROKER}\"\n{extra}");
+    start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await
+}
+
+pub async fn start_with(config: Config) -> Nackd {
+    let proxy = Proxy::bind(&config).await.expect("bind");
+    let addr = proxy.local_addr();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(proxy.run(shutdown.clone()));
+    Nackd { addr, shutdown, task }
+}
+
+pub async fn connect(uri: &str) -> Connection {
+    Connection::connect(uri, ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("connect {uri}: {e}"))
+}
+
+/// A connection straight to the broker, to check what nackd did.
+pub async fn direct() -> Connection {
+    require_broker();
+    connect(&format!("amqp://guest:guest@{BROKER}/%2f")).await
+}
+
+/// A queue or exchange name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("nackd-test-{prefix}-{}-{nanos}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Waits for `f` to become true, polling; panics with `what` after `limit`.
+pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut f: F) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
