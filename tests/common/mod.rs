@@ -12,6 +12,8 @@ use nackd::config::Config;
 use nackd::server::Proxy;
 use tokio_util::sync::CancellationToken;
 
+pub mod raw;
+
 pub const BROKER: &str = "127.0.0.1:5672";
 
 /// Fails loudly when RabbitMQ is not there: tests never skip.
@@ -55,9 +57,14 @@ pub fn init_logs() {
 /// Starts nackd with `extra` TOML appended to a config listening on an
 /// ephemeral port in front of the local broker.
 pub async fn start(extra: &str) -> Nackd {
+    start_upstream(BROKER, extra).await
+}
+
+/// Like [`start`], with nackd's upstream at `upstream` (e.g. a test relay).
+pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     init_logs();
     require_broker();
-    let text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{BROKER}\"\n{extra}");
+    let text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n{extra}");
     start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await
 }
 
