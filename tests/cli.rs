@@ -1,0 +1,78 @@
+//! The `nackd` binary: configuration errors, `--check-config`, overrides,
+//! and a clean exit on SIGTERM.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nackd.toml");
+    let ok = Command::new(NACKD).args(["--check-config", shipped]).output().unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(&dir, "bad.toml", "[[policy]]\nqueues = [\"q\"]\ndelays = [\"soon\"]\n");
+    let out = Command::new(NACKD).arg("--check-config").arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("policy[0].delays"), "{stderr}");
+}
+
+#[test]
+fn a_bad_config_stops_startup_with_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(&dir, "bad.toml", "[upstream]\naddress = \"127.0.0.1:5672\"\nconect_timeout = \"1s\"\n");
+    let out = Command::new(NACKD).arg("--config").arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("upstream") && stderr.contains("conect_timeout"), "{stderr}");
+}
+
+#[test]
+fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
+    common::require_broker();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "n.toml", "[upstream]\naddress = \"127.0.0.1:1\"\n");
+    let mut child = Command::new(NACKD)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--listen", "127.0.0.1:0", "--upstream", common::BROKER, "--log-format", "json"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let listening = lines.next().expect("a log line").unwrap();
+    let line: serde_json::Value = serde_json::from_str(&listening).expect("json log line");
+    assert_eq!(line["fields"]["message"], "listening");
+    assert_eq!(line["fields"]["upstream"], common::BROKER, "--upstream overrides the file");
+    let addr: std::net::SocketAddr = line["fields"]["address"].as_str().unwrap().parse().unwrap();
+    assert_ne!(addr.port(), 0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let conn = common::connect(&format!("amqp://guest:guest@{addr}/%2f")).await;
+        assert!(conn.status().connected());
+        conn.close(200, "bye".into()).await.unwrap();
+    });
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let began = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{status:?}");
+            break;
+        }
+        assert!(began.elapsed() < Duration::from_secs(15), "nackd did not exit on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,129 @@
+//! TLS on both sides. Chain under test, all real:
+//! lapin --amqps--> nackd A --amqps--> nackd B --tcp--> RabbitMQ.
+//! nackd A's upstream TLS client is checked against nackd B's TLS listener
+//! (RabbitMQ on this machine has no TLS listener configured).
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use lapin::options::*;
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::FieldTable;
+use lapin::BasicProperties;
+use nackd::config::Config;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+
+struct Pki {
+    dir: tempfile::TempDir,
+    ca_pem: String,
+}
+
+/// A throwaway CA and a server certificate for localhost / 127.0.0.1.
+fn pki() -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&leaf_key, &issuer)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.path().join("server.pem"), leaf.pem()).unwrap();
+    std::fs::write(dir.path().join("server.key"), leaf_key.serialize_pem()).unwrap();
+    Pki { dir, ca_pem: ca.pem() }
+}
+
+fn config(text: &str) -> Config {
+    Config::parse(text, Path::new("tls.toml")).unwrap()
+}
+
+#[tokio::test]
+async fn amqps_client_to_nackd_and_nackd_to_a_tls_upstream() {
+    init_logs();
+    require_broker();
+    let pki = pki();
+    let d = pki.dir.path().display();
+    // B: TLS listener, plain upstream to RabbitMQ.
+    let b = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
+    )))
+    .await;
+    // A: TLS listener, TLS upstream to B, verified against the test CA.
+    let a = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{}\"\ntls={{ca=\"{d}/ca.pem\",server_name=\"localhost\"}}\n",
+        b.addr
+    )))
+    .await;
+    let conn = lapin::DefaultConnectionBuilder::new()
+        .unwrap()
+        .with_uri_str(format!("amqps://guest:guest@localhost:{}/%2f", a.addr.port()))
+        .with_tls_config(OwnedTLSConfig { identity: None, cert_chain: Some(pki.ca_pem.clone()) })
+        .connect()
+        .await
+        .expect("amqps through two nackds");
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let q = unique("tls");
+    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let body = vec![42u8; 300_000]; // several TLS records and AMQP frames
+    let confirm = ch
+        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let got = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    assert!(got.delivery.data == body);
+    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+}
+
+#[tokio::test]
+async fn upstream_tls_refuses_a_certificate_it_cannot_verify() {
+    init_logs();
+    require_broker();
+    let trusted = pki();
+    let other = pki(); // B presents a certificate from a CA A does not trust
+    let (t, o) = (trusted.dir.path().display(), other.dir.path().display());
+    let b = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{o}/server.pem\",key=\"{o}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
+    )))
+    .await;
+    let a = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\n[upstream]\naddress=\"{}\"\ntls={{ca=\"{t}/ca.pem\",server_name=\"localhost\"}}\n",
+        b.addr
+    )))
+    .await;
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        lapin::Connection::connect(&a.uri(""), lapin::ConnectionProperties::default()),
+    )
+    .await
+    .expect("fails fast");
+    assert!(result.is_err(), "a client must not get through an unverified upstream");
+}
+
+#[tokio::test]
+async fn plain_amqp_to_a_tls_listener_does_not_get_through() {
+    init_logs();
+    let pki = pki();
+    let d = pki.dir.path().display();
+    let n = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
+    )))
+    .await;
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        lapin::Connection::connect(&n.uri(""), lapin::ConnectionProperties::default()),
+    )
+    .await
+    .expect("fails fast");
+    assert!(result.is_err());
+}
