@@ -1,0 +1,2 @@
+//! Frame decode + forward throughput (filled in below).
+fn main() {}

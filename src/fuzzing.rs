@@ -1,0 +1,183 @@
+//! Fuzz targets for the frame layer, shared by the libFuzzer targets in
+//! `fuzz/` and the property tests in `tests/fuzz_props.rs`.
+//!
+//! A target panics only when an invariant breaks: decoding never panics, a
+//! frame is cut exactly where its header says, input split anywhere decodes
+//! the same as input in one piece, and whatever decodes re-encodes to bytes
+//! that decode to the same value.
+
+mod payload;
+mod roundtrip;
+mod spec;
+
+pub use roundtrip::roundtrip;
+pub use spec::{short, table, FrameSpec, HeaderSpec, MethodSpec, TableSpec, Text, ValueSpec};
+
+use bytes::BytesMut;
+
+use crate::frame::{
+    decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END,
+    FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER,
+};
+
+/// Bytes as a peer sends them: an optional protocol header, then frames.
+/// Cuts them with a few `frame_max` limits, whole, split at a point taken
+/// from the data and byte by byte, and decodes every method and content
+/// header payload that comes out.
+pub fn frames(data: &[u8]) {
+    let data = protocol_header(data);
+    let small = FRAME_OVERHEAD as u32 + u32::from(data.last().copied().unwrap_or(0));
+    let split = split_point(data);
+    for frame_max in [0, FRAME_MIN_SIZE, HANDSHAKE_FRAME_MAX, small] {
+        let decoder = FrameDecoder::new(frame_max);
+        let whole = decode_chunks(&decoder, &[data]);
+        let (head, tail) = data.split_at(split);
+        assert_eq!(decode_chunks(&decoder, &[head, tail]), whole, "split at {split}");
+        if frame_max == HANDSHAKE_FRAME_MAX {
+            let bytes: Vec<&[u8]> = data.chunks(1).collect();
+            assert_eq!(decode_chunks(&decoder, &bytes), whole, "byte by byte");
+            for frame in &whole.frames {
+                match frame.kind {
+                    FrameType::Method => payload::method(&frame.payload()),
+                    FrameType::Header => payload::header(&frame.payload()),
+                    FrameType::Body | FrameType::Heartbeat => {}
+                }
+            }
+        }
+    }
+}
+
+/// Bytes straight into the method and content-header decoders, the field
+/// table splitter and the header rewrite.
+pub fn method_and_header(data: &[u8]) {
+    payload::method(data);
+    payload::header(data);
+    payload::table(data);
+}
+
+/// What a decoder made of a byte stream.
+#[derive(Debug, PartialEq)]
+struct Decoded {
+    frames: Vec<Frame>,
+    /// `Ok(bytes left over)` when the decoder wants more, or the error.
+    end: Result<usize, FrameError>,
+}
+
+fn protocol_header(data: &[u8]) -> &[u8] {
+    let mut buf = BytesMut::from(data);
+    let seen = data.len().min(PROTOCOL_HEADER.len());
+    match decode_protocol_header(&mut buf) {
+        Some(ProtocolHeader::Amqp091) => {
+            assert!(data.starts_with(PROTOCOL_HEADER));
+            assert_eq!(&buf[..], &data[PROTOCOL_HEADER.len()..]);
+            &data[PROTOCOL_HEADER.len()..]
+        }
+        None => {
+            assert!(data.len() < PROTOCOL_HEADER.len() && PROTOCOL_HEADER.starts_with(data));
+            data
+        }
+        Some(ProtocolHeader::Unsupported) => {
+            assert_ne!(data[..seen], PROTOCOL_HEADER[..seen]);
+            data
+        }
+    }
+}
+
+/// A split point that depends on the data, anywhere from 0 to len.
+fn split_point(data: &[u8]) -> usize {
+    let pick = data.get(data.len() / 2).copied().unwrap_or(0) as usize;
+    data.len() * pick / 255
+}
+
+/// Feeds `chunks` one after the other, taking every frame out after each.
+fn decode_chunks(decoder: &FrameDecoder, chunks: &[&[u8]]) -> Decoded {
+    let mut buf = BytesMut::new();
+    let mut frames = Vec::new();
+    let mut consumed = Vec::new();
+    for chunk in chunks {
+        buf.extend_from_slice(chunk);
+        loop {
+            // Only the length: a copy per call would make byte-by-byte quadratic.
+            let before = buf.len();
+            match decoder.decode(&mut buf) {
+                Ok(Some(frame)) => {
+                    check_frame(decoder, &frame);
+                    assert_eq!(before - frame.raw.len(), buf.len(), "frame taken from the front");
+                    consumed.extend_from_slice(&frame.raw);
+                    frames.push(frame);
+                }
+                Ok(None) => {
+                    check_incomplete(decoder, &buf);
+                    assert_eq!(before, buf.len(), "Ok(None) leaves the buffer as it was");
+                    break;
+                }
+                Err(err) => {
+                    check_error(decoder, &buf, &err);
+                    assert_eq!(before, buf.len(), "Err leaves the buffer as it was");
+                    return Decoded { frames, end: Err(err) };
+                }
+            }
+        }
+    }
+    let input: Vec<u8> = chunks.concat();
+    assert_eq!(&input[..consumed.len()], &consumed[..], "frames are the input, in order");
+    Decoded {
+        frames,
+        end: Ok(buf.len()),
+    }
+}
+
+fn announced(buf: &[u8]) -> (u8, u16, u64) {
+    let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]);
+    (buf[0], u16::from_be_bytes([buf[1], buf[2]]), size as u64 + FRAME_OVERHEAD as u64)
+}
+
+fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
+    let raw = &frame.raw;
+    let (kind, channel, total) = announced(raw);
+    assert_eq!(kind, frame.kind as u8);
+    assert_eq!(channel, frame.channel);
+    assert_eq!(raw.len() as u64, total, "raw is payload + 8");
+    assert_eq!(frame.payload().len(), raw.len() - FRAME_OVERHEAD);
+    assert_eq!(raw.last(), Some(&FRAME_END));
+    assert!(raw.len() as u64 <= decoder.frame_max() as u64, "frame within frame_max");
+    if frame.kind == FrameType::Heartbeat {
+        assert_eq!((frame.channel, raw.len()), (0, FRAME_OVERHEAD), "heartbeat is empty, channel 0");
+    }
+}
+
+/// `Ok(None)` only when the header or the rest of an acceptable frame is missing.
+fn check_incomplete(decoder: &FrameDecoder, buf: &[u8]) {
+    if buf.len() < HEADER_LEN {
+        return;
+    }
+    let (kind, _, total) = announced(buf);
+    assert!(FrameType::from_octet(kind).is_some(), "type {kind} accepted");
+    assert!(total <= decoder.frame_max() as u64, "oversized frame not refused on its header");
+    assert!((buf.len() as u64) < total, "a complete frame was left in the buffer");
+}
+
+/// Every error names what is really wrong with the front of the buffer.
+fn check_error(decoder: &FrameDecoder, buf: &[u8], err: &FrameError) {
+    assert!(buf.len() >= HEADER_LEN, "error before a whole header: {err}");
+    let (kind, channel, total) = announced(buf);
+    match *err {
+        FrameError::UnknownType(t) => {
+            assert_eq!(t, kind);
+            assert!(FrameType::from_octet(t).is_none());
+        }
+        FrameError::TooLarge { size, max } => {
+            assert_eq!((size, max), (total, decoder.frame_max()));
+            assert!(size > max as u64);
+        }
+        FrameError::BadFrameEnd(end) => {
+            assert_ne!(end, FRAME_END);
+            assert_eq!(buf[total as usize - 1], end);
+        }
+        FrameError::BadHeartbeat(ch) => {
+            assert_eq!((kind, ch), (FrameType::Heartbeat as u8, channel));
+            assert!(channel != 0 || total != FRAME_OVERHEAD as u64);
+        }
+        _ => panic!("the decoder cut frames only: {err}"),
+    }
+}

@@ -1,0 +1,392 @@
+//! A valid frame described by its fields, for the structured round trip:
+//! encode it, cut it out of a byte stream (whole and byte by byte), decode
+//! it, and compare with what went in.
+//!
+//! The generator stays inside what the wire can carry both ways: short
+//! strings are cut to 255 octets, floats are never NaN (NaN != NaN), and
+//! field values never use the two types amq-protocol writes but cannot read
+//! back as themselves (`ShortString`, written with tag `_`, and
+//! `LongLongUInt`, written as `l` and read as `LongLongInt`).
+
+use amq_protocol::protocol::{basic, channel, confirm, connection, queue, tx, AMQPClass};
+use amq_protocol::types::{AMQPValue, DecimalValue, FieldArray, FieldTable, LongString, ShortString};
+
+use crate::content::ContentHeader;
+
+/// Text of a short string; cut to 255 octets when encoded.
+pub type Text = String;
+/// A field table as (key, value) pairs; a later duplicate key wins.
+pub type TableSpec = Vec<(Text, ValueSpec)>;
+
+/// Containers nested deeper than this become `Void`: the round trip checks
+/// values, the byte-level targets check hostile nesting.
+const MAX_DEPTH: usize = 8;
+
+/// One frame, or a whole publish, as nackd may send or receive it.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum FrameSpec {
+    /// A method nackd decodes.
+    Method { channel: u16, method: MethodSpec },
+    /// A content header frame (class 60).
+    Header { channel: u16, header: HeaderSpec },
+    /// A body frame.
+    Body { channel: u16, body: Vec<u8> },
+    /// A heartbeat (always channel 0).
+    Heartbeat,
+    /// `basic.publish`, header and body cut by `frame_max`, as nackd
+    /// republishes a message.
+    Publish {
+        channel: u16,
+        exchange: Text,
+        routing_key: Text,
+        mandatory: bool,
+        header: HeaderSpec,
+        body: Vec<u8>,
+        frame_max: u16,
+    },
+}
+
+/// The methods nackd decodes, with every field free.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[allow(missing_docs)]
+pub enum MethodSpec {
+    ConnectionStart { version: (u8, u8), server_properties: TableSpec, mechanisms: Vec<u8>, locales: Vec<u8> },
+    ConnectionStartOk { client_properties: TableSpec, mechanism: Text, response: Vec<u8>, locale: Text },
+    ConnectionTune { channel_max: u16, frame_max: u32, heartbeat: u16 },
+    ConnectionTuneOk { channel_max: u16, frame_max: u32, heartbeat: u16 },
+    ConnectionOpen { virtual_host: Text },
+    ConnectionOpenOk,
+    ConnectionClose { reply_code: u16, reply_text: Text, class_id: u16, method_id: u16 },
+    ConnectionCloseOk,
+    ConnectionBlocked { reason: Text },
+    ConnectionUnblocked,
+    ChannelOpen,
+    ChannelOpenOk,
+    ChannelClose { reply_code: u16, reply_text: Text, class_id: u16, method_id: u16 },
+    ChannelCloseOk,
+    /// flags: passive, durable, exclusive, auto-delete, no-wait.
+    QueueDeclare { queue: Text, flags: [bool; 5], arguments: TableSpec },
+    QueueDeclareOk { queue: Text, message_count: u32, consumer_count: u32 },
+    /// flags: no-local, no-ack, exclusive, no-wait.
+    BasicConsume { queue: Text, consumer_tag: Text, flags: [bool; 4], arguments: TableSpec },
+    BasicConsumeOk { consumer_tag: Text },
+    BasicCancel { consumer_tag: Text, nowait: bool },
+    BasicCancelOk { consumer_tag: Text },
+    BasicDeliver { consumer_tag: Text, delivery_tag: u64, redelivered: bool, exchange: Text, routing_key: Text },
+    BasicGet { queue: Text, no_ack: bool },
+    BasicGetOk { delivery_tag: u64, redelivered: bool, exchange: Text, routing_key: Text, message_count: u32 },
+    BasicGetEmpty,
+    BasicAck { delivery_tag: u64, multiple: bool },
+    BasicReject { delivery_tag: u64, requeue: bool },
+    BasicRecoverAsync { requeue: bool },
+    BasicRecover { requeue: bool },
+    BasicRecoverOk,
+    BasicNack { delivery_tag: u64, multiple: bool, requeue: bool },
+    TxSelect,
+    TxSelectOk,
+    ConfirmSelect { nowait: bool },
+    ConfirmSelectOk,
+}
+
+/// A content header: body size and every basic property.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[allow(missing_docs)]
+pub struct HeaderSpec {
+    pub body_size: u64,
+    pub content_type: Option<Text>,
+    pub content_encoding: Option<Text>,
+    pub headers: Option<TableSpec>,
+    pub delivery_mode: Option<u8>,
+    pub priority: Option<u8>,
+    pub correlation_id: Option<Text>,
+    pub reply_to: Option<Text>,
+    pub expiration: Option<Text>,
+    pub message_id: Option<Text>,
+    pub timestamp: Option<u64>,
+    pub kind: Option<Text>,
+    pub user_id: Option<Text>,
+    pub app_id: Option<Text>,
+    pub cluster_id: Option<Text>,
+    /// The `x-retry-count` the round trip writes with `rewrite_headers`.
+    pub retry: i64,
+}
+
+/// A field value of every type RabbitMQ and amq-protocol agree on.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[allow(missing_docs)]
+pub enum ValueSpec {
+    Bool(bool),
+    I8(i8),
+    U8(u8),
+    I16(i16),
+    U16(u16),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    /// IEEE bits; NaN becomes 0.
+    F32(u32),
+    /// IEEE bits; NaN becomes 0.
+    F64(u64),
+    Decimal(u8, u32),
+    LongString(Vec<u8>),
+    Array(Vec<ValueSpec>),
+    Timestamp(u64),
+    Table(TableSpec),
+    Bytes(Vec<u8>),
+    Void,
+}
+
+/// `text` cut to at most 255 octets on a char boundary.
+pub fn short(text: &str) -> ShortString {
+    let mut end = text.len().min(255);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].into()
+}
+
+/// The field table a [`TableSpec`] describes.
+pub fn table(spec: &TableSpec) -> FieldTable {
+    table_at(spec, 0)
+}
+
+fn table_at(spec: &TableSpec, depth: usize) -> FieldTable {
+    let mut out = FieldTable::default();
+    for (key, value) in spec {
+        out.insert(short(key), value.value(depth + 1));
+    }
+    out
+}
+
+impl ValueSpec {
+    fn value(&self, depth: usize) -> AMQPValue {
+        use AMQPValue as V;
+        match self {
+            Self::Bool(b) => V::Boolean(*b),
+            Self::I8(v) => V::ShortShortInt(*v),
+            Self::U8(v) => V::ShortShortUInt(*v),
+            Self::I16(v) => V::ShortInt(*v),
+            Self::U16(v) => V::ShortUInt(*v),
+            Self::I32(v) => V::LongInt(*v),
+            Self::U32(v) => V::LongUInt(*v),
+            Self::I64(v) => V::LongLongInt(*v),
+            Self::F32(bits) => V::Float(Some(f32::from_bits(*bits)).filter(|f| !f.is_nan()).unwrap_or(0.0)),
+            Self::F64(bits) => V::Double(Some(f64::from_bits(*bits)).filter(|f| !f.is_nan()).unwrap_or(0.0)),
+            Self::Decimal(scale, value) => V::DecimalValue(DecimalValue {
+                scale: *scale,
+                value: *value,
+            }),
+            Self::LongString(bytes) => V::LongString(LongString::from(bytes.clone())),
+            Self::Timestamp(t) => V::Timestamp(*t),
+            Self::Bytes(bytes) => V::ByteArray(bytes.clone().into()),
+            Self::Void => V::Void,
+            _ if depth >= MAX_DEPTH => V::Void,
+            Self::Array(items) => V::FieldArray(FieldArray::from(
+                items.iter().map(|v| v.value(depth + 1)).collect::<Vec<_>>(),
+            )),
+            Self::Table(spec) => V::FieldTable(table_at(spec, depth)),
+        }
+    }
+}
+
+impl HeaderSpec {
+    /// The properties this spec describes.
+    pub fn properties(&self) -> basic::AMQPProperties {
+        let mut p = basic::AMQPProperties::default();
+        let text = |t: &Option<Text>| t.as_deref().map(short);
+        if let Some(v) = text(&self.content_type) {
+            p = p.with_content_type(v);
+        }
+        if let Some(v) = text(&self.content_encoding) {
+            p = p.with_content_encoding(v);
+        }
+        if let Some(h) = &self.headers {
+            p = p.with_headers(table(h));
+        }
+        if let Some(v) = self.delivery_mode {
+            p = p.with_delivery_mode(v);
+        }
+        if let Some(v) = self.priority {
+            p = p.with_priority(v);
+        }
+        if let Some(v) = text(&self.correlation_id) {
+            p = p.with_correlation_id(v);
+        }
+        if let Some(v) = text(&self.reply_to) {
+            p = p.with_reply_to(v);
+        }
+        if let Some(v) = text(&self.expiration) {
+            p = p.with_expiration(v);
+        }
+        if let Some(v) = text(&self.message_id) {
+            p = p.with_message_id(v);
+        }
+        if let Some(v) = self.timestamp {
+            p = p.with_timestamp(v);
+        }
+        if let Some(v) = text(&self.kind) {
+            p = p.with_type(v);
+        }
+        if let Some(v) = text(&self.user_id) {
+            p = p.with_user_id(v);
+        }
+        if let Some(v) = text(&self.app_id) {
+            p = p.with_app_id(v);
+        }
+        if let Some(v) = text(&self.cluster_id) {
+            p = p.with_cluster_id(v);
+        }
+        p
+    }
+
+    /// The decoded header this spec describes, announcing `body_size`.
+    pub fn content_header(&self, body_size: u64) -> ContentHeader {
+        ContentHeader {
+            class_id: 60,
+            body_size,
+            properties: self.properties(),
+        }
+    }
+}
+
+impl MethodSpec {
+    /// The amq-protocol value of this method.
+    pub fn class(&self) -> AMQPClass {
+        use basic::AMQPMethod as B;
+        use connection::AMQPMethod as C;
+        use AMQPClass::{Basic, Channel, Confirm, Connection, Queue, Tx};
+        match self.clone() {
+            Self::ConnectionStart { version, server_properties, mechanisms, locales } => {
+                Connection(C::Start(connection::Start {
+                    version_major: version.0,
+                    version_minor: version.1,
+                    server_properties: table(&server_properties),
+                    mechanisms: mechanisms.into(),
+                    locales: locales.into(),
+                }))
+            }
+            Self::ConnectionStartOk { client_properties, mechanism, response, locale } => {
+                Connection(C::StartOk(connection::StartOk {
+                    client_properties: table(&client_properties),
+                    mechanism: short(&mechanism),
+                    response: response.into(),
+                    locale: short(&locale),
+                }))
+            }
+            Self::ConnectionTune { channel_max, frame_max, heartbeat } => {
+                Connection(C::Tune(connection::Tune { channel_max, frame_max, heartbeat }))
+            }
+            Self::ConnectionTuneOk { channel_max, frame_max, heartbeat } => {
+                Connection(C::TuneOk(connection::TuneOk { channel_max, frame_max, heartbeat }))
+            }
+            Self::ConnectionOpen { virtual_host } => Connection(C::Open(connection::Open {
+                virtual_host: short(&virtual_host),
+            })),
+            Self::ConnectionOpenOk => Connection(C::OpenOk(connection::OpenOk {})),
+            Self::ConnectionClose { reply_code, reply_text, class_id, method_id } => {
+                Connection(C::Close(connection::Close {
+                    reply_code,
+                    reply_text: short(&reply_text),
+                    class_id,
+                    method_id,
+                }))
+            }
+            Self::ConnectionCloseOk => Connection(C::CloseOk(connection::CloseOk {})),
+            Self::ConnectionBlocked { reason } => Connection(C::Blocked(connection::Blocked {
+                reason: short(&reason),
+            })),
+            Self::ConnectionUnblocked => Connection(C::Unblocked(connection::Unblocked {})),
+            Self::ChannelOpen => Channel(channel::AMQPMethod::Open(channel::Open {})),
+            Self::ChannelOpenOk => Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+            Self::ChannelClose { reply_code, reply_text, class_id, method_id } => {
+                Channel(channel::AMQPMethod::Close(channel::Close {
+                    reply_code,
+                    reply_text: short(&reply_text),
+                    class_id,
+                    method_id,
+                }))
+            }
+            Self::ChannelCloseOk => Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+            Self::QueueDeclare { queue, flags: [passive, durable, exclusive, auto_delete, nowait], arguments } => {
+                Queue(queue::AMQPMethod::Declare(queue::Declare {
+                    queue: short(&queue),
+                    passive,
+                    durable,
+                    exclusive,
+                    auto_delete,
+                    nowait,
+                    arguments: table(&arguments),
+                }))
+            }
+            Self::QueueDeclareOk { queue, message_count, consumer_count } => {
+                Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                    queue: short(&queue),
+                    message_count,
+                    consumer_count,
+                }))
+            }
+            Self::BasicConsume { queue, consumer_tag, flags: [no_local, no_ack, exclusive, nowait], arguments } => {
+                Basic(B::Consume(basic::Consume {
+                    queue: short(&queue),
+                    consumer_tag: short(&consumer_tag),
+                    no_local,
+                    no_ack,
+                    exclusive,
+                    nowait,
+                    arguments: table(&arguments),
+                }))
+            }
+            Self::BasicConsumeOk { consumer_tag } => Basic(B::ConsumeOk(basic::ConsumeOk {
+                consumer_tag: short(&consumer_tag),
+            })),
+            Self::BasicCancel { consumer_tag, nowait } => Basic(B::Cancel(basic::Cancel {
+                consumer_tag: short(&consumer_tag),
+                nowait,
+            })),
+            Self::BasicCancelOk { consumer_tag } => Basic(B::CancelOk(basic::CancelOk {
+                consumer_tag: short(&consumer_tag),
+            })),
+            Self::BasicDeliver { consumer_tag, delivery_tag, redelivered, exchange, routing_key } => {
+                Basic(B::Deliver(basic::Deliver {
+                    consumer_tag: short(&consumer_tag),
+                    delivery_tag,
+                    redelivered,
+                    exchange: short(&exchange),
+                    routing_key: short(&routing_key),
+                }))
+            }
+            Self::BasicGet { queue, no_ack } => Basic(B::Get(basic::Get {
+                queue: short(&queue),
+                no_ack,
+            })),
+            Self::BasicGetOk { delivery_tag, redelivered, exchange, routing_key, message_count } => {
+                Basic(B::GetOk(basic::GetOk {
+                    delivery_tag,
+                    redelivered,
+                    exchange: short(&exchange),
+                    routing_key: short(&routing_key),
+                    message_count,
+                }))
+            }
+            Self::BasicGetEmpty => Basic(B::GetEmpty(basic::GetEmpty {})),
+            Self::BasicAck { delivery_tag, multiple } => Basic(B::Ack(basic::Ack { delivery_tag, multiple })),
+            Self::BasicReject { delivery_tag, requeue } => Basic(B::Reject(basic::Reject { delivery_tag, requeue })),
+            Self::BasicRecoverAsync { requeue } => Basic(B::RecoverAsync(basic::RecoverAsync { requeue })),
+            Self::BasicRecover { requeue } => Basic(B::Recover(basic::Recover { requeue })),
+            Self::BasicRecoverOk => Basic(B::RecoverOk(basic::RecoverOk {})),
+            Self::BasicNack { delivery_tag, multiple, requeue } => Basic(B::Nack(basic::Nack {
+                delivery_tag,
+                multiple,
+                requeue,
+            })),
+            Self::TxSelect => Tx(tx::AMQPMethod::Select(tx::Select {})),
+            Self::TxSelectOk => Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})),
+            Self::ConfirmSelect { nowait } => Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait })),
+            Self::ConfirmSelectOk => Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+        }
+    }
+}
