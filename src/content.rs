@@ -32,6 +32,9 @@ pub type ContentHeader = AMQPContentHeader;
 
 /// Decodes a content header payload with amq-protocol.
 pub fn decode_header(payload: &[u8]) -> Result<ContentHeader, FrameError> {
+    if let Ok(Some(table)) = raw_headers(payload) {
+        check_nesting(table, true)?;
+    }
     all_consuming(parse_content_header)
         .parse(payload)
         .map(|(_, header)| header)
@@ -55,6 +58,71 @@ pub fn body_size(payload: &[u8]) -> Result<u64, FrameError> {
         .ok_or(FrameError::Syntax("content header shorter than 14 octets"))
 }
 
+/// Deepest nesting of field tables and arrays (the outer table counts) that
+/// nackd hands to amq-protocol. Its parser recurses once per level, and a
+/// few thousand levels (5 octets each, far below frame_max) overflow a 2 MiB
+/// tokio worker stack, which aborts the process. Real headers nest 3 deep
+/// (`x-death`: array of tables holding arrays).
+pub const MAX_TABLE_DEPTH: usize = 32;
+
+/// Refuses a field table or array body (after its 4-octet length) that nests
+/// deeper than [`MAX_TABLE_DEPTH`], walking it without recursion.
+///
+/// The walk follows amq-protocol's grammar and stops quietly at the first
+/// value that is malformed or overruns its container: amq-protocol fails
+/// there too, without going deeper, and reports the syntax error itself.
+pub(crate) fn check_nesting(body: &[u8], keyed: bool) -> Result<(), FrameError> {
+    let u32_at = |at: usize| -> Option<usize> {
+        let b = body.get(at..at.checked_add(4)?)?;
+        Some(u32::from_be_bytes(b.try_into().expect("4 octets")) as usize)
+    };
+    // (end of an open container, whether its entries have keys)
+    let mut open = vec![(body.len(), keyed)];
+    let mut at = 0;
+    while let Some(&(end, keyed)) = open.last() {
+        if at >= end {
+            open.pop();
+            continue;
+        }
+        if keyed {
+            at = at.saturating_add(1 + usize::from(body[at]));
+        }
+        let Some(&tag) = body.get(at).filter(|_| at < end) else {
+            return Ok(());
+        };
+        at += 1;
+        let size = match tag {
+            b'V' => 0,
+            b't' | b'b' | b'B' => 1,
+            b's' | b'U' | b'u' => 2,
+            b'I' | b'i' | b'f' => 4,
+            b'D' => 5,
+            b'l' | b'L' | b'd' | b'T' => 8,
+            b'S' | b'x' => match u32_at(at) {
+                Some(len) => len.saturating_add(4),
+                None => return Ok(()),
+            },
+            b'A' | b'F' => {
+                let Some(inner_end) = u32_at(at).map(|len| at + 4 + len).filter(|e| *e <= end) else {
+                    return Ok(());
+                };
+                if open.len() >= MAX_TABLE_DEPTH {
+                    return Err(FrameError::Syntax("field table nested too deeply"));
+                }
+                open.push((inner_end, tag == b'F'));
+                at += 4;
+                continue;
+            }
+            _ => return Ok(()),
+        };
+        at = at.saturating_add(size);
+        if at > end {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
 /// One entry of a field table as it is on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawEntry<'a> {
@@ -66,6 +134,7 @@ pub struct RawEntry<'a> {
 
 /// Splits the body of a field table (after its 4-octet length) into entries.
 pub fn table_entries(mut table: &[u8]) -> Result<Vec<RawEntry<'_>>, FrameError> {
+    check_nesting(table, true)?;
     let bad = |_| FrameError::Syntax("field table");
     let mut entries = Vec::new();
     while !table.is_empty() {

@@ -10,6 +10,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use nom::combinator::all_consuming;
 use nom::Parser;
 
+use crate::content;
 use crate::frame::{FrameError, FrameType, FRAME_END, FRAME_OVERHEAD};
 use crate::reply::ReplyCode;
 
@@ -142,10 +143,40 @@ pub fn decode(payload: &[u8]) -> Result<Option<AMQPClass>, FrameError> {
 
 /// Decodes any method payload amq-protocol knows (used by tests and fuzzing).
 pub fn decode_any(payload: &[u8]) -> Result<AMQPClass, FrameError> {
+    if let Some(table) = table_body(payload) {
+        content::check_nesting(table, true)?;
+    }
     all_consuming(parse_class)
         .parse(payload)
         .map(|(_, class)| class)
         .map_err(|_| FrameError::Syntax("method arguments"))
+}
+
+/// The field table a method carries (after its 4-octet length), found
+/// without decoding, so its nesting can be checked before amq-protocol
+/// recurses into it. `None` for methods without a table and for payloads too
+/// short to hold it (amq-protocol then fails before reaching the table).
+fn table_body(payload: &[u8]) -> Option<&[u8]> {
+    let id = MethodId::peek(payload).ok()?;
+    // Octets before the first short string, short strings, bit octets.
+    let (fixed, shorts, bits) = match (id.class, id.method) {
+        (10, 10) => (2, 0, 0), // connection.start: version major, minor
+        (10, 11) => (0, 0, 0), // connection.start-ok
+        (40, 10) => (2, 2, 1), // exchange.declare: reserved, exchange, type
+        (40, 30) | (40, 40) => (2, 3, 1), // exchange.bind/unbind: reserved, dest, source, key
+        (50, 10) => (2, 1, 1), // queue.declare: reserved, queue
+        (50, 20) => (2, 3, 1), // queue.bind: reserved, queue, exchange, key
+        (50, 50) => (2, 3, 0), // queue.unbind: reserved, queue, exchange, key
+        (60, 20) => (2, 2, 1), // basic.consume: reserved, queue, consumer tag
+        _ => return None,
+    };
+    let mut at = 4 + fixed;
+    for _ in 0..shorts {
+        at += 1 + usize::from(*payload.get(at)?);
+    }
+    let at = at + bits;
+    let len = u32::from_be_bytes(payload.get(at..at + 4)?.try_into().ok()?) as usize;
+    payload.get(at + 4..(at + 4).checked_add(len)?)
 }
 
 /// Encodes a method frame on `channel`.

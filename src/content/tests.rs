@@ -170,3 +170,33 @@ fn malformed_tables_and_headers_are_errors_not_panics() {
     assert!(decode_header(&payload).is_err());
     assert_eq!(body_size(&header_with(&[])).unwrap(), 1024);
 }
+
+/// `levels` field arrays nested in each other, as a field value ('A'...).
+fn nested_arrays(levels: usize) -> Vec<u8> {
+    let mut value = vec![b'V'];
+    for _ in 0..levels {
+        value = [&[b'A'][..], &(value.len() as u32).to_be_bytes(), &value].concat();
+    }
+    value
+}
+
+/// amq-protocol's table parser recurses once per level: ~1500 levels (7.5 KB,
+/// far below frame_max) overflowed a 2 MiB tokio worker stack and aborted the
+/// process. Found by reading the parser; the fuzz targets check it now.
+#[test]
+fn deeply_nested_headers_are_refused_without_recursing() {
+    let table = [&[1u8, b'a'][..], &nested_arrays(10_000)].concat();
+    let payload = header_with(&table);
+    let deep = FrameError::Syntax("field table nested too deeply");
+    assert_eq!(decode_header(&payload), Err(deep.clone()));
+    assert_eq!(table_entries(&table), Err(deep.clone()));
+    assert_eq!(rewrite_headers(&payload, &[]), Err(deep.clone()));
+
+    // Nesting up to the limit still decodes, byte for byte.
+    let table = [&[1u8, b'a'][..], &nested_arrays(MAX_TABLE_DEPTH - 1)].concat();
+    let payload = header_with(&table);
+    assert!(decode_header(&payload).is_ok());
+    assert_eq!(rewrite_headers(&payload, &[]).unwrap(), payload);
+    let table = [&[1u8, b'a'][..], &nested_arrays(MAX_TABLE_DEPTH)].concat();
+    assert_eq!(decode_header(&header_with(&table)), Err(deep));
+}

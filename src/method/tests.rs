@@ -238,3 +238,110 @@ fn own_frames_encode_as_the_spec_says() {
         })))
     );
 }
+
+/// `levels` arrays and tables nested in each other, as a field value.
+fn nested_value(levels: usize) -> Vec<u8> {
+    let mut value = vec![b'V'];
+    for i in 0..levels {
+        let (tag, key): (u8, &[u8]) = if i % 2 == 0 { (b'A', &[]) } else { (b'F', &[1, b'k']) };
+        let inner = [key, &value].concat();
+        value = [&[tag][..], &(inner.len() as u32).to_be_bytes(), &inner].concat();
+    }
+    value
+}
+
+/// The payload of `class`, whose table holds only `marker`, with that table
+/// replaced by { "m": <nested `levels` deep> }.
+fn with_nested_table(class: &AMQPClass, levels: usize) -> Vec<u8> {
+    let payload = Frame { kind: FrameType::Method, channel: 1, raw: encode(1, class) }.payload();
+    let marker = [&[1u8, b'm', b'V'][..]].concat();
+    let table = [&(marker.len() as u32).to_be_bytes()[..], &marker].concat();
+    let at = payload.windows(table.len()).position(|w| w == table).expect("marker table");
+    let entry = [&[1u8, b'm'][..], &nested_value(levels)].concat();
+    let mut out = payload[..at].to_vec();
+    out.extend_from_slice(&(entry.len() as u32).to_be_bytes());
+    out.extend_from_slice(&entry);
+    out.extend_from_slice(&payload[at + table.len()..]);
+    out
+}
+
+/// Every method with a field table, the table being { "m": void }.
+fn methods_with_tables() -> Vec<AMQPClass> {
+    use amq_protocol::protocol::exchange;
+    let mut marker = FieldTable::default();
+    marker.insert("m".into(), AMQPValue::Void);
+    let mut out: Vec<AMQPClass> = decoded_methods()
+        .into_iter()
+        .filter_map(|class| match class {
+            AMQPClass::Connection(connection::AMQPMethod::Start(m)) => Some(AMQPClass::Connection(
+                connection::AMQPMethod::Start(connection::Start { server_properties: marker.clone(), ..m }),
+            )),
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(m)) => Some(AMQPClass::Connection(
+                connection::AMQPMethod::StartOk(connection::StartOk { client_properties: marker.clone(), ..m }),
+            )),
+            AMQPClass::Queue(queue::AMQPMethod::Declare(m)) => Some(AMQPClass::Queue(queue::AMQPMethod::Declare(
+                queue::Declare { arguments: marker.clone(), ..m },
+            ))),
+            AMQPClass::Basic(basic::AMQPMethod::Consume(m)) => Some(AMQPClass::Basic(basic::AMQPMethod::Consume(
+                basic::Consume { arguments: marker.clone(), ..m },
+            ))),
+            _ => None,
+        })
+        .collect();
+    let (d, s, k) = ("dest".into(), "source".into(), "key.#".into());
+    out.extend([
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange: "x".into(),
+            kind: "topic".into(),
+            passive: false,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            nowait: false,
+            arguments: marker.clone(),
+        })),
+        AMQPClass::Exchange(exchange::AMQPMethod::Bind(exchange::Bind {
+            destination: d,
+            source: s,
+            routing_key: k,
+            nowait: true,
+            arguments: marker.clone(),
+        })),
+        AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
+            queue: "q".into(),
+            exchange: "x".into(),
+            routing_key: "k".into(),
+            nowait: false,
+            arguments: marker.clone(),
+        })),
+        AMQPClass::Queue(queue::AMQPMethod::Unbind(queue::Unbind {
+            queue: "q".into(),
+            exchange: "x".into(),
+            routing_key: "k".into(),
+            arguments: marker.clone(),
+        })),
+    ]);
+    out
+}
+
+/// amq-protocol recurses once per nesting level: a deep table in any method
+/// (connection.start-ok before authentication included) overflowed the
+/// stack and aborted the process. Now it is a syntax error.
+#[test]
+fn deeply_nested_method_tables_are_refused_without_recursing() {
+    let methods = methods_with_tables();
+    assert_eq!(methods.len(), 8);
+    for class in &methods {
+        let deep = with_nested_table(class, 10_000);
+        assert_eq!(
+            decode_any(&deep),
+            Err(FrameError::Syntax("field table nested too deeply")),
+            "{class:?}"
+        );
+        // Up to the limit the method decodes as before.
+        let ok = with_nested_table(class, content::MAX_TABLE_DEPTH - 1);
+        assert!(decode_any(&ok).is_ok(), "{class:?}");
+        let over = with_nested_table(class, content::MAX_TABLE_DEPTH);
+        assert!(decode_any(&over).is_err(), "{class:?}");
+    }
+}
