@@ -1,0 +1,144 @@
+use super::*;
+
+fn drain(w: &mut Wheel<u64>, now: Millis) -> Vec<u64> {
+    let mut out = Vec::new();
+    w.poll(now, &mut out);
+    out
+}
+
+#[test]
+fn fires_exactly_at_due_never_before() {
+    let mut w = Wheel::new(1_000);
+    w.insert(1_050, 1);
+    assert_eq!(w.next_deadline().map(|d| d <= 1_050), Some(true));
+    assert!(drain(&mut w, 1_049).is_empty());
+    assert_eq!(drain(&mut w, 1_050), vec![1]);
+    assert!(w.is_empty());
+    assert_eq!(w.next_deadline(), None);
+}
+
+#[test]
+fn same_tick_entries_fire_together_in_insert_order() {
+    let mut w = Wheel::new(0);
+    for id in 0..100 {
+        w.insert(500, id);
+    }
+    w.insert(501, 1000);
+    assert_eq!(drain(&mut w, 500), (0..100).collect::<Vec<_>>());
+    assert_eq!(drain(&mut w, 501), vec![1000]);
+}
+
+#[test]
+fn order_follows_due_time_across_levels() {
+    let mut w = Wheel::new(0);
+    let dues = [5_000_000u64, 3, 70, 4_100, 262_144, 64, 63, 1, 300_000, 4_096];
+    for (i, due) in dues.iter().enumerate() {
+        w.insert(*due, i as u64);
+    }
+    let mut fired = Vec::new();
+    let mut now = 0;
+    while let Some(deadline) = w.next_deadline() {
+        now = deadline.max(now);
+        for id in drain(&mut w, now) {
+            assert!(now >= dues[id as usize], "fired early");
+            fired.push((now, id));
+        }
+    }
+    let mut by_due: Vec<(u64, u64)> = dues.iter().enumerate().map(|(i, d)| (*d, i as u64)).collect();
+    by_due.sort();
+    assert_eq!(fired, by_due, "each fired at its due time, in due order");
+}
+
+#[test]
+fn cascades_from_the_top_level_down() {
+    let mut w = Wheel::new(0);
+    let far = 64u64.pow(5) + 64u64.pow(3) * 7 + 64 * 3 + 5;
+    w.insert(far, 9);
+    assert_eq!(level_for(0, far), 5);
+    let mut steps = 0;
+    while let Some(deadline) = w.next_deadline() {
+        steps += 1;
+        if !drain(&mut w, deadline).is_empty() {
+            assert_eq!(deadline, far);
+            break;
+        }
+    }
+    assert!(steps >= 4, "moved down level by level ({steps} steps)");
+    assert!(w.is_empty());
+}
+
+#[test]
+fn very_long_delays() {
+    let day = 24 * 3600 * 1000u64;
+    let start = 1_700_000_000_000; // a wall-clock-like origin
+    let mut w = Wheel::new(start);
+    w.insert(start + 30 * day, 30);
+    w.insert(start + 365 * day, 365);
+    w.insert(start + 1, 0);
+    assert_eq!(drain(&mut w, start + 1), vec![0]);
+    assert!(drain(&mut w, start + 30 * day - 1).is_empty());
+    assert_eq!(drain(&mut w, start + 30 * day), vec![30]);
+    assert!(drain(&mut w, start + 365 * day - 1).is_empty());
+    assert_eq!(drain(&mut w, start + 365 * day), vec![365]);
+}
+
+#[test]
+fn a_late_poll_fires_everything_overdue_at_once() {
+    let mut w = Wheel::new(0);
+    for id in 0..1000u64 {
+        w.insert(id * 997 % 100_000, id);
+    }
+    let fired = drain(&mut w, 1_000_000);
+    assert_eq!(fired.len(), 1000);
+    assert!(w.is_empty());
+}
+
+#[test]
+fn past_due_inserts_fire_on_the_next_poll() {
+    let mut w = Wheel::new(10_000);
+    w.insert(5, 1);
+    assert_eq!(drain(&mut w, 10_000), vec![1]);
+}
+
+#[test]
+fn retain_removes_entries() {
+    let mut w = Wheel::new(0);
+    for id in 0..10u64 {
+        w.insert(100 + id * 1000, id);
+    }
+    w.retain(|id| id % 2 == 0);
+    assert_eq!(w.len(), 5);
+    assert_eq!(drain(&mut w, 1_000_000), vec![0, 2, 4, 6, 8]);
+}
+
+proptest::proptest! {
+    /// Against a sorted list: same entries, none early, none missed.
+    #[test]
+    fn matches_a_naive_model(
+        start in 0u64..1u64 << 40,
+        delays in proptest::collection::vec(0u64..200_000_000, 1..200),
+        steps in proptest::collection::vec(1u64..50_000_000, 1..60),
+    ) {
+        let mut w = Wheel::new(start);
+        for (id, d) in delays.iter().enumerate() {
+            w.insert(start + d, id as u64);
+        }
+        let mut now = start;
+        let mut fired = vec![false; delays.len()];
+        for step in steps.iter().chain(std::iter::once(&300_000_000)) {
+            now += step;
+            for id in drain(&mut w, now) {
+                let due = start + delays[id as usize];
+                proptest::prop_assert!(due <= now, "early");
+                proptest::prop_assert!(!fired[id as usize], "twice");
+                fired[id as usize] = true;
+            }
+            for (id, d) in delays.iter().enumerate() {
+                if start + d <= now {
+                    proptest::prop_assert!(fired[id], "missed {} at {}", start + d, now);
+                }
+            }
+        }
+        proptest::prop_assert!(w.is_empty());
+    }
+}
