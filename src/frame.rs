@@ -28,6 +28,13 @@ pub const FRAME_MIN_SIZE: u32 = 4096;
 /// what an unauthenticated peer can make nackd buffer.
 pub const HANDSHAKE_FRAME_MAX: u32 = 128 * 1024;
 
+/// Most capacity [`FrameDecoder::decode`] reserves ahead of the bytes that
+/// arrived. Without a cap, 7 header octets announcing a 4 GiB frame made it
+/// allocate 4 GiB at once when `frame_max` is 0 (no limit), and a whole large
+/// `frame_max` for every peer that sent just a header. A frame up to this
+/// size is still reserved in one step; a larger one grows as its bytes come.
+pub const RESERVE_STEP: usize = HANDSHAKE_FRAME_MAX as usize;
+
 /// The four frame types of AMQP 0-9-1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -203,7 +210,8 @@ impl FrameDecoder {
     ///
     /// `Ok(None)` means "need more bytes" and leaves `buf` untouched, with
     /// capacity reserved for the rest of the frame once its size is known
-    /// to be within the limit. `Err` means the stream is corrupt.
+    /// to be within the limit (at most [`RESERVE_STEP`] per call).
+    /// `Err` means the stream is corrupt.
     pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
         let (kind, channel, size) = match frame_header(buf) {
             Ok((_, header)) => header,
@@ -219,7 +227,7 @@ impl FrameDecoder {
         }
         let total = total as usize;
         if buf.len() < total {
-            buf.reserve(total - buf.len());
+            buf.reserve((total - buf.len()).min(RESERVE_STEP));
             return Ok(None);
         }
         let end = buf[total - 1];
@@ -287,6 +295,21 @@ mod tests {
         );
         assert_eq!(err.reply_code(), ReplyCode::FrameError);
         assert_eq!(buf.capacity(), cap_before, "nothing reserved for a rejected frame");
+    }
+
+    /// Found by the `frames` fuzz target (libFuzzer: out-of-memory,
+    /// malloc(4060086292) from a 20-byte input).
+    #[test]
+    fn unlimited_frame_max_does_not_reserve_what_the_header_claims() {
+        let decoder = FrameDecoder::new(0);
+        let mut buf = BytesMut::from(&[3u8, 0, 1, 0xff, 0xff, 0xff, 0xf0, 0][..]);
+        assert_eq!(decoder.decode(&mut buf), Ok(None));
+        assert!(buf.capacity() <= 2 * (8 + RESERVE_STEP), "reserved {}", buf.capacity());
+        // The reservation keeps pace with the bytes that arrive.
+        buf.extend_from_slice(&vec![0; RESERVE_STEP]);
+        assert_eq!(decoder.decode(&mut buf), Ok(None));
+        assert!(buf.capacity() > buf.len(), "room left to read into");
+        assert!(buf.capacity() <= 4 * (8 + RESERVE_STEP), "reserved {}", buf.capacity());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use bytes::BytesMut;
 
 use crate::frame::{
     decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END,
-    FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER,
+    FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
 };
 
 /// Bytes as a peer sends them: an optional protocol header, then frames.
@@ -146,8 +146,11 @@ fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
     }
 }
 
-/// `Ok(None)` only when the header or the rest of an acceptable frame is missing.
-fn check_incomplete(decoder: &FrameDecoder, buf: &[u8]) {
+/// `Ok(None)` only when the header or the rest of an acceptable frame is
+/// missing, with no more memory held than the bytes in hand justify.
+fn check_incomplete(decoder: &FrameDecoder, buf: &BytesMut) {
+    let bound = 2 * (buf.len() + RESERVE_STEP);
+    assert!(buf.capacity() <= bound, "{} reserved for {} octets", buf.capacity(), buf.len());
     if buf.len() < HEADER_LEN {
         return;
     }
