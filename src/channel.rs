@@ -5,6 +5,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
+use bytes::Bytes;
+
+use crate::intercept::{Captured, Capturing, Settle};
 
 use crate::content;
 use crate::frame::{Frame, FrameError, FrameType};
@@ -20,10 +23,12 @@ pub struct Consumer {
 }
 
 /// A delivery the client still has to ack, nack or reject.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Delivery {
     /// Queue the message came from.
     pub queue: Arc<str>,
+    /// The message, when its queue is intercepted and the budget allowed.
+    pub capture: Option<Captured>,
 }
 
 /// Where a content (header + bodies) is in one direction.
@@ -94,6 +99,16 @@ pub struct Channel {
     /// Broker to client content (a delivery, get-ok or return).
     pub delivering: ContentState,
     outstanding: BTreeMap<u64, Delivery>,
+    /// Which opening of this channel number this is.
+    pub epoch: u64,
+    /// The delivery whose content is being captured.
+    pub capturing: Option<Capturing>,
+    /// Claimed tags waiting for the store, with how the client settled them.
+    pub pending: BTreeMap<u64, Settle>,
+    /// Acks to send once the client's publish in flight on this channel ends.
+    pub deferred: Vec<Bytes>,
+    /// The broker closed the channel: it takes unacked deliveries back.
+    pub closing: bool,
 }
 
 impl Channel {
@@ -162,14 +177,14 @@ impl Channel {
                 if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
                     if !consumer.no_ack {
                         let queue = consumer.queue.clone();
-                        self.outstanding.insert(d.delivery_tag, Delivery { queue });
+                        self.outstanding.insert(d.delivery_tag, Delivery { queue, capture: None });
                     }
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
                 if let Some(get) = self.pending_gets.pop_front() {
                     if !get.no_ack {
-                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue });
+                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue, capture: None });
                     }
                 }
             }
@@ -196,6 +211,32 @@ impl Channel {
         }
     }
 
+    /// Removes and returns the deliveries a settle covers, in tag order.
+    pub fn take_covered(&mut self, tag: u64, multiple: bool) -> Vec<(u64, Delivery)> {
+        match (multiple, tag) {
+            (true, 0) => std::mem::take(&mut self.outstanding).into_iter().collect(),
+            (true, tag) => {
+                let rest = self.outstanding.split_off(&(tag + 1));
+                std::mem::replace(&mut self.outstanding, rest).into_iter().collect()
+            }
+            (false, tag) => self.outstanding.remove(&tag).map(|d| vec![(tag, d)]).unwrap_or_default(),
+        }
+    }
+
+    /// The outstanding delivery `tag`.
+    pub fn delivery_mut(&mut self, tag: u64) -> Option<&mut Delivery> {
+        self.outstanding.get_mut(&tag)
+    }
+
+    /// Whether a held tag at or below `tag` (any, with `multiple` and 0) waits for the store.
+    pub fn holds_within(&self, tag: u64, multiple: bool) -> bool {
+        match (multiple, tag) {
+            (true, 0) => !self.pending.is_empty(),
+            (true, tag) => self.pending.range(..=tag).next().is_some(),
+            (false, tag) => self.pending.contains_key(&tag),
+        }
+    }
+
     /// The consumer registered under `tag`.
     pub fn consumer(&self, tag: &str) -> Option<&Consumer> {
         self.consumers.get(tag)
@@ -216,12 +257,30 @@ impl Channel {
 #[derive(Debug, Default)]
 pub struct Channels {
     open: HashMap<u16, Channel>,
+    epochs: u64,
 }
 
 impl Channels {
     /// The channel's state, created on first use.
     pub fn get(&mut self, id: u16) -> &mut Channel {
-        self.open.entry(id).or_default()
+        let epochs = &mut self.epochs;
+        self.open.entry(id).or_insert_with(|| {
+            *epochs += 1;
+            Channel {
+                epoch: *epochs,
+                ..Channel::default()
+            }
+        })
+    }
+
+    /// The channel, if it is tracked and still the same opening.
+    pub fn get_epoch(&mut self, id: u16, epoch: u64) -> Option<&mut Channel> {
+        self.open.get_mut(&id).filter(|c| c.epoch == epoch)
+    }
+
+    /// Claimed tags waiting for the store, over all channels.
+    pub fn pending(&self) -> usize {
+        self.open.values().map(|c| c.pending.len()).sum()
     }
 
     /// Looks at a channel without creating it.

@@ -169,6 +169,8 @@ pub struct Store {
     /// Directory of the embedded store.
     #[serde(default = "default_store")]
     pub path: PathBuf,
+    /// Bytes of held messages beyond which nackd stops intercepting.
+    pub max_bytes: Option<usize>,
 }
 
 fn default_store() -> PathBuf {
@@ -179,6 +181,7 @@ impl Default for Store {
     fn default() -> Self {
         Self {
             path: default_store(),
+            max_bytes: None,
         }
     }
 }
@@ -220,6 +223,13 @@ pub struct Limits {
     /// Time sessions get to finish after SIGINT/SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// Bytes of deliveries kept in memory in case they are nacked.
+    #[serde(default = "default_capture_budget")]
+    pub capture_budget: usize,
+}
+
+fn default_capture_budget() -> usize {
+    256 * 1024 * 1024
 }
 
 fn default_max_connections() -> usize {
@@ -242,6 +252,7 @@ impl Default for Limits {
             handshake_timeout: default_handshake_timeout(),
             max_frame: default_max_frame(),
             shutdown_grace: default_grace(),
+            capture_budget: default_capture_budget(),
         }
     }
 }
@@ -353,6 +364,17 @@ mod reject_literal {
             other => Err(serde::de::Error::custom(format!(
                 "expected \"reject\" or {{ exchange, routing_key }}, found {other:?}"
             ))),
+        }
+    }
+}
+
+impl Republish {
+    /// The password: inline, from `password_env`, or "guest" when neither is set.
+    pub fn password(&self) -> Result<String, String> {
+        match (&self.password, &self.password_env) {
+            (Some(p), _) => Ok(p.clone()),
+            (None, Some(var)) => std::env::var(var).map_err(|_| format!("republish.password_env: {var} is not set")),
+            (None, None) => Ok("guest".into()),
         }
     }
 }

@@ -25,3 +25,11 @@ pub mod policy;
 pub mod net;
 pub mod session;
 pub mod server;
+pub mod wheel;
+pub mod headers;
+#[cfg(feature = "bench")]
+pub mod bench;
+pub mod intercept;
+pub mod republish;
+pub mod retry;
+pub mod store;

@@ -1,5 +1,6 @@
 //! Retry policies: which queues nackd intercepts and with which schedule.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
@@ -79,6 +80,11 @@ impl Policy {
         }
     }
 
+    /// Whether a settle with this `requeue` flag is delayed (else it passes).
+    pub fn wants(&self, requeue: bool) -> bool {
+        !requeue || self.requeue == RequeueMode::Delay
+    }
+
     /// Whether this policy covers `queue` in `vhost`.
     pub fn matches(&self, vhost: &str, queue: &str) -> bool {
         self.vhost == vhost && self.patterns.iter().any(|p| p.matches(queue))
@@ -111,16 +117,16 @@ fn backoff_delay(b: &BackoffConfig, index: u32) -> Duration {
 
 /// All policies, in file order.
 #[derive(Clone, Debug, Default)]
-pub struct Policies(Vec<Policy>);
+pub struct Policies(Vec<Arc<Policy>>);
 
 impl Policies {
     /// Builds the list from checked tables.
     pub fn new(tables: &[PolicyConfig]) -> Self {
-        Self(tables.iter().map(Policy::new).collect())
+        Self(tables.iter().map(|t| Arc::new(Policy::new(t))).collect())
     }
 
     /// The first policy covering `queue` in `vhost`.
-    pub fn find(&self, vhost: &str, queue: &str) -> Option<&Policy> {
+    pub fn find(&self, vhost: &str, queue: &str) -> Option<&Arc<Policy>> {
         self.0.iter().find(|p| p.matches(vhost, queue))
     }
 

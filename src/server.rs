@@ -14,7 +14,26 @@ use tracing::{info, warn, Instrument};
 
 use crate::config::Config;
 use crate::net::{self, Connector, Io, TlsError};
-use crate::session;
+use crate::intercept::Budget;
+use crate::policy::Policies;
+use crate::republish::Credentials;
+use crate::retry;
+use crate::session::{self, Interception};
+use crate::store::MemoryStore;
+
+/// Starts the retry engine for the configured policies.
+fn interception(config: &Config, connector: &Connector) -> Result<Interception, StartError> {
+    let login = Credentials {
+        username: config.republish.username.clone(),
+        password: config.republish.password().map_err(StartError::Credentials)?,
+    };
+    let store = Box::new(MemoryStore::new(config.store.max_bytes));
+    Ok(Interception {
+        policies: Arc::new(Policies::new(&config.policies)),
+        budget: Budget::new(config.limits.capture_budget),
+        retry: retry::spawn(store, connector.clone(), login),
+    })
+}
 
 /// Why nackd cannot start serving.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +49,9 @@ pub enum StartError {
     /// TLS material of `listen.tls` or `upstream.tls` is unusable.
     #[error("{0}")]
     Tls(#[from] TlsError),
+    /// The republisher has no password.
+    #[error("{0}")]
+    Credentials(String),
 }
 
 /// A bound proxy, ready to [`run`](Proxy::run).
@@ -40,6 +62,7 @@ pub struct Proxy {
     limits: session::Limits,
     max_connections: usize,
     grace: Duration,
+    interception: Option<Arc<Interception>>,
 }
 
 impl Proxy {
@@ -50,10 +73,16 @@ impl Proxy {
             .await
             .map_err(|source| StartError::Bind { address, source })?;
         let acceptor = config.listen.tls.as_ref().map(net::acceptor).transpose()?;
+        let connector = Connector::new(&config.upstream)?;
+        let interception = match config.policies.is_empty() {
+            true => None,
+            false => Some(Arc::new(interception(config, &connector)?)),
+        };
         Ok(Self {
             listener,
             acceptor,
-            connector: Connector::new(&config.upstream)?,
+            interception,
+            connector,
             limits: session::Limits {
                 max_frame: config.limits.max_frame,
                 handshake_timeout: config.limits.handshake_timeout,
@@ -96,7 +125,14 @@ impl Proxy {
                 warn!(client.addr = %client, max_connections = self.max_connections, "refusing connection: max_connections reached");
                 continue;
             };
-            let task = accept(tcp, self.acceptor.clone(), self.connector.clone(), self.limits, force.clone());
+            let task = accept(
+                tcp,
+                self.acceptor.clone(),
+                self.connector.clone(),
+                self.limits,
+                self.interception.clone(),
+                force.clone(),
+            );
             sessions.spawn(
                 async move {
                     task.await;
@@ -122,6 +158,7 @@ async fn accept(
     acceptor: Option<TlsAcceptor>,
     connector: Connector,
     limits: session::Limits,
+    interception: Option<Arc<Interception>>,
     force: CancellationToken,
 ) {
     let _ = tcp.set_nodelay(true);
@@ -133,5 +170,5 @@ async fn accept(
             Err(_) => return warn!("TLS handshake timed out"),
         },
     };
-    session::serve(io, connector, limits, force).await;
+    session::serve(io, connector, limits, interception, force).await;
 }

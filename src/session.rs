@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{channel, connection, AMQPClass};
+use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, WriteHalf};
 use tokio_util::sync::CancellationToken;
@@ -22,7 +22,15 @@ use crate::net::{Connector, Io};
 use crate::reply::ReplyCode;
 
 mod close;
+mod intercepting;
 use close::{Close, Origin};
+use intercepting::Intercepting;
+pub use intercepting::Interception;
+
+use crate::intercept::Settle;
+use crate::retry::Parked;
+use std::sync::Arc;
+use tokio::sync::mpsc;
 
 /// A side's write buffer above which nackd stops reading the other side.
 pub const HIGH_WATER: usize = 256 * 1024;
@@ -30,6 +38,8 @@ pub const HIGH_WATER: usize = 256 * 1024;
 const READ_CHUNK: usize = 64 * 1024;
 /// Time the peers get to complete a close handshake.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Time held messages get to be stored and acked before a close goes on.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Limits a session applies.
 #[derive(Clone, Copy, Debug)]
@@ -42,7 +52,13 @@ pub struct Limits {
 
 /// Serves one accepted client until both sides are closed.
 /// `force` asks the session to close both sides now (end of shutdown grace).
-pub async fn serve(mut client: Io, connector: Connector, limits: Limits, force: CancellationToken) {
+pub async fn serve(
+    mut client: Io,
+    connector: Connector,
+    limits: Limits,
+    interception: Option<Arc<Interception>>,
+    force: CancellationToken,
+) {
     let deadline = Instant::now() + limits.handshake_timeout;
     let mut first = BytesMut::with_capacity(8);
     let header = tokio::time::timeout_at(deadline.into(), async {
@@ -82,6 +98,11 @@ pub async fn serve(mut client: Io, connector: Connector, limits: Limits, force: 
     }
     let mut session = Session::new(limits, deadline);
     session.client_in = first;
+    if let Some(shared) = interception {
+        let (tx, rx) = mpsc::unbounded_channel();
+        session.intercepting = Some(Intercepting::new(shared, tx));
+        session.parked_rx = Some(rx);
+    }
     session.run(client, upstream, force).await;
 }
 
@@ -101,6 +122,11 @@ struct Session {
     client_rx: Instant,
     upstream_rx: Instant,
     close: Close,
+    intercepting: Option<Intercepting>,
+    parked_rx: Option<mpsc::UnboundedReceiver<Parked>>,
+    holding: bool,
+    held: BytesMut,
+    deferred_close: Option<&'static str>,
 }
 
 type Fault = FrameError;
@@ -124,6 +150,11 @@ impl Session {
             client_rx: now,
             upstream_rx: now,
             close: Close::default(),
+            intercepting: None,
+            parked_rx: None,
+            holding: false,
+            held: BytesMut::new(),
+            deferred_close: None,
         }
     }
 
@@ -157,6 +188,7 @@ impl Session {
                     Ok(flushed) => upstream_flush = !flushed,
                     Err(e) => self.on_upstream_gone(Some(e)),
                 },
+                Some(parked) = recv(&mut self.parked_rx) => self.on_parked(parked),
                 _ = tick.tick() => self.on_tick(Instant::now()),
             }
         }
@@ -180,7 +212,7 @@ impl Session {
     }
 
     fn may_read_client(&self) -> bool {
-        !self.close.client_gone && self.to_upstream.len() < HIGH_WATER
+        !self.close.client_gone && self.to_upstream.len() + self.held.len() < HIGH_WATER
     }
 
     fn may_read_upstream(&self) -> bool {
@@ -243,10 +275,19 @@ impl Session {
                 return Err(FrameError::Unexpected("content frame on channel 0"));
             }
             FrameType::Header | FrameType::Body => {
-                self.channels.get(frame.channel).publishing.advance(&frame, None)?;
+                let channel = self.channels.get(frame.channel);
+                channel.publishing.advance(&frame, None)?;
+                if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
+                    let deferred = std::mem::take(&mut channel.deferred);
+                    self.emit_upstream(&frame.raw);
+                    for ack in deferred {
+                        self.to_upstream.extend_from_slice(&ack);
+                    }
+                    return Ok(());
+                }
             }
         }
-        self.to_upstream.extend_from_slice(&frame.raw);
+        self.emit_upstream(&frame.raw);
         Ok(())
     }
 
@@ -259,10 +300,33 @@ impl Session {
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune)) => self.on_tune_ok(tune),
             AMQPClass::Connection(connection::AMQPMethod::Open(open)) => {
                 Span::current().record("vhost", open.virtual_host.as_str());
+                if let Some(state) = self.intercepting.as_mut() {
+                    state.vhost = Arc::from(open.virtual_host.as_str());
+                }
             }
             AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
                 debug!(code = c.reply_code, text = c.reply_text.as_str(), "client closes the connection");
+                if self.channels.pending() > 0 {
+                    self.hold();
+                }
                 self.close.expect_upstream_close_ok(Origin::Client);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Nack(n.requeue), n.delivery_tag, n.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Reject(r.requeue), r.delivery_tag, false);
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(_))
+            | AMQPClass::Basic(basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_))
+                if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() =>
+            {
+                // The broker would requeue what nackd holds: ack it first.
+                self.hold();
+                self.channels.get(channel_id).on_client_method(class);
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
                 return self.close.client_close_ok() == Some(Origin::Broker);
@@ -326,6 +390,7 @@ impl Session {
             }
             FrameType::Header | FrameType::Body => {
                 self.channels.get(frame.channel).delivering.advance(&frame, None)?;
+                self.capture_content(&frame);
             }
         }
         if !self.close.client_failed {
@@ -360,6 +425,17 @@ impl Session {
             }
             AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => {
                 self.channels.remove(channel_id);
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(_)) if channel_id != 0 => {
+                self.channels.get(channel_id).closing = true;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {
+                self.channels.get(channel_id).on_broker_method(class);
+                self.start_capture(channel_id, d.delivery_tag, d.exchange.as_str(), d.routing_key.as_str());
+            }
+            AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) if channel_id != 0 => {
+                self.channels.get(channel_id).on_broker_method(class);
+                self.start_capture(channel_id, ok.delivery_tag, ok.exchange.as_str(), ok.routing_key.as_str());
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_broker_method(class),
             _ => {}
@@ -399,6 +475,10 @@ impl Session {
             // The broker waits for a close-ok the client will never send.
             self.to_upstream.extend_from_slice(&method::connection_close_ok());
             self.close.client_close_ok();
+        } else if self.channels.pending() > 0 {
+            // Ack what nackd holds before the broker sees the client go.
+            self.close.settling = true;
+            self.deferred_close = Some("client socket closed");
         } else {
             self.close_upstream("client socket closed");
         }
@@ -436,7 +516,7 @@ impl Session {
     }
 
     /// Sends `connection.close` to the broker (or drops it mid-handshake).
-    fn close_upstream(&mut self, why: &str) {
+    fn close_upstream(&mut self, why: &'static str) {
         self.close.begin();
         if self.close.upstream_gone || self.close.awaiting_upstream().is_some() {
             return;
@@ -493,6 +573,13 @@ async fn write_or_flush(wr: &mut WriteHalf<Io>, buf: &mut BytesMut) -> std::io::
     }
     wr.write_buf(buf).await?;
     Ok(false)
+}
+
+async fn recv(rx: &mut Option<mpsc::UnboundedReceiver<Parked>>) -> Option<Parked> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 fn reserve(buf: &mut BytesMut) {

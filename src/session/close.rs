@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use super::CLOSE_TIMEOUT;
+use super::{CLOSE_TIMEOUT, SETTLE_TIMEOUT};
 
 /// Who sent the `connection.close` a side has to answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +29,8 @@ pub struct Close {
     pub client_failed: bool,
     /// Shutdown asked this session to close.
     pub forced: bool,
+    /// Claimed messages are still being stored: their acks must go out first.
+    pub settling: bool,
 }
 
 impl Close {
@@ -81,6 +83,9 @@ impl Close {
             return true;
         }
         let Some(since) = self.since else { return false };
+        if self.settling && !self.upstream_gone && now.duration_since(since) < SETTLE_TIMEOUT {
+            return false;
+        }
         let client_owes = self.await_client.is_some() && !self.client_gone;
         let upstream_owes = self.await_upstream.is_some() && !self.upstream_gone;
         (!client_owes && !upstream_owes) || now.duration_since(since) > CLOSE_TIMEOUT

@@ -1,0 +1,297 @@
+//! The nack path inside a session: capture deliveries of intercepted queues,
+//! claim their nacks, ack them upstream once stored, and keep every other
+//! settle meaning what the client meant.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tracing::{debug, warn};
+
+use super::Session;
+use crate::channel::Delivery;
+use crate::config::OnExhausted;
+use crate::frame::{self, Frame, FrameType};
+use crate::headers::{self, Retry};
+use crate::intercept::{self, Budget, Capturing, Settle};
+use crate::method;
+use crate::policy::{Policies, Policy, Step};
+use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
+use crate::store::Route;
+
+/// What sessions share to intercept nacks.
+pub struct Interception {
+    /// Retry policies.
+    pub policies: Arc<Policies>,
+    /// Bound on captured bytes.
+    pub budget: Arc<Budget>,
+    /// The retry engine.
+    pub retry: RetryHandle,
+}
+
+/// Per-session interception state.
+pub(super) struct Intercepting {
+    pub shared: Arc<Interception>,
+    pub vhost: Arc<str>,
+    cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
+    pub parked: tokio::sync::mpsc::UnboundedSender<Parked>,
+}
+
+impl Intercepting {
+    pub fn new(shared: Arc<Interception>, parked: tokio::sync::mpsc::UnboundedSender<Parked>) -> Self {
+        Self {
+            shared,
+            vhost: Arc::from("/"),
+            cache: HashMap::new(),
+            parked,
+        }
+    }
+
+    fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
+        let (policies, vhost) = (&self.shared.policies, &self.vhost);
+        self.cache
+            .entry(queue.clone())
+            .or_insert_with(|| policies.find(vhost, queue).cloned())
+            .clone()
+    }
+}
+
+/// What claiming one delivery came to.
+enum Claim {
+    /// Sent to the store; its ack waits for the answer.
+    Parked,
+    /// Schedule exhausted with `on_exhausted = "reject"`.
+    Reject,
+    /// Not intercepted after all: forward the client's settle.
+    Pass,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
+}
+
+impl Session {
+    /// A delivery (deliver or get-ok) was tracked: capture it if its queue is intercepted.
+    pub(super) fn start_capture(&mut self, channel_id: u16, tag: u64, exchange: &str, routing_key: &str) {
+        let Some(state) = self.intercepting.as_mut() else { return };
+        let channel = self.channels.get(channel_id);
+        if channel.tx {
+            return;
+        }
+        let Some(delivery) = channel.delivery_mut(tag) else { return }; // no-ack: never captured
+        let queue = delivery.queue.clone();
+        if let Some(policy) = state.policy(&queue) {
+            self.channels.get(channel_id).capturing = Some(Capturing::new(tag, exchange, routing_key, policy));
+        }
+    }
+
+    /// A content frame from the broker: feed the capture of its channel.
+    pub(super) fn capture_content(&mut self, frame: &Frame) {
+        let Some(state) = self.intercepting.as_ref() else { return };
+        let budget = state.shared.budget.clone();
+        let channel = self.channels.get(frame.channel);
+        let Some(capturing) = channel.capturing.as_mut() else { return };
+        let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
+        match frame.kind {
+            FrameType::Header => {
+                let size = crate::content::body_size(payload).unwrap_or(0);
+                if !capturing.header(payload, size, &budget) {
+                    channel.capturing = None;
+                    let refused = budget.refused();
+                    if refused.is_power_of_two() {
+                        warn!(refused, used = budget.used(), "capture budget spent: nacks of such deliveries pass through");
+                    }
+                    return;
+                }
+            }
+            FrameType::Body => capturing.body(payload),
+            _ => return,
+        }
+        if !channel.delivering.in_flight() {
+            let capturing = channel.capturing.take().expect("checked above");
+            let tag = capturing.tag;
+            if let (Some(captured), Some(delivery)) = (capturing.finish(), channel.delivery_mut(tag)) {
+                delivery.capture = Some(captured);
+            }
+        }
+    }
+
+    /// A client ack/nack/reject; `true` means "forward the frame as it is".
+    pub(super) fn on_settle(&mut self, channel_id: u16, settle: Settle, tag: u64, multiple: bool) -> bool {
+        let intercepting = self.intercepting.is_some();
+        let channel = self.channels.get(channel_id);
+        if !intercepting || channel.tx || (!multiple && channel.pending.contains_key(&tag)) {
+            // Not ours (or a second settle of a held tag: the broker answers it).
+            channel.take_covered(tag, multiple);
+            return true;
+        }
+        let holds = channel.holds_within(tag, multiple);
+        let covered = channel.take_covered(tag, multiple);
+        let claimable = settle != Settle::Ack && covered.iter().any(|(_, d)| d.capture.is_some());
+        if !holds && !claimable {
+            return true;
+        }
+        let mut forward = Vec::new();
+        let mut rejects = Vec::new();
+        for (t, delivery) in covered {
+            match self.claim(channel_id, t, delivery, settle) {
+                Claim::Parked => {
+                    self.channels.get(channel_id).pending.insert(t, settle);
+                }
+                Claim::Reject => rejects.push(t),
+                Claim::Pass => forward.push(t),
+            }
+        }
+        // Rejects first, so a `multiple` frame below cannot cover their tags.
+        for t in rejects {
+            self.emit_upstream(&method::reject(channel_id, t, false));
+        }
+        let lowest_held = self.channels.get(channel_id).pending.keys().next().copied();
+        for f in intercept::settle_frames(channel_id, settle, &forward, lowest_held, multiple) {
+            self.emit_upstream(&f);
+        }
+        false
+    }
+
+    fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
+        let Some(captured) = delivery.capture else { return Claim::Pass };
+        let Some(state) = self.intercepting.as_ref() else { return Claim::Pass };
+        let policy = captured.policy.clone();
+        if !policy.wants(settle.requeue()) {
+            return Claim::Pass;
+        }
+        let retry = headers::retry_count(&captured.header).saturating_add(1);
+        let queue = delivery.queue.clone();
+        let mut info = Retry {
+            queue: &queue,
+            exchange: &captured.exchange,
+            routing_key: &captured.routing_key,
+            count: retry,
+            delay_ms: 0,
+            now_secs: now_secs(),
+            exhausted: None,
+        };
+        let dead_letter = match &policy.on_exhausted {
+            OnExhausted::Reject => None,
+            OnExhausted::DeadLetter { exchange, routing_key } => Some(Route::Exchange {
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone().unwrap_or_else(|| queue.to_string()),
+            }),
+        };
+        let (delay, route) = match (policy.step(retry), &dead_letter) {
+            (Step::Delay(delay), _) => {
+                info.delay_ms = delay.as_millis() as u64;
+                (delay, Route::Queue)
+            }
+            (Step::Exhausted, None) => return Claim::Reject,
+            (Step::Exhausted, Some(route)) => {
+                info.count = retry - 1;
+                info.exhausted = Some("retry schedule exhausted");
+                (std::time::Duration::ZERO, route.clone())
+            }
+        };
+        let header = match headers::rewrite(&captured.header, &info) {
+            Ok(h) => bytes::Bytes::from(h),
+            Err(e) => {
+                warn!(error = %e, queue = %queue, "cannot rewrite headers: nack passes through");
+                return Claim::Pass;
+            }
+        };
+        let epoch = self.channels.get(channel_id).epoch;
+        let park = Park {
+            key: ClaimKey { channel: channel_id, epoch, tag },
+            reply: state.parked.clone(),
+            vhost: state.vhost.clone(),
+            queue,
+            delay,
+            retry,
+            route,
+            on_return: dead_letter,
+            header,
+            body: captured.body.clone(),
+        };
+        if state.shared.retry.park(park) {
+            Claim::Parked
+        } else {
+            warn!("retry engine is gone: nack passes through");
+            Claim::Pass
+        }
+    }
+
+    /// The store answered for a claimed delivery.
+    pub(super) fn on_parked(&mut self, parked: Parked) {
+        let key = parked.key;
+        let upstream_alive = !self.close.upstream_gone;
+        let settle = self
+            .channels
+            .get_epoch(key.channel, key.epoch)
+            .filter(|c| !c.closing && upstream_alive)
+            .and_then(|c| c.pending.remove(&key.tag));
+        match (settle, parked.result) {
+            (Some(_), Ok(id)) => {
+                debug!(channel = key.channel, tag = key.tag, id, "held; acking upstream");
+                let ack = method::ack(key.channel, key.tag, false);
+                let channel = self.channels.get(key.channel);
+                if channel.publishing.in_flight() {
+                    channel.deferred.push(ack);
+                } else {
+                    self.to_upstream.extend_from_slice(&ack);
+                }
+            }
+            (Some(settle), Err(e)) => {
+                warn!(error = %e, "cannot hold the message: the nack goes to the broker as sent");
+                let frame = settle.frame(key.channel, key.tag, false);
+                self.to_upstream.extend_from_slice(&frame);
+            }
+            (None, Ok(id)) => {
+                // The broker took the delivery back (channel or connection
+                // closed): holding it too would deliver it twice.
+                if let Some(state) = &self.intercepting {
+                    state.shared.retry.cancel(id);
+                }
+                self.drop_orphan_pending(key);
+            }
+            (None, Err(_)) => self.drop_orphan_pending(key),
+        }
+        self.release_if_settled();
+    }
+
+    fn drop_orphan_pending(&mut self, key: ClaimKey) {
+        if let Some(c) = self.channels.get_epoch(key.channel, key.epoch) {
+            c.pending.remove(&key.tag);
+        }
+    }
+
+    /// Client frames go upstream, or wait behind a barrier.
+    pub(super) fn emit_upstream(&mut self, bytes: &[u8]) {
+        if self.holding {
+            self.held.extend_from_slice(bytes);
+        } else {
+            self.to_upstream.extend_from_slice(bytes);
+        }
+    }
+
+    /// Holds client frames until every pending ack went out (before a
+    /// close or recover that would make the broker requeue held messages).
+    pub(super) fn hold(&mut self) {
+        if !self.holding {
+            debug!(pending = self.channels.pending(), "holding client frames until held messages are acked");
+        }
+        self.holding = true;
+    }
+
+    pub(super) fn release_if_settled(&mut self) {
+        if self.channels.pending() > 0 {
+            return;
+        }
+        if self.holding {
+            self.holding = false;
+            let held = std::mem::take(&mut self.held);
+            self.to_upstream.extend_from_slice(&held);
+        }
+        if let Some(why) = self.deferred_close.take() {
+            self.close.settling = false;
+            self.close_upstream(why);
+        }
+    }
+}
