@@ -6,6 +6,7 @@
 //! the same as input in one piece, and whatever decodes re-encodes to bytes
 //! that decode to the same value.
 
+mod method_spec;
 mod payload;
 mod roundtrip;
 mod spec;
@@ -16,8 +17,8 @@ pub use spec::{short, table, FrameSpec, HeaderSpec, MethodSpec, TableSpec, Text,
 use bytes::BytesMut;
 
 use crate::frame::{
-    decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END,
-    FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
+    decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END, FRAME_MIN_SIZE,
+    FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
 };
 
 /// Bytes as a peer sends them: an optional protocol header, then frames.
@@ -120,7 +121,11 @@ fn decode_chunks(decoder: &FrameDecoder, chunks: &[&[u8]]) -> Decoded {
         }
     }
     let input: Vec<u8> = chunks.concat();
-    assert_eq!(&input[..consumed.len()], &consumed[..], "frames are the input, in order");
+    assert_eq!(
+        &input[..consumed.len()],
+        &consumed[..],
+        "frames are the input, in order"
+    );
     Decoded {
         frames,
         end: Ok(buf.len()),
@@ -129,7 +134,11 @@ fn decode_chunks(decoder: &FrameDecoder, chunks: &[&[u8]]) -> Decoded {
 
 fn announced(buf: &[u8]) -> (u8, u16, u64) {
     let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]);
-    (buf[0], u16::from_be_bytes([buf[1], buf[2]]), size as u64 + FRAME_OVERHEAD as u64)
+    (
+        buf[0],
+        u16::from_be_bytes([buf[1], buf[2]]),
+        size as u64 + FRAME_OVERHEAD as u64,
+    )
 }
 
 fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
@@ -142,7 +151,11 @@ fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
     assert_eq!(raw.last(), Some(&FRAME_END));
     assert!(raw.len() as u64 <= decoder.frame_max() as u64, "frame within frame_max");
     if frame.kind == FrameType::Heartbeat {
-        assert_eq!((frame.channel, raw.len()), (0, FRAME_OVERHEAD), "heartbeat is empty, channel 0");
+        assert_eq!(
+            (frame.channel, raw.len()),
+            (0, FRAME_OVERHEAD),
+            "heartbeat is empty, channel 0"
+        );
     }
 }
 
@@ -150,13 +163,21 @@ fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
 /// missing, with no more memory held than the bytes in hand justify.
 fn check_incomplete(decoder: &FrameDecoder, buf: &BytesMut) {
     let bound = 2 * (buf.len() + RESERVE_STEP);
-    assert!(buf.capacity() <= bound, "{} reserved for {} octets", buf.capacity(), buf.len());
+    assert!(
+        buf.capacity() <= bound,
+        "{} reserved for {} octets",
+        buf.capacity(),
+        buf.len()
+    );
     if buf.len() < HEADER_LEN {
         return;
     }
     let (kind, _, total) = announced(buf);
     assert!(FrameType::from_octet(kind).is_some(), "type {kind} accepted");
-    assert!(total <= decoder.frame_max() as u64, "oversized frame not refused on its header");
+    assert!(
+        total <= decoder.frame_max() as u64,
+        "oversized frame not refused on its header"
+    );
     assert!((buf.len() as u64) < total, "a complete frame was left in the buffer");
 }
 

@@ -37,7 +37,15 @@ enum Mutation {
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
-    let len = prop_oneof![Just(0u32), Just(1), Just(8), 0u32..300, Just(0x7fff_ffff), Just(u32::MAX), any::<u32>()];
+    let len = prop_oneof![
+        Just(0u32),
+        Just(1),
+        Just(8),
+        0u32..300,
+        Just(0x7fff_ffff),
+        Just(u32::MAX),
+        any::<u32>()
+    ];
     prop_oneof![
         (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Set(at, b)),
         (any::<usize>(), len).prop_map(|(at, v)| Mutation::SetU32(at, v)),
@@ -87,7 +95,10 @@ fn mutated(corpus: &[Vec<u8>], file: usize, edits: &[Mutation]) -> Vec<u8> {
 
 #[test]
 fn captured_corpus_passes_unchanged() {
-    assert!(FRAMES.len() >= 50 && PAYLOADS.len() >= 30, "corpus missing: see fuzz/capture");
+    assert!(
+        FRAMES.len() >= 50 && PAYLOADS.len() >= 30,
+        "corpus missing: see fuzz/capture"
+    );
     // The whole capture, back to back, is one valid stream.
     let stream: Vec<u8> = FRAMES.iter().filter(|f| f.len() > 8).flatten().copied().collect();
     fuzzing::frames(&stream);

@@ -59,13 +59,18 @@ fn reencode_method(class: &AMQPClass) {
 /// A content-header payload: decode, re-encode, body size, the raw headers
 /// table and its rewrite all agree.
 pub(super) fn header(payload: &[u8]) {
-    let size = payload.get(4..12).map(|b| u64::from_be_bytes(b.try_into().expect("8 octets")));
+    let size = payload
+        .get(4..12)
+        .map(|b| u64::from_be_bytes(b.try_into().expect("8 octets")));
     assert_eq!(content::body_size(payload).ok(), size);
     let decoded = content::decode_header(payload);
     let raw = content::raw_headers(payload);
     if let Ok(h) = &decoded {
         reencode_header(h);
-        match (raw.as_ref().expect("a decodable header has a layout"), h.properties.headers()) {
+        match (
+            raw.as_ref().expect("a decodable header has a layout"),
+            h.properties.headers(),
+        ) {
             (Some(table), Some(map)) => {
                 let entries = content::table_entries(table).expect("a decodable table splits");
                 let keys: BTreeSet<&[u8]> = entries.iter().map(|e| e.key).collect();
@@ -137,8 +142,14 @@ fn rewrite(payload: &[u8], decoded: Option<ContentHeader>, entries: &[RawEntry<'
         .map(|e| e.bytes)
         .collect();
     assert_eq!(got.len(), kept.len() + set.len());
-    assert!(got.iter().zip(&kept).all(|(g, k)| g.bytes == *k), "kept entries keep their bytes and order");
-    assert!(got[kept.len()..].iter().zip(&set).all(|(g, (k, _))| g.key == k.as_bytes()));
+    assert!(
+        got.iter().zip(&kept).all(|(g, k)| g.bytes == *k),
+        "kept entries keep their bytes and order"
+    );
+    assert!(got[kept.len()..]
+        .iter()
+        .zip(&set)
+        .all(|(g, (k, _))| g.key == k.as_bytes()));
     assert_eq!(out[..12], payload[..12], "class, weight, body size");
     assert_eq!(out[12..14], [payload[12] | 0x20, payload[13]], "flags + headers");
     let Some(before) = decoded else { return };
@@ -148,7 +159,10 @@ fn rewrite(payload: &[u8], decoded: Option<ContentHeader>, entries: &[RawEntry<'
     for (key, value) in &set {
         expected.insert((*key).into(), value.clone());
     }
-    assert!(same(after.properties.headers(), &Some(expected)), "headers = before + edits");
+    assert!(
+        same(after.properties.headers(), &Some(expected)),
+        "headers = before + edits"
+    );
     let strip = |h: &ContentHeader| h.properties.clone().with_headers(FieldTable::default());
     assert!(same(&strip(&after), &strip(&before)), "other properties untouched");
 }

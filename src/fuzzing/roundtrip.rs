@@ -133,9 +133,14 @@ fn check_publish(channel: u16, publish: basic::Publish, header: &HeaderSpec, bod
     assert_eq!(content::decode_header(&header_frame.payload()), Ok(expected));
     assert!(frames.iter().all(|f| f.channel == channel));
     assert_eq!(header_frame.kind, FrameType::Header);
-    assert!(bodies.iter().all(|f| f.kind == FrameType::Body && f.raw.len() as u32 <= frame_max));
+    assert!(bodies
+        .iter()
+        .all(|f| f.kind == FrameType::Body && f.raw.len() as u32 <= frame_max));
     if let [full @ .., _] = bodies {
-        assert!(full.iter().all(|f| f.raw.len() as u32 == frame_max), "only the last body frame is short");
+        assert!(
+            full.iter().all(|f| f.raw.len() as u32 == frame_max),
+            "only the last body frame is short"
+        );
     }
     let joined: Vec<u8> = bodies.iter().flat_map(|f| f.payload()).collect();
     assert_eq!(joined, body, "body frames carry the body");
