@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use crate::net::Connector;
 use crate::republish::{Credentials, Outcome, Publish, Report, Republisher};
-use crate::store::{Held, Route, Store, StoreError};
+use crate::store::{self, Held, Loc, Log, Reader, Recovered, Route, StoreError, WriteOp, Written};
 use crate::wheel::Wheel;
 
 /// Identifies a claimed delivery inside its session.
@@ -110,13 +110,26 @@ impl Clock {
     }
 }
 
-/// Starts the engine task over `store`.
-pub fn spawn(store: Box<dyn Store>, connector: Connector, login: Credentials) -> RetryHandle {
+/// Why a put was made: to answer a session, or to re-route a message.
+enum PutCtx {
+    Park {
+        key: ClaimKey,
+        reply: mpsc::UnboundedSender<Parked>,
+    },
+    Reroute,
+}
+
+/// Starts the engine over an opened log and what its recovery found.
+pub fn spawn(log: Log, recovered: Recovered, connector: Connector, login: Credentials) -> RetryHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let (reports_tx, reports) = mpsc::unbounded_channel();
+    let (written_tx, written) = mpsc::unbounded_channel();
     let clock = Clock::start();
-    let engine = Engine {
-        store,
+    let reader = log.reader();
+    let mut engine = Engine {
+        writer: store::spawn_writer(log, written_tx),
+        reader,
+        index: HashMap::with_capacity(recovered.held.len()),
         wheel: Wheel::new(clock.now_ms()),
         clock,
         republishers: HashMap::new(),
@@ -124,14 +137,21 @@ pub fn spawn(store: Box<dyn Store>, connector: Connector, login: Credentials) ->
         login,
         reports_tx,
         attempts: HashMap::new(),
-        next_id: 1,
+        next_id: recovered.next_id,
     };
-    tokio::spawn(engine.run(rx, reports));
+    // Oldest first: overdue messages fire in due order.
+    for (id, due, loc) in recovered.held {
+        engine.index.insert(id, loc);
+        engine.wheel.insert(due, id);
+    }
+    tokio::spawn(engine.run(rx, reports, written));
     RetryHandle { tx }
 }
 
 struct Engine {
-    store: Box<dyn Store>,
+    writer: std::sync::mpsc::Sender<WriteOp<PutCtx>>,
+    reader: Reader,
+    index: HashMap<u64, Loc>,
     wheel: Wheel<u64>,
     clock: Clock,
     republishers: HashMap<Arc<str>, Republisher>,
@@ -143,7 +163,12 @@ struct Engine {
 }
 
 impl Engine {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>, mut reports: mpsc::UnboundedReceiver<Report>) {
+    async fn run(
+        mut self,
+        mut commands: mpsc::UnboundedReceiver<Command>,
+        mut reports: mpsc::UnboundedReceiver<Report>,
+        mut written: mpsc::UnboundedReceiver<Written<PutCtx>>,
+    ) {
         loop {
             let wake = self.wheel.next_deadline().map(|ms| self.clock.instant_at(ms));
             tokio::select! {
@@ -152,6 +177,7 @@ impl Engine {
                     Some(Command::Cancel(id)) => self.forget(id),
                     None => return,
                 },
+                Some(w) = written.recv() => self.on_written(w),
                 Some(report) = reports.recv() => self.on_report(report),
                 _ = sleep_until(wake), if wake.is_some() => {}
             }
@@ -162,30 +188,52 @@ impl Engine {
     fn park(&mut self, park: Park) {
         let id = self.next_id;
         self.next_id += 1;
-        let due_ms = self.clock.now_ms() + park.delay.as_millis() as u64;
         let held = Held {
             id,
             vhost: park.vhost,
             queue: park.queue,
-            due_ms,
+            due_ms: self.clock.now_ms() + park.delay.as_millis() as u64,
             retry: park.retry,
             route: park.route,
             on_return: park.on_return,
             header: park.header,
             body: park.body,
         };
-        let result = self.store.put(held).map(|()| {
-            self.wheel.insert(due_ms, id);
-            id
-        });
-        let _ = park.reply.send(Parked { key: park.key, result });
+        let ctx = PutCtx::Park { key: park.key, reply: park.reply };
+        if let Err(std::sync::mpsc::SendError(WriteOp::Put { ctx: PutCtx::Park { key, reply }, .. })) =
+            self.writer.send(WriteOp::Put { held, replaces: None, ctx })
+        {
+            let _ = reply.send(Parked { key, result: Err(StoreError::Io("store thread is gone".into())) });
+        }
+    }
+
+    fn on_written(&mut self, w: Written<PutCtx>) {
+        match (w.ctx, w.result) {
+            (PutCtx::Park { key, reply }, Ok(loc)) => {
+                self.index.insert(w.id, loc);
+                self.wheel.insert(w.due_ms, w.id);
+                let _ = reply.send(Parked { key, result: Ok(w.id) });
+            }
+            (PutCtx::Park { key, reply }, Err(e)) => {
+                let _ = reply.send(Parked { key, result: Err(e) });
+            }
+            (PutCtx::Reroute, Ok(loc)) => {
+                self.index.insert(w.id, loc);
+                self.wheel.insert(self.clock.now_ms(), w.id);
+            }
+            (PutCtx::Reroute, Err(e)) => self.again(w.id, &format!("cannot store the re-route ({e})")),
+        }
     }
 
     fn forget(&mut self, id: u64) {
         self.attempts.remove(&id);
-        if let Err(e) = self.store.remove(id) {
-            warn!(id, error = %e, "cannot remove a held message");
+        if let Some(loc) = self.index.remove(&id) {
+            let _ = self.writer.send(WriteOp::Del { id, loc });
         }
+    }
+
+    fn read(&self, id: u64) -> Option<Result<Held, StoreError>> {
+        self.index.get(&id).map(|loc| self.reader.read(*loc))
     }
 
     fn fire(&mut self) {
@@ -193,16 +241,17 @@ impl Engine {
         let mut due = Vec::new();
         self.wheel.poll(now, &mut due);
         for id in due {
-            let Some(held) = self.store.get(id) else { continue };
-            debug!(id, queue = %held.queue, late_ms = now.saturating_sub(held.due_ms), "due");
-            let publish = Publish {
-                id,
-                queue: held.queue.clone(),
-                route: held.route.clone(),
-                header: held.header.clone(),
-                body: held.body.clone(),
+            let held = match self.read(id) {
+                None => continue, // forgotten meanwhile
+                Some(Ok(held)) => held,
+                Some(Err(e)) => {
+                    self.again(id, &format!("cannot read the held message ({e})"));
+                    continue;
+                }
             };
+            debug!(id, queue = %held.queue, late_ms = now.saturating_sub(held.due_ms), "due");
             let vhost = held.vhost.clone();
+            let publish = Publish { id, queue: held.queue, route: held.route, header: held.header, body: held.body };
             let republisher = self.republishers.entry(vhost.clone()).or_insert_with(|| {
                 Republisher::spawn(vhost, self.connector.clone(), self.login.clone(), self.reports_tx.clone())
             });
@@ -220,16 +269,12 @@ impl Engine {
     }
 
     fn on_returned(&mut self, id: u64) {
-        let Some(held) = self.store.get(id) else { return };
-        match (&held.route, &held.on_return) {
+        let (Some(Ok(mut held)), Some(loc)) = (self.read(id), self.index.get(&id).copied()) else { return };
+        match (&held.route, held.on_return.clone()) {
             (Route::Queue, Some(dead_letter)) => {
                 warn!(id, queue = %held.queue, "queue is gone: sending to the dead-letter exchange");
-                let mut held = held.clone();
-                held.route = dead_letter.clone();
-                if let Err(e) = self.store.put(held) {
-                    warn!(id, error = %e, "cannot re-route a held message");
-                }
-                self.wheel.insert(self.clock.now_ms(), id);
+                held.route = dead_letter;
+                let _ = self.writer.send(WriteOp::Put { held, replaces: Some(loc), ctx: PutCtx::Reroute });
             }
             _ => self.again(id, "returned as unroutable (queue or exchange missing)"),
         }

@@ -19,7 +19,7 @@ use crate::policy::Policies;
 use crate::republish::Credentials;
 use crate::retry;
 use crate::session::{self, Interception};
-use crate::store::MemoryStore;
+use crate::store::Log;
 
 /// Starts the retry engine for the configured policies.
 fn interception(config: &Config, connector: &Connector) -> Result<Interception, StartError> {
@@ -27,11 +27,12 @@ fn interception(config: &Config, connector: &Connector) -> Result<Interception, 
         username: config.republish.username.clone(),
         password: config.republish.password().map_err(StartError::Credentials)?,
     };
-    let store = Box::new(MemoryStore::new(config.store.max_bytes));
+    let (log, recovered) = Log::open(&config.store.path, config.store.max_bytes.map(|b| b as u64))
+        .map_err(|e| StartError::Store(format!("store.path {}: {e}", config.store.path.display())))?;
     Ok(Interception {
         policies: Arc::new(Policies::new(&config.policies)),
         budget: Budget::new(config.limits.capture_budget),
-        retry: retry::spawn(store, connector.clone(), login),
+        retry: retry::spawn(log, recovered, connector.clone(), login),
     })
 }
 
@@ -52,6 +53,9 @@ pub enum StartError {
     /// The republisher has no password.
     #[error("{0}")]
     Credentials(String),
+    /// The store cannot be opened.
+    #[error("{0}")]
+    Store(String),
 }
 
 /// A bound proxy, ready to [`run`](Proxy::run).

@@ -1,11 +1,10 @@
 //! Where held messages are kept until they are republished and confirmed.
 //!
 //! The retry engine writes a message here before nackd acks it upstream and
-//! removes it only after the broker confirmed the republish. This first
-//! store keeps messages in memory: a restart of nackd loses what it holds.
-//! The durable store replaces it behind the same [`Store`] trait.
+//! removes it only after the broker confirmed the republish. Bodies live on
+//! disk in the hold log; RAM keeps only each message's location and its
+//! wheel entry.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -65,64 +64,82 @@ pub enum StoreError {
     Io(String),
 }
 
-/// A store of held messages.
-pub trait Store: Send + 'static {
-    /// Keeps `held`; returns once it is as durable as the store can make it.
-    fn put(&mut self, held: Held) -> Result<(), StoreError>;
-    /// Forgets a message (after its republish was confirmed).
-    fn remove(&mut self, id: u64) -> Result<Option<Held>, StoreError>;
-    /// Looks a message up.
-    fn get(&self, id: u64) -> Option<&Held>;
-    /// Every held message (recovery, listings).
-    fn all(&self) -> Box<dyn Iterator<Item = &Held> + '_>;
+mod log;
+pub mod record;
+
+pub use log::{scan, segment_numbers, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
+
+/// An operation for the writer thread.
+pub enum WriteOp<C> {
+    /// Store a message; the answer comes back with `ctx`.
+    Put {
+        /// The message.
+        held: Held,
+        /// The record it supersedes (a re-route).
+        replaces: Option<Loc>,
+        /// Handed back in [`Written`].
+        ctx: C,
+    },
+    /// Forget a message.
+    Del {
+        /// Its id.
+        id: u64,
+        /// Its put record.
+        loc: Loc,
+    },
 }
 
-/// The in-memory store.
-#[derive(Debug, Default)]
-pub struct MemoryStore {
-    held: HashMap<u64, Held>,
-    max_bytes: Option<usize>,
-    bytes: usize,
+/// The writer's answer to a put, once fsynced (or failed).
+pub struct Written<C> {
+    /// The caller's context.
+    pub ctx: C,
+    /// The message id.
+    pub id: u64,
+    /// Its due time.
+    pub due_ms: u64,
+    /// Where it is, or why it is not stored.
+    pub result: Result<Loc, StoreError>,
 }
 
-impl MemoryStore {
-    /// A store refusing new messages beyond `max_bytes` (if set).
-    pub fn new(max_bytes: Option<usize>) -> Self {
-        Self {
-            max_bytes,
-            ..Self::default()
-        }
-    }
-}
-
-impl Store for MemoryStore {
-    fn put(&mut self, held: Held) -> Result<(), StoreError> {
-        let size = held.size();
-        if let Some(max) = self.max_bytes {
-            if self.bytes + size > max {
-                return Err(StoreError::Full(format!("{} + {size} bytes > {max}", self.bytes)));
+/// Runs `log` on its own thread. Every batch of operations that arrived
+/// together shares one fsync (group commit); puts are answered after it.
+pub fn spawn_writer<C: Send + 'static>(
+    mut log: Log,
+    done: tokio::sync::mpsc::UnboundedSender<Written<C>>,
+) -> std::sync::mpsc::Sender<WriteOp<C>> {
+    let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
+    std::thread::Builder::new()
+        .name("nackd-store".into())
+        .spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let mut batch = vec![first];
+                while batch.len() < 4096 {
+                    match rx.try_recv() {
+                        Ok(op) => batch.push(op),
+                        Err(_) => break,
+                    }
+                }
+                let mut answers = Vec::new();
+                for op in batch {
+                    match op {
+                        WriteOp::Put { held, replaces, ctx } => {
+                            let result = log.put(&held, replaces);
+                            answers.push(Written { ctx, id: held.id, due_ms: held.due_ms, result });
+                        }
+                        WriteOp::Del { id, loc } => log.del(id, loc),
+                    }
+                }
+                let synced = if answers.is_empty() { log.flush() } else { log.sync() };
+                for mut answer in answers {
+                    if let (Err(e), Ok(_)) = (&synced, &answer.result) {
+                        answer.result = Err(e.clone());
+                    }
+                    if done.send(answer).is_err() {
+                        return;
+                    }
+                }
             }
-        }
-        self.bytes += size;
-        if let Some(old) = self.held.insert(held.id, held) {
-            self.bytes -= old.size();
-        }
-        Ok(())
-    }
-
-    fn remove(&mut self, id: u64) -> Result<Option<Held>, StoreError> {
-        let old = self.held.remove(&id);
-        if let Some(old) = &old {
-            self.bytes -= old.size();
-        }
-        Ok(old)
-    }
-
-    fn get(&self, id: u64) -> Option<&Held> {
-        self.held.get(&id)
-    }
-
-    fn all(&self) -> Box<dyn Iterator<Item = &Held> + '_> {
-        Box::new(self.held.values())
-    }
+        })
+        .expect("spawn the store thread");
+    tx
 }

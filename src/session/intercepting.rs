@@ -154,6 +154,9 @@ impl Session {
     }
 
     fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
+        if settle == Settle::Ack {
+            return Claim::Pass;
+        }
         let Some(captured) = delivery.capture else { return Claim::Pass };
         let Some(state) = self.intercepting.as_ref() else { return Claim::Pass };
         let policy = captured.policy.clone();

@@ -26,6 +26,8 @@ pub fn require_broker() {
 /// A nackd running inside the test's runtime.
 pub struct Nackd {
     pub addr: SocketAddr,
+    /// The store directory (removed when the test ends).
+    pub store: Option<tempfile::TempDir>,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -64,8 +66,14 @@ pub async fn start(extra: &str) -> Nackd {
 pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     init_logs();
     require_broker();
-    let text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n{extra}");
-    start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await
+    let mut text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n{extra}");
+    let store = tempfile::tempdir().unwrap();
+    if !extra.contains("[store]") {
+        text = format!("[store]\npath = \"{}\"\n{text}", store.path().display());
+    }
+    let mut nackd = start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await;
+    nackd.store = Some(store);
+    nackd
 }
 
 pub async fn start_with(config: Config) -> Nackd {
@@ -73,7 +81,7 @@ pub async fn start_with(config: Config) -> Nackd {
     let addr = proxy.local_addr();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(proxy.run(shutdown.clone()));
-    Nackd { addr, shutdown, task }
+    Nackd { addr, store: None, shutdown, task }
 }
 
 pub async fn connect(uri: &str) -> Connection {
