@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use nackd::config::Config;
 use nackd::server::Proxy;
 use tokio_util::sync::CancellationToken;
@@ -29,6 +29,38 @@ struct Args {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Inspect or edit the store of held messages (`store.path` of --config).
+    Store {
+        /// Store directory (default: store.path from --config).
+        #[arg(long)]
+        path: Option<PathBuf>,
+        #[command(subcommand)]
+        action: StoreAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum StoreAction {
+    /// Totals and per-queue counts (read-only; works while nackd runs).
+    Stats,
+    /// One line per held message (read-only).
+    List {
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+    },
+    /// Forget every held message of a queue (nackd must be stopped).
+    Purge {
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -51,6 +83,9 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(Command::Store { path, action }) = &args.command {
+        return store_command(&args.config, path.as_deref(), action);
+    }
     init_logging(args.log_format);
     let mut config = match Config::load(&args.config) {
         Ok(config) => config,
@@ -70,6 +105,35 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("cannot start: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn store_command(config: &std::path::Path, path: Option<&std::path::Path>, action: &StoreAction) -> ExitCode {
+    use nackd::store::inspect;
+    let dir = match path {
+        Some(p) => p.to_owned(),
+        None => match Config::load(config) {
+            Ok(c) => c.store.path,
+            Err(e) => {
+                eprintln!("invalid configuration: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let result = match action {
+        StoreAction::Stats => inspect::stats(&dir),
+        StoreAction::List { queue } => inspect::list(&dir, queue.as_deref()),
+        StoreAction::Purge { queue } => inspect::purge(&dir, queue).map(|n| format!("purged {n} held messages of {queue:?}\n")),
+    };
+    match result {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{}: {e}", dir.display());
             ExitCode::from(1)
         }
     }

@@ -64,6 +64,7 @@ pub enum StoreError {
     Io(String),
 }
 
+pub mod inspect;
 mod log;
 pub mod record;
 

@@ -12,6 +12,7 @@ use nackd::config::Config;
 use nackd::server::Proxy;
 use tokio_util::sync::CancellationToken;
 
+pub mod process;
 pub mod raw;
 
 pub const BROKER: &str = "127.0.0.1:5672";

@@ -1,0 +1,109 @@
+//! Operator commands on a store directory: `nackd store stats|list|purge`.
+//! `stats` and `list` only read (they work next to a running nackd);
+//! `purge` takes the store's lock, so it needs nackd stopped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::io;
+use std::path::Path;
+use std::time::{Duration, UNIX_EPOCH};
+
+use super::log::{scan, segment_numbers, Log};
+use super::record::Record;
+use super::Held;
+
+/// Every held message, read without taking the lock, in due order.
+pub fn held(dir: &Path) -> io::Result<Vec<Held>> {
+    let mut live: HashMap<u64, Held> = HashMap::new();
+    for n in segment_numbers(dir)? {
+        let bytes = match std::fs::read(dir.join(format!("{n:010}.log"))) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue, // deleted meanwhile
+            Err(e) => return Err(e),
+        };
+        scan(
+            &bytes,
+            |rec, _| match rec {
+                Record::Put(h) => {
+                    live.insert(h.id, h);
+                }
+                Record::Del(id) => {
+                    live.remove(&id);
+                }
+            },
+            n,
+        );
+    }
+    let mut held: Vec<Held> = live.into_values().collect();
+    held.sort_by_key(|h| (h.due_ms, h.id));
+    Ok(held)
+}
+
+fn when(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// `nackd store stats`: totals and per-queue counts.
+pub fn stats(dir: &Path) -> io::Result<String> {
+    let held = held(dir)?;
+    let mut per_queue: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
+    for h in &held {
+        let e = per_queue.entry((h.vhost.to_string(), h.queue.to_string())).or_default();
+        e.0 += 1;
+        e.1 += h.size();
+    }
+    let disk: u64 = segment_numbers(dir)?
+        .iter()
+        .filter_map(|n| std::fs::metadata(dir.join(format!("{n:010}.log"))).ok())
+        .map(|m| m.len())
+        .sum();
+    let mut out = String::new();
+    let _ = writeln!(out, "held {}  bytes {}  on disk {}", held.len(), held.iter().map(Held::size).sum::<usize>(), disk);
+    if let (Some(first), Some(last)) = (held.first(), held.last()) {
+        let _ = writeln!(out, "next due {}  last due {}", when(first.due_ms), when(last.due_ms));
+    }
+    for ((vhost, queue), (count, bytes)) in per_queue {
+        let _ = writeln!(out, "vhost {vhost:?} queue {queue:?}: {count} held, {bytes} bytes");
+    }
+    Ok(out)
+}
+
+/// `nackd store list [--queue Q]`: one line per held message.
+pub fn list(dir: &Path, queue: Option<&str>) -> io::Result<String> {
+    let mut out = String::new();
+    for h in held(dir)?.iter().filter(|h| queue.is_none_or(|q| &*h.queue == q)) {
+        let headers = crate::content::decode_header(&h.header)
+            .ok()
+            .and_then(|c| c.properties.headers().clone())
+            .map(|t| format!("{:?}", t.inner()))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "id {} vhost {:?} queue {:?} due {} retry {} size {} route {:?} headers {}",
+            h.id,
+            &*h.vhost,
+            &*h.queue,
+            when(h.due_ms),
+            h.retry,
+            h.size(),
+            h.route,
+            headers
+        );
+    }
+    Ok(out)
+}
+
+/// `nackd store purge --queue Q`: forgets every held message of `queue`.
+pub fn purge(dir: &Path, queue: &str) -> io::Result<usize> {
+    let (mut log, recovered) = Log::open(dir, None)?;
+    let reader = log.reader();
+    let mut purged = 0;
+    for (id, _, loc) in recovered.held {
+        if reader.read(loc).is_ok_and(|h| &*h.queue == queue) {
+            log.del(id, loc);
+            purged += 1;
+        }
+    }
+    log.sync().map_err(|e| io::Error::other(e.to_string()))?;
+    Ok(purged)
+}

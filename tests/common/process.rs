@@ -1,0 +1,60 @@
+//! nackd as a separate process (for kill -9 and CLI tests).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
+
+/// A running nackd binary and the address it listens on.
+pub struct Process {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Process {
+    /// Starts `nackd --config FILE --listen 127.0.0.1:0 --log-format json`
+    /// and waits for its "listening" line. Its log keeps draining in a thread.
+    pub fn start(config: &Path) -> Self {
+        let mut child = Command::new(NACKD)
+            .arg("--config")
+            .arg(config)
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .env("NACKD_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("nackd starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    if v["fields"]["message"] == "listening" {
+                        let _ = tx.send(v["fields"]["address"].as_str().unwrap().to_string());
+                    }
+                }
+                if std::env::var_os("NACKD_TEST_ECHO").is_some() {
+                    eprintln!("nackd: {line}");
+                }
+            }
+        });
+        let addr = rx.recv_timeout(Duration::from_secs(30)).expect("nackd listening").parse().unwrap();
+        Self { child, addr }
+    }
+
+    pub fn kill9(mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
