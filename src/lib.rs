@@ -12,6 +12,7 @@
 //! - [`reply`]: AMQP reply codes.
 //! - [`fuzzing`]: fuzz targets over the frame layer, shared by `fuzz/` and the
 //!   property tests.
+//! - `bench` (feature `bench`): the scenarios of the `nackd-bench` command.
 #![forbid(unsafe_code)]
 
 pub mod content;

@@ -1,0 +1,200 @@
+//! Runs the `nackd` binary as a separate process for a benchmark: a temp
+//! directory with its config, store and log, the address parsed from the
+//! JSON "listening" log line, and a kill at the end.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long nackd gets to log "listening".
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Why nackd could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// No `nackd` binary where it was looked for.
+    #[error("no nackd binary at {0}: build it with `cargo build --release --features bench --bins`")]
+    Missing(PathBuf),
+    /// Temp directory, config file, log file or spawn failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// nackd exited or never logged "listening"; its log says why.
+    #[error("nackd did not start ({reason}); log {log}:\n{tail}")]
+    NotListening {
+        /// Exit status or timeout.
+        reason: String,
+        /// Path of its log.
+        log: PathBuf,
+        /// Its last log lines.
+        tail: String,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LaunchError {
+    let what = what.into();
+    move |source| LaunchError::Io { what, source }
+}
+
+/// A running nackd process; killed when dropped.
+pub struct NackdProcess {
+    child: Child,
+    addr: SocketAddr,
+    binary: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl NackdProcess {
+    /// The `nackd` binary next to the running executable
+    /// (`target/release/nackd` beside `target/release/nackd-bench`).
+    pub fn sibling_binary() -> Result<PathBuf, LaunchError> {
+        let exe = std::env::current_exe().map_err(io("locating the running executable"))?;
+        let binary = exe.with_file_name("nackd");
+        if !binary.is_file() {
+            return Err(LaunchError::Missing(binary));
+        }
+        Ok(binary)
+    }
+
+    /// Starts `binary` in front of `upstream` with `extra` TOML appended to
+    /// the generated config (e.g. `[[policy]]` tables). The generated part
+    /// owns `[listen]`, `[upstream]`, `[store]` and `[metrics]`.
+    pub fn start(binary: &Path, upstream: &str, extra: &str) -> Result<Self, LaunchError> {
+        let dir = tempfile::Builder::new()
+            .prefix("nackd-bench-")
+            .tempdir()
+            .map_err(io("creating a temp directory"))?;
+        let store = dir.path().join("store");
+        let config = dir.path().join("nackd.toml");
+        let text = format!(
+            "[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n\
+             [store]\npath = {store:?}\n[metrics]\naddress = \"127.0.0.1:0\"\n{extra}\n"
+        );
+        std::fs::write(&config, text).map_err(io(format!("writing {}", config.display())))?;
+        let log_path = dir.path().join("nackd.log");
+        let log = File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
+        let child = Command::new(binary)
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", "127.0.0.1:0", "--upstream", upstream, "--log-format", "json"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(io(format!("starting {}", binary.display())))?;
+        let mut process = Self {
+            child,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            binary: binary.to_owned(),
+            dir,
+        };
+        process.addr = process.wait_listening()?;
+        Ok(process)
+    }
+
+    /// Polls the log for the "listening" line; nackd logs to a file rather
+    /// than a pipe so a long run can never block it on a full pipe.
+    fn wait_listening(&mut self) -> Result<SocketAddr, LaunchError> {
+        let began = Instant::now();
+        loop {
+            if let Some(addr) = listening_address(&self.log_path()) {
+                return Ok(addr);
+            }
+            let reason = match self.child.try_wait() {
+                Ok(Some(status)) => format!("exited with {status}"),
+                _ if began.elapsed() > START_TIMEOUT => format!("no \"listening\" line within {START_TIMEOUT:?}"),
+                _ => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            };
+            return Err(LaunchError::NotListening {
+                reason,
+                log: self.log_path(),
+                tail: self.log_tail(20),
+            });
+        }
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The binary that runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    /// Process id (for profilers and RSS readings).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The store directory of this nackd (`[store] path`).
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// nackd's JSON log.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("nackd.log")
+    }
+
+    /// The last `n` lines of the log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let lines: Vec<String> = File::open(self.log_path())
+            .map(|f| BufReader::new(f).lines().map_while(Result::ok).collect())
+            .unwrap_or_default();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Log lines at WARN or ERROR level so far.
+    pub fn warnings(&self) -> Vec<String> {
+        File::open(self.log_path())
+            .map(|f| {
+                BufReader::new(f)
+                    .lines()
+                    .map_while(Result::ok)
+                    .filter(|l| l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\""))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Kills the process and waits for it; the temp directory goes with `self`.
+    pub fn kill(mut self) {
+        self.kill_now();
+    }
+
+    fn kill_now(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NackdProcess {
+    fn drop(&mut self) {
+        self.kill_now();
+    }
+}
+
+/// The address of the first `"message":"listening"` JSON line in the log.
+fn listening_address(log: &Path) -> Option<SocketAddr> {
+    let file = File::open(log).ok()?;
+    BufReader::new(file).lines().map_while(Result::ok).find_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(&line).ok()?;
+        let fields = value.get("fields")?;
+        if fields.get("message")?.as_str()? != "listening" {
+            return None;
+        }
+        fields.get("address")?.as_str()?.parse().ok()
+    })
+}

@@ -1,0 +1,211 @@
+//! `nackd-bench`: measurements of nackd against the real RabbitMQ with a
+//! real client (lapin), each figure taken directly and through nackd in
+//! alternating rounds of the same run. Built only with the `bench` feature.
+//!
+//! # Layout
+//!
+//! - this file: the command line, the targets (broker and nackd), and the
+//!   round runner every scenario uses;
+//! - [`launcher`]: runs the `nackd` binary as a separate process;
+//! - [`load`]: producer/consumer pairs that put messages through the broker;
+//! - [`stats`]: percentiles and medians;
+//! - [`machine`]: what the run was measured on;
+//! - one file per scenario: [`passthrough`].
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, SystemTime};
+
+use clap::{Parser, Subcommand};
+
+pub mod launcher;
+pub mod load;
+pub mod machine;
+pub mod passthrough;
+pub mod stats;
+
+use launcher::NackdProcess;
+use machine::Machine;
+
+/// Errors end a benchmark; nothing branches on them.
+pub type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Benchmarks nackd against RabbitMQ, direct vs through nackd.
+#[derive(Debug, Parser)]
+#[command(name = "nackd-bench", version, about)]
+pub struct Cli {
+    /// What to measure.
+    #[command(subcommand)]
+    pub scenario: Scenario,
+}
+
+/// The scenarios.
+#[derive(Debug, Subcommand)]
+pub enum Scenario {
+    /// Pass-through cost: throughput, latency, many connections, 64 KiB mix.
+    Passthrough(passthrough::Args),
+}
+
+/// Options every scenario takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Common {
+    /// Measure this running nackd instead of starting the `nackd` binary
+    /// next to this executable.
+    #[arg(long, value_name = "ADDR")]
+    pub proxy: Option<SocketAddr>,
+    /// RabbitMQ (the direct side, and the upstream of a started nackd).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5672")]
+    pub broker: String,
+    /// Measured seconds per round and side.
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    /// Seconds of warm-up before each measurement, not counted.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u64,
+    /// Rounds per side (direct, nackd, direct, nackd, ...).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+}
+
+impl Common {
+    /// The measured period.
+    pub fn measure(&self) -> Duration {
+        Duration::from_secs(self.seconds)
+    }
+
+    /// The warm-up period.
+    pub fn warmup(&self) -> Duration {
+        Duration::from_secs(self.warmup)
+    }
+}
+
+/// Which way the clients connect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// Straight to RabbitMQ.
+    Direct,
+    /// Through nackd.
+    Nackd,
+}
+
+impl Side {
+    /// Column label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Side::Direct => "direct",
+            Side::Nackd => "nackd",
+        }
+    }
+}
+
+/// The broker, and nackd in front of it.
+pub struct Targets {
+    /// Broker address.
+    pub broker: String,
+    /// nackd's address.
+    pub proxy: SocketAddr,
+    /// The nackd this run started, if it started one.
+    pub nackd: Option<NackdProcess>,
+}
+
+impl Targets {
+    /// Uses `--proxy`, or starts the sibling `nackd` with `extra` TOML.
+    pub fn start(common: &Common, extra: &str) -> BenchResult<Self> {
+        let nackd = match common.proxy {
+            Some(_) => None,
+            None => {
+                let binary = NackdProcess::sibling_binary()?;
+                warn_if_stale(&binary);
+                Some(NackdProcess::start(&binary, &common.broker, extra)?)
+            }
+        };
+        let proxy = common.proxy.or(nackd.as_ref().map(NackdProcess::addr)).expect("one of the two");
+        Ok(Self {
+            broker: common.broker.clone(),
+            proxy,
+            nackd,
+        })
+    }
+
+    /// The address clients of `side` connect to.
+    pub fn addr(&self, side: Side) -> String {
+        match side {
+            Side::Direct => self.broker.clone(),
+            Side::Nackd => self.proxy.to_string(),
+        }
+    }
+}
+
+/// `cargo run --bin nackd-bench` rebuilds only itself: say so when the
+/// `nackd` beside it is older, it may not contain the code being measured.
+fn warn_if_stale(nackd: &std::path::Path) {
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let me = std::env::current_exe().ok();
+    if let (Some(theirs), Some(mine)) = (modified(nackd), me.as_deref().and_then(modified)) {
+        // Both come out of one cargo run within seconds of each other.
+        if theirs + Duration::from_secs(60) < mine {
+            tracing::warn!(
+                nackd = %nackd.display(),
+                "nackd is older than nackd-bench; rebuild both with `cargo build --release --features bench --bins`"
+            );
+        }
+    }
+}
+
+/// Per-round results of both sides.
+#[derive(Debug)]
+pub struct Sides<T> {
+    /// Direct rounds, in order.
+    pub direct: Vec<T>,
+    /// Rounds through nackd, in order.
+    pub nackd: Vec<T>,
+}
+
+/// Runs `round` for direct and nackd in turn, `rounds` times each, with a
+/// pause between runs so one run's queue deletion does not load the next.
+pub async fn alternate<T, F, Fut>(rounds: usize, targets: &Targets, mut round: F) -> BenchResult<Sides<T>>
+where
+    F: FnMut(String) -> Fut,
+    Fut: Future<Output = BenchResult<T>>,
+{
+    let mut sides = Sides {
+        direct: Vec::new(),
+        nackd: Vec::new(),
+    };
+    for _ in 0..rounds {
+        for side in [Side::Direct, Side::Nackd] {
+            let result = round(targets.addr(side))
+                .await
+                .map_err(|e| format!("{} round: {e}", side.label()))?;
+            match side {
+                Side::Direct => sides.direct.push(result),
+                Side::Nackd => sides.nackd.push(result),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    Ok(sides)
+}
+
+/// Prints the lines every report starts with.
+pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets: &Targets) {
+    println!("nackd-bench {scenario}");
+    println!("date        {}", humantime::format_rfc3339_seconds(SystemTime::now()));
+    println!("machine     {} CPUs, {}, load average {}", machine.cpus, machine.cpu_model, machine.load);
+    println!("broker      {} at {}", machine.broker, targets.broker);
+    match &targets.nackd {
+        Some(n) => println!("nackd       {} (pid {}) at {}", n.binary().display(), n.pid(), n.addr()),
+        None => println!("nackd       already running at {}", targets.proxy),
+    }
+    println!(
+        "method      {} rounds per side, alternating direct/nackd; {} s measured after {} s warm-up; median per side",
+        common.rounds, common.seconds, common.warmup
+    );
+}
+
+/// Runs the scenario the command line names.
+pub async fn run(cli: Cli) -> BenchResult<()> {
+    match cli.scenario {
+        Scenario::Passthrough(args) => passthrough::run(args).await,
+    }
+}
