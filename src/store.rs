@@ -68,7 +68,7 @@ pub mod inspect;
 mod log;
 pub mod record;
 
-pub use log::{scan, segment_numbers, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
+pub use log::{scan, segment_numbers, HeldMeta, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
 
 /// An operation for the writer thread.
 pub enum WriteOp<C> {

@@ -31,11 +31,28 @@ pub struct Loc {
     pub len: u32,
 }
 
+/// What recovery keeps of a held message besides its id, due time and place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldMeta {
+    /// Index into [`Recovered::queues`].
+    pub queue: u32,
+    /// Header + body bytes.
+    pub size: u32,
+    /// Retry number in its headers.
+    pub retry: u32,
+    /// It goes to an exchange (`on_exhausted`), not back to its queue.
+    pub dead_letter: bool,
+}
+
 /// What recovery found.
 #[derive(Debug, Default)]
 pub struct Recovered {
     /// Held messages: id, due time, location; in due order.
     pub held: Vec<(u64, u64, Loc)>,
+    /// Per held message, in the same order: queue, size, retry, route.
+    pub meta: Vec<HeldMeta>,
+    /// `(vhost, queue)` of the held messages, each once.
+    pub queues: Vec<(Arc<str>, Arc<str>)>,
     /// First id not used yet.
     pub next_id: u64,
     /// Records cut off as torn or corrupt.
@@ -115,7 +132,8 @@ impl Log {
         lock.try_lock().map_err(|_| {
             io::Error::new(io::ErrorKind::WouldBlock, format!("{} is in use by another nackd", dir.display()))
         })?;
-        let mut index: HashMap<u64, (u64, Loc)> = HashMap::new();
+        let mut index: HashMap<u64, (u64, Loc, HeldMeta)> = HashMap::new();
+        let mut queues: HashMap<(Arc<str>, Arc<str>), u32> = HashMap::new();
         let mut segments = BTreeMap::new();
         let mut recovered = Recovered { next_id: 1, ..Recovered::default() };
         let numbers = segment_numbers(dir)?;
@@ -127,7 +145,10 @@ impl Log {
                 |rec, loc| match rec {
                     Record::Put(h) => {
                         recovered.next_id = recovered.next_id.max(h.id + 1);
-                        index.insert(h.id, (h.due_ms, loc));
+                        let next = queues.len() as u32;
+                        let queue = *queues.entry((h.vhost.clone(), h.queue.clone())).or_insert(next);
+                        let (size, retry, dead_letter) = (h.size() as u32, h.retry, h.route != super::Route::Queue);
+                        index.insert(h.id, (h.due_ms, loc, HeldMeta { queue, size, retry, dead_letter }));
                     }
                     Record::Del(id) => {
                         index.remove(&id);
@@ -144,7 +165,7 @@ impl Log {
             }
             segments.insert(n, Segment { size: good as u64, live: 0 });
         }
-        for (_, loc) in index.values() {
+        for (_, loc, _) in index.values() {
             if let Some(s) = segments.get_mut(&loc.segment) {
                 s.live += 1;
             }
@@ -171,8 +192,13 @@ impl Log {
         for n in log.segments.iter().filter(|(n, s)| **n != head && s.live == 0).map(|(n, _)| *n).collect::<Vec<_>>() {
             log.drop_segment(n);
         }
-        recovered.held = index.into_iter().map(|(id, (due, loc))| (id, due, loc)).collect();
-        recovered.held.sort_unstable_by_key(|(id, due, _)| (*due, *id));
+        let mut held: Vec<_> = index.into_iter().collect();
+        held.sort_unstable_by_key(|(id, (due, _, _))| (*due, *id));
+        (recovered.held, recovered.meta) = held.into_iter().map(|(id, (due, loc, meta))| ((id, due, loc), meta)).unzip();
+        recovered.queues = vec![(Arc::from(""), Arc::from("")); queues.len()];
+        for (key, i) in queues {
+            recovered.queues[i as usize] = key;
+        }
         info!(dir = %dir.display(), held = recovered.held.len(), segments = log.segments.len(), damaged = recovered.damaged, "store recovered");
         Ok((log, recovered))
     }

@@ -41,6 +41,10 @@ fn puts_survive_reopen_and_deletes_stick() {
     let (id, due, loc) = rec.held[0];
     let back = log.reader().read(loc).unwrap();
     assert_eq!((back.id, back.due_ms), (id, due));
+    let meta = rec.meta[0];
+    assert_eq!((meta.retry, meta.size as usize, meta.dead_letter), (back.retry, back.size(), false));
+    assert_eq!(rec.queues[meta.queue as usize], (back.vhost.clone(), back.queue.clone()));
+    assert_eq!(rec.meta.len(), rec.held.len());
 }
 
 #[test]
@@ -112,4 +116,5 @@ fn a_reroute_supersedes_the_old_record() {
     assert_eq!(rec.held.len(), 1);
     let back = log.reader().read(rec.held[0].2).unwrap();
     assert!(matches!(back.route, Route::Exchange { .. }));
+    assert!(rec.meta[0].dead_letter, "recovery sees the latest route");
 }
