@@ -12,6 +12,7 @@
 //! - [`reply`]: AMQP reply codes.
 //! - [`fuzzing`]: fuzz targets over the frame layer, shared by `fuzz/` and the
 //!   property tests.
+//! - [`metrics`]: the Prometheus metrics every part updates.
 //! - `bench` (feature `bench`): the scenarios of the `nackd-bench` command.
 #![forbid(unsafe_code)]
 
@@ -34,3 +35,4 @@ pub mod intercept;
 pub mod republish;
 pub mod retry;
 pub mod store;
+pub mod metrics;

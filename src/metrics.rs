@@ -1,0 +1,298 @@
+//! Prometheus metrics: one [`Metrics`] shared by the listener, the sessions,
+//! the retry engine, the republishers and the store writer.
+//!
+//! Hot paths never look a series up by its labels: every labelled series a
+//! session touches (a direction, a pass reason) is resolved once here and
+//! kept as a handle, so an update is one atomic add. Sessions add per read
+//! batch, not per frame. Per-queue series are owned by the retry engine,
+//! which caches their handles too.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+
+mod recent;
+pub use recent::{Event, EventKind, Recent};
+
+/// Content type of [`Metrics::encode`]'s output (OpenMetrics text, which
+/// Prometheus scrapes natively).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels of a per-queue series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    /// Virtual host.
+    pub vhost: String,
+    /// Queue.
+    pub queue: String,
+}
+
+/// Labels of a per-vhost series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VhostLabels {
+    /// Virtual host.
+    pub vhost: String,
+}
+
+/// One fixed `name="value"` label.
+type Label = [(&'static str, &'static str); 1];
+
+/// Why a nack or reject went to the broker as the client sent it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PassReason {
+    /// No policy covers the delivery's queue (or no policy at all).
+    NotConfigured,
+    /// The capture budget was spent when the message was delivered.
+    OverBudget,
+    /// The store refused the message (full, I/O error) or the engine is gone.
+    StoreUnavailable,
+    /// The channel is in `tx` mode.
+    TxChannel,
+    /// A `requeue=true` nack with `requeue = "pass"` in the policy.
+    RequeuePass,
+    /// The message's headers cannot be rewritten.
+    BadHeaders,
+    /// nackd does not know the delivery tag (double settle, no-ack delivery).
+    UnknownTag,
+}
+
+impl PassReason {
+    /// Every reason, in label order.
+    pub const ALL: [PassReason; 7] = [
+        Self::NotConfigured,
+        Self::OverBudget,
+        Self::StoreUnavailable,
+        Self::TxChannel,
+        Self::RequeuePass,
+        Self::BadHeaders,
+        Self::UnknownTag,
+    ];
+
+    /// The `reason` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NotConfigured => "not_configured",
+            Self::OverBudget => "over_budget",
+            Self::StoreUnavailable => "store_unavailable",
+            Self::TxChannel => "tx_channel",
+            Self::RequeuePass => "requeue_pass",
+            Self::BadHeaders => "bad_headers",
+            Self::UnknownTag => "unknown_tag",
+        }
+    }
+}
+
+/// A pair of counters for the two directions of the proxy.
+#[derive(Clone, Debug, Default)]
+pub struct Directions {
+    /// Client to broker.
+    pub to_upstream: Counter,
+    /// Broker to client.
+    pub to_client: Counter,
+}
+
+/// Every metric nackd exports, with handles the hot paths update directly.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Client connections open now.
+    pub clients: Gauge,
+    /// Client connections accepted since start.
+    pub clients_accepted: Counter,
+    /// Client connections refused at `max_connections`.
+    pub clients_refused: Counter,
+    /// Upstream (broker) connections open for clients now.
+    pub upstreams: Gauge,
+    /// Upstream connects that failed.
+    pub upstream_failures: Counter,
+    /// Frames proxied, by direction.
+    pub frames: Directions,
+    /// Bytes proxied, by direction.
+    pub bytes: Directions,
+    /// Nacks/rejects nackd took over (stored, acked upstream).
+    pub intercepted: Counter,
+    passed: Vec<Counter>,
+    /// Held messages by vhost and queue (owned by the retry engine).
+    pub held: Family<QueueLabels, Gauge>,
+    /// Held bytes by vhost and queue (owned by the retry engine).
+    pub held_bytes: Family<QueueLabels, Gauge>,
+    /// Held messages handed to a republisher when due.
+    pub published: Counter,
+    /// Republishes the broker confirmed.
+    pub confirmed: Counter,
+    /// Republishes the broker returned as unroutable.
+    pub returned: Counter,
+    /// Republishes the broker nacked.
+    pub nacked: Counter,
+    /// Returned messages re-routed to their `on_exhausted` exchange.
+    pub rerouted: Counter,
+    /// Schedules used up, handed back with `basic.reject`.
+    pub exhausted_reject: Counter,
+    /// Messages confirmed on an `on_exhausted` exchange.
+    pub exhausted_dead_letter: Counter,
+    /// Time from due to handed to the republisher (first attempt).
+    pub lateness: Histogram,
+    /// Duration of the store's fsync (one per group commit).
+    pub fsync: Histogram,
+    /// Bytes of the store's segment files.
+    pub store_bytes: Gauge,
+    /// 1 while the store is open and its writer runs.
+    pub store_open: Gauge,
+    /// Store writes or fsyncs that failed.
+    pub store_errors: Counter,
+    /// Republisher connections up now (all vhosts).
+    pub republishers: Gauge,
+    /// 1 while the republisher of a vhost is connected.
+    pub republisher_connected: Family<VhostLabels, Gauge>,
+    /// 1 while the broker blocks the republisher of a vhost.
+    pub republisher_blocked: Family<VhostLabels, Gauge>,
+    /// Bytes of deliveries captured in case they are nacked.
+    pub capture_bytes: Gauge,
+    /// Policy reloads that took effect.
+    pub reloads_ok: Counter,
+    /// Policy reloads refused (the old policies stay).
+    pub reloads_failed: Counter,
+    /// Recent retries and exhaustions, for the status page.
+    pub recent: Recent,
+}
+
+/// Buckets of the lateness histogram, in seconds.
+const LATENESS_BUCKETS: [f64; 14] = [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0];
+/// Buckets of the fsync histogram, in seconds.
+const FSYNC_BUCKETS: [f64; 13] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+impl Metrics {
+    /// Every metric at zero, registered.
+    pub fn new() -> Arc<Self> {
+        let frames = Family::<Label, Counter>::default();
+        let bytes = Family::<Label, Counter>::default();
+        let passed = Family::<Label, Counter>::default();
+        let exhausted = Family::<Label, Counter>::default();
+        let reloads = Family::<Label, Counter>::default();
+        let one = |f: &Family<Label, Counter>, name, value| f.get_or_create_owned(&[(name, value)]);
+        let directions = |f: &Family<Label, Counter>| Directions {
+            to_upstream: one(f, "direction", "to_upstream"),
+            to_client: one(f, "direction", "to_client"),
+        };
+        let m = Self {
+            registry: Registry::default(),
+            clients: Gauge::default(),
+            clients_accepted: Counter::default(),
+            clients_refused: Counter::default(),
+            upstreams: Gauge::default(),
+            upstream_failures: Counter::default(),
+            frames: directions(&frames),
+            bytes: directions(&bytes),
+            intercepted: Counter::default(),
+            passed: PassReason::ALL.iter().map(|r| one(&passed, "reason", r.label())).collect(),
+            held: Family::default(),
+            held_bytes: Family::default(),
+            published: Counter::default(),
+            confirmed: Counter::default(),
+            returned: Counter::default(),
+            nacked: Counter::default(),
+            rerouted: Counter::default(),
+            exhausted_reject: one(&exhausted, "route", "reject"),
+            exhausted_dead_letter: one(&exhausted, "route", "dead_letter"),
+            lateness: Histogram::new(LATENESS_BUCKETS),
+            fsync: Histogram::new(FSYNC_BUCKETS),
+            store_bytes: Gauge::default(),
+            store_open: Gauge::default(),
+            store_errors: Counter::default(),
+            republishers: Gauge::default(),
+            republisher_connected: Family::default(),
+            republisher_blocked: Family::default(),
+            capture_bytes: Gauge::default(),
+            reloads_ok: one(&reloads, "result", "ok"),
+            reloads_failed: one(&reloads, "result", "error"),
+            recent: Recent::default(),
+        };
+        let mut r = Registry::default();
+        r.register("nackd_build", "nackd version", Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]));
+        r.register("nackd_client_connections", "Client connections open", m.clients.clone());
+        r.register("nackd_client_connections_accepted", "Client connections accepted", m.clients_accepted.clone());
+        r.register("nackd_client_connections_refused", "Client connections refused at limits.max_connections", m.clients_refused.clone());
+        r.register("nackd_upstream_connections", "Broker connections open on behalf of clients", m.upstreams.clone());
+        r.register("nackd_upstream_connect_failures", "Broker connects that failed", m.upstream_failures.clone());
+        r.register("nackd_frames", "Frames proxied, by direction", frames);
+        r.register_with_unit("nackd_proxied", "Bytes proxied, by direction", Unit::Bytes, bytes);
+        r.register("nackd_nacks_intercepted", "Nacks and rejects nackd took over (stored, then acked upstream)", m.intercepted.clone());
+        r.register("nackd_nacks_passed", "Nacks and rejects forwarded to the broker as sent, by reason", passed);
+        r.register("nackd_held_messages", "Messages held for a delayed retry", m.held.clone());
+        r.register_with_unit("nackd_held", "Bytes of messages held for a delayed retry", Unit::Bytes, m.held_bytes.clone());
+        r.register("nackd_retries_published", "Held messages handed to the republisher when due", m.published.clone());
+        r.register("nackd_retries_confirmed", "Republishes confirmed by the broker", m.confirmed.clone());
+        r.register("nackd_retries_returned", "Republishes returned as unroutable", m.returned.clone());
+        r.register("nackd_retries_nacked", "Republishes nacked by the broker", m.nacked.clone());
+        r.register("nackd_retries_rerouted", "Returned messages re-routed to their on_exhausted exchange", m.rerouted.clone());
+        r.register("nackd_exhausted", "Messages whose retry schedule is used up, by route", exhausted);
+        r.register_with_unit("nackd_redelivery_lateness", "Time from due to republish (first attempt)", Unit::Seconds, m.lateness.clone());
+        r.register_with_unit("nackd_store_fsync", "Duration of the store's group-commit fsync", Unit::Seconds, m.fsync.clone());
+        r.register_with_unit("nackd_store", "Size of the store's segment files", Unit::Bytes, m.store_bytes.clone());
+        r.register("nackd_store_open", "1 while the store is open and its writer runs", m.store_open.clone());
+        r.register("nackd_store_errors", "Store writes or fsyncs that failed", m.store_errors.clone());
+        r.register("nackd_republisher_connections", "Republisher connections up (all vhosts)", m.republishers.clone());
+        r.register("nackd_republisher_connected", "1 while the republisher of the vhost is connected", m.republisher_connected.clone());
+        r.register("nackd_republisher_blocked", "1 while the broker blocks the republisher of the vhost", m.republisher_blocked.clone());
+        r.register_with_unit("nackd_capture", "Bytes of deliveries captured in case they are nacked", Unit::Bytes, m.capture_bytes.clone());
+        r.register("nackd_policy_reloads", "Policy reloads (SIGHUP), by result", reloads);
+        Arc::new(Self { registry: r, ..m })
+    }
+
+    /// Counts `n` nacks passed through for `reason`.
+    pub fn pass(&self, reason: PassReason, n: u64) {
+        if n > 0 {
+            self.passed[reason as usize].inc_by(n);
+        }
+    }
+
+    /// Nacks passed through for `reason` so far.
+    pub fn passed(&self, reason: PassReason) -> u64 {
+        self.passed[reason as usize].get()
+    }
+
+    /// Nacks passed through, all reasons.
+    pub fn passed_total(&self) -> u64 {
+        self.passed.iter().map(Counter::get).sum()
+    }
+
+    /// Observes a duration, in seconds.
+    pub fn observe(histogram: &Histogram, d: Duration) {
+        histogram.observe(d.as_secs_f64());
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Decrements a gauge when dropped: an open connection's lifetime.
+#[derive(Debug)]
+pub struct Open(Gauge);
+
+impl Open {
+    /// Increments `gauge` now, decrements it on drop.
+    pub fn track(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests;
