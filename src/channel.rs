@@ -29,6 +29,8 @@ pub struct Delivery {
     pub queue: Arc<str>,
     /// The message, when its queue is intercepted and the budget allowed.
     pub capture: Option<Captured>,
+    /// Its queue is intercepted but the capture budget was spent.
+    pub over_budget: bool,
 }
 
 /// Where a content (header + bodies) is in one direction.
@@ -177,14 +179,14 @@ impl Channel {
                 if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
                     if !consumer.no_ack {
                         let queue = consumer.queue.clone();
-                        self.outstanding.insert(d.delivery_tag, Delivery { queue, capture: None });
+                        self.outstanding.insert(d.delivery_tag, Delivery { queue, capture: None, over_budget: false });
                     }
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
                 if let Some(get) = self.pending_gets.pop_front() {
                     if !get.no_ack {
-                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue, capture: None });
+                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue, capture: None, over_budget: false });
                     }
                 }
             }

@@ -186,14 +186,21 @@ impl Default for Store {
     }
 }
 
-/// `[metrics]`
+/// `[metrics]`: the operations listener (metrics, health, status page, admin API).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Metrics {
-    /// Address of `/metrics` and `/healthz`.
+    /// Address of `/metrics`, `/healthz`, `/readyz`, `/` and `/api/`.
     #[serde(default = "default_metrics")]
     pub address: SocketAddr,
+    /// Bearer token of the admin API, inline (the API is off without one).
+    pub admin_token: Option<String>,
+    /// Or the name of an environment variable holding it.
+    pub admin_token_env: Option<String>,
 }
+
+/// Shortest admin token accepted.
+pub const ADMIN_TOKEN_MIN: usize = 16;
 
 fn default_metrics() -> SocketAddr {
     "127.0.0.1:9645".parse().expect("valid literal")
@@ -203,8 +210,35 @@ impl Default for Metrics {
     fn default() -> Self {
         Self {
             address: default_metrics(),
+            admin_token: None,
+            admin_token_env: None,
         }
     }
+}
+
+impl Metrics {
+    /// The admin token: inline, from `admin_token_env`, or `None` (API off).
+    /// Errors name the key.
+    pub fn admin_token(&self) -> Result<Option<String>, String> {
+        let token = match (&self.admin_token, &self.admin_token_env) {
+            (Some(t), _) => t.clone(),
+            (None, Some(var)) => std::env::var(var).map_err(|_| format!("metrics.admin_token_env: {var} is not set"))?,
+            (None, None) => return Ok(None),
+        };
+        let key = if self.admin_token.is_some() { "metrics.admin_token" } else { "metrics.admin_token_env" };
+        check_token(&token).map_err(|reason| format!("{key}: {reason}"))?;
+        Ok(Some(token))
+    }
+}
+
+fn check_token(token: &str) -> Result<(), String> {
+    if token.chars().count() < ADMIN_TOKEN_MIN {
+        return Err(format!("the admin token must be at least {ADMIN_TOKEN_MIN} characters"));
+    }
+    if !token.chars().all(|c| c.is_ascii_graphic()) {
+        return Err("the admin token must be printable ASCII without spaces".into());
+    }
+    Ok(())
 }
 
 /// `[limits]`
@@ -418,6 +452,12 @@ impl Config {
         }
         if !self.upstream.address.contains(':') {
             return Err(("upstream.address".into(), "expected host:port".into()));
+        }
+        if let (Some(_), Some(_)) = (&self.metrics.admin_token, &self.metrics.admin_token_env) {
+            return Err(("metrics.admin_token_env".into(), "set admin_token or admin_token_env, not both".into()));
+        }
+        if let Some(token) = &self.metrics.admin_token {
+            check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
         }
         if let (Some(_), Some(_)) = (&self.republish.password, &self.republish.password_env) {
             return Err((

@@ -14,6 +14,8 @@
 //!   property tests.
 //! - [`metrics`]: the Prometheus metrics every part updates.
 //! - `bench` (feature `bench`): the scenarios of the `nackd-bench` command.
+//! - [`ops`]: the operations listener: `/metrics`, health, status page, admin API.
+//! - [`reload`]: `[[policy]]` hot reload on SIGHUP.
 #![forbid(unsafe_code)]
 
 pub mod content;
@@ -36,3 +38,5 @@ pub mod republish;
 pub mod retry;
 pub mod store;
 pub mod metrics;
+pub mod ops;
+pub mod reload;

@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::frame::{self, Frame, FrameDecoder, FrameType};
 use crate::method;
+use crate::metrics::{Metrics, Open, VhostLabels};
 use crate::net::{Connector, Io};
 use crate::store::Route;
 
@@ -78,9 +79,19 @@ pub struct Republisher {
 
 impl Republisher {
     /// Starts the republisher task for `vhost`.
-    pub fn spawn(vhost: Arc<str>, connector: Connector, login: Credentials, reports: mpsc::UnboundedSender<Report>) -> Self {
+    pub fn spawn(
+        vhost: Arc<str>,
+        connector: Connector,
+        login: Credentials,
+        reports: mpsc::UnboundedSender<Report>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let labels = VhostLabels { vhost: vhost.to_string() };
         let task = Task {
+            connected: metrics.republisher_connected.get_or_create_owned(&labels),
+            blocked: metrics.republisher_blocked.get_or_create_owned(&labels),
+            metrics,
             vhost,
             connector,
             login,
@@ -109,6 +120,10 @@ enum ConnError {
 }
 
 struct Task {
+    metrics: Arc<Metrics>,
+    /// `nackd_republisher_connected{vhost}` and `nackd_republisher_blocked{vhost}`.
+    connected: prometheus_client::metrics::gauge::Gauge,
+    blocked: prometheus_client::metrics::gauge::Gauge,
     vhost: Arc<str>,
     connector: Connector,
     login: Credentials,
@@ -125,7 +140,12 @@ impl Task {
                 Ok(conn) => {
                     info!(vhost = %self.vhost, "republisher connected");
                     backoff = Duration::from_millis(100);
-                    match self.serve(conn).await {
+                    let _up = Open::track(&self.metrics.republishers);
+                    self.connected.set(1);
+                    let served = self.serve(conn).await;
+                    self.connected.set(0);
+                    self.blocked.set(0);
+                    match served {
                         Ok(()) => return,
                         Err(e) => warn!(vhost = %self.vhost, error = %e, "republisher connection lost; reconnecting"),
                     }
@@ -214,10 +234,12 @@ impl Task {
             AMQPClass::Connection(connection::AMQPMethod::Blocked(b)) => {
                 warn!(vhost = %self.vhost, reason = b.reason.as_str(), "broker blocked publishing");
                 *blocked = true;
+                self.blocked.set(1);
             }
             AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)) => {
                 info!(vhost = %self.vhost, "broker unblocked publishing");
                 *blocked = false;
+                self.blocked.set(0);
             }
             AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
                 let _ = conn.io.write_all(&method::connection_close_ok()).await;

@@ -10,10 +10,16 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::metrics::{Event, EventKind, Metrics};
 use crate::net::Connector;
 use crate::republish::{Credentials, Outcome, Publish, Report, Republisher};
-use crate::store::{self, Held, Loc, Log, Reader, Recovered, Route, StoreError, WriteOp, Written};
+use crate::store::{self, Held, Log, Reader, Recovered, Route, StoreError, WriteOp, Written};
 use crate::wheel::Wheel;
+
+mod admin;
+mod ledger;
+pub use admin::{DueBucket, Listed, QueueStatus, Status, Target};
+use ledger::{Entry, Ledger};
 
 /// Identifies a claimed delivery inside its session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -62,12 +68,14 @@ pub struct Parked {
 enum Command {
     Park(Park),
     Cancel(u64),
+    Admin(admin::Command),
 }
 
-/// Handle sessions use to park messages.
+/// Handle sessions use to park messages (and operators to inspect them).
 #[derive(Clone)]
 pub struct RetryHandle {
     tx: mpsc::UnboundedSender<Command>,
+    reader: Reader,
 }
 
 impl RetryHandle {
@@ -110,56 +118,70 @@ impl Clock {
     }
 }
 
+/// What the engine keeps of a message while its put is being written.
+#[derive(Clone, Copy)]
+struct Meta {
+    queue: u32,
+    size: u32,
+    retry: u32,
+    dead_letter: bool,
+}
+
 /// Why a put was made: to answer a session, or to re-route a message.
 enum PutCtx {
     Park {
         key: ClaimKey,
         reply: mpsc::UnboundedSender<Parked>,
+        meta: Meta,
     },
     Reroute,
 }
 
+/// A wheel entry: store id and the schedule token it was inserted with.
+type Slot = (u64, u32);
+
 /// Starts the engine over an opened log and what its recovery found.
-pub fn spawn(log: Log, recovered: Recovered, connector: Connector, login: Credentials) -> RetryHandle {
+pub fn spawn(log: Log, recovered: Recovered, connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> RetryHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let (written_tx, written) = mpsc::unbounded_channel();
     let clock = Clock::start();
     let reader = log.reader();
     let mut engine = Engine {
-        writer: store::spawn_writer(log, written_tx),
-        reader,
-        index: HashMap::with_capacity(recovered.held.len()),
+        writer: store::spawn_writer(log, written_tx, metrics.clone()),
+        reader: reader.clone(),
+        ledger: Ledger::new(metrics.clone(), recovered.held.len()),
         wheel: Wheel::new(clock.now_ms()),
         clock,
         republishers: HashMap::new(),
         connector,
         login,
         reports_tx,
-        attempts: HashMap::new(),
         next_id: recovered.next_id,
+        metrics,
     };
+    let queues: Vec<u32> = recovered.queues.iter().map(|(vhost, queue)| engine.ledger.intern(vhost, queue)).collect();
     // Oldest first: overdue messages fire in due order.
-    for (id, due, loc) in recovered.held {
-        engine.index.insert(id, loc);
-        engine.wheel.insert(due, id);
+    for ((id, due, loc), m) in recovered.held.into_iter().zip(recovered.meta) {
+        engine.ledger.insert(id, Entry::new(loc, due, queues[m.queue as usize], m.size, m.retry, m.dead_letter));
+        engine.wheel.insert(due, (id, 0));
     }
     tokio::spawn(engine.run(rx, reports, written));
-    RetryHandle { tx }
+    RetryHandle { tx, reader }
 }
 
 struct Engine {
     writer: std::sync::mpsc::Sender<WriteOp<PutCtx>>,
     reader: Reader,
-    index: HashMap<u64, Loc>,
-    wheel: Wheel<u64>,
+    ledger: Ledger,
+    wheel: Wheel<Slot>,
     clock: Clock,
     republishers: HashMap<Arc<str>, Republisher>,
     connector: Connector,
     login: Credentials,
     reports_tx: mpsc::UnboundedSender<Report>,
-    attempts: HashMap<u64, u32>,
     next_id: u64,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
@@ -175,6 +197,7 @@ impl Engine {
                 command = commands.recv() => match command {
                     Some(Command::Park(park)) => self.park(park),
                     Some(Command::Cancel(id)) => self.forget(id),
+                    Some(Command::Admin(command)) => self.on_admin(command),
                     None => return,
                 },
                 Some(w) = written.recv() => self.on_written(w),
@@ -188,6 +211,12 @@ impl Engine {
     fn park(&mut self, park: Park) {
         let id = self.next_id;
         self.next_id += 1;
+        let meta = Meta {
+            queue: self.ledger.intern(&park.vhost, &park.queue),
+            size: (park.header.len() + park.body.len()) as u32,
+            retry: park.retry,
+            dead_letter: park.route != Route::Queue,
+        };
         let held = Held {
             id,
             vhost: park.vhost,
@@ -199,8 +228,8 @@ impl Engine {
             header: park.header,
             body: park.body,
         };
-        let ctx = PutCtx::Park { key: park.key, reply: park.reply };
-        if let Err(std::sync::mpsc::SendError(WriteOp::Put { ctx: PutCtx::Park { key, reply }, .. })) =
+        let ctx = PutCtx::Park { key: park.key, reply: park.reply, meta };
+        if let Err(std::sync::mpsc::SendError(WriteOp::Put { ctx: PutCtx::Park { key, reply, .. }, .. })) =
             self.writer.send(WriteOp::Put { held, replaces: None, ctx })
         {
             let _ = reply.send(Parked { key, result: Err(StoreError::Io("store thread is gone".into())) });
@@ -209,51 +238,69 @@ impl Engine {
 
     fn on_written(&mut self, w: Written<PutCtx>) {
         match (w.ctx, w.result) {
-            (PutCtx::Park { key, reply }, Ok(loc)) => {
-                self.index.insert(w.id, loc);
-                self.wheel.insert(w.due_ms, w.id);
+            (PutCtx::Park { key, reply, meta }, Ok(loc)) => {
+                let entry = Entry::new(loc, w.due_ms, meta.queue, meta.size, meta.retry, meta.dead_letter);
+                self.ledger.insert(w.id, entry);
+                self.schedule(w.id, w.due_ms);
                 let _ = reply.send(Parked { key, result: Ok(w.id) });
             }
-            (PutCtx::Park { key, reply }, Err(e)) => {
+            (PutCtx::Park { key, reply, .. }, Err(e)) => {
                 let _ = reply.send(Parked { key, result: Err(e) });
             }
             (PutCtx::Reroute, Ok(loc)) => {
-                self.index.insert(w.id, loc);
-                self.wheel.insert(self.clock.now_ms(), w.id);
+                let Some(entry) = self.ledger.get_mut(w.id) else { return }; // purged meanwhile
+                entry.loc = loc;
+                entry.dead_letter = true;
+                entry.inflight = false;
+                self.schedule(w.id, self.clock.now_ms());
             }
             (PutCtx::Reroute, Err(e)) => self.again(w.id, &format!("cannot store the re-route ({e})")),
         }
     }
 
-    fn forget(&mut self, id: u64) {
-        self.attempts.remove(&id);
-        if let Some(loc) = self.index.remove(&id) {
-            let _ = self.writer.send(WriteOp::Del { id, loc });
-        }
+    /// (Re)arms the wheel for `id`; wheel entries armed before are stale.
+    fn schedule(&mut self, id: u64, at_ms: u64) {
+        let Some(entry) = self.ledger.get_mut(id) else { return };
+        entry.token = entry.token.wrapping_add(1);
+        self.wheel.insert(at_ms, (id, entry.token));
     }
 
-    fn read(&self, id: u64) -> Option<Result<Held, StoreError>> {
-        self.index.get(&id).map(|loc| self.reader.read(*loc))
+    fn forget(&mut self, id: u64) {
+        if let Some(entry) = self.ledger.remove(id) {
+            let _ = self.writer.send(WriteOp::Del { id, loc: entry.loc });
+        }
     }
 
     fn fire(&mut self) {
         let now = self.clock.now_ms();
         let mut due = Vec::new();
         self.wheel.poll(now, &mut due);
-        for id in due {
-            let held = match self.read(id) {
-                None => continue, // forgotten meanwhile
-                Some(Ok(held)) => held,
-                Some(Err(e)) => {
+        for (id, token) in due {
+            let Some(entry) = self.ledger.get(id).copied() else { continue }; // forgotten meanwhile
+            if entry.token != token || entry.inflight {
+                continue; // rescheduled (fired now, backed off) or already publishing
+            }
+            let held = match self.reader.read(entry.loc) {
+                Ok(held) => held,
+                Err(e) => {
                     self.again(id, &format!("cannot read the held message ({e})"));
                     continue;
                 }
             };
-            debug!(id, queue = %held.queue, late_ms = now.saturating_sub(held.due_ms), "due");
+            let late_ms = now.saturating_sub(entry.due_ms);
+            if entry.attempts == 0 && !entry.forced {
+                Metrics::observe(&self.metrics.lateness, Duration::from_millis(late_ms));
+            }
+            if let Some(e) = self.ledger.get_mut(id) {
+                e.inflight = true;
+            }
+            self.metrics.published.inc();
+            debug!(id, queue = %held.queue, late_ms, "due");
             let vhost = held.vhost.clone();
             let publish = Publish { id, queue: held.queue, route: held.route, header: held.header, body: held.body };
+            let metrics = &self.metrics;
             let republisher = self.republishers.entry(vhost.clone()).or_insert_with(|| {
-                Republisher::spawn(vhost, self.connector.clone(), self.login.clone(), self.reports_tx.clone())
+                Republisher::spawn(vhost, self.connector.clone(), self.login.clone(), self.reports_tx.clone(), metrics.clone())
             });
             republisher.publish(publish);
         }
@@ -262,19 +309,45 @@ impl Engine {
     fn on_report(&mut self, report: Report) {
         let id = report.id;
         match report.outcome {
-            Outcome::Confirmed => self.forget(id),
-            Outcome::Nacked => self.again(id, "broker nacked the republish"),
-            Outcome::Returned => self.on_returned(id),
+            Outcome::Confirmed => self.on_confirmed(id),
+            Outcome::Nacked => {
+                self.metrics.nacked.inc();
+                self.again(id, "broker nacked the republish")
+            }
+            Outcome::Returned => {
+                self.metrics.returned.inc();
+                self.on_returned(id)
+            }
         }
     }
 
+    fn on_confirmed(&mut self, id: u64) {
+        self.metrics.confirmed.inc();
+        if let Some(entry) = self.ledger.get(id).copied() {
+            let kind = match entry.dead_letter {
+                true => {
+                    self.metrics.exhausted_dead_letter.inc();
+                    EventKind::ExhaustedDeadLetter
+                }
+                false => EventKind::Retried,
+            };
+            let (vhost, queue) = self.ledger.name(entry.queue);
+            let at_ms = self.clock.now_ms();
+            let (vhost, queue, retry) = (vhost.to_string(), queue.to_string(), entry.retry);
+            self.metrics.recent.push(Event { at_ms, kind, vhost, queue, retry });
+        }
+        self.forget(id);
+    }
+
     fn on_returned(&mut self, id: u64) {
-        let (Some(Ok(mut held)), Some(loc)) = (self.read(id), self.index.get(&id).copied()) else { return };
+        let Some(entry) = self.ledger.get(id).copied() else { return };
+        let Ok(mut held) = self.reader.read(entry.loc) else { return self.again(id, "returned; cannot read it back") };
         match (&held.route, held.on_return.clone()) {
             (Route::Queue, Some(dead_letter)) => {
                 warn!(id, queue = %held.queue, "queue is gone: sending to the dead-letter exchange");
+                self.metrics.rerouted.inc();
                 held.route = dead_letter;
-                let _ = self.writer.send(WriteOp::Put { held, replaces: Some(loc), ctx: PutCtx::Reroute });
+                let _ = self.writer.send(WriteOp::Put { held, replaces: Some(entry.loc), ctx: PutCtx::Reroute });
             }
             _ => self.again(id, "returned as unroutable (queue or exchange missing)"),
         }
@@ -282,11 +355,13 @@ impl Engine {
 
     /// Keeps the message and tries again later, backing off.
     fn again(&mut self, id: u64, why: &str) {
-        let attempt = self.attempts.entry(id).or_insert(0);
-        *attempt += 1;
-        let backoff = Duration::from_millis(100 * (1u64 << (*attempt).min(9))).min(Duration::from_secs(30));
-        warn!(id, attempt = *attempt, retry_in = ?backoff, "{why}; keeping the message");
-        self.wheel.insert(self.clock.now_ms() + backoff.as_millis() as u64, id);
+        let Some(entry) = self.ledger.get_mut(id) else { return }; // purged meanwhile
+        entry.inflight = false;
+        entry.attempts = entry.attempts.saturating_add(1);
+        let attempt = entry.attempts;
+        let backoff = Duration::from_millis(100 * (1u64 << attempt.min(9))).min(Duration::from_secs(30));
+        warn!(id, attempt, retry_in = ?backoff, "{why}; keeping the message");
+        self.schedule(id, self.clock.now_ms() + backoff.as_millis() as u64);
     }
 }
 

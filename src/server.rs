@@ -8,31 +8,42 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
 use crate::config::Config;
 use crate::net::{self, Connector, Io, TlsError};
 use crate::intercept::Budget;
+use crate::metrics::{Metrics, Open};
+use crate::ops::{self, Ops};
 use crate::policy::Policies;
+use crate::reload::{LivePolicies, Reloader};
 use crate::republish::Credentials;
 use crate::retry;
 use crate::session::{self, Interception};
 use crate::store::Log;
 
-/// Starts the retry engine for the configured policies.
-fn interception(config: &Config, connector: &Connector) -> Result<Interception, StartError> {
+/// Recovers the store and starts the retry engine for the configured policies.
+async fn interception(
+    config: &Config,
+    connector: &Connector,
+    live: &LivePolicies,
+    metrics: &Arc<Metrics>,
+) -> Result<Interception, StartError> {
     let login = Credentials {
         username: config.republish.username.clone(),
         password: config.republish.password().map_err(StartError::Credentials)?,
     };
-    let (log, recovered) = Log::open(&config.store.path, config.store.max_bytes.map(|b| b as u64))
-        .map_err(|e| StartError::Store(format!("store.path {}: {e}", config.store.path.display())))?;
+    let (path, max_bytes) = (config.store.path.clone(), config.store.max_bytes.map(|b| b as u64));
+    let opened = tokio::task::spawn_blocking(move || Log::open(&path, max_bytes))
+        .await
+        .map_err(|e| StartError::Store(format!("store recovery failed: {e}")))?;
+    let (log, recovered) = opened.map_err(|e| StartError::Store(format!("store.path {}: {e}", config.store.path.display())))?;
     Ok(Interception {
-        policies: Arc::new(Policies::new(&config.policies)),
+        policies: live.subscribe(),
         budget: Budget::new(config.limits.capture_budget),
-        retry: retry::spawn(log, recovered, connector.clone(), login),
+        retry: retry::spawn(log, recovered, connector.clone(), login, metrics.clone()),
     })
 }
 
@@ -42,6 +53,14 @@ pub enum StartError {
     /// The listen address cannot be bound.
     #[error("listen.address {address}: {source}")]
     Bind {
+        /// Address asked for.
+        address: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The metrics address cannot be bound.
+    #[error("metrics.address {address}: {source}")]
+    MetricsBind {
         /// Address asked for.
         address: SocketAddr,
         /// The I/O error.
@@ -67,10 +86,18 @@ pub struct Proxy {
     max_connections: usize,
     grace: Duration,
     interception: Option<Arc<Interception>>,
+    metrics: Arc<Metrics>,
+    ops: Arc<Ops>,
+    ops_addr: SocketAddr,
+    reloader: Reloader,
+    /// Stops the operations listener when the proxy is done (or never ran).
+    _ops_stop: DropGuard,
 }
 
 impl Proxy {
-    /// Binds the listener and loads TLS material; nothing is accepted yet.
+    /// Binds the listeners, loads TLS material and recovers the store;
+    /// no client is accepted yet. The operations listener already serves
+    /// (`/readyz` answers "recovering" until the store is recovered).
     pub async fn bind(config: &Config) -> Result<Self, StartError> {
         let address = config.listen.address;
         let listener = TcpListener::bind(address)
@@ -78,14 +105,34 @@ impl Proxy {
             .map_err(|source| StartError::Bind { address, source })?;
         let acceptor = config.listen.tls.as_ref().map(net::acceptor).transpose()?;
         let connector = Connector::new(&config.upstream)?;
-        let interception = match config.policies.is_empty() {
-            true => None,
-            false => Some(Arc::new(interception(config, &connector)?)),
+        let admin_token = config.metrics.admin_token().map_err(StartError::Credentials)?;
+        let metrics = Metrics::new();
+        let intercepting = !config.policies.is_empty();
+        let ops = Ops::new(metrics.clone(), connector.address().to_string(), admin_token, intercepting);
+        let ops_addr = config.metrics.address;
+        let ops_listener = ops::bind(ops_addr)
+            .await
+            .map_err(|source| StartError::MetricsBind { address: ops_addr, source })?;
+        let ops_addr = ops_listener.local_addr().unwrap_or(ops_addr);
+        let ops_stop = CancellationToken::new();
+        tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
+        let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
+        let interception = match &live {
+            None => None,
+            Some(live) => Some(Arc::new(interception(config, &connector, live, &metrics).await?)),
         };
+        if let Some(i) = &interception {
+            ops.attach(i.retry.clone(), i.budget.clone());
+        }
         Ok(Self {
             listener,
             acceptor,
             interception,
+            reloader: Reloader::new(live, metrics.clone()),
+            metrics,
+            ops,
+            ops_addr,
+            _ops_stop: ops_stop.drop_guard(),
             connector,
             limits: session::Limits {
                 max_frame: config.limits.max_frame,
@@ -101,6 +148,21 @@ impl Proxy {
         self.listener.local_addr().expect("a bound listener has an address")
     }
 
+    /// The address of `/metrics`, `/readyz`, the status page and the admin API.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.ops_addr
+    }
+
+    /// The proxy's metrics.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// Reloads `[[policy]]` tables into the running proxy (SIGHUP).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
+    }
+
     /// Accepts clients until `shutdown`, then gives sessions the grace period
     /// and closes those still open.
     pub async fn run(self, shutdown: CancellationToken) {
@@ -111,6 +173,7 @@ impl Proxy {
             address = %self.local_addr(),
             tls = self.acceptor.is_some(),
             upstream = self.connector.address(),
+            metrics = %self.ops_addr,
             "listening"
         );
         loop {
@@ -126,25 +189,31 @@ impl Proxy {
                 },
             };
             let Ok(permit) = permits.clone().try_acquire_owned() else {
+                self.metrics.clients_refused.inc();
                 warn!(client.addr = %client, max_connections = self.max_connections, "refusing connection: max_connections reached");
                 continue;
             };
+            self.metrics.clients_accepted.inc();
+            let open = Open::track(&self.metrics.clients);
             let task = accept(
                 tcp,
                 self.acceptor.clone(),
                 self.connector.clone(),
                 self.limits,
                 self.interception.clone(),
+                self.metrics.clone(),
                 force.clone(),
             );
             sessions.spawn(
                 async move {
                     task.await;
+                    drop(open);
                     drop(permit);
                 }
                 .instrument(session::span(client)),
             );
         }
+        self.ops.drain();
         drop(self.listener);
         sessions.close();
         info!(open = sessions.len(), grace = ?self.grace, "stopped accepting; waiting for sessions");
@@ -163,6 +232,7 @@ async fn accept(
     connector: Connector,
     limits: session::Limits,
     interception: Option<Arc<Interception>>,
+    metrics: Arc<Metrics>,
     force: CancellationToken,
 ) {
     let _ = tcp.set_nodelay(true);
@@ -174,5 +244,5 @@ async fn accept(
             Err(_) => return warn!("TLS handshake timed out"),
         },
     };
-    session::serve(io, connector, limits, interception, force).await;
+    session::serve(io, connector, limits, interception, metrics, force).await;
 }

@@ -18,6 +18,7 @@ use tracing::{debug, info, warn, Span};
 use crate::channel::Channels;
 use crate::frame::{self, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader};
 use crate::method::{self, ids, MethodId};
+use crate::metrics::{Metrics, Open};
 use crate::net::{Connector, Io};
 use crate::reply::ReplyCode;
 
@@ -57,6 +58,7 @@ pub async fn serve(
     connector: Connector,
     limits: Limits,
     interception: Option<Arc<Interception>>,
+    metrics: Arc<Metrics>,
     force: CancellationToken,
 ) {
     let deadline = Instant::now() + limits.handshake_timeout;
@@ -68,7 +70,9 @@ pub async fn serve(
             }
             match client.read_buf(&mut first).await {
                 Ok(0) | Err(_) => return None,
-                Ok(_) => {}
+                Ok(n) => {
+                    metrics.bytes.to_upstream.inc_by(n as u64);
+                }
             }
         }
     })
@@ -87,6 +91,7 @@ pub async fn serve(
     let (mut upstream, upstream_addr) = match connector.connect().await {
         Ok(pair) => pair,
         Err(e) => {
+            metrics.upstream_failures.inc();
             warn!(upstream = connector.address(), error = %e, "cannot reach the broker; closing the client");
             let _ = client.shutdown().await;
             return;
@@ -96,7 +101,8 @@ pub async fn serve(
     if let Err(e) = upstream.write_all(frame::PROTOCOL_HEADER).await {
         return warn!(error = %e, "broker closed during the protocol header");
     }
-    let mut session = Session::new(limits, deadline);
+    let _open = Open::track(&metrics.upstreams);
+    let mut session = Session::new(limits, deadline, metrics);
     session.client_in = first;
     if let Some(shared) = interception {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -127,12 +133,13 @@ struct Session {
     holding: bool,
     held: BytesMut,
     deferred_close: Option<&'static str>,
+    metrics: Arc<Metrics>,
 }
 
 type Fault = FrameError;
 
 impl Session {
-    fn new(limits: Limits, handshake_deadline: Instant) -> Self {
+    fn new(limits: Limits, handshake_deadline: Instant, metrics: Arc<Metrics>) -> Self {
         let now = Instant::now();
         Self {
             limits,
@@ -155,6 +162,7 @@ impl Session {
             holding: false,
             held: BytesMut::new(),
             deferred_close: None,
+            metrics,
         }
     }
 
@@ -173,11 +181,19 @@ impl Session {
                 biased;
                 _ = force.cancelled(), if !self.close.forced => self.on_force(),
                 r = client_rd.read_buf(&mut self.client_in), if self.may_read_client() => match r {
-                    Ok(n) if n > 0 => { self.client_rx = Instant::now(); self.on_client_bytes() }
+                    Ok(n) if n > 0 => {
+                        self.client_rx = Instant::now();
+                        self.metrics.bytes.to_upstream.inc_by(n as u64);
+                        self.on_client_bytes()
+                    }
                     r => self.on_client_gone(r.err()),
                 },
                 r = upstream_rd.read_buf(&mut self.upstream_in), if self.may_read_upstream() => match r {
-                    Ok(n) if n > 0 => { self.upstream_rx = Instant::now(); self.on_upstream_bytes() }
+                    Ok(n) if n > 0 => {
+                        self.upstream_rx = Instant::now();
+                        self.metrics.bytes.to_client.inc_by(n as u64);
+                        self.on_upstream_bytes()
+                    }
                     r => self.on_upstream_gone(r.err()),
                 },
                 r = write_or_flush(&mut client_wr, &mut self.to_client), if (client_flush || !self.to_client.is_empty()) && !self.close.client_gone => match r {
@@ -219,32 +235,48 @@ impl Session {
         !self.close.upstream_gone && self.to_client.len() < HIGH_WATER
     }
 
+    /// Handles every whole frame the client sent; counts them once per read.
     fn on_client_bytes(&mut self) {
+        let mut frames = 0;
         loop {
             match self.client_decoder.decode(&mut self.client_in) {
                 Ok(Some(frame)) => {
+                    frames += 1;
                     if let Err(fault) = self.on_client_frame(frame) {
-                        return self.on_client_fault(fault);
+                        self.on_client_fault(fault);
+                        break;
                     }
                 }
-                Ok(None) => return,
-                Err(fault) => return self.on_client_fault(fault),
+                Ok(None) => break,
+                Err(fault) => {
+                    self.on_client_fault(fault);
+                    break;
+                }
             }
         }
+        self.metrics.frames.to_upstream.inc_by(frames);
     }
 
+    /// Handles every whole frame the broker sent; counts them once per read.
     fn on_upstream_bytes(&mut self) {
+        let mut frames = 0;
         loop {
             match self.upstream_decoder.decode(&mut self.upstream_in) {
                 Ok(Some(frame)) => {
+                    frames += 1;
                     if let Err(fault) = self.on_upstream_frame(frame) {
-                        return self.on_upstream_fault(fault);
+                        self.on_upstream_fault(fault);
+                        break;
                     }
                 }
-                Ok(None) => return,
-                Err(fault) => return self.on_upstream_fault(fault),
+                Ok(None) => break,
+                Err(fault) => {
+                    self.on_upstream_fault(fault);
+                    break;
+                }
             }
         }
+        self.metrics.frames.to_client.inc_by(frames);
     }
 
     fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {

@@ -6,8 +6,11 @@
 //! wheel entry.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
+
+use crate::metrics::{Metrics, Open};
 
 /// Where a held message goes when it is due.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,7 +71,7 @@ pub mod inspect;
 mod log;
 pub mod record;
 
-pub use log::{scan, segment_numbers, HeldMeta, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
+pub use log::{scan, segment_numbers, Loc, Log, Reader, Recovered, HeldMeta, SEGMENT_BYTES};
 
 /// An operation for the writer thread.
 pub enum WriteOp<C> {
@@ -104,14 +107,19 @@ pub struct Written<C> {
 
 /// Runs `log` on its own thread. Every batch of operations that arrived
 /// together shares one fsync (group commit); puts are answered after it.
+/// The thread times each fsync and reports the store's size in `metrics`.
 pub fn spawn_writer<C: Send + 'static>(
     mut log: Log,
     done: tokio::sync::mpsc::UnboundedSender<Written<C>>,
+    metrics: Arc<Metrics>,
 ) -> std::sync::mpsc::Sender<WriteOp<C>> {
     let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
+    let open = Open::track(&metrics.store_open);
+    metrics.store_bytes.set(log.bytes() as i64);
     std::thread::Builder::new()
         .name("nackd-store".into())
         .spawn(move || {
+            let _open = open;
             while let Ok(first) = rx.recv() {
                 let mut batch = vec![first];
                 while batch.len() < 4096 {
@@ -130,7 +138,17 @@ pub fn spawn_writer<C: Send + 'static>(
                         WriteOp::Del { id, loc } => log.del(id, loc),
                     }
                 }
-                let synced = if answers.is_empty() { log.flush() } else { log.sync() };
+                let synced = if answers.is_empty() {
+                    log.flush()
+                } else {
+                    let started = Instant::now();
+                    let synced = log.sync();
+                    Metrics::observe(&metrics.fsync, started.elapsed());
+                    synced
+                };
+                metrics.store_bytes.set(log.bytes() as i64);
+                let failed = answers.iter().filter(|a| matches!(a.result, Err(StoreError::Io(_)))).count() + usize::from(synced.is_err());
+                metrics.store_errors.inc_by(failed as u64);
                 for mut answer in answers {
                     if let (Err(e), Ok(_)) = (&synced, &answer.result) {
                         answer.result = Err(e.clone());

@@ -47,7 +47,7 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
     let mut child = Command::new(NACKD)
         .arg("--config")
         .arg(&cfg)
-        .args(["--listen", "127.0.0.1:0", "--upstream", common::BROKER, "--log-format", "json"])
+        .args(["--listen", "127.0.0.1:0", "--upstream", common::BROKER, "--metrics", "127.0.0.1:0", "--log-format", "json"])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();

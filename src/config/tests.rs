@@ -62,3 +62,18 @@ fn on_exhausted_forms() {
     );
     assert_eq!(c.policies[1].on_exhausted, OnExhausted::Reject);
 }
+
+#[test]
+fn admin_token_keys_are_checked_and_named() {
+    let e = err("[metrics]\nadmin_token = \"short\"\n");
+    assert!(e.starts_with("nackd.toml: metrics.admin_token: ") && e.contains("at least 16"), "{e}");
+    let e = err("[metrics]\nadmin_token = \"0123456789abcdef\"\nadmin_token_env = \"T\"\n");
+    assert!(e.contains("metrics.admin_token_env") && e.contains("not both"), "{e}");
+    let e = err("[metrics]\nadmin_tokn = \"0123456789abcdef\"\n");
+    assert!(e.contains("metrics") && e.contains("admin_tokn"), "{e}");
+    let ok = Config::parse("[metrics]\nadmin_token = \"0123456789abcdef\"\n", Path::new("x")).unwrap();
+    assert_eq!(ok.metrics.admin_token().unwrap().as_deref(), Some("0123456789abcdef"));
+    let env = Config::parse("[metrics]\nadmin_token_env = \"NACKD_TEST_TOKEN_UNSET_1\"\n", Path::new("x")).unwrap();
+    assert_eq!(env.metrics.admin_token().unwrap_err(), "metrics.admin_token_env: NACKD_TEST_TOKEN_UNSET_1 is not set");
+    assert_eq!(Config::default().metrics.admin_token().unwrap(), None);
+}

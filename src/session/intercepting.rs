@@ -15,14 +15,15 @@ use crate::frame::{self, Frame, FrameType};
 use crate::headers::{self, Retry};
 use crate::intercept::{self, Budget, Capturing, Settle};
 use crate::method;
+use crate::metrics::{Event, EventKind, PassReason};
 use crate::policy::{Policies, Policy, Step};
 use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
 use crate::store::Route;
 
 /// What sessions share to intercept nacks.
 pub struct Interception {
-    /// Retry policies.
-    pub policies: Arc<Policies>,
+    /// Retry policies; a reload sends a new set.
+    pub policies: tokio::sync::watch::Receiver<Arc<Policies>>,
     /// Bound on captured bytes.
     pub budget: Arc<Budget>,
     /// The retry engine.
@@ -33,22 +34,33 @@ pub struct Interception {
 pub(super) struct Intercepting {
     pub shared: Arc<Interception>,
     pub vhost: Arc<str>,
+    policies: tokio::sync::watch::Receiver<Arc<Policies>>,
+    current: Arc<Policies>,
     cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
     pub parked: tokio::sync::mpsc::UnboundedSender<Parked>,
 }
 
 impl Intercepting {
     pub fn new(shared: Arc<Interception>, parked: tokio::sync::mpsc::UnboundedSender<Parked>) -> Self {
+        let mut policies = shared.policies.clone();
+        let current = policies.borrow_and_update().clone();
         Self {
             shared,
             vhost: Arc::from("/"),
+            policies,
+            current,
             cache: HashMap::new(),
             parked,
         }
     }
 
+    /// The policy of `queue`, cached per session until a reload.
     fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
-        let (policies, vhost) = (&self.shared.policies, &self.vhost);
+        if self.policies.has_changed().unwrap_or(false) {
+            self.current = self.policies.borrow_and_update().clone();
+            self.cache.clear();
+        }
+        let (policies, vhost) = (&self.current, &self.vhost);
         self.cache
             .entry(queue.clone())
             .or_insert_with(|| policies.find(vhost, queue).cloned())
@@ -60,10 +72,10 @@ impl Intercepting {
 enum Claim {
     /// Sent to the store; its ack waits for the answer.
     Parked,
-    /// Schedule exhausted with `on_exhausted = "reject"`.
-    Reject,
+    /// Schedule exhausted with `on_exhausted = "reject"` (after this many retries).
+    Reject(u32),
     /// Not intercepted after all: forward the client's settle.
-    Pass,
+    Pass(PassReason),
 }
 
 fn now_secs() -> u64 {
@@ -96,7 +108,11 @@ impl Session {
             FrameType::Header => {
                 let size = crate::content::body_size(payload).unwrap_or(0);
                 if !capturing.header(payload, size, &budget) {
+                    let tag = capturing.tag;
                     channel.capturing = None;
+                    if let Some(delivery) = channel.delivery_mut(tag) {
+                        delivery.over_budget = true;
+                    }
                     let refused = budget.refused();
                     if refused.is_power_of_two() {
                         warn!(refused, used = budget.used(), "capture budget spent: nacks of such deliveries pass through");
@@ -122,28 +138,46 @@ impl Session {
         let channel = self.channels.get(channel_id);
         if !intercepting || channel.tx || (!multiple && channel.pending.contains_key(&tag)) {
             // Not ours (or a second settle of a held tag: the broker answers it).
-            channel.take_covered(tag, multiple);
+            let reason = match (intercepting, channel.tx) {
+                (false, _) => PassReason::NotConfigured,
+                (true, true) => PassReason::TxChannel,
+                (true, false) => PassReason::UnknownTag,
+            };
+            let covered = channel.take_covered(tag, multiple);
+            if settle != Settle::Ack {
+                self.count_passed(&covered, reason);
+            }
             return true;
         }
         let holds = channel.holds_within(tag, multiple);
         let covered = channel.take_covered(tag, multiple);
         let claimable = settle != Settle::Ack && covered.iter().any(|(_, d)| d.capture.is_some());
         if !holds && !claimable {
+            if settle != Settle::Ack {
+                self.count_passed(&covered, PassReason::NotConfigured);
+            }
             return true;
         }
         let mut forward = Vec::new();
         let mut rejects = Vec::new();
         for (t, delivery) in covered {
+            let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
                 Claim::Parked => {
                     self.channels.get(channel_id).pending.insert(t, settle);
                 }
-                Claim::Reject => rejects.push(t),
-                Claim::Pass => forward.push(t),
+                Claim::Reject(retries) => rejects.push((t, queue, retries)),
+                Claim::Pass(reason) => {
+                    if settle != Settle::Ack {
+                        self.metrics.pass(reason, 1);
+                    }
+                    forward.push(t)
+                }
             }
         }
         // Rejects first, so a `multiple` frame below cannot cover their tags.
-        for t in rejects {
+        for (t, queue, retries) in rejects {
+            self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
         }
         let lowest_held = self.channels.get(channel_id).pending.keys().next().copied();
@@ -153,15 +187,36 @@ impl Session {
         false
     }
 
-    fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
-        if settle == Settle::Ack {
-            return Claim::Pass;
+    /// Counts the nacks of deliveries forwarded as sent; a settle of tags
+    /// nackd does not know counts once.
+    fn count_passed(&self, covered: &[(u64, Delivery)], default: PassReason) {
+        if covered.is_empty() {
+            return self.metrics.pass(PassReason::UnknownTag, 1);
         }
-        let Some(captured) = delivery.capture else { return Claim::Pass };
-        let Some(state) = self.intercepting.as_ref() else { return Claim::Pass };
+        for (_, d) in covered {
+            let reason = if d.over_budget { PassReason::OverBudget } else { default };
+            self.metrics.pass(reason, 1);
+        }
+    }
+
+    fn on_exhausted_reject(&self, queue: &str, retry: u32) {
+        self.metrics.exhausted_reject.inc();
+        let vhost = self.intercepting.as_ref().map_or_else(String::new, |s| s.vhost.to_string());
+        let at_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+        let (kind, queue) = (EventKind::ExhaustedReject, queue.to_string());
+        self.metrics.recent.push(Event { at_ms, kind, vhost, queue, retry });
+    }
+
+    fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
+        let not_captured = if delivery.over_budget { PassReason::OverBudget } else { PassReason::NotConfigured };
+        if settle == Settle::Ack {
+            return Claim::Pass(not_captured);
+        }
+        let Some(captured) = delivery.capture else { return Claim::Pass(not_captured) };
+        let Some(state) = self.intercepting.as_ref() else { return Claim::Pass(PassReason::NotConfigured) };
         let policy = captured.policy.clone();
         if !policy.wants(settle.requeue()) {
-            return Claim::Pass;
+            return Claim::Pass(PassReason::RequeuePass);
         }
         let retry = headers::retry_count(&captured.header).saturating_add(1);
         let queue = delivery.queue.clone();
@@ -186,7 +241,7 @@ impl Session {
                 info.delay_ms = delay.as_millis() as u64;
                 (delay, Route::Queue)
             }
-            (Step::Exhausted, None) => return Claim::Reject,
+            (Step::Exhausted, None) => return Claim::Reject(retry - 1),
             (Step::Exhausted, Some(route)) => {
                 info.count = retry - 1;
                 info.exhausted = Some("retry schedule exhausted");
@@ -197,7 +252,7 @@ impl Session {
             Ok(h) => bytes::Bytes::from(h),
             Err(e) => {
                 warn!(error = %e, queue = %queue, "cannot rewrite headers: nack passes through");
-                return Claim::Pass;
+                return Claim::Pass(PassReason::BadHeaders);
             }
         };
         let epoch = self.channels.get(channel_id).epoch;
@@ -217,7 +272,7 @@ impl Session {
             Claim::Parked
         } else {
             warn!("retry engine is gone: nack passes through");
-            Claim::Pass
+            Claim::Pass(PassReason::StoreUnavailable)
         }
     }
 
@@ -233,6 +288,7 @@ impl Session {
         match (settle, parked.result) {
             (Some(_), Ok(id)) => {
                 debug!(channel = key.channel, tag = key.tag, id, "held; acking upstream");
+                self.metrics.intercepted.inc();
                 let ack = method::ack(key.channel, key.tag, false);
                 let channel = self.channels.get(key.channel);
                 if channel.publishing.in_flight() {
@@ -243,6 +299,7 @@ impl Session {
             }
             (Some(settle), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: the nack goes to the broker as sent");
+                self.metrics.pass(PassReason::StoreUnavailable, 1);
                 let frame = settle.frame(key.channel, key.tag, false);
                 self.to_upstream.extend_from_slice(&frame);
             }

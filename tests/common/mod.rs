@@ -12,6 +12,7 @@ use nackd::config::Config;
 use nackd::server::Proxy;
 use tokio_util::sync::CancellationToken;
 
+pub mod ops;
 pub mod process;
 pub mod raw;
 
@@ -27,6 +28,10 @@ pub fn require_broker() {
 /// A nackd running inside the test's runtime.
 pub struct Nackd {
     pub addr: SocketAddr,
+    /// Its operations listener (`/metrics`, `/readyz`, `/`, `/api/`).
+    pub metrics: SocketAddr,
+    /// Reloads its policies, as SIGHUP does.
+    pub reloader: nackd::reload::Reloader,
     /// The store directory (removed when the test ends).
     pub store: Option<tempfile::TempDir>,
     pub shutdown: CancellationToken,
@@ -77,12 +82,15 @@ pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     nackd
 }
 
-pub async fn start_with(config: Config) -> Nackd {
+/// Starts nackd with `config`; its metrics listener always takes an
+/// ephemeral port (tests run side by side).
+pub async fn start_with(mut config: Config) -> Nackd {
+    config.metrics.address = "127.0.0.1:0".parse().unwrap();
     let proxy = Proxy::bind(&config).await.expect("bind");
-    let addr = proxy.local_addr();
+    let (addr, metrics, reloader) = (proxy.local_addr(), proxy.metrics_addr(), proxy.reloader());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(proxy.run(shutdown.clone()));
-    Nackd { addr, store: None, shutdown, task }
+    Nackd { addr, metrics, reloader, store: None, shutdown, task }
 }
 
 pub async fn connect(uri: &str) -> Connection {

@@ -10,20 +10,22 @@ use std::time::Duration;
 
 pub const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
 
-/// A running nackd binary and the address it listens on.
+/// A running nackd binary, the address it listens on and its metrics address.
 pub struct Process {
     pub child: Child,
     pub addr: SocketAddr,
+    pub metrics: SocketAddr,
 }
 
 impl Process {
-    /// Starts `nackd --config FILE --listen 127.0.0.1:0 --log-format json`
-    /// and waits for its "listening" line. Its log keeps draining in a thread.
+    /// Starts `nackd --config FILE --listen 127.0.0.1:0 --metrics 127.0.0.1:0
+    /// --log-format json` and waits for its "listening" line. Its log keeps
+    /// draining in a thread.
     pub fn start(config: &Path) -> Self {
         let mut child = Command::new(NACKD)
             .arg("--config")
             .arg(config)
-            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .args(["--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--log-format", "json"])
             .env("NACKD_LOG", "info")
             .stderr(Stdio::piped())
             .spawn()
@@ -34,7 +36,8 @@ impl Process {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
                     if v["fields"]["message"] == "listening" {
-                        let _ = tx.send(v["fields"]["address"].as_str().unwrap().to_string());
+                        let fields = &v["fields"];
+                        let _ = tx.send((fields["address"].as_str().unwrap().to_string(), fields["metrics"].as_str().unwrap().to_string()));
                     }
                 }
                 if std::env::var_os("NACKD_TEST_ECHO").is_some() {
@@ -42,8 +45,8 @@ impl Process {
                 }
             }
         });
-        let addr = rx.recv_timeout(Duration::from_secs(30)).expect("nackd listening").parse().unwrap();
-        Self { child, addr }
+        let (addr, metrics) = rx.recv_timeout(Duration::from_secs(30)).expect("nackd listening");
+        Self { child, addr: addr.parse().unwrap(), metrics: metrics.parse().unwrap() }
     }
 
     pub fn kill9(mut self) {

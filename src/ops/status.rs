@@ -1,0 +1,54 @@
+//! The status page (`GET /`, plain HTML and a little JS) and the JSON it
+//! polls (`GET /status.json`). Both are public like `/metrics`: they carry
+//! counts and queue names, never message contents.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::Ops;
+use crate::metrics::PassReason;
+
+/// The page; its script renders `/status.json` every few seconds.
+const PAGE: &str = include_str!("status.html");
+
+pub(super) async fn page() -> Html<&'static str> {
+    Html(PAGE)
+}
+
+pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
+    let m = &ops.metrics;
+    let engine = match ops.retry() {
+        Some(retry) => retry.status().await.ok(),
+        None => None,
+    };
+    let passed: serde_json::Map<String, serde_json::Value> = PassReason::ALL
+        .iter()
+        .map(|r| (r.label().to_string(), json!(m.passed(*r))))
+        .collect();
+    let body = json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "intercepting": ops.intercepting,
+        "connections": {
+            "clients": m.clients.get(),
+            "upstream": m.upstreams.get(),
+            "republishers": m.republishers.get(),
+        },
+        "totals": {
+            "intercepted": m.intercepted.get(),
+            "passed": m.passed_total(),
+            "published": m.published.get(),
+            "confirmed": m.confirmed.get(),
+            "returned": m.returned.get(),
+            "exhausted_reject": m.exhausted_reject.get(),
+            "exhausted_dead_letter": m.exhausted_dead_letter.get(),
+        },
+        "passed": passed,
+        "engine": engine,
+        "recent": m.recent.newest_first(),
+    });
+    Json(body).into_response()
+}

@@ -1,0 +1,275 @@
+//! Operator commands on held messages: list, fire now, purge, and the
+//! figures of the status page. They run inside the engine task, between two
+//! parks, so they see exactly what the engine holds.
+
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+use super::{Engine, RetryHandle};
+use crate::store::{Held, Loc};
+
+/// Which held messages a command is about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// One message, by store id.
+    Id(u64),
+    /// Every message held for a queue.
+    Queue {
+        /// Virtual host.
+        vhost: String,
+        /// Queue.
+        queue: String,
+    },
+}
+
+/// The engine task is gone (nackd is stopping).
+#[derive(Debug, thiserror::Error)]
+#[error("the retry engine is not running")]
+pub struct EngineGone;
+
+/// A held message as the admin API lists it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Listed {
+    /// Store id (what `fire` and `purge` take).
+    pub id: u64,
+    /// Virtual host.
+    pub vhost: String,
+    /// Queue it goes back to.
+    pub queue: String,
+    /// When it is due, in ms since the Unix epoch.
+    pub due_ms: u64,
+    /// Retry number in its headers.
+    pub retry: u32,
+    /// Header + body bytes.
+    pub size: u32,
+    /// Failed publish attempts so far.
+    pub attempts: u16,
+    /// Handed to the republisher, waiting for the broker's confirm.
+    pub publishing: bool,
+    /// Goes to its `on_exhausted` exchange, not back to the queue.
+    pub dead_letter: bool,
+    #[serde(skip)]
+    loc: Loc,
+}
+
+/// Held messages of one queue.
+#[derive(Clone, Debug, Serialize)]
+pub struct QueueStatus {
+    /// Virtual host.
+    pub vhost: String,
+    /// Queue.
+    pub queue: String,
+    /// Messages held.
+    pub held: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// How many held messages fall due in one interval from now.
+#[derive(Clone, Debug, Serialize)]
+pub struct DueBucket {
+    /// Short label (`now`, `10s`, `5m`, `later`).
+    pub label: &'static str,
+    /// Upper end of the interval in seconds from now (`None`: no end).
+    pub within_s: Option<u64>,
+    /// Messages due in it.
+    pub count: u64,
+}
+
+/// What the status page shows of the engine.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// The engine's clock, ms since the Unix epoch.
+    pub now_ms: u64,
+    /// Messages held.
+    pub held: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Per queue, largest first.
+    pub queues: Vec<QueueStatus>,
+    /// Due times, bucketed.
+    pub due: Vec<DueBucket>,
+    /// `due` was computed on a sample and scaled (very large stores).
+    pub sampled: bool,
+}
+
+/// Upper ends of the due buckets, in seconds from now.
+const DUE_EDGES: [(&str, u64); 12] = [
+    ("now", 0),
+    ("10s", 10),
+    ("30s", 30),
+    ("1m", 60),
+    ("2m", 120),
+    ("5m", 300),
+    ("10m", 600),
+    ("30m", 1800),
+    ("1h", 3600),
+    ("2h", 7200),
+    ("6h", 21600),
+    ("24h", 86400),
+];
+/// Entries looked at for the due chart; beyond, a sample is scaled up.
+const DUE_SAMPLE: usize = 200_000;
+
+pub(super) enum Command {
+    List { vhost: Option<String>, queue: Option<String>, limit: usize, reply: oneshot::Sender<(Vec<Listed>, usize)> },
+    Fire { target: Target, reply: oneshot::Sender<usize> },
+    Purge { target: Target, reply: oneshot::Sender<usize> },
+    Status { reply: oneshot::Sender<Status> },
+}
+
+impl RetryHandle {
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, EngineGone> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(super::Command::Admin(command(reply))).map_err(|_| EngineGone)?;
+        answer.await.map_err(|_| EngineGone)
+    }
+
+    /// Held messages (of `vhost`/`queue` when given), soonest due first, at
+    /// most `limit`, each read back from the store (`None` if it left
+    /// meanwhile); and how many matched in all.
+    pub async fn list(
+        &self,
+        vhost: Option<String>,
+        queue: Option<String>,
+        limit: usize,
+    ) -> Result<(Vec<(Listed, Option<Held>)>, usize), EngineGone> {
+        let (listed, total) = self.ask(|reply| Command::List { vhost, queue, limit, reply }).await?;
+        let reader = self.reader.clone();
+        let read = move || listed.into_iter().map(|l| (reader.read(l.loc).ok(), l)).map(|(h, l)| (l, h)).collect();
+        let listed = tokio::task::spawn_blocking(read).await.map_err(|_| EngineGone)?;
+        Ok((listed, total))
+    }
+
+    /// Publishes the target's messages now; returns how many were due to go
+    /// (a message already being published is not counted).
+    pub async fn fire(&self, target: Target) -> Result<usize, EngineGone> {
+        self.ask(|reply| Command::Fire { target, reply }).await
+    }
+
+    /// Forgets the target's messages (a delete record in the store).
+    pub async fn purge(&self, target: Target) -> Result<usize, EngineGone> {
+        self.ask(|reply| Command::Purge { target, reply }).await
+    }
+
+    /// Per-queue totals and the due chart.
+    pub async fn status(&self) -> Result<Status, EngineGone> {
+        self.ask(|reply| Command::Status { reply }).await
+    }
+}
+
+impl Engine {
+    pub(super) fn on_admin(&mut self, command: Command) {
+        match command {
+            Command::List { vhost, queue, limit, reply } => {
+                let _ = reply.send(self.list(vhost.as_deref(), queue.as_deref(), limit));
+            }
+            Command::Fire { target, reply } => {
+                let _ = reply.send(self.fire_now(&target));
+            }
+            Command::Purge { target, reply } => {
+                let ids = self.matching(&target);
+                ids.iter().for_each(|id| self.forget(*id));
+                let _ = reply.send(ids.len());
+            }
+            Command::Status { reply } => {
+                let _ = reply.send(self.status());
+            }
+        }
+    }
+
+    /// Ids of the target's messages, in due order.
+    fn matching(&self, target: &Target) -> Vec<u64> {
+        let queue = match target {
+            Target::Id(id) => return self.ledger.get(*id).map(|_| vec![*id]).unwrap_or_default(),
+            Target::Queue { vhost, queue } => match self.ledger.find(vhost, queue) {
+                Some(q) => q,
+                None => return Vec::new(),
+            },
+        };
+        let mut ids: Vec<(u64, u64)> = self.ledger.iter().filter(|(_, e)| e.queue == queue).map(|(id, e)| (e.due_ms, id)).collect();
+        ids.sort_unstable();
+        ids.into_iter().map(|(_, id)| id).collect()
+    }
+
+    /// Moves the target's wheel entries to now; the old ones go stale.
+    fn fire_now(&mut self, target: &Target) -> usize {
+        let now = self.clock.now_ms();
+        let mut fired = 0;
+        for id in self.matching(target) {
+            let Some(entry) = self.ledger.get_mut(id) else { continue };
+            if entry.inflight {
+                continue;
+            }
+            entry.forced = true;
+            self.schedule(id, now);
+            fired += 1;
+        }
+        fired
+    }
+
+    fn list(&self, vhost: Option<&str>, queue: Option<&str>, limit: usize) -> (Vec<Listed>, usize) {
+        let mut found: Vec<(u64, u64)> = self
+            .ledger
+            .iter()
+            .filter(|(_, e)| {
+                let (v, q) = self.ledger.name(e.queue);
+                vhost.is_none_or(|want| &**v == want) && queue.is_none_or(|want| &**q == want)
+            })
+            .map(|(id, e)| (e.due_ms, id))
+            .collect();
+        let total = found.len();
+        found.sort_unstable();
+        found.truncate(limit);
+        let listed = found
+            .into_iter()
+            .filter_map(|(_, id)| {
+                let e = self.ledger.get(id)?;
+                let (vhost, queue) = self.ledger.name(e.queue);
+                Some(Listed {
+                    id,
+                    vhost: vhost.to_string(),
+                    queue: queue.to_string(),
+                    due_ms: e.due_ms,
+                    retry: e.retry,
+                    size: e.size,
+                    attempts: e.attempts,
+                    publishing: e.inflight,
+                    dead_letter: e.dead_letter,
+                    loc: e.loc,
+                })
+            })
+            .collect();
+        (listed, total)
+    }
+
+    fn status(&self) -> Status {
+        let now_ms = self.clock.now_ms();
+        let mut queues: Vec<QueueStatus> = self
+            .ledger
+            .totals()
+            .map(|(_, vhost, queue, held, bytes)| QueueStatus { vhost: vhost.to_string(), queue: queue.to_string(), held, bytes })
+            .collect();
+        queues.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.queue.cmp(&b.queue)));
+        let mut counts = [0u64; DUE_EDGES.len() + 1];
+        for (_, e) in self.ledger.iter().take(DUE_SAMPLE) {
+            let in_s = e.due_ms.saturating_sub(now_ms).div_ceil(1000);
+            counts[DUE_EDGES.partition_point(|(_, edge)| *edge < in_s)] += 1;
+        }
+        let sampled = self.ledger.len() > DUE_SAMPLE;
+        if sampled {
+            let scale = self.ledger.len() as f64 / DUE_SAMPLE as f64;
+            counts.iter_mut().for_each(|c| *c = (*c as f64 * scale).round() as u64);
+        }
+        let labels = DUE_EDGES.iter().map(|(l, e)| (*l, Some(*e))).chain([("later", None)]);
+        let due = labels.zip(counts).map(|((label, within_s), count)| DueBucket { label, within_s, count }).collect();
+        Status {
+            now_ms,
+            held: queues.iter().map(|q| q.held).sum(),
+            bytes: queues.iter().map(|q| q.bytes).sum(),
+            queues,
+            due,
+            sampled,
+        }
+    }
+}
