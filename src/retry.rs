@@ -252,6 +252,8 @@ impl Engine {
                 entry.loc = loc;
                 entry.dead_letter = true;
                 entry.inflight = false;
+                // The return was a failed attempt: its lateness was observed already.
+                entry.attempts = entry.attempts.saturating_add(1);
                 self.schedule(w.id, self.clock.now_ms());
             }
             (PutCtx::Reroute, Err(e)) => self.again(w.id, &format!("cannot store the re-route ({e})")),

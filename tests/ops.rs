@@ -258,3 +258,47 @@ async fn admin_api_is_off_without_a_token() {
     assert!(r.body.contains("metrics.admin_token"), "{}", r.body);
     nackd.stop().await;
 }
+
+#[tokio::test]
+async fn every_pass_through_reason_is_counted() {
+    let (tx_q, pass_q, big_q) = (unique("reason-tx"), unique("reason-pass"), unique("reason-budget"));
+    let policies = format!("[[policy]]\nqueues = [\"{tx_q}\", \"{big_q}\"]\ndelays = [\"1h\"]\n[[policy]]\nqueues = [\"{pass_q}\"]\ndelays = [\"1h\"]\nrequeue = \"pass\"\n");
+    let nackd = start(&policies).await;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for q in [&tx_q, &pass_q] {
+        declare(&ch, q).await;
+        publish(&ch, q, b"m").await;
+    }
+    // A transacted channel: never intercepted.
+    let tx = conn.create_channel().await.unwrap();
+    tx.tx_select().await.unwrap();
+    let mut c = consume(&tx, &tx_q).await;
+    next(&mut c).await.nack(nack()).await.unwrap();
+    tx.tx_commit().await.unwrap();
+    // requeue = "pass": a requeue=true nack goes to the broker.
+    let mut c = consume(&conn.create_channel().await.unwrap(), &pass_q).await;
+    next(&mut c).await.nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
+    let s = until(&nackd, "two passes", |s| s.sum("nackd_nacks_passed_total") == 2.0).await;
+    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "tx_channel")]), 1.0);
+    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "requeue_pass")]), 1.0);
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+
+    // A capture budget smaller than the message.
+    let nackd = start(&format!("[limits]\ncapture_budget = 64\n[[policy]]\nqueues = [\"{big_q}\"]\ndelays = [\"1h\"]\n")).await;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    declare(&ch, &big_q).await;
+    publish(&ch, &big_q, &[7u8; 1000]).await;
+    let mut c = consume(&ch, &big_q).await;
+    let d = next(&mut c).await;
+    d.nack(nack()).await.unwrap();
+    let s = until(&nackd, "an over-budget pass", |s| s.sum("nackd_nacks_passed_total") == 1.0).await;
+    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "over_budget")]), 1.0);
+    assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 0.0);
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+}
