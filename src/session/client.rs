@@ -1,0 +1,164 @@
+//! Frames from the client: tracking, settles, the handshake's tune-ok.
+
+use super::*;
+
+impl Session {
+    /// Handles every whole frame the client sent; counts them once per read.
+    pub(super) fn on_client_bytes(&mut self) {
+        let mut frames = 0;
+        loop {
+            match self.client_decoder.decode(&mut self.client_in) {
+                Ok(Some(frame)) => {
+                    frames += 1;
+                    if let Err(fault) = self.on_client_frame(frame) {
+                        self.on_client_fault(fault);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(fault) => {
+                    self.on_client_fault(fault);
+                    break;
+                }
+            }
+        }
+        self.metrics.frames.to_upstream.inc_by(frames);
+    }
+
+    pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
+        if self.close.client_failed {
+            return self.on_failed_client_frame(&frame);
+        }
+        if self.channel_max != 0 && frame.channel > self.channel_max {
+            return Err(FrameError::ChannelOutOfRange {
+                channel: frame.channel,
+                max: self.channel_max,
+            });
+        }
+        match frame.kind {
+            FrameType::Heartbeat => {}
+            FrameType::Method => {
+                let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
+                let id = MethodId::peek(payload)?;
+                if frame.channel != 0 {
+                    self.channels.get(frame.channel).publishing.advance(&frame, Some(id))?;
+                }
+                if let Some(class) = method::decode(payload)? {
+                    if !self.on_client_method(frame.channel, &class) {
+                        return Ok(());
+                    }
+                }
+            }
+            FrameType::Header | FrameType::Body if frame.channel == 0 => {
+                return Err(FrameError::Unexpected("content frame on channel 0"));
+            }
+            FrameType::Header | FrameType::Body => {
+                let channel = self.channels.get(frame.channel);
+                channel.publishing.advance(&frame, None)?;
+                if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
+                    let deferred = std::mem::take(&mut channel.deferred);
+                    self.emit_upstream(&frame.raw);
+                    for ack in deferred {
+                        self.to_upstream.extend_from_slice(&ack);
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        self.emit_upstream(&frame.raw);
+        Ok(())
+    }
+
+    /// Observes a decoded client method; `false` means "do not forward it".
+    pub(super) fn on_client_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
+        match class {
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(ok)) => {
+                Span::current().record("user", tracing::field::display(sasl_user(ok)));
+            }
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune)) => self.on_tune_ok(tune),
+            AMQPClass::Connection(connection::AMQPMethod::Open(open)) => {
+                Span::current().record("vhost", open.virtual_host.as_str());
+                if let Some(state) = self.intercepting.as_mut() {
+                    state.vhost = Arc::from(open.virtual_host.as_str());
+                }
+            }
+            AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
+                debug!(code = c.reply_code, text = c.reply_text.as_str(), "client closes the connection");
+                if self.channels.pending() > 0 {
+                    self.hold();
+                }
+                self.close.expect_upstream_close_ok(Origin::Client);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Nack(n.requeue), n.delivery_tag, n.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) if channel_id != 0 => {
+                return self.on_settle(channel_id, Settle::Reject(r.requeue), r.delivery_tag, false);
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(_))
+            | AMQPClass::Basic(basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_))
+                if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() =>
+            {
+                // The broker would requeue what nackd holds: ack it first.
+                self.hold();
+                self.channels.get(channel_id).on_client_method(class);
+            }
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
+                return self.close.client_close_ok() == Some(Origin::Broker);
+            }
+            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => {
+                self.channels.remove(channel_id);
+            }
+            _ if channel_id != 0 => self.channels.get(channel_id).on_client_method(class),
+            _ => {}
+        }
+        true
+    }
+
+    pub(super) fn on_tune_ok(&mut self, tune: &connection::TuneOk) {
+        let frame_max = match tune.frame_max {
+            0 => self.limits.max_frame,
+            n => n.min(self.limits.max_frame),
+        };
+        self.client_decoder.set_frame_max(frame_max);
+        self.upstream_decoder.set_frame_max(frame_max);
+        self.channel_max = tune.channel_max;
+        self.heartbeat = Duration::from_secs(tune.heartbeat.into());
+        debug!(frame_max, channel_max = tune.channel_max, heartbeat = tune.heartbeat, "tuned");
+    }
+
+    /// After a client fault only the close handshake matters.
+    pub(super) fn on_failed_client_frame(&mut self, frame: &Frame) -> Result<(), Fault> {
+        if frame.kind != FrameType::Method || frame.channel != 0 {
+            return Ok(());
+        }
+        match MethodId::peek(&frame.raw[frame::HEADER_LEN..])? {
+            ids::CONNECTION_CLOSE_OK => {
+                self.close.client_close_ok();
+            }
+            ids::CONNECTION_CLOSE => {
+                self.to_client.extend_from_slice(&method::connection_close_ok());
+                self.close.client_close_ok();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// The user name of a PLAIN or AMQPLAIN login, for logs (never the password).
+fn sasl_user(ok: &connection::StartOk) -> String {
+    match ok.mechanism.as_str() {
+        "PLAIN" => ok
+            .response
+            .as_bytes()
+            .split(|b| *b == 0)
+            .nth(1)
+            .map(|u| String::from_utf8_lossy(u).into_owned())
+            .unwrap_or_default(),
+        other => format!("({other})"),
+    }
+}

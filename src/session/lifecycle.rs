@@ -1,0 +1,126 @@
+//! Ending a pair: protocol faults, dead sockets, shutdown, timers.
+
+use super::*;
+
+impl Session {
+    pub(super) fn on_client_fault(&mut self, fault: Fault) {
+        let code = fault.reply_code();
+        warn!(code = code.code(), error = %fault, "closing the client connection: protocol error");
+        self.close.client_failed = true;
+        self.client_in.clear();
+        let text = format!("{} - {fault}", code.name());
+        self.to_client.extend_from_slice(&method::connection_close(code, &text, None));
+        self.close.expect_client_close_ok(Origin::Nackd);
+        self.close_upstream("client connection failed");
+    }
+
+    pub(super) fn on_upstream_fault(&mut self, fault: Fault) {
+        warn!(error = %fault, "the broker sent a malformed frame; closing both sides");
+        self.close.upstream_gone = true;
+        self.close_client(ReplyCode::InternalError, &format!("nackd: broker sent a malformed frame: {fault}"));
+    }
+
+    pub(super) fn on_client_gone(&mut self, error: Option<std::io::Error>) {
+        if self.close.client_gone {
+            return;
+        }
+        match (&error, self.close.started()) {
+            (_, true) => debug!(?error, "client socket closed"),
+            (Some(e), false) => info!(error = %e, "client socket failed"),
+            (None, false) => info!("client closed the socket without connection.close"),
+        }
+        self.close.client_gone = true;
+        self.close.begin();
+        if self.close.awaiting_client() == Some(Origin::Broker) {
+            // The broker waits for a close-ok the client will never send.
+            self.to_upstream.extend_from_slice(&method::connection_close_ok());
+            self.close.client_close_ok();
+        } else if self.channels.pending() > 0 {
+            // Ack what nackd holds before the broker sees the client go.
+            self.close.settling = true;
+            self.deferred_close = Some("client socket closed");
+        } else {
+            self.close_upstream("client socket closed");
+        }
+    }
+
+    pub(super) fn on_upstream_gone(&mut self, error: Option<std::io::Error>) {
+        if self.close.upstream_gone {
+            return;
+        }
+        if !self.close.started() {
+            warn!(error = ?error.map(|e| e.to_string()), "upstream connection lost");
+        }
+        self.close.upstream_gone = true;
+        self.close.begin();
+        if self.close.upstream_close_ok() == Some(Origin::Client) {
+            // The client asked to close: it gets its close-ok.
+            self.to_client.extend_from_slice(&method::connection_close_ok());
+        } else if self.close.awaiting_client().is_none() {
+            self.close_client(ReplyCode::ConnectionForced, "CONNECTION_FORCED - nackd: upstream connection lost");
+        }
+    }
+
+    /// Sends `connection.close` to the client (or drops it mid-handshake).
+    pub(super) fn close_client(&mut self, code: ReplyCode, text: &str) {
+        self.close.begin();
+        if self.close.client_gone || self.close.awaiting_client().is_some() {
+            return;
+        }
+        if !self.open {
+            self.close.client_gone = true;
+            return;
+        }
+        self.to_client.extend_from_slice(&method::connection_close(code, text, None));
+        self.close.expect_client_close_ok(Origin::Nackd);
+    }
+
+    /// Sends `connection.close` to the broker (or drops it mid-handshake).
+    pub(super) fn close_upstream(&mut self, why: &'static str) {
+        self.close.begin();
+        if self.close.upstream_gone || self.close.awaiting_upstream().is_some() {
+            return;
+        }
+        if !self.open {
+            self.close.upstream_gone = true;
+            return;
+        }
+        let text = format!("nackd: {why}");
+        self.to_upstream.extend_from_slice(&method::connection_close(ReplyCode::Success, &text, None));
+        self.close.expect_upstream_close_ok(Origin::Nackd);
+    }
+
+    pub(super) fn on_force(&mut self) {
+        self.close.forced = true;
+        info!("closing: nackd is shutting down");
+        self.close_client(ReplyCode::ConnectionForced, "CONNECTION_FORCED - nackd is shutting down");
+        self.close_upstream("shutting down");
+    }
+
+    pub(super) fn on_tick(&mut self, now: Instant) {
+        if !self.open && now >= self.handshake_deadline && !self.close.started() {
+            warn!(timeout = ?self.limits.handshake_timeout, "handshake timed out");
+            self.close.begin();
+            self.close.client_gone = true;
+            self.close.upstream_gone = true;
+            return;
+        }
+        if self.heartbeat.is_zero() || self.close.started() {
+            return;
+        }
+        let limit = self.heartbeat * 2;
+        if !self.may_read_client() {
+            self.client_rx = now;
+        }
+        if !self.may_read_upstream() {
+            self.upstream_rx = now;
+        }
+        if now.duration_since(self.client_rx) > limit {
+            warn!(heartbeat = ?self.heartbeat, "client missed two heartbeats; closing");
+            self.on_client_gone(None);
+        } else if now.duration_since(self.upstream_rx) > limit {
+            warn!(heartbeat = ?self.heartbeat, "broker missed two heartbeats; closing");
+            self.on_upstream_gone(None);
+        }
+    }
+}
