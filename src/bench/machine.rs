@@ -87,3 +87,71 @@ async fn broker_version(addr: &str) -> Result<String, Box<dyn std::error::Error 
     };
     Ok(format!("{} {}", text("product"), text("version")))
 }
+
+/// CPU time counters at one instant: the whole machine's and, when a pid is
+/// given, one process's (nackd's), in clock ticks.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuSample {
+    busy: u64,
+    total: u64,
+    process: Option<u64>,
+}
+
+/// Clock ticks per second of /proc (USER_HZ, 100 on Linux' usual targets).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// CPU use between two samples.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuUse {
+    /// Fraction of all CPUs that was busy (0–1).
+    pub machine_busy: f64,
+    /// CPU seconds the process used per second (1.0 = one core).
+    pub process_cores: Option<f64>,
+}
+
+impl CpuSample {
+    /// Reads /proc/stat and, if `pid` is given, /proc/`pid`/stat.
+    pub fn now(pid: Option<u32>) -> Self {
+        let (busy, total) = machine_ticks().unwrap_or((0, 0));
+        Self {
+            busy,
+            total,
+            process: pid.and_then(process_ticks),
+        }
+    }
+
+    /// Use from `self` to `later`, `seconds` apart.
+    pub fn until(&self, later: &CpuSample, seconds: f64) -> CpuUse {
+        let total = later.total.saturating_sub(self.total);
+        CpuUse {
+            machine_busy: match total {
+                0 => f64::NAN,
+                t => later.busy.saturating_sub(self.busy) as f64 / t as f64,
+            },
+            process_cores: match (self.process, later.process) {
+                (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / TICKS_PER_SECOND / seconds),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// Busy and total ticks of all CPUs (first line of /proc/stat); idle and
+/// iowait count as not busy, guest time is already inside user time.
+fn machine_ticks() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = text.lines().next()?.split_whitespace().skip(1).take(8).map(|t| t.parse().ok()).collect::<Option<_>>()?;
+    let total: u64 = ticks.iter().sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((total - idle, total))
+}
+
+/// utime + stime of `pid` (fields 14 and 15 of /proc/pid/stat, counted
+/// after the parenthesised command name, which may contain spaces).
+fn process_ticks(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_comm = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = after_comm.split_whitespace().collect();
+    // after_comm starts at field 3 (state): utime is field 14, stime 15.
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}

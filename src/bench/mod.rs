@@ -127,13 +127,32 @@ impl Targets {
         })
     }
 
-    /// The address clients of `side` connect to.
-    pub fn addr(&self, side: Side) -> String {
+    /// Where clients of `side` connect, and the nackd process they load.
+    pub fn target(&self, side: Side) -> Target {
         match side {
-            Side::Direct => self.broker.clone(),
-            Side::Nackd => self.proxy.to_string(),
+            Side::Direct => Target {
+                side,
+                addr: self.broker.clone(),
+                nackd_pid: None,
+            },
+            Side::Nackd => Target {
+                side,
+                addr: self.proxy.to_string(),
+                nackd_pid: self.nackd.as_ref().map(NackdProcess::pid),
+            },
         }
     }
+}
+
+/// One side of a round.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Direct or through nackd.
+    pub side: Side,
+    /// Address the clients connect to.
+    pub addr: String,
+    /// The nackd process in the path, if this run started it (for its CPU use).
+    pub nackd_pid: Option<u32>,
 }
 
 /// `cargo run --bin nackd-bench` rebuilds only itself: say so when the
@@ -165,7 +184,7 @@ pub struct Sides<T> {
 /// pause between runs so one run's queue deletion does not load the next.
 pub async fn alternate<T, F, Fut>(rounds: usize, targets: &Targets, mut round: F) -> BenchResult<Sides<T>>
 where
-    F: FnMut(String) -> Fut,
+    F: FnMut(Target) -> Fut,
     Fut: Future<Output = BenchResult<T>>,
 {
     let mut sides = Sides {
@@ -174,7 +193,7 @@ where
     };
     for _ in 0..rounds {
         for side in [Side::Direct, Side::Nackd] {
-            let result = round(targets.addr(side))
+            let result = round(targets.target(side))
                 .await
                 .map_err(|e| format!("{} round: {e}", side.label()))?;
             match side {

@@ -13,9 +13,9 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 
 use super::load::{self, Mark, Pair, PairSpec, Sizes};
-use super::machine::{load_average, Machine};
+use super::machine::{load_average, CpuSample, CpuUse, Machine};
 use super::stats::{median, Summary};
-use super::{alternate, print_header, BenchResult, Common, Sides, Targets};
+use super::{alternate, print_header, BenchResult, Common, Sides, Target, Targets};
 
 /// Target of DESIGN.md: throughput through nackd / direct.
 const THROUGHPUT_RATIO_MIN: f64 = 0.90;
@@ -115,15 +115,15 @@ async fn interrupted() -> &'static str {
 async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
     let common = &args.common;
     if args.wants(Figure::Throughput) {
-        let sides = alternate(common.rounds, targets, |addr| throughput(addr, Sizes::Fixed(KIB), common)).await?;
+        let sides = alternate(common.rounds, targets, |target| throughput(target, Sizes::Fixed(KIB), common)).await?;
         print_rates("throughput  1 KiB, 1 producer / 1 consumer", &sides, Some(THROUGHPUT_RATIO_MIN), false);
     }
     if args.wants(Figure::Latency) {
-        let sides = alternate(common.rounds, targets, |addr| latency(addr, args.rate, common)).await?;
+        let sides = alternate(common.rounds, targets, |target| latency(target, args.rate, common)).await?;
         print_latency(&format!("latency     1 KiB at {}/s", args.rate), &sides);
     }
     if args.wants(Figure::Many) {
-        let sides = alternate(common.rounds, targets, |addr| many(addr, args.idle, args.pairs, common)).await?;
+        let sides = alternate(common.rounds, targets, |target| many(target, args.idle, args.pairs, common)).await?;
         let what = format!("many conns  {} idle + {} busy pairs, 1 KiB", args.idle, args.pairs);
         print_rates(&what, &sides, None, false);
     }
@@ -133,27 +133,35 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
             large: 64 * KIB,
             every: 10,
         };
-        let sides = alternate(common.rounds, targets, |addr| throughput(addr, mix, common)).await?;
+        let sides = alternate(common.rounds, targets, |target| throughput(target, mix, common)).await?;
         print_rates("mix         90% 1 KiB / 10% 64 KiB", &sides, None, true);
     }
     Ok(())
 }
 
-/// Messages and bytes per second delivered to the consumer(s).
+/// Messages and bytes per second delivered to the consumer(s), and the CPU
+/// it took.
 #[derive(Clone, Copy, Debug)]
 struct Rate {
     msgs: f64,
     bytes: f64,
+    cpu: CpuUse,
 }
 
 /// Measures the consumers of `pairs` between the warm-up and the end.
-async fn measure(pairs: &[Pair], common: &Common) -> BenchResult<Rate> {
+async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResult<Rate> {
     tokio::time::sleep(common.warmup()).await;
     let marks = |pairs: &[Pair]| pairs.iter().map(|p| p.flow.mark()).collect::<Vec<Mark>>();
     let before = marks(pairs);
+    let cpu_before = CpuSample::now(target.nackd_pid);
     tokio::time::sleep(common.measure()).await;
     let after = marks(pairs);
-    let mut rate = Rate { msgs: 0.0, bytes: 0.0 };
+    let cpu = cpu_before.until(&CpuSample::now(target.nackd_pid), common.measure().as_secs_f64());
+    let mut rate = Rate {
+        msgs: 0.0,
+        bytes: 0.0,
+        cpu,
+    };
     for (b, a) in before.iter().zip(&after) {
         let (msgs, bytes) = b.rate_until(a);
         if msgs == 0.0 {
@@ -165,20 +173,20 @@ async fn measure(pairs: &[Pair], common: &Common) -> BenchResult<Rate> {
     Ok(rate)
 }
 
-async fn throughput(addr: String, sizes: Sizes, common: &Common) -> BenchResult<Rate> {
-    let pair = Pair::start(&addr, "throughput", flat_out(sizes)).await?;
-    let rate = measure(std::slice::from_ref(&pair), common).await;
+async fn throughput(target: Target, sizes: Sizes, common: &Common) -> BenchResult<Rate> {
+    let pair = Pair::start(&target.addr, "throughput", flat_out(sizes)).await?;
+    let rate = measure(std::slice::from_ref(&pair), &target, common).await;
     pair.stop().await?;
     rate
 }
 
-async fn latency(addr: String, rate: u32, common: &Common) -> BenchResult<Summary> {
+async fn latency(target: Target, rate: u32, common: &Common) -> BenchResult<Summary> {
     let spec = PairSpec {
         rate: Some(rate),
         latency: true,
         ..flat_out(Sizes::Fixed(KIB))
     };
-    let pair = Pair::start(&addr, "latency", spec).await?;
+    let pair = Pair::start(&target.addr, "latency", spec).await?;
     tokio::time::sleep(common.warmup()).await;
     pair.flow.recording.store(true, Ordering::Relaxed);
     tokio::time::sleep(common.measure()).await;
@@ -187,13 +195,13 @@ async fn latency(addr: String, rate: u32, common: &Common) -> BenchResult<Summar
     latencies.summary().ok_or_else(|| "no message arrived while measured".into())
 }
 
-async fn many(addr: String, idle: usize, pairs: usize, common: &Common) -> BenchResult<Rate> {
-    let idle = open_idle(&addr, idle).await?;
+async fn many(target: Target, idle: usize, pairs: usize, common: &Common) -> BenchResult<Rate> {
+    let idle = open_idle(&target.addr, idle).await?;
     let mut busy = Vec::with_capacity(pairs);
     for _ in 0..pairs {
-        busy.push(Pair::start(&addr, "many", flat_out(Sizes::Fixed(KIB))).await?);
+        busy.push(Pair::start(&target.addr, "many", flat_out(Sizes::Fixed(KIB))).await?);
     }
-    let rate = measure(&busy, common).await;
+    let rate = measure(&busy, &target, common).await;
     for pair in busy {
         pair.stop().await?;
     }
@@ -261,7 +269,20 @@ fn print_rates(what: &str, sides: &Sides<Rate>, ratio_min: Option<f64>, bytes: b
             true => format!(" ({:.1} MiB/s)", median_of(rounds, |r| r.bytes) / (KIB * KIB) as f64),
             false => String::new(),
         };
-        println!("{what}  {label:<6}  {:.0} msg/s{volume}  rounds {}", medians[i], each.join(" "));
+        let busy = median_of(rounds, |r| r.cpu.machine_busy) * 100.0;
+        let nackd = match rounds.iter().all(|r| r.cpu.process_cores.is_some()) {
+            true => {
+                let cores = median_of(rounds, |r| r.cpu.process_cores.unwrap_or(f64::NAN));
+                let per_msg = median_of(rounds, |r| r.cpu.process_cores.unwrap_or(f64::NAN) / r.msgs * 1e6);
+                format!(", nackd {:.0}% of a core = {per_msg:.1} µs/msg", cores * 100.0)
+            }
+            false => String::new(),
+        };
+        println!(
+            "{what}  {label:<6}  {:.0} msg/s{volume}  rounds {}  (CPUs {busy:.0}% busy{nackd})",
+            medians[i],
+            each.join(" ")
+        );
     }
     let ratio = medians[1] / medians[0];
     let target = match ratio_min {
