@@ -10,6 +10,7 @@
 //! - [`load`]: producer/consumer pairs that put messages through the broker;
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
+//! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
 //! - one file per scenario: [`passthrough`].
 
 use std::future::Future;
@@ -18,12 +19,14 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
 
+pub mod cpu;
 pub mod launcher;
 pub mod load;
 pub mod machine;
 pub mod passthrough;
 pub mod stats;
 
+use cpu::Processes;
 use launcher::NackdProcess;
 use machine::Machine;
 
@@ -106,6 +109,8 @@ pub struct Targets {
     pub proxy: SocketAddr,
     /// The nackd this run started, if it started one.
     pub nackd: Option<NackdProcess>,
+    /// The local RabbitMQ's pid, if found.
+    pub broker_pid: Option<u32>,
 }
 
 impl Targets {
@@ -124,21 +129,23 @@ impl Targets {
             broker: common.broker.clone(),
             proxy,
             nackd,
+            broker_pid: cpu::broker_pid(),
         })
     }
 
-    /// Where clients of `side` connect, and the nackd process they load.
+    /// Where clients of `side` connect, and the processes they load.
     pub fn target(&self, side: Side) -> Target {
-        match side {
-            Side::Direct => Target {
-                side,
-                addr: self.broker.clone(),
-                nackd_pid: None,
-            },
-            Side::Nackd => Target {
-                side,
-                addr: self.proxy.to_string(),
-                nackd_pid: self.nackd.as_ref().map(NackdProcess::pid),
+        let (addr, nackd) = match side {
+            Side::Direct => (self.broker.clone(), None),
+            Side::Nackd => (self.proxy.to_string(), self.nackd.as_ref().map(NackdProcess::pid)),
+        };
+        Target {
+            side,
+            addr,
+            processes: Processes {
+                client: Some(std::process::id()),
+                broker: self.broker_pid,
+                nackd,
             },
         }
     }
@@ -151,8 +158,8 @@ pub struct Target {
     pub side: Side,
     /// Address the clients connect to.
     pub addr: String,
-    /// The nackd process in the path, if this run started it (for its CPU use).
-    pub nackd_pid: Option<u32>,
+    /// Whose CPU time to count (nackd only if this run started it).
+    pub processes: Processes,
 }
 
 /// `cargo run --bin nackd-bench` rebuilds only itself: say so when the
@@ -211,7 +218,8 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
     println!("nackd-bench {scenario}");
     println!("date        {}", humantime::format_rfc3339_seconds(SystemTime::now()));
     println!("machine     {} CPUs, {}, load average {}", machine.cpus, machine.cpu_model, machine.load);
-    println!("broker      {} at {}", machine.broker, targets.broker);
+    let pid = targets.broker_pid.map_or("pid unknown".into(), |p| format!("beam.smp pid {p}"));
+    println!("broker      {} at {} ({pid})", machine.broker, targets.broker);
     match &targets.nackd {
         Some(n) => println!("nackd       {} (pid {}) at {}", n.binary().display(), n.pid(), n.addr()),
         None => println!("nackd       already running at {}", targets.proxy),

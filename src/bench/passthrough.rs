@@ -13,7 +13,8 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 
 use super::load::{self, Mark, Pair, PairSpec, Sizes};
-use super::machine::{load_average, CpuSample, CpuUse, Machine};
+use super::cpu::{CpuSample, CpuUse};
+use super::machine::{load_average, Machine};
 use super::stats::{median, Summary};
 use super::{alternate, print_header, BenchResult, Common, Sides, Target, Targets};
 
@@ -153,10 +154,10 @@ async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResul
     tokio::time::sleep(common.warmup()).await;
     let marks = |pairs: &[Pair]| pairs.iter().map(|p| p.flow.mark()).collect::<Vec<Mark>>();
     let before = marks(pairs);
-    let cpu_before = CpuSample::now(target.nackd_pid);
+    let cpu_before = CpuSample::now(&target.processes);
     tokio::time::sleep(common.measure()).await;
     let after = marks(pairs);
-    let cpu = cpu_before.until(&CpuSample::now(target.nackd_pid), common.measure().as_secs_f64());
+    let cpu = cpu_before.until(&CpuSample::now(&target.processes), common.measure().as_secs_f64());
     let mut rate = Rate {
         msgs: 0.0,
         bytes: 0.0,
@@ -269,19 +270,11 @@ fn print_rates(what: &str, sides: &Sides<Rate>, ratio_min: Option<f64>, bytes: b
             true => format!(" ({:.1} MiB/s)", median_of(rounds, |r| r.bytes) / (KIB * KIB) as f64),
             false => String::new(),
         };
-        let busy = median_of(rounds, |r| r.cpu.machine_busy) * 100.0;
-        let nackd = match rounds.iter().all(|r| r.cpu.process_cores.is_some()) {
-            true => {
-                let cores = median_of(rounds, |r| r.cpu.process_cores.unwrap_or(f64::NAN));
-                let per_msg = median_of(rounds, |r| r.cpu.process_cores.unwrap_or(f64::NAN) / r.msgs * 1e6);
-                format!(", nackd {:.0}% of a core = {per_msg:.1} µs/msg", cores * 100.0)
-            }
-            false => String::new(),
-        };
         println!(
-            "{what}  {label:<6}  {:.0} msg/s{volume}  rounds {}  (CPUs {busy:.0}% busy{nackd})",
+            "{what}  {label:<6}  {:.0} msg/s{volume}  rounds {}  ({})",
             medians[i],
-            each.join(" ")
+            each.join(" "),
+            cpu_budget(rounds)
         );
     }
     let ratio = medians[1] / medians[0];
@@ -290,6 +283,25 @@ fn print_rates(what: &str, sides: &Sides<Rate>, ratio_min: Option<f64>, bytes: b
         None => "no target".into(),
     };
     println!("{what}  ratio   {ratio:.3} nackd/direct  {target}");
+}
+
+/// "CPUs 99% busy; CPU µs/msg client 30.1 broker 40.2 nackd 11.5 (nackd 0.30 core)"
+fn cpu_budget(rounds: &[Rate]) -> String {
+    let busy = median_of(rounds, |r| r.cpu.machine_busy) * 100.0;
+    let mut text = format!("CPUs {busy:.0}% busy; CPU µs/msg");
+    type Share = fn(&CpuUse) -> Option<f64>;
+    let parts: [(&str, Share); 3] = [("client", |c| c.client), ("broker", |c| c.broker), ("nackd", |c| c.nackd)];
+    for (name, cores) in parts {
+        if rounds.iter().all(|r| cores(&r.cpu).is_some()) {
+            let per_msg = median_of(rounds, |r| cores(&r.cpu).unwrap_or(f64::NAN) / r.msgs * 1e6);
+            text.push_str(&format!(" {name} {per_msg:.1}"));
+        }
+    }
+    if rounds.iter().all(|r| r.cpu.nackd.is_some()) {
+        let cores = median_of(rounds, |r| r.cpu.nackd.unwrap_or(f64::NAN));
+        text.push_str(&format!(" (nackd {cores:.2} core)"));
+    }
+    text
 }
 
 fn ms(d: Duration) -> String {
