@@ -11,7 +11,7 @@
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
-//! - one file per scenario: [`passthrough`].
+//! - one file per scenario: [`passthrough`], [`retry`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -24,6 +24,7 @@ pub mod launcher;
 pub mod load;
 pub mod machine;
 pub mod passthrough;
+pub mod retry;
 pub mod stats;
 
 use cpu::Processes;
@@ -47,6 +48,8 @@ pub struct Cli {
 pub enum Scenario {
     /// Pass-through cost: throughput, latency, many connections, 64 KiB mix.
     Passthrough(passthrough::Args),
+    /// Redelivery lateness of delayed retries: nackd vs the TTL recipes.
+    Retry(retry::Args),
 }
 
 /// Options every scenario takes.
@@ -234,5 +237,6 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
 pub async fn run(cli: Cli) -> BenchResult<()> {
     match cli.scenario {
         Scenario::Passthrough(args) => passthrough::run(args).await,
+        Scenario::Retry(args) => retry::run(args).await,
     }
 }

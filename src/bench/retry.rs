@@ -1,0 +1,316 @@
+//! `nackd-bench retry`: how late redeliveries come, through nackd and with
+//! the two recipes users build today without it, in the same run:
+//!
+//! - `nackd`: the consumer nacks (`requeue=false`) through nackd;
+//! - `ttl-queue-per-level`: the consumer republishes to one wait queue per
+//!   delay (`x-message-ttl`, dead-lettered back to the work queue) and acks;
+//! - `per-message-ttl`: the consumer republishes to a single wait queue with
+//!   a per-message `expiration` (dead-lettered back) and acks.
+//!
+//! Messages are published at a fixed rate; each is retried once per delay of
+//! the schedule, then acked. Lateness = actual delay − scheduled delay,
+//! measured by the consumer from its own nack/republish to the redelivery.
+//! The knee of a mechanism is the highest rate tried whose p99 lateness stays
+//! within `--knee-ms`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel};
+
+use super::load::{close, connect, unique_queue};
+use super::machine::{load_average, Machine};
+use super::stats::percentile;
+use super::{print_header, BenchResult, Common, Targets};
+
+/// Options of the retry scenario.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub common: Common,
+    /// Retry rates to try, in retries per second (messages/s × delays).
+    #[arg(long, value_delimiter = ',', default_value = "300,750,1500,3000,4500")]
+    pub rates: Vec<u64>,
+    /// The schedule in ms: every message is retried once per delay.
+    #[arg(long, value_delimiter = ',', default_value = "100,200,400")]
+    pub delays: Vec<u64>,
+    /// p99 lateness (ms) a rate must keep to count below the knee.
+    #[arg(long, default_value_t = 20)]
+    pub knee_ms: u64,
+}
+
+/// The three ways of retrying later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mechanism {
+    Nackd,
+    TtlQueuePerLevel,
+    PerMessageTtl,
+}
+
+impl Mechanism {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Nackd => "nackd",
+            Self::TtlQueuePerLevel => "ttl-queue-per-level",
+            Self::PerMessageTtl => "per-message-ttl",
+        }
+    }
+}
+
+/// What one mechanism did at one rate.
+#[derive(Debug)]
+struct Outcome {
+    lateness_us: Vec<i64>,
+    early: usize,
+    deliveries: u64,
+    seconds: f64,
+    published: u64,
+    finished: u64,
+}
+
+impl Outcome {
+    fn p(&self, p: f64) -> f64 {
+        let sorted: Vec<u64> = self.lateness_us.iter().map(|l| (*l).max(0) as u64).collect();
+        percentile(&sorted, p).unwrap_or(0) as f64 / 1000.0
+    }
+}
+
+/// Runs the scenario and prints one line per mechanism and rate.
+pub async fn run(mut args: Args) -> BenchResult<()> {
+    args.rates.sort_unstable();
+    let common = &args.common;
+    let machine = Machine::probe(&common.broker).await;
+    let delays: Vec<String> = args.delays.iter().map(|d| format!("\"{d}ms\"")).collect();
+    let policy = format!("[[policy]]\nqueues = [\"nackd-bench-retry-*\"]\ndelays = [{}]\n", delays.join(", "));
+    let targets = Targets::start(common, &policy)?;
+    print_header("retry", common, &machine, &targets);
+    println!(
+        "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; knee = highest rate with p99 <= {} ms",
+        args.delays, common.seconds, args.knee_ms
+    );
+    println!("retry       mechanism             retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished");
+    let mut knees = Vec::new();
+    for mechanism in [Mechanism::Nackd, Mechanism::TtlQueuePerLevel, Mechanism::PerMessageTtl] {
+        let mut knee = None;
+        for &rate in &args.rates {
+            let addr = match mechanism {
+                Mechanism::Nackd => targets.proxy.to_string(),
+                _ => targets.broker.clone(),
+            };
+            let o = one_rate(mechanism, rate, &args, &targets.broker, &addr).await?;
+            let max = o.lateness_us.iter().max().copied().unwrap_or(0) as f64 / 1000.0;
+            println!(
+                "retry       {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>12.0}  {}/{}",
+                mechanism.label(),
+                rate,
+                o.p(50.0),
+                o.p(99.0),
+                max,
+                o.early,
+                o.deliveries as f64 / o.seconds,
+                o.finished,
+                o.published
+            );
+            if o.p(99.0) <= args.knee_ms as f64 && o.early == 0 && o.finished == o.published {
+                knee = Some(rate);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        knees.push((mechanism, knee));
+    }
+    let describe = |k: Option<u64>| match k {
+        Some(r) if Some(&r) == args.rates.last() => format!(">= {r} retries/s (every rate tried)"),
+        Some(r) => format!("{r} retries/s"),
+        None => format!("< {} retries/s (no rate tried)", args.rates[0]),
+    };
+    for (m, k) in &knees {
+        println!("knee        {:<21} {}", m.label(), describe(*k));
+    }
+    if let Some(nackd) = knees[0].1 {
+        for (m, k) in &knees[1..] {
+            match k {
+                Some(k) => println!("ratio       knee nackd / {:<21} {:.2}", m.label(), nackd as f64 / *k as f64),
+                None => println!("ratio       knee nackd / {:<21} above (the recipe has no knee in range)", m.label()),
+            }
+        }
+    }
+    println!("load        average {} at the end", load_average());
+    if let Some(nackd) = targets.nackd {
+        let warnings = nackd.warnings();
+        println!("nackd log   {} warnings/errors", warnings.len());
+        for line in warnings.iter().take(5) {
+            println!("            {line}");
+        }
+        nackd.kill();
+    }
+    Ok(())
+}
+
+fn args_with(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+    let mut t = FieldTable::default();
+    t.insert("x-expires".into(), AMQPValue::LongInt(600_000));
+    for (k, v) in pairs {
+        t.insert((*k).into(), v.clone());
+    }
+    t
+}
+
+/// Declares the work queue and the mechanism's wait queues; returns wait queue names.
+async fn declare(ch: &Channel, mechanism: Mechanism, queue: &str, delays: &[u64]) -> BenchResult<Vec<String>> {
+    ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args_with(&[])).await?;
+    let back = |extra: Option<(&str, AMQPValue)>| {
+        let mut pairs = vec![
+            ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
+            ("x-dead-letter-routing-key", AMQPValue::LongString(queue.into())),
+        ];
+        pairs.extend(extra);
+        args_with(&pairs)
+    };
+    let mut waits = Vec::new();
+    match mechanism {
+        Mechanism::Nackd => {}
+        Mechanism::TtlQueuePerLevel => {
+            for (i, d) in delays.iter().enumerate() {
+                let name = format!("{queue}-wait-{i}");
+                let ttl = ("x-message-ttl", AMQPValue::LongInt(*d as i32));
+                ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), back(Some(ttl))).await?;
+                waits.push(name);
+            }
+        }
+        Mechanism::PerMessageTtl => {
+            let name = format!("{queue}-wait");
+            ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), back(None)).await?;
+            waits.push(name);
+        }
+    }
+    Ok(waits)
+}
+
+fn attempt(d: &lapin::message::Delivery, mechanism: Mechanism) -> usize {
+    let key = match mechanism {
+        Mechanism::Nackd => "x-retry-count",
+        _ => "x-attempt",
+    };
+    match d.properties.headers().as_ref().and_then(|h| h.inner().get(key)) {
+        Some(AMQPValue::LongLongInt(n)) => *n as usize,
+        Some(AMQPValue::LongInt(n)) => *n as usize,
+        _ => 0,
+    }
+}
+
+async fn one_rate(mechanism: Mechanism, retries: u64, args: &Args, broker: &str, addr: &str) -> BenchResult<Outcome> {
+    let delays = &args.delays;
+    let queue = unique_queue("retry");
+    let admin = connect(broker).await?;
+    let ach = admin.create_channel().await?;
+    let waits = declare(&ach, mechanism, &queue, delays).await?;
+    let consumer_conn = connect(addr).await?;
+    let cch = consumer_conn.create_channel().await?;
+    cch.basic_qos(2000, BasicQosOptions::default()).await?;
+    let mut deliveries = cch
+        .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    let rate = (retries as f64 / delays.len() as f64).max(1.0);
+    let mut publisher = Some(tokio::spawn(publish(broker.to_string(), queue.clone(), rate, Duration::from_secs(args.common.seconds))));
+    let began = Instant::now();
+    let mut waiting: HashMap<u64, (Instant, u64)> = HashMap::new();
+    let mut o = Outcome { lateness_us: Vec::new(), early: 0, deliveries: 0, seconds: 0.0, published: 0, finished: 0 };
+    let total_delay: u64 = delays.iter().sum();
+    let mut published: Option<u64> = None;
+    loop {
+        if publisher.as_ref().is_some_and(|p| p.is_finished()) {
+            let done = publisher.take().expect("checked").await.map_err(|e| e.to_string())??;
+            published = Some(done);
+        }
+        if published.is_some_and(|p| o.finished >= p) {
+            break;
+        }
+        let limit = Duration::from_secs(args.common.seconds) + Duration::from_millis(total_delay * 4) + Duration::from_secs(15);
+        if began.elapsed() > limit {
+            break;
+        }
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(200), deliveries.next()).await else { continue };
+        let Some(delivery) = next else { break };
+        let d = delivery?;
+        let now = Instant::now();
+        o.deliveries += 1;
+        let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
+        let n = attempt(&d, mechanism);
+        if n > 0 {
+            if let Some((asked, delay_ms)) = waiting.remove(&id) {
+                let late = now.duration_since(asked).as_micros() as i64 - (delay_ms as i64) * 1000;
+                if late < 0 {
+                    o.early += 1;
+                }
+                o.lateness_us.push(late);
+            }
+        }
+        if n < delays.len() {
+            waiting.insert(id, (Instant::now(), delays[n]));
+            retry_later(&cch, &d, mechanism, &queue, &waits, n, delays[n]).await?;
+        } else {
+            d.ack(BasicAckOptions::default()).await?;
+            o.finished += 1;
+        }
+    }
+    o.seconds = began.elapsed().as_secs_f64();
+    o.published = published.unwrap_or(0);
+    close(&consumer_conn).await;
+    for q in waits.iter().chain(std::iter::once(&queue)) {
+        let _ = ach.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+    }
+    close(&admin).await;
+    Ok(o)
+}
+
+async fn retry_later(
+    ch: &Channel,
+    d: &lapin::message::Delivery,
+    mechanism: Mechanism,
+    queue: &str,
+    waits: &[String],
+    n: usize,
+    delay_ms: u64,
+) -> BenchResult<()> {
+    if mechanism == Mechanism::Nackd {
+        d.nack(BasicNackOptions { requeue: false, multiple: false }).await?;
+        return Ok(());
+    }
+    let mut headers = FieldTable::default();
+    headers.insert("x-attempt".into(), AMQPValue::LongLongInt(n as i64 + 1));
+    let mut props = BasicProperties::default().with_headers(headers);
+    let wait = match mechanism {
+        Mechanism::TtlQueuePerLevel => &waits[n],
+        _ => {
+            props = props.with_expiration(delay_ms.to_string().as_str().into());
+            &waits[0]
+        }
+    };
+    let _ = queue;
+    ch.basic_publish("".into(), wait.as_str().into(), BasicPublishOptions::default(), &d.data, props).await?;
+    d.ack(BasicAckOptions::default()).await?;
+    Ok(())
+}
+
+/// Publishes 1 KiB messages (id first) straight to the broker at `rate`/s.
+async fn publish(broker: String, queue: String, rate: f64, for_how_long: Duration) -> BenchResult<u64> {
+    let conn = connect(&broker).await?;
+    let ch = conn.create_channel().await?;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let began = Instant::now();
+    let mut id = 0u64;
+    let mut body = vec![0u8; 1024];
+    while began.elapsed() < for_how_long {
+        tick.tick().await;
+        body[..8].copy_from_slice(&id.to_be_bytes());
+        ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+            .await?;
+        id += 1;
+    }
+    close(&conn).await;
+    Ok(id)
+}
