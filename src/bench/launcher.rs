@@ -169,6 +169,28 @@ impl NackdProcess {
             .unwrap_or_default()
     }
 
+    /// Kills the process with SIGKILL and starts it again on the same
+    /// config and store; returns how long until it listened again (nackd
+    /// recovers the store before it listens).
+    pub fn restart(&mut self) -> Result<Duration, LaunchError> {
+        self.kill_now();
+        let old = self.dir.path().join(format!("nackd.log.{}", self.child.id()));
+        std::fs::rename(self.log_path(), &old).map_err(io("keeping the old log"))?;
+        let log = File::create(self.log_path()).map_err(io("creating the log"))?;
+        let began = Instant::now();
+        self.child = Command::new(&self.binary)
+            .arg("--config")
+            .arg(self.dir.path().join("nackd.toml"))
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(io(format!("starting {}", self.binary.display())))?;
+        self.addr = self.wait_listening()?;
+        Ok(began.elapsed())
+    }
+
     /// Kills the process and waits for it; the temp directory goes with `self`.
     pub fn kill(mut self) {
         self.kill_now();

@@ -11,7 +11,7 @@
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
-//! - one file per scenario: [`passthrough`], [`retry`].
+//! - one file per scenario: [`passthrough`], [`retry`], [`hold`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -20,6 +20,7 @@ use std::time::{Duration, SystemTime};
 use clap::{Parser, Subcommand};
 
 pub mod cpu;
+pub mod hold;
 pub mod launcher;
 pub mod load;
 pub mod machine;
@@ -50,6 +51,8 @@ pub enum Scenario {
     Passthrough(passthrough::Args),
     /// Redelivery lateness of delayed retries: nackd vs the TTL recipes.
     Retry(retry::Args),
+    /// Park many messages: park rate, RSS, store size, restart after SIGKILL.
+    Hold(hold::Args),
 }
 
 /// Options every scenario takes.
@@ -238,5 +241,6 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
     match cli.scenario {
         Scenario::Passthrough(args) => passthrough::run(args).await,
         Scenario::Retry(args) => retry::run(args).await,
+        Scenario::Hold(args) => hold::run(args).await,
     }
 }
