@@ -221,7 +221,9 @@ impl Engine {
             id,
             vhost: park.vhost,
             queue: park.queue,
-            due_ms: self.clock.now_ms() + park.delay.as_millis() as u64,
+            // Rounded up: the clock reads whole ms, so the part of the current
+            // ms already gone would otherwise make the delay up to 1 ms short.
+            due_ms: self.clock.now_ms() + 1 + park.delay.as_millis() as u64,
             retry: park.retry,
             route: park.route,
             on_return: park.on_return,

@@ -73,7 +73,8 @@ struct Outcome {
 
 impl Outcome {
     fn p(&self, p: f64) -> f64 {
-        let sorted: Vec<u64> = self.lateness_us.iter().map(|l| (*l).max(0) as u64).collect();
+        let mut sorted: Vec<u64> = self.lateness_us.iter().map(|l| (*l).max(0) as u64).collect();
+        sorted.sort_unstable();
         percentile(&sorted, p).unwrap_or(0) as f64 / 1000.0
     }
 }
