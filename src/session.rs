@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, WriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Span};
 
@@ -211,16 +211,20 @@ impl Session {
                 _ = tick.tick() => self.on_tick(Instant::now()),
             }
         }
-        self.drain(&mut client_wr, &mut upstream_wr).await;
+        self.drain(&mut client_rd, &mut client_wr, &mut upstream_wr).await;
         info!(reason = self.close.reason(), "connection closed");
     }
 
     /// Writes what is still buffered for the sides that are alive, then closes them.
-    async fn drain(&mut self, client_wr: &mut WriteHalf<Io>, upstream_wr: &mut WriteHalf<Io>) {
+    /// Writes what is still buffered for the sides that are alive, then
+    /// closes them. Like RabbitMQ, nackd lets the client close its socket
+    /// first after a close handshake: closing at once makes clients see the
+    /// end of the stream before they have handled `close-ok`.
+    async fn drain(&mut self, client_rd: &mut ReadHalf<Io>, client_wr: &mut WriteHalf<Io>, upstream_wr: &mut WriteHalf<Io>) {
         let flush = async {
             if !self.close.client_gone {
                 let _ = client_wr.write_all_buf(&mut self.to_client).await;
-                let _ = client_wr.shutdown().await;
+                let _ = client_wr.flush().await;
             }
             if !self.close.upstream_gone {
                 let _ = upstream_wr.write_all_buf(&mut self.to_upstream).await;
@@ -228,6 +232,12 @@ impl Session {
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
+        if !self.close.client_gone {
+            let mut sink = [0u8; 4096];
+            let client_closes = async { while matches!(client_rd.read(&mut sink).await, Ok(n) if n > 0) {} };
+            let _ = tokio::time::timeout(Duration::from_secs(1), client_closes).await;
+            let _ = client_wr.shutdown().await;
+        }
     }
 
     fn may_read_client(&self) -> bool {

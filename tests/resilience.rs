@@ -195,3 +195,21 @@ async fn shutdown_stops_accepting_then_closes_sessions_after_grace() {
     assert!(began.elapsed() >= Duration::from_millis(900), "grace period honoured");
     eventually(Duration::from_secs(3), "client sees the close", || !conn.status().connected()).await;
 }
+
+#[tokio::test]
+async fn after_close_ok_the_client_closes_its_socket_first() {
+    let nackd = start("").await;
+    let mut client = RawClient::open(nackd.addr, 131072, 0).await;
+    client
+        .send(&nackd::method::connection_close(nackd::reply::ReplyCode::Success, "bye", None))
+        .await;
+    match client.method().await {
+        Some(amq_protocol::protocol::AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::CloseOk(_))) => {}
+        other => panic!("expected close-ok, got {other:?}"),
+    }
+    // As RabbitMQ does, nackd leaves the socket for the client to close, so
+    // clients do not see the end of the stream before they handled close-ok.
+    let mut byte = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), tokio::io::AsyncReadExt::read(&mut client.stream, &mut byte)).await;
+    assert!(early.is_err(), "nackd closed the socket before the client did: {early:?}");
+}
