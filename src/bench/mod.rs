@@ -230,10 +230,12 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
         Some(n) => println!("nackd       {} (pid {}) at {}", n.binary().display(), n.pid(), n.addr()),
         None => println!("nackd       already running at {}", targets.proxy),
     }
-    println!(
-        "method      {} rounds per side, alternating direct/nackd; {} s measured after {} s warm-up; median per side",
-        common.rounds, common.seconds, common.warmup
-    );
+    if scenario == "passthrough" {
+        println!(
+            "method      {} rounds per side, alternating direct/nackd; {} s measured after {} s warm-up; median per side",
+            common.rounds, common.seconds, common.warmup
+        );
+    }
 }
 
 /// Runs the scenario the command line names.
