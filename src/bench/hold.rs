@@ -26,9 +26,14 @@ pub struct Args {
     /// Messages to park.
     #[arg(long, default_value_t = 100_000)]
     pub count: u64,
-    /// How long they are held (they do not fall due during the run).
+    /// How long they are held (they do not fall due during the run, unless
+    /// `--fire`).
     #[arg(long, default_value = "1h")]
     pub delay: String,
+    /// After the restart, wait until they fall due and report the lateness
+    /// of the redeliveries (pick a `--delay` longer than parking takes).
+    #[arg(long)]
+    pub fire: bool,
 }
 
 /// Reads a process's resident set size in bytes.
@@ -85,9 +90,10 @@ pub async fn run(args: Args) -> BenchResult<()> {
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs).await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let published = Instant::now();
-    let body = vec![7u8; 1024];
+    let mut body = vec![7u8; 1024];
     let mut confirms = Vec::with_capacity(1000);
-    for _ in 0..n {
+    for id in 0..n {
+        body[..8].copy_from_slice(&id.to_be_bytes());
         confirms.push(ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default()).await?);
         if confirms.len() == 1000 {
             for c in confirms.drain(..) {
@@ -108,12 +114,17 @@ pub async fn run(args: Args) -> BenchResult<()> {
         .await?;
     let mut nacked = 0u64;
     let mut first = None;
+    let mut nacked_at = vec![None; n as usize];
     while nacked < n {
         let d = tokio::time::timeout(Duration::from_secs(30), deliveries.next())
             .await
             .map_err(|_| "no delivery for 30 s")?
             .ok_or("consumer closed")??;
         first.get_or_insert_with(Instant::now);
+        let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
+        if let Some(slot) = nacked_at.get_mut(id as usize) {
+            *slot = Some(Instant::now());
+        }
         d.nack(BasicNackOptions { requeue: false, multiple: false }).await?;
         nacked += 1;
     }
@@ -157,11 +168,56 @@ pub async fn run(args: Args) -> BenchResult<()> {
         to_serving.as_secs_f64()
     );
     println!("recovered   {} held after the restart; nackd RSS {:.1} MiB", held(&binary, &store), mib(rss(nackd.pid())));
+    if args.fire {
+        let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
+        fire(&nackd.addr().to_string(), &queue, &nacked_at, delay).await?;
+    }
     let _ = ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
     close(&admin).await;
     println!("load        average {} at the end", load_average());
     if let Some(nackd) = targets.nackd.take() {
         nackd.kill();
     }
+    Ok(())
+}
+
+/// Consumes the redeliveries of the parked messages through nackd and
+/// reports how late each came against its nack time plus the delay.
+async fn fire(addr: &str, queue: &str, nacked_at: &[Option<Instant>], delay: Duration) -> BenchResult<()> {
+    let conn = connect(addr).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(2000, BasicQosOptions::default()).await?;
+    let mut deliveries = ch
+        .basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    let expected = nacked_at.iter().filter(|t| t.is_some()).count();
+    let last_due = nacked_at.iter().flatten().max().map(|t| *t + delay).unwrap_or_else(Instant::now);
+    let mut lateness_us: Vec<i64> = Vec::with_capacity(expected);
+    let mut first: Option<Instant> = None;
+    while lateness_us.len() < expected {
+        let wait = last_due.saturating_duration_since(Instant::now()) + Duration::from_secs(60);
+        let d = tokio::time::timeout(wait, deliveries.next()).await.map_err(|_| "redeliveries stopped")?.ok_or("consumer closed")??;
+        let now = Instant::now();
+        first.get_or_insert(now);
+        let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
+        if let Some(Some(at)) = nacked_at.get(id as usize) {
+            let due = *at + delay;
+            lateness_us.push(if now >= due { now.duration_since(due).as_micros() as i64 } else { -(due.duration_since(now).as_micros() as i64) });
+        }
+        d.ack(BasicAckOptions::default()).await?;
+    }
+    let early = lateness_us.iter().filter(|l| **l < 0).count();
+    let mut sorted: Vec<u64> = lateness_us.iter().map(|l| (*l).max(0) as u64).collect();
+    sorted.sort_unstable();
+    let ms = |p: f64| super::stats::percentile(&sorted, p).unwrap_or(0) as f64 / 1000.0;
+    let spread = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
+    println!(
+        "fire        {} redelivered after the restart over {spread:.1} s: lateness p50 {:.1} ms p99 {:.1} ms max {:.1} ms, {early} early",
+        lateness_us.len(),
+        ms(50.0),
+        ms(99.0),
+        sorted.last().copied().unwrap_or(0) as f64 / 1000.0
+    );
+    close(&conn).await;
     Ok(())
 }
