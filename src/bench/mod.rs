@@ -238,6 +238,19 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
     }
 }
 
+/// Prints the lines every report ends with, and stops the nackd this run started.
+pub fn print_footer(targets: Targets) {
+    println!("load        average {} at the end", machine::load_average());
+    if let Some(nackd) = targets.nackd {
+        let warnings = nackd.warnings();
+        println!("nackd log   {} warnings/errors", warnings.len());
+        for line in warnings.iter().take(5) {
+            println!("            {line}");
+        }
+        nackd.kill();
+    }
+}
+
 /// Runs the scenario the command line names.
 pub async fn run(cli: Cli) -> BenchResult<()> {
     match cli.scenario {

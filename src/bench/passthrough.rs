@@ -14,9 +14,9 @@ use tokio::task::JoinSet;
 
 use super::load::{self, Mark, Pair, PairSpec, Sizes};
 use super::cpu::{CpuSample, CpuUse};
-use super::machine::{load_average, Machine};
+use super::machine::Machine;
 use super::stats::{median, Summary};
-use super::{alternate, print_header, BenchResult, Common, Sides, Target, Targets};
+use super::{alternate, print_footer, print_header, BenchResult, Common, Sides, Target, Targets};
 
 /// Target of DESIGN.md: throughput through nackd / direct.
 const THROUGHPUT_RATIO_MIN: f64 = 0.90;
@@ -89,15 +89,7 @@ pub async fn run(args: Args) -> BenchResult<()> {
         result = figures(&args, &targets) => result,
         signal = interrupted() => Err(format!("interrupted by {signal}").into()),
     };
-    println!("load        average {} at the end", load_average());
-    if let Some(nackd) = targets.nackd {
-        let warnings = nackd.warnings();
-        println!("nackd log   {} warnings/errors", warnings.len());
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
-        nackd.kill();
-    }
+    print_footer(targets);
     result
 }
 

@@ -22,9 +22,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 use super::load::{close, connect, unique_queue};
-use super::machine::{load_average, Machine};
+use super::machine::Machine;
 use super::stats::percentile;
-use super::{print_header, BenchResult, Common, Targets};
+use super::{print_footer, print_header, BenchResult, Common, Targets};
 
 /// Options of the retry scenario.
 #[derive(Debug, Clone, clap::Args)]
@@ -138,15 +138,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
             }
         }
     }
-    println!("load        average {} at the end", load_average());
-    if let Some(nackd) = targets.nackd {
-        let warnings = nackd.warnings();
-        println!("nackd log   {} warnings/errors", warnings.len());
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
-        nackd.kill();
-    }
+    print_footer(targets);
     Ok(())
 }
 
