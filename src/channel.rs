@@ -111,6 +111,8 @@ pub struct Channel {
     pub deferred: Vec<Bytes>,
     /// The broker closed the channel: it takes unacked deliveries back.
     pub closing: bool,
+    /// Log span of this channel (a child of the connection's span).
+    pub span: Option<tracing::Span>,
 }
 
 impl Channel {
@@ -270,6 +272,7 @@ impl Channels {
             *epochs += 1;
             Channel {
                 epoch: *epochs,
+                span: Some(tracing::debug_span!("channel", channel = id)),
                 ..Channel::default()
             }
         })

@@ -26,6 +26,11 @@ impl Session {
     }
 
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
+        let span = match frame.channel {
+            0 => tracing::Span::none(),
+            id => self.channels.get(id).span.clone().unwrap_or_else(tracing::Span::none),
+        };
+        let _in_channel = span.enter();
         if self.close.client_failed {
             return self.on_failed_client_frame(&frame);
         }

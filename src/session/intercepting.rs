@@ -164,6 +164,7 @@ impl Session {
             let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
                 Claim::Parked => {
+                    debug!(tag = t, ?settle, "claimed for a delayed retry; storing before the ack");
                     self.channels.get(channel_id).pending.insert(t, settle);
                 }
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),

@@ -26,6 +26,11 @@ impl Session {
     }
 
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
+        let span = match frame.channel {
+            0 => tracing::Span::none(),
+            id => self.channels.get(id).span.clone().unwrap_or_else(tracing::Span::none),
+        };
+        let _in_channel = span.enter();
         match frame.kind {
             FrameType::Heartbeat => {}
             FrameType::Method => {
