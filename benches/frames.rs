@@ -25,7 +25,10 @@ const FRAME_MAX: u32 = 131_072;
 /// A header as applications send it: JSON, persistent, ids, a few headers.
 fn header_payload() -> Vec<u8> {
     let mut headers = FieldTable::default();
-    headers.insert("tenant".into(), AMQPValue::LongString(LongString::from("acme")));
+    headers.insert(
+        "tenant".into(),
+        AMQPValue::LongString(LongString::from("acme")),
+    );
     headers.insert("x-retry-count".into(), AMQPValue::LongLongInt(0));
     headers.insert(
         "trace-id".into(),

@@ -63,8 +63,14 @@ fn wheel(c: &mut Criterion) {
 
 fn rewrite(c: &mut Criterion) {
     let mut h = FieldTable::default();
-    h.insert("tenant".into(), AMQPValue::LongString(LongString::from("acme")));
-    h.insert("trace-id".into(), AMQPValue::LongString(LongString::from("4bf92f3577b34da6a3ce929d0e0e4736")));
+    h.insert(
+        "tenant".into(),
+        AMQPValue::LongString(LongString::from("acme")),
+    );
+    h.insert(
+        "trace-id".into(),
+        AMQPValue::LongString(LongString::from("4bf92f3577b34da6a3ce929d0e0e4736")),
+    );
     let props = basic::AMQPProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(2)
@@ -83,9 +89,15 @@ fn rewrite(c: &mut Criterion) {
     let third = headers::rewrite(&headers::rewrite(&first, &info(1)).unwrap(), &info(2)).unwrap();
     let mut g = c.benchmark_group("headers");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("rewrite, first retry", |b| b.iter(|| headers::rewrite(black_box(&first), &info(1)).unwrap()));
-    g.bench_function("rewrite, third retry", |b| b.iter(|| headers::rewrite(black_box(&third), &info(3)).unwrap()));
-    g.bench_function("retry_count", |b| b.iter(|| headers::retry_count(black_box(&third))));
+    g.bench_function("rewrite, first retry", |b| {
+        b.iter(|| headers::rewrite(black_box(&first), &info(1)).unwrap())
+    });
+    g.bench_function("rewrite, third retry", |b| {
+        b.iter(|| headers::rewrite(black_box(&third), &info(3)).unwrap())
+    });
+    g.bench_function("retry_count", |b| {
+        b.iter(|| headers::retry_count(black_box(&third)))
+    });
     g.finish();
 }
 

@@ -113,7 +113,11 @@ fn size(path: &std::path::Path) -> u64 {
     if path.is_file() {
         return std::fs::metadata(path).unwrap().len();
     }
-    std::fs::read_dir(path).unwrap().filter_map(|e| e.ok()).map(|e| e.metadata().unwrap().len()).sum()
+    std::fs::read_dir(path)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
 }
 
 fn rate(n: u64, d: Duration) -> f64 {
@@ -121,8 +125,16 @@ fn rate(n: u64, d: Duration) -> f64 {
 }
 
 fn main() {
-    let total: u64 = std::env::var("STORE_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(102_400) / 256 * 256;
-    println!("store engines: {total} held messages of 1 KiB body + 300 B header, on {}", std::env::temp_dir().display());
+    let total: u64 = std::env::var("STORE_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(102_400)
+        / 256
+        * 256;
+    println!(
+        "store engines: {total} held messages of 1 KiB body + 300 B header, on {}",
+        std::env::temp_dir().display()
+    );
     for batch in [1u64, 16, 256] {
         let n = if batch == 1 { total.min(2_000) } else { total };
         let log_dir = tempfile::tempdir().unwrap();
@@ -141,13 +153,30 @@ fn main() {
     let redb_path = redb_dir.path().join("held.redb");
     log_park(log_dir.path(), total, 256);
     redb_park(&redb_path, total, 256);
-    println!("size on disk       hold-log {:>9} B       redb {:>9} B", size(log_dir.path()), size(&redb_path));
+    println!(
+        "size on disk       hold-log {:>9} B       redb {:>9} B",
+        size(log_dir.path()),
+        size(&redb_path)
+    );
     let (lt, ln) = log_recover(log_dir.path());
     let (rt, rn) = redb_recover(&redb_path);
     assert_eq!((ln, rn), (total as usize, total as usize));
-    println!("recover index      hold-log {:>9.3} s       redb {:>9.3} s   log/redb {:.2}", lt.as_secs_f64(), rt.as_secs_f64(), lt.as_secs_f64() / rt.as_secs_f64());
+    println!(
+        "recover index      hold-log {:>9.3} s       redb {:>9.3} s   log/redb {:.2}",
+        lt.as_secs_f64(),
+        rt.as_secs_f64(),
+        lt.as_secs_f64() / rt.as_secs_f64()
+    );
     let ld = log_delete_all(log_dir.path());
     let rd = redb_delete_all(&redb_path, total);
-    println!("delete all         hold-log {:>9.0} msg/s   redb {:>9.0} msg/s", rate(total, ld), rate(total, rd));
-    println!("size after delete  hold-log {:>9} B       redb {:>9} B", size(log_dir.path()), size(&redb_path));
+    println!(
+        "delete all         hold-log {:>9.0} msg/s   redb {:>9.0} msg/s",
+        rate(total, ld),
+        rate(total, rd)
+    );
+    println!(
+        "size after delete  hold-log {:>9} B       redb {:>9} B",
+        size(log_dir.path()),
+        size(&redb_path)
+    );
 }

@@ -63,14 +63,28 @@ impl ContentState {
                 match left.checked_sub(len) {
                     Some(0) => Self::Idle,
                     Some(rest) => Self::Body(rest),
-                    None => return Err(FrameError::Unexpected("body frames longer than the announced size")),
+                    None => {
+                        return Err(FrameError::Unexpected(
+                            "body frames longer than the announced size",
+                        ))
+                    }
                 }
             }
-            (Self::Idle, FrameType::Header) => return Err(FrameError::Unexpected("content header without a method")),
-            (Self::Idle, FrameType::Body) => return Err(FrameError::Unexpected("content body without a header")),
-            (_, FrameType::Method) => return Err(FrameError::Unexpected("method frame inside a content")),
-            (Self::Header, FrameType::Body) => return Err(FrameError::Unexpected("content body before its header")),
-            (Self::Body(_), FrameType::Header) => return Err(FrameError::Unexpected("second content header")),
+            (Self::Idle, FrameType::Header) => {
+                return Err(FrameError::Unexpected("content header without a method"))
+            }
+            (Self::Idle, FrameType::Body) => {
+                return Err(FrameError::Unexpected("content body without a header"))
+            }
+            (_, FrameType::Method) => {
+                return Err(FrameError::Unexpected("method frame inside a content"))
+            }
+            (Self::Header, FrameType::Body) => {
+                return Err(FrameError::Unexpected("content body before its header"))
+            }
+            (Self::Body(_), FrameType::Header) => {
+                return Err(FrameError::Unexpected("second content header"))
+            }
             (state, FrameType::Heartbeat) => state,
         };
         Ok(())
@@ -145,12 +159,17 @@ impl Channel {
             }
             AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
                 let queue = self.resolve(g.queue.as_str());
-                self.pending_gets.push_back(Consumer { queue, no_ack: g.no_ack });
+                self.pending_gets.push_back(Consumer {
+                    queue,
+                    no_ack: g.no_ack,
+                });
             }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => self.settle(a.delivery_tag, a.multiple),
             AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => self.settle(n.delivery_tag, n.multiple),
             AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => self.settle(r.delivery_tag, false),
-            AMQPClass::Basic(basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_)) => {
+            AMQPClass::Basic(
+                basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
+            ) => {
                 self.outstanding.clear();
             }
             AMQPClass::Tx(tx::AMQPMethod::Select(_)) => self.tx = true,
@@ -181,14 +200,28 @@ impl Channel {
                 if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
                     if !consumer.no_ack {
                         let queue = consumer.queue.clone();
-                        self.outstanding.insert(d.delivery_tag, Delivery { queue, capture: None, over_budget: false });
+                        self.outstanding.insert(
+                            d.delivery_tag,
+                            Delivery {
+                                queue,
+                                capture: None,
+                                over_budget: false,
+                            },
+                        );
                     }
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
                 if let Some(get) = self.pending_gets.pop_front() {
                     if !get.no_ack {
-                        self.outstanding.insert(ok.delivery_tag, Delivery { queue: get.queue, capture: None, over_budget: false });
+                        self.outstanding.insert(
+                            ok.delivery_tag,
+                            Delivery {
+                                queue: get.queue,
+                                capture: None,
+                                over_budget: false,
+                            },
+                        );
                     }
                 }
             }
@@ -221,9 +254,15 @@ impl Channel {
             (true, 0) => std::mem::take(&mut self.outstanding).into_iter().collect(),
             (true, tag) => {
                 let rest = self.outstanding.split_off(&(tag + 1));
-                std::mem::replace(&mut self.outstanding, rest).into_iter().collect()
+                std::mem::replace(&mut self.outstanding, rest)
+                    .into_iter()
+                    .collect()
             }
-            (false, tag) => self.outstanding.remove(&tag).map(|d| vec![(tag, d)]).unwrap_or_default(),
+            (false, tag) => self
+                .outstanding
+                .remove(&tag)
+                .map(|d| vec![(tag, d)])
+                .unwrap_or_default(),
         }
     }
 

@@ -222,10 +222,15 @@ impl Metrics {
     pub fn admin_token(&self) -> Result<Option<String>, String> {
         let token = match (&self.admin_token, &self.admin_token_env) {
             (Some(t), _) => t.clone(),
-            (None, Some(var)) => std::env::var(var).map_err(|_| format!("metrics.admin_token_env: {var} is not set"))?,
+            (None, Some(var)) => std::env::var(var)
+                .map_err(|_| format!("metrics.admin_token_env: {var} is not set"))?,
             (None, None) => return Ok(None),
         };
-        let key = if self.admin_token.is_some() { "metrics.admin_token" } else { "metrics.admin_token_env" };
+        let key = if self.admin_token.is_some() {
+            "metrics.admin_token"
+        } else {
+            "metrics.admin_token_env"
+        };
         check_token(&token).map_err(|reason| format!("{key}: {reason}"))?;
         Ok(Some(token))
     }
@@ -233,7 +238,9 @@ impl Metrics {
 
 fn check_token(token: &str) -> Result<(), String> {
     if token.chars().count() < ADMIN_TOKEN_MIN {
-        return Err(format!("the admin token must be at least {ADMIN_TOKEN_MIN} characters"));
+        return Err(format!(
+            "the admin token must be at least {ADMIN_TOKEN_MIN} characters"
+        ));
     }
     if !token.chars().all(|c| c.is_ascii_graphic()) {
         return Err("the admin token must be printable ASCII without spaces".into());
@@ -315,10 +322,15 @@ pub struct PolicyConfig {
     pub on_exhausted: OnExhausted,
 }
 
-fn duration_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<Duration>>, D::Error> {
+fn duration_list<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<Duration>>, D::Error> {
     Vec::<String>::deserialize(d)?
         .iter()
-        .map(|s| humantime::parse_duration(s).map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}"))))
+        .map(|s| {
+            humantime::parse_duration(s)
+                .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+        })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
 }
@@ -407,7 +419,9 @@ impl Republish {
     pub fn password(&self) -> Result<String, String> {
         match (&self.password, &self.password_env) {
             (Some(p), _) => Ok(p.clone()),
-            (None, Some(var)) => std::env::var(var).map_err(|_| format!("republish.password_env: {var} is not set")),
+            (None, Some(var)) => {
+                std::env::var(var).map_err(|_| format!("republish.password_env: {var} is not set"))
+            }
             (None, None) => Ok("guest".into()),
         }
     }
@@ -436,7 +450,9 @@ impl Config {
             let key = e.path().to_string();
             invalid(key, one_line(&e.into_inner().to_string()))
         })?;
-        config.check().map_err(|(key, reason)| invalid(key, reason))?;
+        config
+            .check()
+            .map_err(|(key, reason)| invalid(key, reason))?;
         Ok(config)
     }
 
@@ -454,7 +470,10 @@ impl Config {
             return Err(("upstream.address".into(), "expected host:port".into()));
         }
         if let (Some(_), Some(_)) = (&self.metrics.admin_token, &self.metrics.admin_token_env) {
-            return Err(("metrics.admin_token_env".into(), "set admin_token or admin_token_env, not both".into()));
+            return Err((
+                "metrics.admin_token_env".into(),
+                "set admin_token or admin_token_env, not both".into(),
+            ));
         }
         if let Some(token) = &self.metrics.admin_token {
             check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
@@ -466,7 +485,8 @@ impl Config {
             ));
         }
         for (i, policy) in self.policies.iter().enumerate() {
-            crate::policy::check(policy).map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
+            crate::policy::check(policy)
+                .map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
         }
         Ok(())
     }
@@ -476,7 +496,11 @@ impl Config {
 fn one_line(text: &str) -> String {
     text.lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('|') && !l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .filter(|l| {
+            !l.is_empty()
+                && !l.starts_with('|')
+                && !l.chars().next().is_some_and(|c| c.is_ascii_digit())
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }

@@ -47,7 +47,8 @@ pub fn encode_header(class_id: u16, body_size: u64, properties: &AMQPProperties)
     out.put_u16(class_id);
     out.put_u16(0);
     out.put_u64(body_size);
-    cookie_factory::gen_simple(gen_properties(properties), out).expect("writing into a Vec cannot fail")
+    cookie_factory::gen_simple(gen_properties(properties), out)
+        .expect("writing into a Vec cannot fail")
 }
 
 /// The body size a content header announces, read without decoding the rest.
@@ -103,7 +104,8 @@ pub(crate) fn check_nesting(body: &[u8], keyed: bool) -> Result<(), FrameError> 
                 None => return Ok(()),
             },
             b'A' | b'F' => {
-                let Some(inner_end) = u32_at(at).map(|len| at + 4 + len).filter(|e| *e <= end) else {
+                let Some(inner_end) = u32_at(at).map(|len| at + 4 + len).filter(|e| *e <= end)
+                else {
                     return Ok(());
                 };
                 if open.len() >= MAX_TABLE_DEPTH {
@@ -160,7 +162,9 @@ struct Layout {
 }
 
 fn short_string_end(payload: &[u8], at: usize) -> Result<usize, FrameError> {
-    let len = *payload.get(at).ok_or(FrameError::Syntax("content header"))? as usize;
+    let len = *payload
+        .get(at)
+        .ok_or(FrameError::Syntax("content header"))? as usize;
     let end = at + 1 + len;
     (end <= payload.len())
         .then_some(end)
@@ -180,7 +184,10 @@ fn layout(payload: &[u8]) -> Result<Layout, FrameError> {
         at = short_string_end(payload, at)?;
     }
     if flags & HEADERS_FLAG == 0 {
-        return Ok(Layout { flags, table: at..at });
+        return Ok(Layout {
+            flags,
+            table: at..at,
+        });
     }
     let len = payload
         .get(at..at + 4)
@@ -190,13 +197,17 @@ fn layout(payload: &[u8]) -> Result<Layout, FrameError> {
     if end > payload.len() {
         return Err(FrameError::Syntax("headers table length"));
     }
-    Ok(Layout { flags, table: at..end })
+    Ok(Layout {
+        flags,
+        table: at..end,
+    })
 }
 
 /// The raw `headers` table of a content header payload (after its length).
 pub fn raw_headers(payload: &[u8]) -> Result<Option<&[u8]>, FrameError> {
     let layout = layout(payload)?;
-    Ok((layout.flags & HEADERS_FLAG != 0).then(|| &payload[layout.table.start + 4..layout.table.end]))
+    Ok((layout.flags & HEADERS_FLAG != 0)
+        .then(|| &payload[layout.table.start + 4..layout.table.end]))
 }
 
 /// Returns a copy of the content header payload whose `headers` table has

@@ -259,7 +259,11 @@ mod tests {
         assert_eq!(frame.kind, FrameType::Body);
         assert_eq!(frame.channel, 3);
         assert_eq!(&frame.payload()[..], b"hello");
-        assert_eq!(frame.raw.as_ptr(), first_ptr, "frame must share the read buffer");
+        assert_eq!(
+            frame.raw.as_ptr(),
+            first_ptr,
+            "frame must share the read buffer"
+        );
         let hb = FrameDecoder::default().decode(&mut buf).unwrap().unwrap();
         assert_eq!(hb.kind, FrameType::Heartbeat);
         assert!(buf.is_empty());
@@ -267,11 +271,20 @@ mod tests {
 
     #[test]
     fn one_byte_at_a_time() {
-        let wire = Frame::new(FrameType::Method, 7, &[0, 60, 0, 80, 1, 2, 3, 4, 5, 6, 7, 8, 0]).raw;
+        let wire = Frame::new(
+            FrameType::Method,
+            7,
+            &[0, 60, 0, 80, 1, 2, 3, 4, 5, 6, 7, 8, 0],
+        )
+        .raw;
         let decoder = FrameDecoder::default();
         let mut buf = BytesMut::new();
         for (i, byte) in wire.iter().enumerate() {
-            assert_eq!(decoder.decode(&mut buf).unwrap(), None, "complete too early at {i}");
+            assert_eq!(
+                decoder.decode(&mut buf).unwrap(),
+                None,
+                "complete too early at {i}"
+            );
             buf.extend_from_slice(&[*byte]);
         }
         let frame = decoder.decode(&mut buf).unwrap().unwrap();
@@ -294,7 +307,11 @@ mod tests {
             }
         );
         assert_eq!(err.reply_code(), ReplyCode::FrameError);
-        assert_eq!(buf.capacity(), cap_before, "nothing reserved for a rejected frame");
+        assert_eq!(
+            buf.capacity(),
+            cap_before,
+            "nothing reserved for a rejected frame"
+        );
     }
 
     /// Found by the `frames` fuzz target (libFuzzer: out-of-memory,
@@ -304,12 +321,20 @@ mod tests {
         let decoder = FrameDecoder::new(0);
         let mut buf = BytesMut::from(&[3u8, 0, 1, 0xff, 0xff, 0xff, 0xf0, 0][..]);
         assert_eq!(decoder.decode(&mut buf), Ok(None));
-        assert!(buf.capacity() <= 2 * (8 + RESERVE_STEP), "reserved {}", buf.capacity());
+        assert!(
+            buf.capacity() <= 2 * (8 + RESERVE_STEP),
+            "reserved {}",
+            buf.capacity()
+        );
         // The reservation keeps pace with the bytes that arrive.
         buf.extend_from_slice(&vec![0; RESERVE_STEP]);
         assert_eq!(decoder.decode(&mut buf), Ok(None));
         assert!(buf.capacity() > buf.len(), "room left to read into");
-        assert!(buf.capacity() <= 4 * (8 + RESERVE_STEP), "reserved {}", buf.capacity());
+        assert!(
+            buf.capacity() <= 4 * (8 + RESERVE_STEP),
+            "reserved {}",
+            buf.capacity()
+        );
     }
 
     #[test]
@@ -320,7 +345,10 @@ mod tests {
         assert!(decoder.decode(&mut buf).unwrap().is_some());
         let payload = vec![0u8; 4096 - FRAME_OVERHEAD + 1];
         let mut buf = BytesMut::from(&Frame::new(FrameType::Body, 1, &payload).raw[..]);
-        assert!(matches!(decoder.decode(&mut buf), Err(FrameError::TooLarge { .. })));
+        assert!(matches!(
+            decoder.decode(&mut buf),
+            Err(FrameError::TooLarge { .. })
+        ));
     }
 
     #[test]
@@ -352,7 +380,10 @@ mod tests {
     fn protocol_headers() {
         let mut ok = BytesMut::from(&PROTOCOL_HEADER[..]);
         ok.extend_from_slice(b"rest");
-        assert_eq!(decode_protocol_header(&mut ok), Some(ProtocolHeader::Amqp091));
+        assert_eq!(
+            decode_protocol_header(&mut ok),
+            Some(ProtocolHeader::Amqp091)
+        );
         assert_eq!(&ok[..], b"rest");
 
         let mut partial = BytesMut::from(&b"AMQP\x00"[..]);
@@ -375,6 +406,9 @@ mod tests {
         }
         // Garbage is refused from the first octet, without waiting for 8.
         let mut g = BytesMut::from(&b"X"[..]);
-        assert_eq!(decode_protocol_header(&mut g), Some(ProtocolHeader::Unsupported));
+        assert_eq!(
+            decode_protocol_header(&mut g),
+            Some(ProtocolHeader::Unsupported)
+        );
     }
 }

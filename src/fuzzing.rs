@@ -17,8 +17,8 @@ pub use spec::{short, table, FrameSpec, HeaderSpec, MethodSpec, TableSpec, Text,
 use bytes::BytesMut;
 
 use crate::frame::{
-    decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END, FRAME_MIN_SIZE,
-    FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
+    decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END,
+    FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
 };
 
 /// Bytes as a peer sends them: an optional protocol header, then frames.
@@ -33,7 +33,11 @@ pub fn frames(data: &[u8]) {
         let decoder = FrameDecoder::new(frame_max);
         let whole = decode_chunks(&decoder, &[data]);
         let (head, tail) = data.split_at(split);
-        assert_eq!(decode_chunks(&decoder, &[head, tail]), whole, "split at {split}");
+        assert_eq!(
+            decode_chunks(&decoder, &[head, tail]),
+            whole,
+            "split at {split}"
+        );
         if frame_max == HANDSHAKE_FRAME_MAX {
             let bytes: Vec<&[u8]> = data.chunks(1).collect();
             assert_eq!(decode_chunks(&decoder, &bytes), whole, "byte by byte");
@@ -103,7 +107,11 @@ fn decode_chunks(decoder: &FrameDecoder, chunks: &[&[u8]]) -> Decoded {
             match decoder.decode(&mut buf) {
                 Ok(Some(frame)) => {
                     check_frame(decoder, &frame);
-                    assert_eq!(before - frame.raw.len(), buf.len(), "frame taken from the front");
+                    assert_eq!(
+                        before - frame.raw.len(),
+                        buf.len(),
+                        "frame taken from the front"
+                    );
                     consumed.extend_from_slice(&frame.raw);
                     frames.push(frame);
                 }
@@ -115,7 +123,10 @@ fn decode_chunks(decoder: &FrameDecoder, chunks: &[&[u8]]) -> Decoded {
                 Err(err) => {
                     check_error(decoder, &buf, &err);
                     assert_eq!(before, buf.len(), "Err leaves the buffer as it was");
-                    return Decoded { frames, end: Err(err) };
+                    return Decoded {
+                        frames,
+                        end: Err(err),
+                    };
                 }
             }
         }
@@ -149,7 +160,10 @@ fn check_frame(decoder: &FrameDecoder, frame: &Frame) {
     assert_eq!(raw.len() as u64, total, "raw is payload + 8");
     assert_eq!(frame.payload().len(), raw.len() - FRAME_OVERHEAD);
     assert_eq!(raw.last(), Some(&FRAME_END));
-    assert!(raw.len() as u64 <= decoder.frame_max() as u64, "frame within frame_max");
+    assert!(
+        raw.len() as u64 <= decoder.frame_max() as u64,
+        "frame within frame_max"
+    );
     if frame.kind == FrameType::Heartbeat {
         assert_eq!(
             (frame.channel, raw.len()),
@@ -173,17 +187,26 @@ fn check_incomplete(decoder: &FrameDecoder, buf: &BytesMut) {
         return;
     }
     let (kind, _, total) = announced(buf);
-    assert!(FrameType::from_octet(kind).is_some(), "type {kind} accepted");
+    assert!(
+        FrameType::from_octet(kind).is_some(),
+        "type {kind} accepted"
+    );
     assert!(
         total <= decoder.frame_max() as u64,
         "oversized frame not refused on its header"
     );
-    assert!((buf.len() as u64) < total, "a complete frame was left in the buffer");
+    assert!(
+        (buf.len() as u64) < total,
+        "a complete frame was left in the buffer"
+    );
 }
 
 /// Every error names what is really wrong with the front of the buffer.
 fn check_error(decoder: &FrameDecoder, buf: &[u8], err: &FrameError) {
-    assert!(buf.len() >= HEADER_LEN, "error before a whole header: {err}");
+    assert!(
+        buf.len() >= HEADER_LEN,
+        "error before a whole header: {err}"
+    );
     let (kind, channel, total) = announced(buf);
     match *err {
         FrameError::UnknownType(t) => {

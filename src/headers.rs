@@ -45,7 +45,8 @@ fn header_value(payload: &[u8], key: &str) -> Result<Option<AMQPValue>, FrameErr
     for entry in content::table_entries(table)? {
         if entry.key == key.as_bytes() {
             let value_bytes = &entry.bytes[1 + entry.key.len()..];
-            let (_, value) = parse_value(value_bytes).map_err(|_| FrameError::Syntax("header value"))?;
+            let (_, value) =
+                parse_value(value_bytes).map_err(|_| FrameError::Syntax("header value"))?;
             return Ok(Some(value));
         }
     }
@@ -127,7 +128,10 @@ pub fn rewrite(payload: &[u8], r: &Retry<'_>) -> Result<Vec<u8>, FrameError> {
     let death = x_death(header_value(payload, X_DEATH)?, r);
     let mut set: Vec<(&str, AMQPValue)> = vec![
         (RETRY_COUNT, AMQPValue::LongLongInt(r.count.into())),
-        (RETRY_DELAY, AMQPValue::LongLongInt(r.delay_ms.min(i64::MAX as u64) as i64)),
+        (
+            RETRY_DELAY,
+            AMQPValue::LongLongInt(r.delay_ms.min(i64::MAX as u64) as i64),
+        ),
         (X_DEATH, death),
         ("x-last-death-queue", long_string(r.queue)),
         ("x-last-death-reason", long_string("rejected")),

@@ -35,8 +35,18 @@ impl Budget {
                 self.refused.fetch_add(1, Ordering::Relaxed);
                 return None;
             }
-            match self.used.compare_exchange_weak(used, used + bytes, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => return Some(Reservation { budget: self.clone(), bytes }),
+            match self.used.compare_exchange_weak(
+                used,
+                used + bytes,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    return Some(Reservation {
+                        budget: self.clone(),
+                        bytes,
+                    })
+                }
                 Err(now) => used = now,
             }
         }
@@ -169,13 +179,21 @@ impl Settle {
 /// Frames that settle `tags` (ascending) the way the client meant, without
 /// settling a held tag: everything below the lowest held tag in one
 /// `multiple` frame when the client used `multiple`, the rest one by one.
-pub fn settle_frames(channel: u16, settle: Settle, tags: &[u64], lowest_held: Option<u64>, multiple: bool) -> Vec<Bytes> {
+pub fn settle_frames(
+    channel: u16,
+    settle: Settle,
+    tags: &[u64],
+    lowest_held: Option<u64>,
+    multiple: bool,
+) -> Vec<Bytes> {
     let split = lowest_held.map_or(tags.len(), |held| tags.partition_point(|t| *t < held));
     let (below, above) = tags.split_at(split);
     let mut frames = Vec::new();
     match below {
         [] => {}
-        [.., last] if multiple && below.len() > 1 => frames.push(settle.frame(channel, *last, true)),
+        [.., last] if multiple && below.len() > 1 => {
+            frames.push(settle.frame(channel, *last, true))
+        }
         _ => frames.extend(below.iter().map(|t| settle.frame(channel, *t, false))),
     }
     frames.extend(above.iter().map(|t| settle.frame(channel, *t, false)));
@@ -189,12 +207,20 @@ mod tests {
     use amq_protocol::protocol::{basic, AMQPClass};
 
     fn decode(bytes: &Bytes) -> AMQPClass {
-        let payload = Frame { kind: FrameType::Method, channel: 1, raw: bytes.clone() }.payload();
+        let payload = Frame {
+            kind: FrameType::Method,
+            channel: 1,
+            raw: bytes.clone(),
+        }
+        .payload();
         method::decode_any(&payload).unwrap()
     }
 
     fn ack(tag: u64, multiple: bool) -> AMQPClass {
-        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: tag, multiple }))
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: tag,
+            multiple,
+        }))
     }
 
     #[test]
@@ -210,7 +236,11 @@ mod tests {
         assert_eq!(frames.len(), 1);
         assert_eq!(
             decode(&frames[0]),
-            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack { delivery_tag: 9, multiple: true, requeue: true }))
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag: 9,
+                multiple: true,
+                requeue: true
+            }))
         );
     }
 
@@ -218,7 +248,13 @@ mod tests {
     fn held_first_tag_means_one_by_one() {
         let frames = settle_frames(1, Settle::Nack(false), &[2, 3], Some(1), true);
         let got: Vec<AMQPClass> = frames.iter().map(decode).collect();
-        let nack = |t| AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack { delivery_tag: t, multiple: false, requeue: false }));
+        let nack = |t| {
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag: t,
+                multiple: false,
+                requeue: false,
+            }))
+        };
         assert_eq!(got, vec![nack(2), nack(3)]);
     }
 
@@ -227,7 +263,10 @@ mod tests {
         let frames = settle_frames(1, Settle::Reject(true), &[7], None, false);
         assert_eq!(
             decode(&frames[0]),
-            AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject { delivery_tag: 7, requeue: true }))
+            AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+                delivery_tag: 7,
+                requeue: true
+            }))
         );
         assert!(settle_frames(1, Settle::Ack, &[], Some(3), true).is_empty());
     }

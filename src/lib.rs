@@ -18,25 +18,25 @@
 //! - [`reload`]: `[[policy]]` hot reload on SIGHUP.
 #![forbid(unsafe_code)]
 
-pub mod content;
-pub mod frame;
-pub mod method;
-pub mod reply;
-pub mod fuzzing;
-pub mod channel;
-pub mod config;
-pub mod policy;
-pub mod net;
-pub mod session;
-pub mod server;
-pub mod wheel;
-pub mod headers;
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod channel;
+pub mod config;
+pub mod content;
+pub mod frame;
+pub mod fuzzing;
+pub mod headers;
 pub mod intercept;
+pub mod method;
+pub mod metrics;
+pub mod net;
+pub mod ops;
+pub mod policy;
+pub mod reload;
+pub mod reply;
 pub mod republish;
 pub mod retry;
+pub mod server;
+pub mod session;
 pub mod store;
-pub mod metrics;
-pub mod ops;
-pub mod reload;
+pub mod wheel;

@@ -99,7 +99,10 @@ impl Which {
     fn target(&self) -> Target {
         match (self.id, &self.queue) {
             (Some(id), _) => Target::Id(id),
-            (None, queue) => Target::Queue { vhost: self.vhost.clone(), queue: queue.clone().unwrap_or_default() },
+            (None, queue) => Target::Queue {
+                vhost: self.vhost.clone(),
+                queue: queue.clone().unwrap_or_default(),
+            },
         }
     }
 }
@@ -145,8 +148,18 @@ fn main() -> ExitCode {
     if let Some(Command::Store { path, action }) = &args.command {
         return store_command(&args.config, path.as_deref(), action);
     }
-    if let Some(Command::Admin { address, token_env, action }) = &args.command {
-        return admin_command(&args.config, address.as_deref(), token_env.as_deref(), action);
+    if let Some(Command::Admin {
+        address,
+        token_env,
+        action,
+    }) = &args.command
+    {
+        return admin_command(
+            &args.config,
+            address.as_deref(),
+            token_env.as_deref(),
+            action,
+        );
     }
     init_logging(args.log_format);
     let mut config = match Config::load(&args.config) {
@@ -175,7 +188,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn store_command(config: &std::path::Path, path: Option<&std::path::Path>, action: &StoreAction) -> ExitCode {
+fn store_command(
+    config: &std::path::Path,
+    path: Option<&std::path::Path>,
+    action: &StoreAction,
+) -> ExitCode {
     use nackd::store::inspect;
     let dir = match path {
         Some(p) => p.to_owned(),
@@ -190,7 +207,9 @@ fn store_command(config: &std::path::Path, path: Option<&std::path::Path>, actio
     let result = match action {
         StoreAction::Stats => inspect::stats(&dir),
         StoreAction::List { queue } => inspect::list(&dir, queue.as_deref()),
-        StoreAction::Purge { queue } => inspect::purge(&dir, queue).map(|n| format!("purged {n} held messages of {queue:?}\n")),
+        StoreAction::Purge { queue } => {
+            inspect::purge(&dir, queue).map(|n| format!("purged {n} held messages of {queue:?}\n"))
+        }
     };
     match result {
         Ok(text) => {
@@ -204,7 +223,12 @@ fn store_command(config: &std::path::Path, path: Option<&std::path::Path>, actio
     }
 }
 
-fn admin_command(config: &std::path::Path, address: Option<&str>, token_env: Option<&str>, action: &AdminAction) -> ExitCode {
+fn admin_command(
+    config: &std::path::Path,
+    address: Option<&str>,
+    token_env: Option<&str>,
+    action: &AdminAction,
+) -> ExitCode {
     let loaded = match (address, token_env) {
         (Some(_), Some(_)) => None,
         _ => match Config::load(config) {
@@ -215,10 +239,20 @@ fn admin_command(config: &std::path::Path, address: Option<&str>, token_env: Opt
             }
         },
     };
-    let address = address.map_or_else(|| loaded.as_ref().map(|c| c.metrics.address.to_string()).unwrap_or_default(), str::to_string);
+    let address = address.map_or_else(
+        || {
+            loaded
+                .as_ref()
+                .map(|c| c.metrics.address.to_string())
+                .unwrap_or_default()
+        },
+        str::to_string,
+    );
     let token = match (token_env, &loaded) {
         (Some(var), _) => std::env::var(var).map_err(|_| format!("--token-env: {var} is not set")),
-        (None, Some(c)) => c.metrics.admin_token().and_then(|t| t.ok_or_else(|| "no admin token: set metrics.admin_token or pass --token-env".into())),
+        (None, Some(c)) => c.metrics.admin_token().and_then(|t| {
+            t.ok_or_else(|| "no admin token: set metrics.admin_token or pass --token-env".into())
+        }),
         (None, None) => Err("no admin token".into()),
     };
     let token = match token {
@@ -229,11 +263,22 @@ fn admin_command(config: &std::path::Path, address: Option<&str>, token_env: Opt
         }
     };
     let action = match action {
-        AdminAction::List { queue, vhost, limit } => Action::List { queue: queue.clone(), vhost: vhost.clone(), limit: *limit },
+        AdminAction::List {
+            queue,
+            vhost,
+            limit,
+        } => Action::List {
+            queue: queue.clone(),
+            vhost: vhost.clone(),
+            limit: *limit,
+        },
         AdminAction::Fire(which) => Action::Fire(which.target()),
         AdminAction::Purge(which) => Action::Purge(which.target()),
     };
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match runtime.block_on(nackd::ops::cli::run(&address, &token, &action)) {
         Ok(text) => {
             print!("{text}");
@@ -276,7 +321,9 @@ async fn signals(shutdown: CancellationToken, reloader: Reloader, path: PathBuf)
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NACKD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

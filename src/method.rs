@@ -160,14 +160,14 @@ fn table_body(payload: &[u8]) -> Option<&[u8]> {
     let id = MethodId::peek(payload).ok()?;
     // Octets before the first short string, short strings, bit octets.
     let (fixed, shorts, bits) = match (id.class, id.method) {
-        (10, 10) => (2, 0, 0), // connection.start: version major, minor
-        (10, 11) => (0, 0, 0), // connection.start-ok
-        (40, 10) => (2, 2, 1), // exchange.declare: reserved, exchange, type
+        (10, 10) => (2, 0, 0),            // connection.start: version major, minor
+        (10, 11) => (0, 0, 0),            // connection.start-ok
+        (40, 10) => (2, 2, 1),            // exchange.declare: reserved, exchange, type
         (40, 30) | (40, 40) => (2, 3, 1), // exchange.bind/unbind: reserved, dest, source, key
-        (50, 10) => (2, 1, 1), // queue.declare: reserved, queue
-        (50, 20) => (2, 3, 1), // queue.bind: reserved, queue, exchange, key
-        (50, 50) => (2, 3, 0), // queue.unbind: reserved, queue, exchange, key
-        (60, 20) => (2, 2, 1), // basic.consume: reserved, queue, consumer tag
+        (50, 10) => (2, 1, 1),            // queue.declare: reserved, queue
+        (50, 20) => (2, 3, 1),            // queue.bind: reserved, queue, exchange, key
+        (50, 50) => (2, 3, 0),            // queue.unbind: reserved, queue, exchange, key
+        (60, 20) => (2, 2, 1),            // basic.consume: reserved, queue, consumer tag
         _ => return None,
     };
     let mut at = 4 + fixed;
@@ -231,7 +231,10 @@ fn short(text: &str) -> amq_protocol::types::ShortString {
 
 /// `connection.close` with a reply code and text (cut to 255 octets).
 pub fn connection_close(code: ReplyCode, text: &str, cause: Option<MethodId>) -> Bytes {
-    let cause = cause.unwrap_or(MethodId { class: 0, method: 0 });
+    let cause = cause.unwrap_or(MethodId {
+        class: 0,
+        method: 0,
+    });
     encode(
         0,
         &AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
@@ -271,7 +274,13 @@ pub fn heartbeat() -> Bytes {
 
 /// Appends a content (header frame + body frames) to `out`, splitting the
 /// body so that no frame exceeds `frame_max` (0 = no limit).
-pub fn put_content(out: &mut BytesMut, channel: u16, header_payload: &[u8], body: &[u8], frame_max: u32) {
+pub fn put_content(
+    out: &mut BytesMut,
+    channel: u16,
+    header_payload: &[u8],
+    body: &[u8],
+    frame_max: u32,
+) {
     put_frame(out, FrameType::Header, channel, header_payload);
     let chunk = match frame_max {
         0 => body.len().max(1),

@@ -164,9 +164,13 @@ pub struct Metrics {
 }
 
 /// Buckets of the lateness histogram, in seconds.
-const LATENESS_BUCKETS: [f64; 14] = [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0];
+const LATENESS_BUCKETS: [f64; 14] = [
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+];
 /// Buckets of the fsync histogram, in seconds.
-const FSYNC_BUCKETS: [f64; 13] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+const FSYNC_BUCKETS: [f64; 13] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
 
 impl Metrics {
     /// Every metric at zero, registered.
@@ -191,7 +195,10 @@ impl Metrics {
             frames: directions(&frames),
             bytes: directions(&bytes),
             intercepted: Counter::default(),
-            passed: PassReason::ALL.iter().map(|r| one(&passed, "reason", r.label())).collect(),
+            passed: PassReason::ALL
+                .iter()
+                .map(|r| one(&passed, "reason", r.label()))
+                .collect(),
             held: Family::default(),
             held_bytes: Family::default(),
             published: Counter::default(),
@@ -215,34 +222,148 @@ impl Metrics {
             recent: Recent::default(),
         };
         let mut r = Registry::default();
-        r.register("nackd_build", "nackd version", Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]));
-        r.register("nackd_client_connections", "Client connections open", m.clients.clone());
-        r.register("nackd_client_connections_accepted", "Client connections accepted", m.clients_accepted.clone());
-        r.register("nackd_client_connections_refused", "Client connections refused at limits.max_connections", m.clients_refused.clone());
-        r.register("nackd_upstream_connections", "Broker connections open on behalf of clients", m.upstreams.clone());
-        r.register("nackd_upstream_connect_failures", "Broker connects that failed", m.upstream_failures.clone());
+        r.register(
+            "nackd_build",
+            "nackd version",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        r.register(
+            "nackd_client_connections",
+            "Client connections open",
+            m.clients.clone(),
+        );
+        r.register(
+            "nackd_client_connections_accepted",
+            "Client connections accepted",
+            m.clients_accepted.clone(),
+        );
+        r.register(
+            "nackd_client_connections_refused",
+            "Client connections refused at limits.max_connections",
+            m.clients_refused.clone(),
+        );
+        r.register(
+            "nackd_upstream_connections",
+            "Broker connections open on behalf of clients",
+            m.upstreams.clone(),
+        );
+        r.register(
+            "nackd_upstream_connect_failures",
+            "Broker connects that failed",
+            m.upstream_failures.clone(),
+        );
         r.register("nackd_frames", "Frames proxied, by direction", frames);
-        r.register_with_unit("nackd_proxied", "Bytes proxied, by direction", Unit::Bytes, bytes);
-        r.register("nackd_nacks_intercepted", "Nacks and rejects nackd took over (stored, then acked upstream)", m.intercepted.clone());
-        r.register("nackd_nacks_passed", "Nacks and rejects forwarded to the broker as sent, by reason", passed);
-        r.register("nackd_held_messages", "Messages held for a delayed retry", m.held.clone());
-        r.register_with_unit("nackd_held", "Bytes of messages held for a delayed retry", Unit::Bytes, m.held_bytes.clone());
-        r.register("nackd_retries_published", "Held messages handed to the republisher when due", m.published.clone());
-        r.register("nackd_retries_confirmed", "Republishes confirmed by the broker", m.confirmed.clone());
-        r.register("nackd_retries_returned", "Republishes returned as unroutable", m.returned.clone());
-        r.register("nackd_retries_nacked", "Republishes nacked by the broker", m.nacked.clone());
-        r.register("nackd_retries_rerouted", "Returned messages re-routed to their on_exhausted exchange", m.rerouted.clone());
-        r.register("nackd_exhausted", "Messages whose retry schedule is used up, by route", exhausted);
-        r.register_with_unit("nackd_redelivery_lateness", "Time from due to republish (first attempt)", Unit::Seconds, m.lateness.clone());
-        r.register_with_unit("nackd_store_fsync", "Duration of the store's group-commit fsync", Unit::Seconds, m.fsync.clone());
-        r.register_with_unit("nackd_store", "Size of the store's segment files", Unit::Bytes, m.store_bytes.clone());
-        r.register("nackd_store_open", "1 while the store is open and its writer runs", m.store_open.clone());
-        r.register("nackd_store_errors", "Store writes or fsyncs that failed", m.store_errors.clone());
-        r.register("nackd_republisher_connections", "Republisher connections up (all vhosts)", m.republishers.clone());
-        r.register("nackd_republisher_connected", "1 while the republisher of the vhost is connected", m.republisher_connected.clone());
-        r.register("nackd_republisher_blocked", "1 while the broker blocks the republisher of the vhost", m.republisher_blocked.clone());
-        r.register_with_unit("nackd_capture", "Bytes of deliveries captured in case they are nacked", Unit::Bytes, m.capture_bytes.clone());
-        r.register("nackd_policy_reloads", "Policy reloads (SIGHUP), by result", reloads);
+        r.register_with_unit(
+            "nackd_proxied",
+            "Bytes proxied, by direction",
+            Unit::Bytes,
+            bytes,
+        );
+        r.register(
+            "nackd_nacks_intercepted",
+            "Nacks and rejects nackd took over (stored, then acked upstream)",
+            m.intercepted.clone(),
+        );
+        r.register(
+            "nackd_nacks_passed",
+            "Nacks and rejects forwarded to the broker as sent, by reason",
+            passed,
+        );
+        r.register(
+            "nackd_held_messages",
+            "Messages held for a delayed retry",
+            m.held.clone(),
+        );
+        r.register_with_unit(
+            "nackd_held",
+            "Bytes of messages held for a delayed retry",
+            Unit::Bytes,
+            m.held_bytes.clone(),
+        );
+        r.register(
+            "nackd_retries_published",
+            "Held messages handed to the republisher when due",
+            m.published.clone(),
+        );
+        r.register(
+            "nackd_retries_confirmed",
+            "Republishes confirmed by the broker",
+            m.confirmed.clone(),
+        );
+        r.register(
+            "nackd_retries_returned",
+            "Republishes returned as unroutable",
+            m.returned.clone(),
+        );
+        r.register(
+            "nackd_retries_nacked",
+            "Republishes nacked by the broker",
+            m.nacked.clone(),
+        );
+        r.register(
+            "nackd_retries_rerouted",
+            "Returned messages re-routed to their on_exhausted exchange",
+            m.rerouted.clone(),
+        );
+        r.register(
+            "nackd_exhausted",
+            "Messages whose retry schedule is used up, by route",
+            exhausted,
+        );
+        r.register_with_unit(
+            "nackd_redelivery_lateness",
+            "Time from due to republish (first attempt)",
+            Unit::Seconds,
+            m.lateness.clone(),
+        );
+        r.register_with_unit(
+            "nackd_store_fsync",
+            "Duration of the store's group-commit fsync",
+            Unit::Seconds,
+            m.fsync.clone(),
+        );
+        r.register_with_unit(
+            "nackd_store",
+            "Size of the store's segment files",
+            Unit::Bytes,
+            m.store_bytes.clone(),
+        );
+        r.register(
+            "nackd_store_open",
+            "1 while the store is open and its writer runs",
+            m.store_open.clone(),
+        );
+        r.register(
+            "nackd_store_errors",
+            "Store writes or fsyncs that failed",
+            m.store_errors.clone(),
+        );
+        r.register(
+            "nackd_republisher_connections",
+            "Republisher connections up (all vhosts)",
+            m.republishers.clone(),
+        );
+        r.register(
+            "nackd_republisher_connected",
+            "1 while the republisher of the vhost is connected",
+            m.republisher_connected.clone(),
+        );
+        r.register(
+            "nackd_republisher_blocked",
+            "1 while the broker blocks the republisher of the vhost",
+            m.republisher_blocked.clone(),
+        );
+        r.register_with_unit(
+            "nackd_capture",
+            "Bytes of deliveries captured in case they are nacked",
+            Unit::Bytes,
+            m.capture_bytes.clone(),
+        );
+        r.register(
+            "nackd_policy_reloads",
+            "Policy reloads (SIGHUP), by result",
+            reloads,
+        );
         Arc::new(Self { registry: r, ..m })
     }
 
@@ -271,7 +392,8 @@ impl Metrics {
     /// The OpenMetrics text of every metric.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
         out
     }
 }

@@ -97,8 +97,12 @@ impl Connector {
                     .with_root_certificates(roots)
                     .with_no_client_auth();
                 let host = upstream.address.rsplit_once(':').map_or("", |(h, _)| h);
-                let name = tls.server_name.clone().unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
-                let server_name = ServerName::try_from(name.clone()).map_err(|_| TlsError::ServerName(name))?;
+                let name = tls
+                    .server_name
+                    .clone()
+                    .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
+                let server_name =
+                    ServerName::try_from(name.clone()).map_err(|_| TlsError::ServerName(name))?;
                 Some((TlsConnector::from(Arc::new(config)), server_name))
             }
         };

@@ -45,8 +45,20 @@ pub struct Ops {
 impl Ops {
     /// State for a proxy whose broker is `upstream`. `intercepting`: a store
     /// and an engine will be [`attach`](Ops::attach)ed once recovered.
-    pub fn new(metrics: Arc<Metrics>, upstream: String, admin_token: Option<String>, intercepting: bool) -> Arc<Self> {
-        Arc::new(Self { metrics, upstream, admin_token, intercepting, engine: OnceLock::new(), draining: AtomicBool::new(false) })
+    pub fn new(
+        metrics: Arc<Metrics>,
+        upstream: String,
+        admin_token: Option<String>,
+        intercepting: bool,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            metrics,
+            upstream,
+            admin_token,
+            intercepting,
+            engine: OnceLock::new(),
+            draining: AtomicBool::new(false),
+        })
     }
 
     /// The store is recovered and the engine runs.
@@ -70,7 +82,10 @@ pub fn router(ops: Arc<Ops>) -> Router {
         .route("/api/held", get(admin::list))
         .route("/api/fire", post(admin::fire))
         .route("/api/purge", post(admin::purge))
-        .route_layer(middleware::from_fn_with_state(ops.clone(), admin::authorize));
+        .route_layer(middleware::from_fn_with_state(
+            ops.clone(),
+            admin::authorize,
+        ));
     Router::new()
         .route("/", get(status::page))
         .route("/status.json", get(status::json))
@@ -88,7 +103,9 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Serves until `stop`.
 pub async fn serve(listener: TcpListener, ops: Arc<Ops>, stop: CancellationToken) {
-    let served = axum::serve(listener, router(ops)).with_graceful_shutdown(stop.cancelled_owned()).await;
+    let served = axum::serve(listener, router(ops))
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await;
     if let Err(e) = served {
         warn!(error = %e, "the metrics listener failed");
     }
@@ -106,21 +123,35 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
-    let store = match (ops.intercepting, ops.engine.get().is_some(), ops.metrics.store_open.get()) {
+    let store = match (
+        ops.intercepting,
+        ops.engine.get().is_some(),
+        ops.metrics.store_open.get(),
+    ) {
         (false, _, _) => "not used",
         (true, false, _) => "recovering",
         (true, true, 1) => "ok",
         (true, true, _) => "closed",
     };
     let address = ops.upstream.clone();
-    let upstream = match tokio::time::timeout(UPSTREAM_CHECK_TIMEOUT, tokio::net::TcpStream::connect(address)).await {
+    let upstream = match tokio::time::timeout(
+        UPSTREAM_CHECK_TIMEOUT,
+        tokio::net::TcpStream::connect(address),
+    )
+    .await
+    {
         Ok(Ok(_)) => "ok".to_string(),
         Ok(Err(e)) => format!("unreachable: {e}"),
         Err(_) => "unreachable: connect timed out".to_string(),
     };
     let draining = ops.draining.load(Ordering::Relaxed);
     let ready = upstream == "ok" && matches!(store, "ok" | "not used") && !draining;
-    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = json!({ "ready": ready, "upstream": upstream, "store": store, "draining": draining });
+    let code = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body =
+        json!({ "ready": ready, "upstream": upstream, "store": store, "draining": draining });
     (code, Json(body)).into_response()
 }

@@ -52,13 +52,29 @@ pub fn check(p: &PolicyConfig) -> Result<(), (String, String)> {
         (Some(_), Some(_)) => err("backoff", "set delays or backoff, not both".into()),
         (None, None) => err("delays", "set delays (a list) or backoff (a table)".into()),
         (Some(d), None) if d.is_empty() => err("delays", "must not be empty".into()),
-        (Some(d), None) if !d.iter().all(in_range) => err("delays", "each delay must be between 1ms and 365 days".into()),
-        (Some(_), None) if p.max_retries.is_some() => err("max_retries", "applies to backoff; delays has its own length".into()),
+        (Some(d), None) if !d.iter().all(in_range) => err(
+            "delays",
+            "each delay must be between 1ms and 365 days".into(),
+        ),
+        (Some(_), None) if p.max_retries.is_some() => err(
+            "max_retries",
+            "applies to backoff; delays has its own length".into(),
+        ),
         (Some(_), None) => Ok(()),
-        (None, Some(_)) if p.max_retries.is_none() => err("max_retries", "required with backoff".into()),
-        (None, Some(b)) if !in_range(&b.initial) => err("backoff.initial", "must be between 1ms and 365 days".into()),
-        (None, Some(b)) if b.max < b.initial || b.max > MAX_DELAY => err("backoff.max", "must be at least initial and at most 365 days".into()),
-        (None, Some(b)) if !(b.multiplier >= 1.0 && b.multiplier.is_finite()) => err("backoff.multiplier", "must be a finite number >= 1.0".into()),
+        (None, Some(_)) if p.max_retries.is_none() => {
+            err("max_retries", "required with backoff".into())
+        }
+        (None, Some(b)) if !in_range(&b.initial) => {
+            err("backoff.initial", "must be between 1ms and 365 days".into())
+        }
+        (None, Some(b)) if b.max < b.initial || b.max > MAX_DELAY => err(
+            "backoff.max",
+            "must be at least initial and at most 365 days".into(),
+        ),
+        (None, Some(b)) if !(b.multiplier >= 1.0 && b.multiplier.is_finite()) => err(
+            "backoff.multiplier",
+            "must be a finite number >= 1.0".into(),
+        ),
         (None, Some(_)) => Ok(()),
     }
 }
@@ -73,7 +89,11 @@ impl Policy {
         };
         Self {
             vhost: p.vhost.clone(),
-            patterns: p.queues.iter().filter_map(|q| glob::Pattern::new(q).ok()).collect(),
+            patterns: p
+                .queues
+                .iter()
+                .filter_map(|q| glob::Pattern::new(q).ok())
+                .collect(),
             schedule,
             requeue: p.requeue,
             on_exhausted: p.on_exhausted.clone(),
@@ -162,9 +182,18 @@ mod tests {
             delays = ["2s"]
             "#,
         );
-        assert_eq!(p.find("/", "webhook-eu").unwrap().step(1), Step::Delay(Duration::from_millis(50)));
-        assert_eq!(p.find("/", "other").unwrap().step(1), Step::Delay(Duration::from_secs(1)));
-        assert_eq!(p.find("billing", "pay").unwrap().step(1), Step::Delay(Duration::from_secs(2)));
+        assert_eq!(
+            p.find("/", "webhook-eu").unwrap().step(1),
+            Step::Delay(Duration::from_millis(50))
+        );
+        assert_eq!(
+            p.find("/", "other").unwrap().step(1),
+            Step::Delay(Duration::from_secs(1))
+        );
+        assert_eq!(
+            p.find("billing", "pay").unwrap().step(1),
+            Step::Delay(Duration::from_secs(2))
+        );
         assert!(p.find("billing", "email-queue").is_none());
     }
 
@@ -184,7 +213,10 @@ mod tests {
         let p = p.find("/", "q").unwrap();
         let got: Vec<Step> = (1..=7).map(|n| p.step(n)).collect();
         let s = |n| Step::Delay(Duration::from_secs(n));
-        assert_eq!(got, vec![s(1), s(3), s(9), s(20), s(20), s(20), Step::Exhausted]);
+        assert_eq!(
+            got,
+            vec![s(1), s(3), s(9), s(20), s(20), s(20), Step::Exhausted]
+        );
     }
 
     #[test]
@@ -195,7 +227,10 @@ mod tests {
         let p = p.find("/", "q").unwrap();
         for _ in 0..1000 {
             match p.step(1) {
-                Step::Delay(d) => assert!(d >= Duration::from_millis(500) && d <= Duration::from_secs(1), "{d:?}"),
+                Step::Delay(d) => assert!(
+                    d >= Duration::from_millis(500) && d <= Duration::from_secs(1),
+                    "{d:?}"
+                ),
                 Step::Exhausted => panic!("exhausted"),
             }
         }

@@ -24,7 +24,9 @@ pub struct LivePolicies {
 impl LivePolicies {
     /// Starts with `policies`.
     pub fn new(policies: Policies) -> Arc<Self> {
-        Arc::new(Self { tx: watch::Sender::new(Arc::new(policies)) })
+        Arc::new(Self {
+            tx: watch::Sender::new(Arc::new(policies)),
+        })
     }
 
     /// A receiver for one session.

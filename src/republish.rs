@@ -87,7 +87,9 @@ impl Republisher {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let labels = VhostLabels { vhost: vhost.to_string() };
+        let labels = VhostLabels {
+            vhost: vhost.to_string(),
+        };
         let task = Task {
             connected: metrics.republisher_connected.get_or_create_owned(&labels),
             blocked: metrics.republisher_blocked.get_or_create_owned(&labels),
@@ -147,10 +149,14 @@ impl Task {
                     self.blocked.set(0);
                     match served {
                         Ok(()) => return,
-                        Err(e) => warn!(vhost = %self.vhost, error = %e, "republisher connection lost; reconnecting"),
+                        Err(e) => {
+                            warn!(vhost = %self.vhost, error = %e, "republisher connection lost; reconnecting")
+                        }
                     }
                 }
-                Err(e) => warn!(vhost = %self.vhost, error = %e, retry_in = ?backoff, "republisher cannot connect"),
+                Err(e) => {
+                    warn!(vhost = %self.vhost, error = %e, retry_in = ?backoff, "republisher cannot connect")
+                }
             }
             // Take in what arrived meanwhile so the queue order holds.
             while let Ok(p) = self.rx.try_recv() {
@@ -169,13 +175,26 @@ impl Task {
         let mut out = BytesMut::new();
         let result = loop {
             while !blocked && inflight.len() < WINDOW {
-                let Some(p) = self.pending.pop_front() else { break };
+                let Some(p) = self.pending.pop_front() else {
+                    break;
+                };
                 seq += 1;
                 let (exchange, routing_key) = match &p.route {
                     Route::Queue => ("", &*p.queue),
-                    Route::Exchange { exchange, routing_key } => (exchange.as_str(), routing_key.as_str()),
+                    Route::Exchange {
+                        exchange,
+                        routing_key,
+                    } => (exchange.as_str(), routing_key.as_str()),
                 };
-                out.extend_from_slice(&method::publish(1, exchange, routing_key, true, &p.header, &p.body, conn.frame_max));
+                out.extend_from_slice(&method::publish(
+                    1,
+                    exchange,
+                    routing_key,
+                    true,
+                    &p.header,
+                    &p.body,
+                    conn.frame_max,
+                ));
                 inflight.push_back((seq, p, false));
             }
             if !out.is_empty() {
@@ -218,18 +237,31 @@ impl Task {
         if frame.kind != FrameType::Method {
             return Ok(()); // heartbeats; the content of a return
         }
-        let class = method::decode_any(&frame.payload()).map_err(|e| ConnError::Protocol(e.to_string()))?;
+        let class =
+            method::decode_any(&frame.payload()).map_err(|e| ConnError::Protocol(e.to_string()))?;
         match class {
-            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => self.settle(inflight, a.delivery_tag, a.multiple, true),
-            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => self.settle(inflight, n.delivery_tag, n.multiple, false),
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                self.settle(inflight, a.delivery_tag, a.multiple, true)
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
+                self.settle(inflight, n.delivery_tag, n.multiple, false)
+            }
             AMQPClass::Basic(basic::AMQPMethod::Return(r)) => {
                 // Returns come before the confirm of the same publish, in
                 // publish order: the first unreturned publish to that key.
                 let key = r.routing_key.as_str();
-                if let Some(entry) = inflight.iter_mut().find(|(_, p, returned)| !*returned && routing_key(p) == key) {
+                if let Some(entry) = inflight
+                    .iter_mut()
+                    .find(|(_, p, returned)| !*returned && routing_key(p) == key)
+                {
                     entry.2 = true;
                 }
-                debug!(code = r.reply_code, text = r.reply_text.as_str(), key, "publish returned");
+                debug!(
+                    code = r.reply_code,
+                    text = r.reply_text.as_str(),
+                    key,
+                    "publish returned"
+                );
             }
             AMQPClass::Connection(connection::AMQPMethod::Blocked(b)) => {
                 warn!(vhost = %self.vhost, reason = b.reason.as_str(), "broker blocked publishing");
@@ -243,17 +275,29 @@ impl Task {
             }
             AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
                 let _ = conn.io.write_all(&method::connection_close_ok()).await;
-                return Err(ConnError::Closed(format!("{} {}", c.reply_code, c.reply_text)));
+                return Err(ConnError::Closed(format!(
+                    "{} {}",
+                    c.reply_code, c.reply_text
+                )));
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
-                return Err(ConnError::Closed(format!("channel: {} {}", c.reply_code, c.reply_text)));
+                return Err(ConnError::Closed(format!(
+                    "channel: {} {}",
+                    c.reply_code, c.reply_text
+                )));
             }
             _ => {}
         }
         Ok(())
     }
 
-    fn settle(&mut self, inflight: &mut VecDeque<(u64, Publish, bool)>, tag: u64, multiple: bool, ack: bool) {
+    fn settle(
+        &mut self,
+        inflight: &mut VecDeque<(u64, Publish, bool)>,
+        tag: u64,
+        multiple: bool,
+        ack: bool,
+    ) {
         if multiple {
             while inflight.front().is_some_and(|(seq, _, _)| *seq <= tag) {
                 let (_, p, returned) = inflight.pop_front().expect("front exists");
@@ -291,7 +335,11 @@ struct Conn {
 }
 
 impl Conn {
-    async fn open(connector: &Connector, login: &Credentials, vhost: &str) -> Result<Self, ConnError> {
+    async fn open(
+        connector: &Connector,
+        login: &Credentials,
+        vhost: &str,
+    ) -> Result<Self, ConnError> {
         let (io, _) = connector.connect().await?;
         let mut conn = Self {
             io,
@@ -300,23 +348,33 @@ impl Conn {
             frame_max: FRAME_MAX,
         };
         conn.io.write_all(frame::PROTOCOL_HEADER).await?;
-        conn.expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::Start(_)))).await?;
+        conn.expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::Start(_))))
+            .await?;
         let mut props = FieldTable::default();
         props.insert("product".into(), AMQPValue::LongString("nackd".into()));
-        props.insert("connection_name".into(), AMQPValue::LongString(format!("nackd republisher {vhost}").into()));
+        props.insert(
+            "connection_name".into(),
+            AMQPValue::LongString(format!("nackd republisher {vhost}").into()),
+        );
         let mut capabilities = FieldTable::default();
         capabilities.insert("publisher_confirms".into(), AMQPValue::Boolean(true));
         capabilities.insert("connection.blocked".into(), AMQPValue::Boolean(true));
         props.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
         let response = format!("\0{}\0{}", login.username, login.password);
-        conn.send(0, AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-            client_properties: props,
-            mechanism: "PLAIN".into(),
-            response: LongString::from(response.as_str()),
-            locale: "en_US".into(),
-        })))
+        conn.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: props,
+                mechanism: "PLAIN".into(),
+                response: LongString::from(response.as_str()),
+                locale: "en_US".into(),
+            })),
+        )
         .await?;
-        let tune = match conn.expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::Tune(_)))).await? {
+        let tune = match conn
+            .expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::Tune(_))))
+            .await?
+        {
             AMQPClass::Connection(connection::AMQPMethod::Tune(t)) => t,
             _ => unreachable!("expect checked the method"),
         };
@@ -325,19 +383,40 @@ impl Conn {
             n => n.min(FRAME_MAX),
         };
         conn.decoder.set_frame_max(conn.frame_max);
-        conn.send(0, AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-            channel_max: 1,
-            frame_max: conn.frame_max,
-            heartbeat: 0,
-        })))
+        conn.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max: 1,
+                frame_max: conn.frame_max,
+                heartbeat: 0,
+            })),
+        )
         .await?;
-        conn.send(0, AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open { virtual_host: vhost.into() })))
+        conn.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host: vhost.into(),
+            })),
+        )
+        .await?;
+        conn.expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))))
             .await?;
-        conn.expect(|c| matches!(c, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))).await?;
-        conn.send(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))).await?;
-        conn.expect(|c| matches!(c, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))).await?;
-        conn.send(1, AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false }))).await?;
-        conn.expect(|c| matches!(c, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_)))).await?;
+        conn.send(
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await?;
+        conn.expect(|c| matches!(c, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))))
+            .await?;
+        conn.send(
+            1,
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                nowait: false,
+            })),
+        )
+        .await?;
+        conn.expect(|c| matches!(c, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))))
+            .await?;
         Ok(conn)
     }
 
@@ -367,9 +446,13 @@ impl Conn {
                 if frame.kind != FrameType::Method {
                     continue;
                 }
-                let class = method::decode_any(&frame.payload()).map_err(|e| ConnError::Protocol(e.to_string()))?;
+                let class = method::decode_any(&frame.payload())
+                    .map_err(|e| ConnError::Protocol(e.to_string()))?;
                 if let AMQPClass::Connection(connection::AMQPMethod::Close(c)) = &class {
-                    return Err(ConnError::Closed(format!("{} {}", c.reply_code, c.reply_text)));
+                    return Err(ConnError::Closed(format!(
+                        "{} {}",
+                        c.reply_code, c.reply_text
+                    )));
                 }
                 if want(&class) {
                     return Ok(class);

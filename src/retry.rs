@@ -100,7 +100,9 @@ pub struct Clock {
 impl Clock {
     /// A clock starting now.
     pub fn start() -> Self {
-        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let since_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         Self {
             origin: Instant::now(),
             origin_ms: since_epoch.as_millis() as u64,
@@ -141,7 +143,13 @@ enum PutCtx {
 type Slot = (u64, u32);
 
 /// Starts the engine over an opened log and what its recovery found.
-pub fn spawn(log: Log, recovered: Recovered, connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> RetryHandle {
+pub fn spawn(
+    log: Log,
+    recovered: Recovered,
+    connector: Connector,
+    login: Credentials,
+    metrics: Arc<Metrics>,
+) -> RetryHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let (written_tx, written) = mpsc::unbounded_channel();
@@ -160,10 +168,24 @@ pub fn spawn(log: Log, recovered: Recovered, connector: Connector, login: Creden
         next_id: recovered.next_id,
         metrics,
     };
-    let queues: Vec<u32> = recovered.queues.iter().map(|(vhost, queue)| engine.ledger.intern(vhost, queue)).collect();
+    let queues: Vec<u32> = recovered
+        .queues
+        .iter()
+        .map(|(vhost, queue)| engine.ledger.intern(vhost, queue))
+        .collect();
     // Oldest first: overdue messages fire in due order.
     for ((id, due, loc), m) in recovered.held.into_iter().zip(recovered.meta) {
-        engine.ledger.insert(id, Entry::new(loc, due, queues[m.queue as usize], m.size, m.retry, m.dead_letter));
+        engine.ledger.insert(
+            id,
+            Entry::new(
+                loc,
+                due,
+                queues[m.queue as usize],
+                m.size,
+                m.retry,
+                m.dead_letter,
+            ),
+        );
         engine.wheel.insert(due, (id, 0));
     }
     tokio::spawn(engine.run(rx, reports, written));
@@ -192,7 +214,10 @@ impl Engine {
         mut written: mpsc::UnboundedReceiver<Written<PutCtx>>,
     ) {
         loop {
-            let wake = self.wheel.next_deadline().map(|ms| self.clock.instant_at(ms));
+            let wake = self
+                .wheel
+                .next_deadline()
+                .map(|ms| self.clock.instant_at(ms));
             tokio::select! {
                 command = commands.recv() => match command {
                     Some(Command::Park(park)) => self.park(park),
@@ -230,27 +255,54 @@ impl Engine {
             header: park.header,
             body: park.body,
         };
-        let ctx = PutCtx::Park { key: park.key, reply: park.reply, meta };
-        if let Err(std::sync::mpsc::SendError(WriteOp::Put { ctx: PutCtx::Park { key, reply, .. }, .. })) =
-            self.writer.send(WriteOp::Put { held, replaces: None, ctx })
-        {
-            let _ = reply.send(Parked { key, result: Err(StoreError::Io("store thread is gone".into())) });
+        let ctx = PutCtx::Park {
+            key: park.key,
+            reply: park.reply,
+            meta,
+        };
+        if let Err(std::sync::mpsc::SendError(WriteOp::Put {
+            ctx: PutCtx::Park { key, reply, .. },
+            ..
+        })) = self.writer.send(WriteOp::Put {
+            held,
+            replaces: None,
+            ctx,
+        }) {
+            let _ = reply.send(Parked {
+                key,
+                result: Err(StoreError::Io("store thread is gone".into())),
+            });
         }
     }
 
     fn on_written(&mut self, w: Written<PutCtx>) {
         match (w.ctx, w.result) {
             (PutCtx::Park { key, reply, meta }, Ok(loc)) => {
-                let entry = Entry::new(loc, w.due_ms, meta.queue, meta.size, meta.retry, meta.dead_letter);
+                let entry = Entry::new(
+                    loc,
+                    w.due_ms,
+                    meta.queue,
+                    meta.size,
+                    meta.retry,
+                    meta.dead_letter,
+                );
                 self.ledger.insert(w.id, entry);
                 self.schedule(w.id, w.due_ms);
-                let _ = reply.send(Parked { key, result: Ok(w.id) });
+                let _ = reply.send(Parked {
+                    key,
+                    result: Ok(w.id),
+                });
             }
             (PutCtx::Park { key, reply, .. }, Err(e)) => {
-                let _ = reply.send(Parked { key, result: Err(e) });
+                let _ = reply.send(Parked {
+                    key,
+                    result: Err(e),
+                });
             }
             (PutCtx::Reroute, Ok(loc)) => {
-                let Some(entry) = self.ledger.get_mut(w.id) else { return }; // purged meanwhile
+                let Some(entry) = self.ledger.get_mut(w.id) else {
+                    return;
+                }; // purged meanwhile
                 entry.loc = loc;
                 entry.dead_letter = true;
                 entry.inflight = false;
@@ -258,13 +310,17 @@ impl Engine {
                 entry.attempts = entry.attempts.saturating_add(1);
                 self.schedule(w.id, self.clock.now_ms());
             }
-            (PutCtx::Reroute, Err(e)) => self.again(w.id, &format!("cannot store the re-route ({e})")),
+            (PutCtx::Reroute, Err(e)) => {
+                self.again(w.id, &format!("cannot store the re-route ({e})"))
+            }
         }
     }
 
     /// (Re)arms the wheel for `id`; wheel entries armed before are stale.
     fn schedule(&mut self, id: u64, at_ms: u64) {
-        let Some(entry) = self.ledger.get_mut(id) else { return };
+        let Some(entry) = self.ledger.get_mut(id) else {
+            return;
+        };
         entry.token = entry.token.wrapping_add(1);
         self.wheel.insert(at_ms, (id, entry.token));
     }
@@ -280,7 +336,9 @@ impl Engine {
         let mut due = Vec::new();
         self.wheel.poll(now, &mut due);
         for (id, token) in due {
-            let Some(entry) = self.ledger.get(id).copied() else { continue }; // forgotten meanwhile
+            let Some(entry) = self.ledger.get(id).copied() else {
+                continue;
+            }; // forgotten meanwhile
             if entry.token != token || entry.inflight {
                 continue; // rescheduled (fired now, backed off) or already publishing
             }
@@ -301,10 +359,22 @@ impl Engine {
             self.metrics.published.inc();
             debug!(id, queue = %held.queue, late_ms, "due");
             let vhost = held.vhost.clone();
-            let publish = Publish { id, queue: held.queue, route: held.route, header: held.header, body: held.body };
+            let publish = Publish {
+                id,
+                queue: held.queue,
+                route: held.route,
+                header: held.header,
+                body: held.body,
+            };
             let metrics = &self.metrics;
             let republisher = self.republishers.entry(vhost.clone()).or_insert_with(|| {
-                Republisher::spawn(vhost, self.connector.clone(), self.login.clone(), self.reports_tx.clone(), metrics.clone())
+                Republisher::spawn(
+                    vhost,
+                    self.connector.clone(),
+                    self.login.clone(),
+                    self.reports_tx.clone(),
+                    metrics.clone(),
+                )
             });
             republisher.publish(publish);
         }
@@ -338,20 +408,34 @@ impl Engine {
             let (vhost, queue) = self.ledger.name(entry.queue);
             let at_ms = self.clock.now_ms();
             let (vhost, queue, retry) = (vhost.to_string(), queue.to_string(), entry.retry);
-            self.metrics.recent.push(Event { at_ms, kind, vhost, queue, retry });
+            self.metrics.recent.push(Event {
+                at_ms,
+                kind,
+                vhost,
+                queue,
+                retry,
+            });
         }
         self.forget(id);
     }
 
     fn on_returned(&mut self, id: u64) {
-        let Some(entry) = self.ledger.get(id).copied() else { return };
-        let Ok(mut held) = self.reader.read(entry.loc) else { return self.again(id, "returned; cannot read it back") };
+        let Some(entry) = self.ledger.get(id).copied() else {
+            return;
+        };
+        let Ok(mut held) = self.reader.read(entry.loc) else {
+            return self.again(id, "returned; cannot read it back");
+        };
         match (&held.route, held.on_return.clone()) {
             (Route::Queue, Some(dead_letter)) => {
                 warn!(id, queue = %held.queue, "queue is gone: sending to the dead-letter exchange");
                 self.metrics.rerouted.inc();
                 held.route = dead_letter;
-                let _ = self.writer.send(WriteOp::Put { held, replaces: Some(entry.loc), ctx: PutCtx::Reroute });
+                let _ = self.writer.send(WriteOp::Put {
+                    held,
+                    replaces: Some(entry.loc),
+                    ctx: PutCtx::Reroute,
+                });
             }
             _ => self.again(id, "returned as unroutable (queue or exchange missing)"),
         }
@@ -359,11 +443,14 @@ impl Engine {
 
     /// Keeps the message and tries again later, backing off.
     fn again(&mut self, id: u64, why: &str) {
-        let Some(entry) = self.ledger.get_mut(id) else { return }; // purged meanwhile
+        let Some(entry) = self.ledger.get_mut(id) else {
+            return;
+        }; // purged meanwhile
         entry.inflight = false;
         entry.attempts = entry.attempts.saturating_add(1);
         let attempt = entry.attempts;
-        let backoff = Duration::from_millis(100 * (1u64 << attempt.min(9))).min(Duration::from_secs(30));
+        let backoff =
+            Duration::from_millis(100 * (1u64 << attempt.min(9))).min(Duration::from_secs(30));
         warn!(id, attempt, retry_in = ?backoff, "{why}; keeping the message");
         self.schedule(id, self.clock.now_ms() + backoff.as_millis() as u64);
     }

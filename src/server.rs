@@ -13,9 +13,9 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
 use crate::config::Config;
-use crate::net::{self, Connector, Io, TlsError};
 use crate::intercept::Budget;
 use crate::metrics::{Metrics, Open};
+use crate::net::{self, Connector, Io, TlsError};
 use crate::ops::{self, Ops};
 use crate::policy::Policies;
 use crate::reload::{LivePolicies, Reloader};
@@ -33,13 +33,21 @@ async fn interception(
 ) -> Result<Interception, StartError> {
     let login = Credentials {
         username: config.republish.username.clone(),
-        password: config.republish.password().map_err(StartError::Credentials)?,
+        password: config
+            .republish
+            .password()
+            .map_err(StartError::Credentials)?,
     };
-    let (path, max_bytes) = (config.store.path.clone(), config.store.max_bytes.map(|b| b as u64));
+    let (path, max_bytes) = (
+        config.store.path.clone(),
+        config.store.max_bytes.map(|b| b as u64),
+    );
     let opened = tokio::task::spawn_blocking(move || Log::open(&path, max_bytes))
         .await
         .map_err(|e| StartError::Store(format!("store recovery failed: {e}")))?;
-    let (log, recovered) = opened.map_err(|e| StartError::Store(format!("store.path {}: {e}", config.store.path.display())))?;
+    let (log, recovered) = opened.map_err(|e| {
+        StartError::Store(format!("store.path {}: {e}", config.store.path.display()))
+    })?;
     Ok(Interception {
         policies: live.subscribe(),
         budget: Budget::new(config.limits.capture_budget),
@@ -105,21 +113,34 @@ impl Proxy {
             .map_err(|source| StartError::Bind { address, source })?;
         let acceptor = config.listen.tls.as_ref().map(net::acceptor).transpose()?;
         let connector = Connector::new(&config.upstream)?;
-        let admin_token = config.metrics.admin_token().map_err(StartError::Credentials)?;
+        let admin_token = config
+            .metrics
+            .admin_token()
+            .map_err(StartError::Credentials)?;
         let metrics = Metrics::new();
         let intercepting = !config.policies.is_empty();
-        let ops = Ops::new(metrics.clone(), connector.address().to_string(), admin_token, intercepting);
+        let ops = Ops::new(
+            metrics.clone(),
+            connector.address().to_string(),
+            admin_token,
+            intercepting,
+        );
         let ops_addr = config.metrics.address;
         let ops_listener = ops::bind(ops_addr)
             .await
-            .map_err(|source| StartError::MetricsBind { address: ops_addr, source })?;
+            .map_err(|source| StartError::MetricsBind {
+                address: ops_addr,
+                source,
+            })?;
         let ops_addr = ops_listener.local_addr().unwrap_or(ops_addr);
         let ops_stop = CancellationToken::new();
         tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let interception = match &live {
             None => None,
-            Some(live) => Some(Arc::new(interception(config, &connector, live, &metrics).await?)),
+            Some(live) => Some(Arc::new(
+                interception(config, &connector, live, &metrics).await?,
+            )),
         };
         if let Some(i) = &interception {
             ops.attach(i.retry.clone(), i.budget.clone());
@@ -145,7 +166,9 @@ impl Proxy {
 
     /// The address clients connect to (useful when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("a bound listener has an address")
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
     }
 
     /// The address of `/metrics`, `/readyz`, the status page and the admin API.
@@ -217,8 +240,14 @@ impl Proxy {
         drop(self.listener);
         sessions.close();
         info!(open = sessions.len(), grace = ?self.grace, "stopped accepting; waiting for sessions");
-        if tokio::time::timeout(self.grace, sessions.wait()).await.is_err() {
-            info!(open = sessions.len(), "grace period over; closing the remaining sessions");
+        if tokio::time::timeout(self.grace, sessions.wait())
+            .await
+            .is_err()
+        {
+            info!(
+                open = sessions.len(),
+                "grace period over; closing the remaining sessions"
+            );
             force.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(5), sessions.wait()).await;
         }
@@ -238,11 +267,13 @@ async fn accept(
     let _ = tcp.set_nodelay(true);
     let io: Io = match acceptor {
         None => Box::new(tcp),
-        Some(acceptor) => match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
-            Ok(Ok(tls)) => Box::new(tls),
-            Ok(Err(e)) => return warn!(error = %e, "TLS handshake failed"),
-            Err(_) => return warn!("TLS handshake timed out"),
-        },
+        Some(acceptor) => {
+            match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => Box::new(tls),
+                Ok(Err(e)) => return warn!(error = %e, "TLS handshake failed"),
+                Err(_) => return warn!("TLS handshake timed out"),
+            }
+        }
     };
     session::serve(io, connector, limits, interception, metrics, force).await;
 }

@@ -89,7 +89,9 @@ pub async fn serve(
             return;
         }
         Ok(None) => return debug!("client left before sending a protocol header"),
-        Err(_) => return warn!(timeout = ?limits.handshake_timeout, "handshake timed out before the protocol header"),
+        Err(_) => {
+            return warn!(timeout = ?limits.handshake_timeout, "handshake timed out before the protocol header")
+        }
     }
     let (mut upstream, upstream_addr) = match connector.connect().await {
         Ok(pair) => pair,
@@ -211,7 +213,8 @@ impl Session {
                 _ = tick.tick() => self.on_tick(Instant::now()),
             }
         }
-        self.drain(&mut client_rd, &mut client_wr, &mut upstream_wr).await;
+        self.drain(&mut client_rd, &mut client_wr, &mut upstream_wr)
+            .await;
         info!(reason = self.close.reason(), "connection closed");
     }
 
@@ -220,7 +223,12 @@ impl Session {
     /// closes them. Like RabbitMQ, nackd lets the client close its socket
     /// first after a close handshake: closing at once makes clients see the
     /// end of the stream before they have handled `close-ok`.
-    async fn drain(&mut self, client_rd: &mut ReadHalf<Io>, client_wr: &mut WriteHalf<Io>, upstream_wr: &mut WriteHalf<Io>) {
+    async fn drain(
+        &mut self,
+        client_rd: &mut ReadHalf<Io>,
+        client_wr: &mut WriteHalf<Io>,
+        upstream_wr: &mut WriteHalf<Io>,
+    ) {
         let flush = async {
             if !self.close.client_gone {
                 let _ = client_wr.write_all_buf(&mut self.to_client).await;
@@ -234,7 +242,8 @@ impl Session {
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
         if !self.close.client_gone {
             let mut sink = [0u8; 4096];
-            let client_closes = async { while matches!(client_rd.read(&mut sink).await, Ok(n) if n > 0) {} };
+            let client_closes =
+                async { while matches!(client_rd.read(&mut sink).await, Ok(n) if n > 0) {} };
             let _ = tokio::time::timeout(Duration::from_secs(1), client_closes).await;
             let _ = client_wr.shutdown().await;
         }
@@ -247,7 +256,6 @@ impl Session {
     fn may_read_upstream(&self) -> bool {
         !self.close.upstream_gone && self.to_client.len() < HIGH_WATER
     }
-
 }
 
 /// Writes some of `buf`, or flushes once it is empty; `Ok(true)` once flushed.
@@ -272,7 +280,6 @@ fn reserve(buf: &mut BytesMut) {
         buf.reserve(READ_CHUNK);
     }
 }
-
 
 /// Client address and span fields for [`serve`].
 pub fn span(client: SocketAddr) -> Span {

@@ -71,7 +71,7 @@ pub mod inspect;
 mod log;
 pub mod record;
 
-pub use log::{scan, segment_numbers, Loc, Log, Reader, Recovered, HeldMeta, SEGMENT_BYTES};
+pub use log::{scan, segment_numbers, HeldMeta, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
 
 /// An operation for the writer thread.
 pub enum WriteOp<C> {
@@ -131,9 +131,18 @@ pub fn spawn_writer<C: Send + 'static>(
                 let mut answers = Vec::new();
                 for op in batch {
                     match op {
-                        WriteOp::Put { held, replaces, ctx } => {
+                        WriteOp::Put {
+                            held,
+                            replaces,
+                            ctx,
+                        } => {
                             let result = log.put(&held, replaces);
-                            answers.push(Written { ctx, id: held.id, due_ms: held.due_ms, result });
+                            answers.push(Written {
+                                ctx,
+                                id: held.id,
+                                due_ms: held.due_ms,
+                                result,
+                            });
                         }
                         WriteOp::Del { id, loc } => log.del(id, loc),
                     }
@@ -147,7 +156,11 @@ pub fn spawn_writer<C: Send + 'static>(
                     synced
                 };
                 metrics.store_bytes.set(log.bytes() as i64);
-                let failed = answers.iter().filter(|a| matches!(a.result, Err(StoreError::Io(_)))).count() + usize::from(synced.is_err());
+                let failed = answers
+                    .iter()
+                    .filter(|a| matches!(a.result, Err(StoreError::Io(_))))
+                    .count()
+                    + usize::from(synced.is_err());
                 metrics.store_errors.inc_by(failed as u64);
                 for mut answer in answers {
                     if let (Err(e), Ok(_)) = (&synced, &answer.result) {

@@ -35,7 +35,8 @@ fn slot_width(level: usize) -> u64 {
 }
 
 fn level_width(level: usize) -> u64 {
-    1u64.checked_shl(BITS * (level as u32 + 1)).unwrap_or(u64::MAX)
+    1u64.checked_shl(BITS * (level as u32 + 1))
+        .unwrap_or(u64::MAX)
 }
 
 fn slot_of(due: Millis, level: usize) -> usize {

@@ -16,17 +16,34 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
 fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl").args(args).output().expect("rabbitmqctl runs");
-    assert!(out.status.success(), "rabbitmqctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 async fn count(q: &str) -> Option<u32> {
-    let conn = lapin::Connection::connect(&format!("amqp://guest:guest@{BROKER}/%2f"), lapin::ConnectionProperties::default())
-        .await
-        .ok()?;
+    let conn = lapin::Connection::connect(
+        &format!("amqp://guest:guest@{BROKER}/%2f"),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .ok()?;
     let ch = conn.create_channel().await.ok()?;
     let n = ch
-        .queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .ok()?
         .message_count();
@@ -37,40 +54,87 @@ async fn count(q: &str) -> Option<u32> {
 #[tokio::test]
 async fn held_messages_survive_a_broker_restart() {
     let q = unique("restart");
-    let nackd = start(&format!("[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n")).await;
+    let nackd = start(&format!(
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n"
+    ))
+    .await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let persistent = BasicProperties::default().with_delivery_mode(2);
     // Warm-up: one retry makes the republisher connect before the restart.
-    ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"warm-up", persistent.clone())
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"warm-up",
+        persistent.clone(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    ch.basic_qos(100, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let d = consumer.next().await.unwrap().unwrap();
+    d.nack(BasicNackOptions {
+        requeue: false,
+        multiple: false,
+    })
+    .await
+    .unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    d.ack(BasicAckOptions::default()).await.unwrap();
+
+    for i in 0..20u8 {
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &[i],
+            persistent.clone(),
+        )
         .await
         .unwrap()
         .await
         .unwrap();
-    ch.basic_qos(100, BasicQosOptions::default()).await.unwrap();
-    let mut consumer = ch
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
-    let d = consumer.next().await.unwrap().unwrap();
-    d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
-    let d = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.unwrap().unwrap().unwrap();
-    d.ack(BasicAckOptions::default()).await.unwrap();
-
-    for i in 0..20u8 {
-        ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &[i], persistent.clone())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
     }
     for _ in 0..20 {
-        let d = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.unwrap().unwrap().unwrap();
-        d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        d.nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&q).await, Some(0), "all 20 held by nackd");
@@ -85,18 +149,34 @@ async fn held_messages_survive_a_broker_restart() {
         if count(&q).await == Some(20) {
             break;
         }
-        assert!(began.elapsed() < Duration::from_secs(30), "held messages not republished after the restart");
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "held messages not republished after the restart"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let direct = direct().await;
     let ch = direct.create_channel().await.unwrap();
     let mut bodies = Vec::new();
-    while let Some(m) = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+    while let Some(m) = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
         let h = m.delivery.properties.headers().clone().unwrap();
-        assert_eq!(h.inner().get("x-retry-count"), Some(&AMQPValue::LongLongInt(1)));
+        assert_eq!(
+            h.inner().get("x-retry-count"),
+            Some(&AMQPValue::LongLongInt(1))
+        );
         bodies.push(m.delivery.data[0]);
     }
     bodies.sort();
-    assert_eq!(bodies, (0..20).collect::<Vec<u8>>(), "every held message, once");
-    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    assert_eq!(
+        bodies,
+        (0..20).collect::<Vec<u8>>(),
+        "every held message, once"
+    );
+    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
 }

@@ -18,12 +18,27 @@ fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf 
 #[test]
 fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
     let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nackd.toml");
-    let ok = Command::new(NACKD).args(["--check-config", shipped]).output().unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let ok = Command::new(NACKD)
+        .args(["--check-config", shipped])
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 
     let dir = tempfile::tempdir().unwrap();
-    let bad = write(&dir, "bad.toml", "[[policy]]\nqueues = [\"q\"]\ndelays = [\"soon\"]\n");
-    let out = Command::new(NACKD).arg("--check-config").arg(&bad).output().unwrap();
+    let bad = write(
+        &dir,
+        "bad.toml",
+        "[[policy]]\nqueues = [\"q\"]\ndelays = [\"soon\"]\n",
+    );
+    let out = Command::new(NACKD)
+        .arg("--check-config")
+        .arg(&bad)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("policy[0].delays"), "{stderr}");
@@ -32,11 +47,22 @@ fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
 #[test]
 fn a_bad_config_stops_startup_with_the_key() {
     let dir = tempfile::tempdir().unwrap();
-    let bad = write(&dir, "bad.toml", "[upstream]\naddress = \"127.0.0.1:5672\"\nconect_timeout = \"1s\"\n");
-    let out = Command::new(NACKD).arg("--config").arg(&bad).output().unwrap();
+    let bad = write(
+        &dir,
+        "bad.toml",
+        "[upstream]\naddress = \"127.0.0.1:5672\"\nconect_timeout = \"1s\"\n",
+    );
+    let out = Command::new(NACKD)
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("upstream") && stderr.contains("conect_timeout"), "{stderr}");
+    assert!(
+        stderr.contains("upstream") && stderr.contains("conect_timeout"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -47,7 +73,16 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
     let mut child = Command::new(NACKD)
         .arg("--config")
         .arg(&cfg)
-        .args(["--listen", "127.0.0.1:0", "--upstream", common::BROKER, "--metrics", "127.0.0.1:0", "--log-format", "json"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            common::BROKER,
+            "--metrics",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -55,7 +90,11 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
     let listening = lines.next().expect("a log line").unwrap();
     let line: serde_json::Value = serde_json::from_str(&listening).expect("json log line");
     assert_eq!(line["fields"]["message"], "listening");
-    assert_eq!(line["fields"]["upstream"], common::BROKER, "--upstream overrides the file");
+    assert_eq!(
+        line["fields"]["upstream"],
+        common::BROKER,
+        "--upstream overrides the file"
+    );
     let addr: std::net::SocketAddr = line["fields"]["address"].as_str().unwrap().parse().unwrap();
     assert_ne!(addr.port(), 0);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -65,14 +104,21 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
         conn.close(200, "bye".into()).await.unwrap();
     });
     let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
     let began = Instant::now();
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             assert!(status.success(), "{status:?}");
             break;
         }
-        assert!(began.elapsed() < Duration::from_secs(15), "nackd did not exit on SIGTERM");
+        assert!(
+            began.elapsed() < Duration::from_secs(15),
+            "nackd did not exit on SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -8,13 +8,24 @@ use nackd::config::Config;
 use nackd::metrics::{Metrics, QueueLabels, VhostLabels};
 
 fn deploy(name: &str) -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(name)).unwrap()
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy")
+            .join(name),
+    )
+    .unwrap()
 }
 
 /// Every series name in the text format, with at least one series per family.
 fn exported() -> BTreeSet<String> {
     let m = Metrics::new();
-    let (queue, vhost) = (QueueLabels { vhost: "/".into(), queue: "q".into() }, VhostLabels { vhost: "/".into() });
+    let (queue, vhost) = (
+        QueueLabels {
+            vhost: "/".into(),
+            queue: "q".into(),
+        },
+        VhostLabels { vhost: "/".into() },
+    );
     m.held.get_or_create(&queue).set(1);
     m.held_bytes.get_or_create(&queue).set(1);
     m.republisher_connected.get_or_create(&vhost).set(1);
@@ -28,30 +39,53 @@ fn exported() -> BTreeSet<String> {
 
 #[test]
 fn the_grafana_dashboard_queries_only_exported_metrics() {
-    let dashboard: serde_json::Value = serde_json::from_str(&deploy("grafana-dashboard.json")).expect("valid JSON");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&deploy("grafana-dashboard.json")).expect("valid JSON");
     let exported = exported();
     let mut used = BTreeSet::new();
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().unwrap() {
             let expr = target["expr"].as_str().unwrap();
             for (at, _) in expr.match_indices("nackd_") {
-                let name: String = expr[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-                assert!(exported.contains(&name), "panel {:?} queries {name}, which nackd does not export", panel["title"]);
+                let name: String = expr[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                assert!(
+                    exported.contains(&name),
+                    "panel {:?} queries {name}, which nackd does not export",
+                    panel["title"]
+                );
                 used.insert(name);
             }
         }
     }
-    for must in ["nackd_held_messages", "nackd_nacks_passed_total", "nackd_redelivery_lateness_seconds_bucket", "nackd_store_fsync_seconds_bucket"] {
+    for must in [
+        "nackd_held_messages",
+        "nackd_nacks_passed_total",
+        "nackd_redelivery_lateness_seconds_bucket",
+        "nackd_store_fsync_seconds_bucket",
+    ] {
         assert!(used.contains(must), "the dashboard shows {must}");
     }
 }
 
 #[test]
 fn the_container_config_is_valid() {
-    let config = Config::parse(&deploy("nackd.container.toml"), Path::new("nackd.container.toml")).unwrap();
+    let config = Config::parse(
+        &deploy("nackd.container.toml"),
+        Path::new("nackd.container.toml"),
+    )
+    .unwrap();
     assert_eq!(config.store.path, Path::new("/var/lib/nackd"));
-    assert_eq!(config.metrics.admin_token_env.as_deref(), Some("NACKD_ADMIN_TOKEN"));
+    assert_eq!(
+        config.metrics.admin_token_env.as_deref(),
+        Some("NACKD_ADMIN_TOKEN")
+    );
     let dockerfile = deploy("Dockerfile");
-    assert!(dockerfile.contains("USER nackd") && dockerfile.matches("FROM ").count() == 2, "multi-stage, non-root");
+    assert!(
+        dockerfile.contains("USER nackd") && dockerfile.matches("FROM ").count() == 2,
+        "multi-stage, non-root"
+    );
     assert!(deploy("nackd.service").contains("ExecReload=/bin/kill -HUP $MAINPID"));
 }

@@ -16,7 +16,12 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
 fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d.properties.headers().as_ref().and_then(|h| h.inner().get("x-retry-count")) {
+    match d
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-retry-count"))
+    {
         Some(AMQPValue::LongLongInt(n)) => *n,
         _ => 0,
     }
@@ -38,36 +43,75 @@ fn config(dir: &std::path::Path, queue: &str, delays: &str, extra: &str) -> std:
 async fn publish_all(queue: &str, n: u32) {
     let conn = direct().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.queue_declare(queue.into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     for i in 0..n {
-        ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &i.to_be_bytes(), BasicProperties::default().with_delivery_mode(2))
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        ch.basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            &i.to_be_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     }
     conn.close(200, "".into()).await.unwrap();
 }
 
 /// Consumes through whatever nackd `addr` points to, reconnecting when it
 /// dies: nacks a message until it carries x-retry-count 2, then acks it.
-async fn consumer(queue: String, addr: Arc<Mutex<std::net::SocketAddr>>, acked: Arc<Mutex<HashMap<u32, u32>>>, stop: Arc<Mutex<bool>>) {
+async fn consumer(
+    queue: String,
+    addr: Arc<Mutex<std::net::SocketAddr>>,
+    acked: Arc<Mutex<HashMap<u32, u32>>>,
+    stop: Arc<Mutex<bool>>,
+) {
     while !*stop.lock().unwrap() {
         let uri = format!("amqp://guest:guest@{}/%2f", addr.lock().unwrap());
-        let Ok(Ok(conn)) = tokio::time::timeout(Duration::from_secs(3), lapin::Connection::connect(&uri, lapin::ConnectionProperties::default())).await else {
+        let Ok(Ok(conn)) = tokio::time::timeout(
+            Duration::from_secs(3),
+            lapin::Connection::connect(&uri, lapin::ConnectionProperties::default()),
+        )
+        .await
+        else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Ok(ch) = conn.create_channel().await else { continue };
+        let Ok(ch) = conn.create_channel().await else {
+            continue;
+        };
         let _ = ch.basic_qos(50, BasicQosOptions::default()).await;
-        let Ok(mut deliveries) = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await else {
+        let Ok(mut deliveries) = ch
+            .basic_consume(
+                queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        else {
             continue;
         };
         while !*stop.lock().unwrap() {
-            let Ok(next) = tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await else { continue };
+            let Ok(next) =
+                tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await
+            else {
+                continue;
+            };
             let Some(Ok(d)) = next else { break };
             let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
             let result = if retry_count(&d) >= 2 {
@@ -77,7 +121,11 @@ async fn consumer(queue: String, addr: Arc<Mutex<std::net::SocketAddr>>, acked: 
                 }
                 r
             } else {
-                d.nack(BasicNackOptions { requeue: false, multiple: false }).await
+                d.nack(BasicNackOptions {
+                    requeue: false,
+                    multiple: false,
+                })
+                .await
             };
             if result.is_err() {
                 break;
@@ -90,16 +138,24 @@ async fn consumer(queue: String, addr: Arc<Mutex<std::net::SocketAddr>>, acked: 
 async fn publisher(queue: String, rate: u64, stop: Arc<Mutex<bool>>) -> u32 {
     let conn = direct().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let mut n = 0u32;
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     while !*stop.lock().unwrap() {
         tick.tick().await;
-        ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), &n.to_be_bytes(), BasicProperties::default().with_delivery_mode(2))
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        ch.basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &n.to_be_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
         n += 1;
     }
     let _ = conn.close(200, "".into()).await;
@@ -116,18 +172,32 @@ async fn sigkill_under_nack_load_loses_nothing() {
     let mut nackd = Process::start(&cfg);
     let addr = Arc::new(Mutex::new(nackd.addr));
     let acked = Arc::new(Mutex::new(HashMap::new()));
-    let (stop_publishing, stop_consuming) = (Arc::new(Mutex::new(false)), Arc::new(Mutex::new(false)));
+    let (stop_publishing, stop_consuming) =
+        (Arc::new(Mutex::new(false)), Arc::new(Mutex::new(false)));
     let producer = tokio::spawn(publisher(q.clone(), 300, stop_publishing.clone()));
-    let consumer_task = tokio::spawn(consumer(q.clone(), addr.clone(), acked.clone(), stop_consuming.clone()));
+    let consumer_task = tokio::spawn(consumer(
+        q.clone(),
+        addr.clone(),
+        acked.clone(),
+        stop_consuming.clone(),
+    ));
     let mut rng = fastrand::Rng::with_seed(7);
     let rounds = 6;
     for round in 0..rounds {
         tokio::time::sleep(Duration::from_millis(rng.u64(400..1500))).await;
-        let held = std::process::Command::new(NACKD).arg("--config").arg(&cfg).args(["store", "stats"]).output().unwrap();
+        let held = std::process::Command::new(NACKD)
+            .arg("--config")
+            .arg(&cfg)
+            .args(["store", "stats"])
+            .output()
+            .unwrap();
         nackd.kill9();
         eprintln!(
             "round {round}: SIGKILL with {} ({} acked so far)",
-            String::from_utf8_lossy(&held.stdout).lines().next().unwrap_or(""),
+            String::from_utf8_lossy(&held.stdout)
+                .lines()
+                .next()
+                .unwrap_or(""),
             acked.lock().unwrap().len()
         );
         nackd = Process::start(&cfg);
@@ -149,7 +219,12 @@ async fn sigkill_under_nack_load_loses_nothing() {
     assert!(missing.is_empty(), "lost after SIGKILL: {missing:?}");
     drop(nackd);
     let conn = direct().await;
-    let _ = conn.create_channel().await.unwrap().queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+    let _ = conn
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await;
 }
 
 #[tokio::test]
@@ -159,32 +234,71 @@ async fn a_full_store_falls_back_to_the_broker_and_loses_nothing() {
     let nackd = start(&format!("[store]\npath = \"{}\"\nmax_bytes = 3300\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"300ms\"]\n", tempfile::tempdir().unwrap().keep().display())).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     for i in 0..5u8 {
-        ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &[i; 1024], BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &[i; 1024],
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     }
-    let mut deliveries = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut deliveries = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let mut seen: HashMap<u8, Vec<(bool, i64)>> = HashMap::new();
     while let Ok(Some(d)) = tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await {
         let d = d.unwrap();
         let entry = seen.entry(d.data[0]).or_default();
         entry.push((d.redelivered, retry_count(&d)));
         if entry.len() == 1 {
-            d.nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
+            d.nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            })
+            .await
+            .unwrap();
         } else {
             d.ack(BasicAckOptions::default()).await.unwrap();
         }
     }
     assert_eq!(seen.len(), 5, "every message came back: {seen:?}");
-    let delayed = seen.values().filter(|v| v.len() == 2 && v[1] == (false, 1)).count();
-    let passed = seen.values().filter(|v| v.len() == 2 && v[1] == (true, 0)).count();
-    assert_eq!((delayed, passed), (2, 3), "2 held by nackd, 3 requeued by the broker: {seen:?}");
-    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    let delayed = seen
+        .values()
+        .filter(|v| v.len() == 2 && v[1] == (false, 1))
+        .count();
+    let passed = seen
+        .values()
+        .filter(|v| v.len() == 2 && v[1] == (true, 0))
+        .count();
+    assert_eq!(
+        (delayed, passed),
+        (2, 3),
+        "2 held by nackd, 3 requeued by the broker: {seen:?}"
+    );
+    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -199,12 +313,26 @@ async fn damaged_tail_and_the_store_cli() {
         let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
         let ch = conn.create_channel().await.unwrap();
         for _ in 0..5 {
-            let m = ch.basic_get(q.as_str().into(), BasicGetOptions::default()).await.unwrap().unwrap();
-            m.delivery.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+            let m = ch
+                .basic_get(q.as_str().into(), BasicGetOptions::default())
+                .await
+                .unwrap()
+                .unwrap();
+            m.delivery
+                .nack(BasicNackOptions {
+                    requeue: false,
+                    multiple: false,
+                })
+                .await
+                .unwrap();
         }
         let began = Instant::now();
         while !nackd_stats(&cfg).contains("held 5 ") {
-            assert!(began.elapsed() < Duration::from_secs(10), "{}", nackd_stats(&cfg));
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "{}",
+                nackd_stats(&cfg)
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -214,8 +342,14 @@ async fn damaged_tail_and_the_store_cli() {
     assert!(list.contains("x-retry-count"), "{list}");
     // Damage the last bytes of the newest non-empty segment.
     let store = dir.path().join("store");
-    let mut segs: Vec<_> = std::fs::read_dir(&store).unwrap().filter_map(|e| e.ok()).map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "log") && std::fs::metadata(p).unwrap().len() > 0).collect();
+    let mut segs: Vec<_> = std::fs::read_dir(&store)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "log") && std::fs::metadata(p).unwrap().len() > 0
+        })
+        .collect();
     segs.sort();
     let last = segs.last().unwrap();
     let mut bytes = std::fs::read(last).unwrap();
@@ -224,18 +358,35 @@ async fn damaged_tail_and_the_store_cli() {
     std::fs::write(last, bytes).unwrap();
     let nackd = Process::start(&cfg); // starts despite the damage
     let stats = nackd_stats(&cfg);
-    assert!(stats.contains("held 4 "), "everything before the damage: {stats}");
+    assert!(
+        stats.contains("held 4 "),
+        "everything before the damage: {stats}"
+    );
     nackd.kill9();
     let purged = run(&cfg, &["store", "purge", "--queue", &q]);
     assert!(purged.contains("purged 4"), "{purged}");
     assert!(nackd_stats(&cfg).contains("held 0 "));
     let conn = direct().await;
-    let _ = conn.create_channel().await.unwrap().queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+    let _ = conn
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await;
 }
 
 fn run(cfg: &std::path::Path, args: &[&str]) -> String {
-    let out = Command::new(NACKD).arg("--config").arg(cfg).args(args).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(NACKD)
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 

@@ -15,7 +15,9 @@ use proptest::prelude::*;
 
 /// Every file of `fuzz/corpus/<target>` as (name, bytes), sorted by name.
 fn corpus_files(target: &str) -> Vec<(String, Vec<u8>)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
     let mut paths: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|entry| entry.expect("dir entry").path())
@@ -24,14 +26,21 @@ fn corpus_files(target: &str) -> Vec<(String, Vec<u8>)> {
     paths
         .iter()
         .map(|p| {
-            let name = p.file_name().expect("file name").to_string_lossy().into_owned();
+            let name = p
+                .file_name()
+                .expect("file name")
+                .to_string_lossy()
+                .into_owned();
             (name, std::fs::read(p).expect("corpus file"))
         })
         .collect()
 }
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
-    corpus_files(target).into_iter().map(|(_, bytes)| bytes).collect()
+    corpus_files(target)
+        .into_iter()
+        .map(|(_, bytes)| bytes)
+        .collect()
 }
 
 /// Files cut from the captured RabbitMQ session (not fuzzer finds or crafted).
@@ -72,10 +81,15 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     prop_oneof![
         (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Set(at, b)),
         (any::<usize>(), len).prop_map(|(at, v)| Mutation::SetU32(at, v)),
-        (any::<usize>(), proptest::collection::vec(any::<u8>(), 1..16)).prop_map(|(at, b)| Mutation::Insert(at, b)),
+        (
+            any::<usize>(),
+            proptest::collection::vec(any::<u8>(), 1..16)
+        )
+            .prop_map(|(at, b)| Mutation::Insert(at, b)),
         (any::<usize>(), 1usize..64).prop_map(|(at, n)| Mutation::Remove(at, n)),
         any::<usize>().prop_map(Mutation::Truncate),
-        (any::<usize>(), any::<usize>(), any::<usize>()).prop_map(|(at, f, from)| Mutation::Splice(at, f, from)),
+        (any::<usize>(), any::<usize>(), any::<usize>())
+            .prop_map(|(at, f, from)| Mutation::Splice(at, f, from)),
     ]
 }
 
@@ -134,12 +148,18 @@ fn captured_traffic_decodes() {
                 let payload = frame.payload();
                 let id = MethodId::peek(&payload).expect("ids");
                 let class = method::decode_any(&payload).unwrap_or_else(|e| panic!("{id:?}: {e}"));
-                assert_eq!(method::decode(&payload).expect("decodes").is_some(), id.is_decoded());
+                assert_eq!(
+                    method::decode(&payload).expect("decodes").is_some(),
+                    id.is_decoded()
+                );
                 // Same value, not always the same bytes: amq-protocol drops
                 // reserved fields (pika sets connection.open's `insist` bit).
                 // That is why nackd forwards the original frame.
                 let again = method::encode(frame.channel, &class);
-                assert_eq!(method::decode_any(&again[7..again.len() - 1]).as_ref(), Ok(&class));
+                assert_eq!(
+                    method::decode_any(&again[7..again.len() - 1]).as_ref(),
+                    Ok(&class)
+                );
                 methods += 1;
             }
             FrameType::Header => {
@@ -150,7 +170,10 @@ fn captured_traffic_decodes() {
         }
     }
     assert!(buf.is_empty(), "nothing left over");
-    assert!(methods >= 100 && headers >= 10, "{methods} methods, {headers} headers");
+    assert!(
+        methods >= 100 && headers >= 10,
+        "{methods} methods, {headers} headers"
+    );
     for payload in captured("method_header") {
         assert!(method::decode_any(&payload).is_ok() || content::decode_header(&payload).is_ok());
     }

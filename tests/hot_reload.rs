@@ -30,15 +30,25 @@ fn write_config(dir: &Path, queue: &str, delays: &str) -> PathBuf {
 
 fn hup(nackd: &Process) {
     let pid = nackd.child.id().to_string();
-    assert!(Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
 }
 
 async fn publish(ch: &Channel, q: &str, body: &[u8]) {
-    ch.basic_publish("".into(), q.into(), BasicPublishOptions::default(), body, BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.into(),
+        BasicPublishOptions::default(),
+        body,
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 }
 
 async fn next(c: &mut Consumer, within: Duration) -> Option<lapin::message::Delivery> {
@@ -49,7 +59,12 @@ async fn next(c: &mut Consumer, within: Duration) -> Option<lapin::message::Deli
 }
 
 fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d.properties.headers().as_ref().and_then(|h| h.inner().get("x-retry-count")) {
+    match d
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-retry-count"))
+    {
         Some(AMQPValue::LongLongInt(n)) => *n,
         _ => 0,
     }
@@ -57,8 +72,15 @@ fn retry_count(d: &lapin::message::Delivery) -> i64 {
 
 async fn wait_reloads(nackd: &Process, result: &str, n: f64) {
     let start = Instant::now();
-    while scrape(nackd.metrics).await.get("nackd_policy_reloads_total", &[("result", result)]) < n {
-        assert!(start.elapsed() < Duration::from_secs(10), "no reload ({result}) counted");
+    while scrape(nackd.metrics)
+        .await
+        .get("nackd_policy_reloads_total", &[("result", result)])
+        < n
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no reload ({result}) counted"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -66,7 +88,12 @@ async fn wait_reloads(nackd: &Process, result: &str, n: f64) {
 /// Nacks the next delivery and returns when it was nacked.
 async fn nack_next(c: &mut Consumer) -> Instant {
     let d = next(c, Duration::from_secs(5)).await.expect("a delivery");
-    d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+    d.nack(BasicNackOptions {
+        requeue: false,
+        multiple: false,
+    })
+    .await
+    .unwrap();
     Instant::now()
 }
 
@@ -79,12 +106,29 @@ async fn sighup_reloads_policies_and_keeps_held_schedules() {
     let nackd = Process::start(&cfg);
     let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
-    let mut c = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut c = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
 
     // Held under the old policy: due in an hour.
     publish(&ch, &q, b"old").await;
@@ -96,38 +140,85 @@ async fn sighup_reloads_policies_and_keeps_held_schedules() {
     wait_reloads(&nackd, "ok", 1.0).await;
     publish(&ch, &q, b"new").await;
     let nacked = nack_next(&mut c).await;
-    let d = next(&mut c, Duration::from_secs(5)).await.expect("the new policy retries in 150 ms");
+    let d = next(&mut c, Duration::from_secs(5))
+        .await
+        .expect("the new policy retries in 150 ms");
     let waited = nacked.elapsed();
     assert_eq!((&*d.data, retry_count(&d)), (&b"new"[..], 1));
-    assert!(waited >= Duration::from_millis(150) && waited < Duration::from_secs(2), "{waited:?}");
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
     d.ack(BasicAckOptions::default()).await.unwrap();
 
     // The old message keeps its one-hour schedule.
-    let held = json(nackd.metrics, "GET", &format!("/api/held{}", common::ops::query(&q)), Some(TOKEN)).await;
+    let held = json(
+        nackd.metrics,
+        "GET",
+        &format!("/api/held{}", common::ops::query(&q)),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(held["total"], 1, "{held}");
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    assert!(held["held"][0]["due_ms"].as_u64().unwrap() > now_ms + 3_000_000, "{held}");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        held["held"][0]["due_ms"].as_u64().unwrap() > now_ms + 3_000_000,
+        "{held}"
+    );
 
     // An invalid file changes nothing.
-    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace("\"150ms\"", "\"soon\"")).unwrap();
+    std::fs::write(
+        &cfg,
+        std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("\"150ms\"", "\"soon\""),
+    )
+    .unwrap();
     hup(&nackd);
     wait_reloads(&nackd, "error", 1.0).await;
     publish(&ch, &q, b"after-bad-file").await;
     let nacked = nack_next(&mut c).await;
-    let d = next(&mut c, Duration::from_secs(5)).await.expect("still the 150 ms policy");
+    let d = next(&mut c, Duration::from_secs(5))
+        .await
+        .expect("still the 150 ms policy");
     assert_eq!(&*d.data, b"after-bad-file");
     assert!(nacked.elapsed() < Duration::from_secs(2));
     d.ack(BasicAckOptions::default()).await.unwrap();
     let s = scrape(nackd.metrics).await;
-    assert_eq!(s.get("nackd_policy_reloads_total", &[("result", "ok")]), 1.0);
-    assert_eq!(s.get("nackd_policy_reloads_total", &[("result", "error")]), 1.0);
-    assert_eq!(s.get("nackd_held_messages", &[("vhost", "/"), ("queue", q.as_str())]), 1.0);
+    assert_eq!(
+        s.get("nackd_policy_reloads_total", &[("result", "ok")]),
+        1.0
+    );
+    assert_eq!(
+        s.get("nackd_policy_reloads_total", &[("result", "error")]),
+        1.0
+    );
+    assert_eq!(
+        s.get(
+            "nackd_held_messages",
+            &[("vhost", "/"), ("queue", q.as_str())]
+        ),
+        1.0
+    );
     conn.close(200, "".into()).await.unwrap();
 }
 
 fn admin(cfg: &Path, args: &[&str]) -> (bool, String) {
-    let out = Command::new(NACKD).arg("--config").arg(cfg).arg("admin").args(args).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(NACKD)
+        .arg("--config")
+        .arg(cfg)
+        .arg("admin")
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
@@ -139,17 +230,37 @@ async fn admin_cli_lists_fires_and_purges() {
     let cfg = write_config(dir.path(), &q, "\"1h\"");
     let nackd = Process::start(&cfg);
     // The CLI reads address and token from the file: point it at this process.
-    let text = std::fs::read_to_string(&cfg).unwrap().replace("[metrics]\n", &format!("[metrics]\naddress = \"{}\"\n", nackd.metrics));
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "[metrics]\n",
+        &format!("[metrics]\naddress = \"{}\"\n", nackd.metrics),
+    );
     let cli_cfg = dir.path().join("cli.toml");
     std::fs::write(&cli_cfg, text).unwrap();
 
     let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let mut c = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut c = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     for body in [b"one", b"two"] {
         publish(&ch, &q, body).await;
         nack_next(&mut c).await;
@@ -172,19 +283,33 @@ async fn admin_cli_lists_fires_and_purges() {
     let first_id: String = listed.split_whitespace().nth(1).unwrap().to_string();
 
     let cfg2 = cli_cfg.clone();
-    let fired = tokio::task::spawn_blocking(move || admin(&cfg2, &["fire", "--id", &first_id])).await.unwrap();
+    let fired = tokio::task::spawn_blocking(move || admin(&cfg2, &["fire", "--id", &first_id]))
+        .await
+        .unwrap();
     assert_eq!(fired, (true, "fired 1\n".to_string()));
-    let d = next(&mut c, Duration::from_secs(5)).await.expect("fired now");
+    let d = next(&mut c, Duration::from_secs(5))
+        .await
+        .expect("fired now");
     assert_eq!(&*d.data, b"one");
     d.ack(BasicAckOptions::default()).await.unwrap();
 
     let (cfg3, q3) = (cli_cfg.clone(), q.clone());
-    let purged = tokio::task::spawn_blocking(move || admin(&cfg3, &["purge", "--queue", &q3])).await.unwrap();
+    let purged = tokio::task::spawn_blocking(move || admin(&cfg3, &["purge", "--queue", &q3]))
+        .await
+        .unwrap();
     assert_eq!(purged, (true, "purged 1\n".to_string()));
 
     let bad = dir.path().join("bad.toml");
-    std::fs::write(&bad, std::fs::read_to_string(&cli_cfg).unwrap().replace(TOKEN, "not-the-token-0123456789")).unwrap();
-    let refused = tokio::task::spawn_blocking(move || admin(&bad, &["list"])).await.unwrap();
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&cli_cfg)
+            .unwrap()
+            .replace(TOKEN, "not-the-token-0123456789"),
+    )
+    .unwrap();
+    let refused = tokio::task::spawn_blocking(move || admin(&bad, &["list"]))
+        .await
+        .unwrap();
     assert!(!refused.0 && refused.1.contains("HTTP 401"), "{refused:?}");
     conn.close(200, "".into()).await.unwrap();
 }
@@ -195,11 +320,24 @@ async fn a_proxy_started_without_policies_refuses_to_add_them_on_reload() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(dir.path(), "q", "\"1s\"");
     let e = nackd.reloader.reload(&cfg).unwrap_err();
-    assert!(matches!(e, nackd::reload::ReloadError::NotIntercepting), "{e}");
+    assert!(
+        matches!(e, nackd::reload::ReloadError::NotIntercepting),
+        "{e}"
+    );
     std::fs::write(&cfg, "[upstream]\naddress = \"127.0.0.1:5672\"\n").unwrap();
-    assert_eq!(nackd.reloader.reload(&cfg).unwrap(), 0, "still no policies: fine");
+    assert_eq!(
+        nackd.reloader.reload(&cfg).unwrap(),
+        0,
+        "still no policies: fine"
+    );
     let s = scrape(nackd.metrics).await;
-    assert_eq!(s.get("nackd_policy_reloads_total", &[("result", "error")]), 1.0);
-    assert_eq!(s.get("nackd_policy_reloads_total", &[("result", "ok")]), 1.0);
+    assert_eq!(
+        s.get("nackd_policy_reloads_total", &[("result", "error")]),
+        1.0
+    );
+    assert_eq!(
+        s.get("nackd_policy_reloads_total", &[("result", "ok")]),
+        1.0
+    );
     nackd.stop().await;
 }

@@ -16,48 +16,87 @@ use lapin::{BasicProperties, Channel, Consumer};
 const TOKEN: &str = "test-admin-token-0123456789";
 
 async fn declare(ch: &Channel, q: &str) {
-    ch.queue_declare(q.into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
 }
 
 async fn publish(ch: &Channel, q: &str, body: &[u8]) {
-    ch.basic_publish("".into(), q.into(), BasicPublishOptions::default(), body, BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.into(),
+        BasicPublishOptions::default(),
+        body,
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 }
 
 async fn consume(ch: &Channel, q: &str) -> Consumer {
     ch.basic_qos(20, BasicQosOptions::default()).await.unwrap();
-    ch.basic_consume(q.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap()
+    ch.basic_consume(
+        q.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
 }
 
 async fn next(c: &mut Consumer) -> lapin::message::Delivery {
-    tokio::time::timeout(Duration::from_secs(10), c.next()).await.expect("a delivery in 10 s").unwrap().unwrap()
+    tokio::time::timeout(Duration::from_secs(10), c.next())
+        .await
+        .expect("a delivery in 10 s")
+        .unwrap()
+        .unwrap()
 }
 
 fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d.properties.headers().as_ref().and_then(|h| h.inner().get("x-retry-count")) {
+    match d
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-retry-count"))
+    {
         Some(AMQPValue::LongLongInt(n)) => *n,
         _ => 0,
     }
 }
 
 fn nack() -> BasicNackOptions {
-    BasicNackOptions { requeue: false, multiple: false }
+    BasicNackOptions {
+        requeue: false,
+        multiple: false,
+    }
 }
 
 /// Polls `/metrics` until `f` holds.
-async fn until(nackd: &Nackd, what: &str, f: impl Fn(&common::ops::Scrape) -> bool) -> common::ops::Scrape {
+async fn until(
+    nackd: &Nackd,
+    what: &str,
+    f: impl Fn(&common::ops::Scrape) -> bool,
+) -> common::ops::Scrape {
     let start = Instant::now();
     loop {
         let s = scrape(nackd.metrics).await;
         if f(&s) {
             return s;
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "timed out waiting for {what}: {s:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "timed out waiting for {what}: {s:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -65,15 +104,23 @@ async fn until(nackd: &Nackd, what: &str, f: impl Fn(&common::ops::Scrape) -> bo
 #[tokio::test]
 async fn metrics_move_exactly_as_the_traffic_did() {
     let (q, plain) = (unique("metrics"), unique("metrics-plain"));
-    let nackd = start(&format!("[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n")).await;
+    let nackd = start(&format!(
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n"
+    ))
+    .await;
     let before = scrape(nackd.metrics).await;
     assert_eq!(before.get("nackd_nacks_intercepted_total", &[]), 0.0);
     assert_eq!(before.get("nackd_store_open", &[]), 1.0);
-    assert!(before.has("nackd_redelivery_lateness_seconds_bucket"), "histograms are exported before use");
+    assert!(
+        before.has("nackd_redelivery_lateness_seconds_bucket"),
+        "histograms are exported before use"
+    );
 
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     declare(&ch, &q).await;
     declare(&ch, &plain).await;
     for i in 0..5u8 {
@@ -97,11 +144,20 @@ async fn metrics_move_exactly_as_the_traffic_did() {
         next(&mut plain_c).await.nack(nack()).await.unwrap();
     }
     let held = [("vhost", "/"), ("queue", q.as_str())];
-    let s = until(&nackd, "5 held", |s| s.get("nackd_held_messages", &held) == 5.0).await;
+    let s = until(&nackd, "5 held", |s| {
+        s.get("nackd_held_messages", &held) == 5.0
+    })
+    .await;
     assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 5.0);
     let bytes = s.get("nackd_held_bytes", &held);
-    assert!(bytes > 500.0 && bytes < 500.0 + 5.0 * 1000.0, "bodies plus rewritten headers: {bytes}");
-    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "not_configured")]), 2.0);
+    assert!(
+        bytes > 500.0 && bytes < 500.0 + 5.0 * 1000.0,
+        "bodies plus rewritten headers: {bytes}"
+    );
+    assert_eq!(
+        s.get("nackd_nacks_passed_total", &[("reason", "not_configured")]),
+        2.0
+    );
     assert_eq!(s.sum("nackd_nacks_passed_total"), 2.0);
     assert_eq!(s.get("nackd_retries_published_total", &[]), 0.0);
     assert!(s.get("nackd_store_fsync_seconds_count", &[]) >= 1.0);
@@ -112,18 +168,41 @@ async fn metrics_move_exactly_as_the_traffic_did() {
         assert_eq!(retry_count(&d), 1);
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let s = until(&nackd, "5 confirmed", |s| s.get("nackd_retries_confirmed_total", &[]) == 5.0).await;
-    let s = if s.get("nackd_held_messages", &held) == 0.0 { s } else { until(&nackd, "0 held", |s| s.get("nackd_held_messages", &held) == 0.0).await };
+    let s = until(&nackd, "5 confirmed", |s| {
+        s.get("nackd_retries_confirmed_total", &[]) == 5.0
+    })
+    .await;
+    let s = if s.get("nackd_held_messages", &held) == 0.0 {
+        s
+    } else {
+        until(&nackd, "0 held", |s| {
+            s.get("nackd_held_messages", &held) == 0.0
+        })
+        .await
+    };
     assert_eq!(s.get("nackd_retries_published_total", &[]), 5.0);
     assert_eq!(s.get("nackd_retries_returned_total", &[]), 0.0);
     assert_eq!(s.get("nackd_redelivery_lateness_seconds_count", &[]), 5.0);
-    assert!(s.get("nackd_redelivery_lateness_seconds_bucket", &[("le", "0.025")]) >= 4.0, "republished on time: {s:?}");
-    assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 5.0, "the acks of the retries are not nacks");
+    assert!(
+        s.get(
+            "nackd_redelivery_lateness_seconds_bucket",
+            &[("le", "0.025")]
+        ) >= 4.0,
+        "republished on time: {s:?}"
+    );
+    assert_eq!(
+        s.get("nackd_nacks_intercepted_total", &[]),
+        5.0,
+        "the acks of the retries are not nacks"
+    );
     assert_eq!(s.get("nackd_republisher_connected", &[("vhost", "/")]), 1.0);
     assert_eq!(s.get("nackd_republisher_connections", &[]), 1.0);
     assert_eq!(s.sum("nackd_exhausted_total"), 0.0);
     conn.close(200, "".into()).await.unwrap();
-    let s = until(&nackd, "the client gone", |s| s.get("nackd_client_connections", &[]) == 0.0).await;
+    let s = until(&nackd, "the client gone", |s| {
+        s.get("nackd_client_connections", &[]) == 0.0
+    })
+    .await;
     assert_eq!(s.get("nackd_upstream_connections", &[]), 0.0);
     nackd.stop().await;
 }
@@ -139,21 +218,40 @@ fn handshake_frames() -> Vec<Vec<u8>> {
             response: LongString::from("\0guest\0guest"),
             locale: "en_US".into(),
         })),
-        AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk { channel_max: 16, frame_max: 131072, heartbeat: 0 })),
-        AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open { virtual_host: "/".into() })),
+        AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+            channel_max: 16,
+            frame_max: 131072,
+            heartbeat: 0,
+        })),
+        AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: "/".into(),
+        })),
     ];
-    methods.iter().map(|m| nackd::method::encode(0, m).to_vec()).collect()
+    methods
+        .iter()
+        .map(|m| nackd::method::encode(0, m).to_vec())
+        .collect()
 }
 
 #[tokio::test]
 async fn frames_and_bytes_are_counted_per_direction_exactly() {
     let nackd = start("").await;
     let client = common::raw::RawClient::open(nackd.addr, 131072, 0).await;
-    let s = until(&nackd, "the handshake counted", |s| s.get("nackd_frames_total", &[("direction", "to_client")]) == 3.0).await;
+    let s = until(&nackd, "the handshake counted", |s| {
+        s.get("nackd_frames_total", &[("direction", "to_client")]) == 3.0
+    })
+    .await;
     // start-ok, tune-ok, open (the protocol header is not a frame); start, tune, open-ok.
-    assert_eq!(s.get("nackd_frames_total", &[("direction", "to_upstream")]), 3.0);
-    let sent = nackd::frame::PROTOCOL_HEADER.len() + handshake_frames().iter().map(Vec::len).sum::<usize>();
-    assert_eq!(s.get("nackd_proxied_bytes_total", &[("direction", "to_upstream")]), sent as f64);
+    assert_eq!(
+        s.get("nackd_frames_total", &[("direction", "to_upstream")]),
+        3.0
+    );
+    let sent = nackd::frame::PROTOCOL_HEADER.len()
+        + handshake_frames().iter().map(Vec::len).sum::<usize>();
+    assert_eq!(
+        s.get("nackd_proxied_bytes_total", &[("direction", "to_upstream")]),
+        sent as f64
+    );
     assert!(s.get("nackd_proxied_bytes_total", &[("direction", "to_client")]) > 100.0);
     drop(client);
     nackd.stop().await;
@@ -165,28 +263,45 @@ async fn health_and_readiness() {
     let h = get(nackd.metrics, "/healthz").await;
     assert_eq!((h.status, h.body.as_str()), (200, "ok\n"));
     let r = json(nackd.metrics, "GET", "/readyz", None).await;
-    assert_eq!(r, serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "draining": false }));
+    assert_eq!(
+        r,
+        serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "draining": false })
+    );
     nackd.stop().await;
 
     // Nothing listens on the upstream port: alive, not ready.
-    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let free = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let lost = start_upstream(&free.to_string(), "").await;
     assert_eq!(get(lost.metrics, "/healthz").await.status, 200);
     let r = get(lost.metrics, "/readyz").await;
     assert_eq!(r.status, 503, "{}", r.body);
     let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(body["store"], "not used");
-    assert!(body["upstream"].as_str().unwrap().starts_with("unreachable"), "{body}");
+    assert!(
+        body["upstream"]
+            .as_str()
+            .unwrap()
+            .starts_with("unreachable"),
+        "{body}"
+    );
     lost.stop().await;
 }
 
 #[tokio::test]
 async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     let q = unique("admin");
-    let nackd = start(&format!("[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1h\"]\n")).await;
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1h\"]\n"
+    ))
+    .await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     declare(&ch, &q).await;
     for body in [b"warm-up", b"fire-me", b"purge-1"] {
         publish(&ch, &q, body).await;
@@ -198,16 +313,43 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     until(&nackd, "3 held", |s| s.sum("nackd_held_messages") == 3.0).await;
 
     let queue = common::ops::query(&q);
-    for (method, path) in [("GET", format!("/api/held{queue}")), ("POST", format!("/api/fire{queue}")), ("POST", format!("/api/purge{queue}"))] {
-        assert_eq!(call(nackd.metrics, method, &path, None).await.status, 401, "{method} {path} without a token");
-        assert_eq!(call(nackd.metrics, method, &path, Some("wrong-token-0123456789")).await.status, 401, "{method} {path} with a wrong token");
+    for (method, path) in [
+        ("GET", format!("/api/held{queue}")),
+        ("POST", format!("/api/fire{queue}")),
+        ("POST", format!("/api/purge{queue}")),
+    ] {
+        assert_eq!(
+            call(nackd.metrics, method, &path, None).await.status,
+            401,
+            "{method} {path} without a token"
+        );
+        assert_eq!(
+            call(nackd.metrics, method, &path, Some("wrong-token-0123456789"))
+                .await
+                .status,
+            401,
+            "{method} {path} with a wrong token"
+        );
     }
-    assert_eq!(scrape(nackd.metrics).await.sum("nackd_held_messages"), 3.0, "refused calls changed nothing");
+    assert_eq!(
+        scrape(nackd.metrics).await.sum("nackd_held_messages"),
+        3.0,
+        "refused calls changed nothing"
+    );
 
-    let listed = json(nackd.metrics, "GET", &format!("/api/held{queue}"), Some(TOKEN)).await;
+    let listed = json(
+        nackd.metrics,
+        "GET",
+        &format!("/api/held{queue}"),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(listed["total"], 3);
     let held = listed["held"].as_array().unwrap();
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     for h in held {
         assert_eq!(h["queue"], q.as_str());
         assert_eq!(h["vhost"], "/");
@@ -215,37 +357,88 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
         assert_eq!(h["headers"]["x-retry-count"], 1);
         assert!(h["size"].as_u64().unwrap() > 7);
         let due = h["due_ms"].as_u64().unwrap();
-        assert!(due > now_ms + 3_500_000 && due <= now_ms + 3_600_000, "due in an hour: {h}");
+        assert!(
+            due > now_ms + 3_500_000 && due <= now_ms + 3_600_000,
+            "due in an hour: {h}"
+        );
     }
     let ids: Vec<u64> = held.iter().map(|h| h["id"].as_u64().unwrap()).collect();
 
     // Warm-up: the first fire also connects the republisher.
-    let fired = json(nackd.metrics, "POST", &format!("/api/fire?id={}", ids[0]), Some(TOKEN)).await;
+    let fired = json(
+        nackd.metrics,
+        "POST",
+        &format!("/api/fire?id={}", ids[0]),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(fired, serde_json::json!({ "fired": 1 }));
     let d = next(&mut c).await;
     assert_eq!(&*d.data, b"warm-up");
     d.ack(BasicAckOptions::default()).await.unwrap();
 
     let asked = Instant::now();
-    json(nackd.metrics, "POST", &format!("/api/fire?id={}", ids[1]), Some(TOKEN)).await;
+    json(
+        nackd.metrics,
+        "POST",
+        &format!("/api/fire?id={}", ids[1]),
+        Some(TOKEN),
+    )
+    .await;
     let d = next(&mut c).await;
     let took = asked.elapsed();
     assert_eq!(&*d.data, b"fire-me");
-    assert!(took < Duration::from_millis(100), "fire-now delivered after {took:?}");
+    assert!(
+        took < Duration::from_millis(100),
+        "fire-now delivered after {took:?}"
+    );
     d.ack(BasicAckOptions::default()).await.unwrap();
 
-    let purged = json(nackd.metrics, "POST", &format!("/api/purge{queue}"), Some(TOKEN)).await;
+    let purged = json(
+        nackd.metrics,
+        "POST",
+        &format!("/api/purge{queue}"),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(purged, serde_json::json!({ "purged": 1 }));
-    let missing = call(nackd.metrics, "POST", &format!("/api/purge?id={}", ids[2]), Some(TOKEN)).await;
+    let missing = call(
+        nackd.metrics,
+        "POST",
+        &format!("/api/purge?id={}", ids[2]),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(missing.status, 404, "{}", missing.body);
     let store = nackd.store.as_ref().unwrap().path().to_owned();
-    eventually(Duration::from_secs(5), "the purge on disk", || nackd::store::inspect::held(&store).unwrap().is_empty()).await;
-    let listed = json(nackd.metrics, "GET", &format!("/api/held{queue}"), Some(TOKEN)).await;
+    eventually(Duration::from_secs(5), "the purge on disk", || {
+        nackd::store::inspect::held(&store).unwrap().is_empty()
+    })
+    .await;
+    let listed = json(
+        nackd.metrics,
+        "GET",
+        &format!("/api/held{queue}"),
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(listed["total"], 0);
-    let s = until(&nackd, "nothing held", |s| s.sum("nackd_held_messages") == 0.0).await;
+    let s = until(&nackd, "nothing held", |s| {
+        s.sum("nackd_held_messages") == 0.0
+    })
+    .await;
     assert_eq!(s.get("nackd_retries_confirmed_total", &[]), 2.0);
-    assert_eq!(s.get("nackd_redelivery_lateness_seconds_count", &[]), 0.0, "fired early: no lateness");
-    assert!(tokio::time::timeout(Duration::from_millis(300), c.next()).await.is_err(), "the purged message never comes");
+    assert_eq!(
+        s.get("nackd_redelivery_lateness_seconds_count", &[]),
+        0.0,
+        "fired early: no lateness"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), c.next())
+            .await
+            .is_err(),
+        "the purged message never comes"
+    );
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;
 }
@@ -261,12 +454,18 @@ async fn admin_api_is_off_without_a_token() {
 
 #[tokio::test]
 async fn every_pass_through_reason_is_counted() {
-    let (tx_q, pass_q, big_q) = (unique("reason-tx"), unique("reason-pass"), unique("reason-budget"));
+    let (tx_q, pass_q, big_q) = (
+        unique("reason-tx"),
+        unique("reason-pass"),
+        unique("reason-budget"),
+    );
     let policies = format!("[[policy]]\nqueues = [\"{tx_q}\", \"{big_q}\"]\ndelays = [\"1h\"]\n[[policy]]\nqueues = [\"{pass_q}\"]\ndelays = [\"1h\"]\nrequeue = \"pass\"\n");
     let nackd = start(&policies).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     for q in [&tx_q, &pass_q] {
         declare(&ch, q).await;
         publish(&ch, q, b"m").await;
@@ -279,25 +478,52 @@ async fn every_pass_through_reason_is_counted() {
     tx.tx_commit().await.unwrap();
     // requeue = "pass": a requeue=true nack goes to the broker.
     let mut c = consume(&conn.create_channel().await.unwrap(), &pass_q).await;
-    next(&mut c).await.nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
-    let s = until(&nackd, "two passes", |s| s.sum("nackd_nacks_passed_total") == 2.0).await;
-    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "tx_channel")]), 1.0);
-    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "requeue_pass")]), 1.0);
+    next(&mut c)
+        .await
+        .nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    let s = until(&nackd, "two passes", |s| {
+        s.sum("nackd_nacks_passed_total") == 2.0
+    })
+    .await;
+    assert_eq!(
+        s.get("nackd_nacks_passed_total", &[("reason", "tx_channel")]),
+        1.0
+    );
+    assert_eq!(
+        s.get("nackd_nacks_passed_total", &[("reason", "requeue_pass")]),
+        1.0
+    );
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;
 
     // A capture budget smaller than the message.
-    let nackd = start(&format!("[limits]\ncapture_budget = 64\n[[policy]]\nqueues = [\"{big_q}\"]\ndelays = [\"1h\"]\n")).await;
+    let nackd = start(&format!(
+        "[limits]\ncapture_budget = 64\n[[policy]]\nqueues = [\"{big_q}\"]\ndelays = [\"1h\"]\n"
+    ))
+    .await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     declare(&ch, &big_q).await;
     publish(&ch, &big_q, &[7u8; 1000]).await;
     let mut c = consume(&ch, &big_q).await;
     let d = next(&mut c).await;
     d.nack(nack()).await.unwrap();
-    let s = until(&nackd, "an over-budget pass", |s| s.sum("nackd_nacks_passed_total") == 1.0).await;
-    assert_eq!(s.get("nackd_nacks_passed_total", &[("reason", "over_budget")]), 1.0);
+    let s = until(&nackd, "an over-budget pass", |s| {
+        s.sum("nackd_nacks_passed_total") == 1.0
+    })
+    .await;
+    assert_eq!(
+        s.get("nackd_nacks_passed_total", &[("reason", "over_budget")]),
+        1.0
+    );
     assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 0.0);
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;

@@ -12,26 +12,46 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
 async fn declare(ch: &Channel, name: &str) {
-    ch.queue_declare(name.into(), QueueDeclareOptions { auto_delete: false, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            auto_delete: false,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
 }
 
 async fn cleanup(ch: &Channel, name: &str) {
-    let _ = ch.queue_delete(name.into(), QueueDeleteOptions::default()).await;
+    let _ = ch
+        .queue_delete(name.into(), QueueDeleteOptions::default())
+        .await;
 }
 
 async fn publish(ch: &Channel, queue: &str, body: &[u8]) -> Confirmation {
-    ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body, BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap()
+    ch.basic_publish(
+        "".into(),
+        queue.into(),
+        BasicPublishOptions::default(),
+        body,
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap()
 }
 
 async fn consume_n(ch: &Channel, queue: &str, n: usize) -> Vec<Vec<u8>> {
     let mut consumer = ch
-        .basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let mut got = Vec::new();
@@ -55,7 +75,10 @@ async fn publish_and_consume_without_confirms() {
     let q = unique("plain");
     declare(&ch, &q).await;
     for i in 0..100u32 {
-        assert_eq!(publish(&ch, &q, &i.to_be_bytes()).await, Confirmation::NotRequested);
+        assert_eq!(
+            publish(&ch, &q, &i.to_be_bytes()).await,
+            Confirmation::NotRequested
+        );
     }
     let got = consume_n(&ch, &q, 100).await;
     let want: Vec<Vec<u8>> = (0..100u32).map(|i| i.to_be_bytes().to_vec()).collect();
@@ -69,7 +92,9 @@ async fn publish_with_confirms_and_properties() {
     let nackd = start("").await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("confirms");
     declare(&ch, &q).await;
     let mut headers = FieldTable::default();
@@ -81,16 +106,34 @@ async fn publish_with_confirms_and_properties() {
         .with_headers(headers.clone());
     for _ in 0..50 {
         let confirm = ch
-            .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"payload", props.clone())
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                b"payload",
+                props.clone(),
+            )
             .await
             .unwrap()
             .await
             .unwrap();
         assert!(confirm.is_ack(), "{confirm:?}");
     }
-    let msg = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    let msg = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(msg.delivery.data, b"payload");
-    assert_eq!(msg.delivery.properties.message_id().as_ref().unwrap().as_str(), "m-1");
+    assert_eq!(
+        msg.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .unwrap()
+            .as_str(),
+        "m-1"
+    );
     assert_eq!(msg.delivery.properties.headers().as_ref(), Some(&headers));
     assert_eq!(msg.message_count, 49);
     cleanup(&ch, &q).await;
@@ -111,7 +154,10 @@ async fn many_channels_on_one_connection() {
             }
             let got = consume_n(&ch, &q, 20).await;
             cleanup(&ch, &q).await;
-            assert!(got.iter().all(|m| m[0] == c as u8), "no message crossed channels");
+            assert!(
+                got.iter().all(|m| m[0] == c as u8),
+                "no message crossed channels"
+            );
             got.len()
         }));
     }
@@ -151,12 +197,20 @@ async fn ten_mib_message_is_split_across_frames_and_arrives_whole() {
     let nackd = start("").await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("big");
     declare(&ch, &q).await;
     let body: Vec<u8> = (0..10 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
     let confirm = ch
-        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
         .await
         .unwrap()
         .await
@@ -175,18 +229,48 @@ async fn basic_get_and_get_empty() {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("get");
     declare(&ch, &q).await;
-    assert!(ch.basic_get(q.as_str().into(), BasicGetOptions::default()).await.unwrap().is_none());
+    assert!(ch
+        .basic_get(q.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .is_none());
     publish(&ch, &q, b"one").await;
     publish(&ch, &q, b"two").await;
-    let first = ch.basic_get(q.as_str().into(), BasicGetOptions::default()).await.unwrap().unwrap();
+    let first = ch
+        .basic_get(q.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(first.delivery.data, b"one");
     assert_eq!(first.message_count, 1);
-    first.delivery.ack(BasicAckOptions::default()).await.unwrap();
-    let second = ch.basic_get(q.as_str().into(), BasicGetOptions::default()).await.unwrap().unwrap();
-    second.delivery.nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
-    let again = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    first
+        .delivery
+        .ack(BasicAckOptions::default())
+        .await
+        .unwrap();
+    let second = ch
+        .basic_get(q.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
+    second
+        .delivery
+        .nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    let again = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(again.delivery.data, b"two");
-    assert!(again.delivery.redelivered, "nack(requeue) passed through to the broker");
+    assert!(
+        again.delivery.redelivered,
+        "nack(requeue) passed through to the broker"
+    );
     cleanup(&ch, &q).await;
 }
 
@@ -203,7 +287,11 @@ async fn tx_select_commit_and_rollback() {
     publish(&ch, &q, b"committed").await;
     ch.tx_commit().await.unwrap();
     let check = conn.create_channel().await.unwrap();
-    let msg = check.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    let msg = check
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(msg.delivery.data, b"committed");
     assert_eq!(msg.message_count, 0);
     cleanup(&check, &q).await;
@@ -216,31 +304,82 @@ async fn exchange_and_queue_topology() {
     let ch = conn.create_channel().await.unwrap();
     let x = unique("x");
     let (a, b) = (unique("bound-a"), unique("bound-b"));
-    ch.exchange_declare(x.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     for q in [&a, &b] {
         declare(&ch, q).await;
     }
-    ch.queue_bind(a.as_str().into(), x.as_str().into(), "k".into(), QueueBindOptions::default(), FieldTable::default())
+    ch.queue_bind(
+        a.as_str().into(),
+        x.as_str().into(),
+        "k".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        b.as_str().into(),
+        x.as_str().into(),
+        "other".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.basic_publish(
+        x.as_str().into(),
+        "k".into(),
+        BasicPublishOptions::default(),
+        b"routed",
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
+    let got = ch
+        .basic_get(a.as_str().into(), BasicGetOptions { no_ack: true })
         .await
+        .unwrap()
         .unwrap();
-    ch.queue_bind(b.as_str().into(), x.as_str().into(), "other".into(), QueueBindOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
-    ch.basic_publish(x.as_str().into(), "k".into(), BasicPublishOptions::default(), b"routed", BasicProperties::default())
-        .await
-        .unwrap();
-    let got = ch.basic_get(a.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
     assert_eq!(got.delivery.data, b"routed");
-    assert!(ch.basic_get(b.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
-    ch.queue_unbind(a.as_str().into(), x.as_str().into(), "k".into(), FieldTable::default()).await.unwrap();
-    let deleted = ch.queue_delete(a.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    assert!(ch
+        .basic_get(b.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .is_none());
+    ch.queue_unbind(
+        a.as_str().into(),
+        x.as_str().into(),
+        "k".into(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let deleted = ch
+        .queue_delete(a.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
     assert_eq!(deleted, 0);
     cleanup(&ch, &b).await;
-    ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await.unwrap();
+    ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
     let err = ch
-        .exchange_declare(x.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await;
     assert!(err.is_err(), "exchange is gone");
 }
@@ -254,20 +393,39 @@ async fn consumer_cancel_from_client_and_from_broker() {
     declare(&ch, &q).await;
     // Client cancels.
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "mine".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "mine".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
-    ch.basic_cancel("mine".into(), BasicCancelOptions::default()).await.unwrap();
-    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.expect("stream ends");
+    ch.basic_cancel("mine".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+        .await
+        .expect("stream ends");
     assert!(end.is_none());
     // Broker cancels: the queue is deleted under a live consumer.
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "theirs".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "theirs".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let other = conn.create_channel().await.unwrap();
-    other.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
-    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.expect("broker cancel reaches the client");
+    other
+        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+        .await
+        .expect("broker cancel reaches the client");
     assert!(end.is_none());
     // The channel is still usable.
     let q2 = unique("after-cancel");
@@ -289,7 +447,10 @@ async fn a_channel_error_closes_only_that_channel() {
         .queue_declare(q.as_str().into(), QueueDeclareOptions::default(), args)
         .await
         .expect_err("redeclare with other arguments fails");
-    assert!(err.to_string().contains("PRECONDITION_FAILED") || err.to_string().contains("406"), "{err}");
+    assert!(
+        err.to_string().contains("PRECONDITION_FAILED") || err.to_string().contains("406"),
+        "{err}"
+    );
     assert!(!bad.status().connected(), "that channel is closed");
     assert!(conn.status().connected(), "the connection is not");
     publish(&good, &q, b"still fine").await;

@@ -16,20 +16,37 @@ use nackd::frame::{Frame, FrameType};
 async fn round_trip(conn: &lapin::Connection) {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("alive");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
-    ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"ping", BasicProperties::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"ping",
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
     let mut got = None;
     for _ in 0..50 {
-        got = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap();
+        got = ch
+            .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
         if got.is_some() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(got.expect("message back").delivery.data, b"ping");
-    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
     ch.close(200, "done".into()).await.unwrap();
 }
 
@@ -39,10 +56,28 @@ async fn malformed_client_bytes_close_only_that_client_with_the_right_code() {
     let healthy = nackd.connect().await;
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
         ("unknown frame type", b"\x09garbage-garbage".to_vec(), 501),
-        ("oversized frame", vec![3, 0, 1, 0x7f, 0xff, 0xff, 0xff], 501),
+        (
+            "oversized frame",
+            vec![3, 0, 1, 0x7f, 0xff, 0xff, 0xff],
+            501,
+        ),
         ("wrong frame-end", vec![8, 0, 0, 0, 0, 0, 0, 0x00], 501),
-        ("content header without a method", Frame::new(FrameType::Header, 1, &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]).raw.to_vec(), 505),
-        ("method frame too short for its ids", Frame::new(FrameType::Method, 0, &[0, 10]).raw.to_vec(), 502),
+        (
+            "content header without a method",
+            Frame::new(
+                FrameType::Header,
+                1,
+                &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+            )
+            .raw
+            .to_vec(),
+            505,
+        ),
+        (
+            "method frame too short for its ids",
+            Frame::new(FrameType::Method, 0, &[0, 10]).raw.to_vec(),
+            502,
+        ),
     ];
     for (what, bytes, code) in cases {
         let mut bad = RawClient::start(nackd.addr).await;
@@ -51,7 +86,11 @@ async fn malformed_client_bytes_close_only_that_client_with_the_right_code() {
             Ending::Close(got, text) => assert_eq!(got, code, "{what}: {text}"),
             Ending::Eof => panic!("{what}: closed without connection.close"),
         }
-        assert_eq!(bad.ending().await, Ending::Eof, "{what}: socket closed after close-ok");
+        assert_eq!(
+            bad.ending().await,
+            Ending::Eof,
+            "{what}: socket closed after close-ok"
+        );
         round_trip(&healthy).await;
     }
     assert!(healthy.status().connected());
@@ -63,9 +102,11 @@ async fn negotiated_frame_max_is_enforced_after_tuning() {
     let mut client = RawClient::open(nackd.addr, 4096, 0).await;
     let open_channel = nackd::method::encode(
         1,
-        &amq_protocol::protocol::AMQPClass::Channel(amq_protocol::protocol::channel::AMQPMethod::Open(
-            amq_protocol::protocol::channel::Open {},
-        )),
+        &amq_protocol::protocol::AMQPClass::Channel(
+            amq_protocol::protocol::channel::AMQPMethod::Open(
+                amq_protocol::protocol::channel::Open {},
+            ),
+        ),
     );
     client.send(&open_channel).await;
     // A body frame of 4097 bytes in all: one more than negotiated.
@@ -83,11 +124,17 @@ async fn negotiated_frame_max_is_enforced_after_tuning() {
 #[tokio::test]
 async fn other_protocol_headers_get_ours_and_a_close() {
     let nackd = start("").await;
-    for header in [&b"AMQP\x01\x01\x00\x0a"[..], b"AMQP\x00\x01\x00\x00", b"GET / HTTP/1.1\r\n\r\n"] {
+    for header in [
+        &b"AMQP\x01\x01\x00\x0a"[..],
+        b"AMQP\x00\x01\x00\x00",
+        b"GET / HTTP/1.1\r\n\r\n",
+    ] {
         let mut client = RawClient::connect(nackd.addr).await;
         client.send(header).await;
         let mut reply = Vec::new();
-        tokio::io::AsyncReadExt::read_to_end(&mut client.stream, &mut reply).await.unwrap();
+        tokio::io::AsyncReadExt::read_to_end(&mut client.stream, &mut reply)
+            .await
+            .unwrap();
         assert_eq!(reply, b"AMQP\x00\x00\x09\x01", "{header:?}");
     }
 }
@@ -109,7 +156,11 @@ async fn a_silent_client_is_detected_and_both_sides_are_closed() {
     let started = Instant::now();
     // The client sends nothing more, not even heartbeats.
     let _ = client.ending().await;
-    assert!(started.elapsed() < Duration::from_secs(6), "closed after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "closed after {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -121,7 +172,10 @@ async fn a_hung_broker_is_detected_by_heartbeat_and_the_client_told() {
     let began = Instant::now();
     let heartbeat = nackd::method::heartbeat();
     let ending = loop {
-        assert!(began.elapsed() < Duration::from_secs(8), "no close from nackd");
+        assert!(
+            began.elapsed() < Duration::from_secs(8),
+            "no close from nackd"
+        );
         client.send(&heartbeat).await; // this client is alive
         if let Ok(Some(amq_protocol::protocol::AMQPClass::Connection(
             amq_protocol::protocol::connection::AMQPMethod::Close(close),
@@ -131,7 +185,11 @@ async fn a_hung_broker_is_detected_by_heartbeat_and_the_client_told() {
         }
     };
     assert_eq!(ending.reply_code, 320, "{}", ending.reply_text);
-    assert!(ending.reply_text.as_str().contains("upstream"), "{}", ending.reply_text);
+    assert!(
+        ending.reply_text.as_str().contains("upstream"),
+        "{}",
+        ending.reply_text
+    );
 }
 
 #[tokio::test]
@@ -151,8 +209,14 @@ async fn killing_the_upstream_socket_closes_the_client_with_an_error() {
         false
     }
     .await;
-    assert!(ch_result, "client connection closed after the upstream socket died");
-    assert!(conn.create_channel().await.is_err(), "no new channel on a dead connection");
+    assert!(
+        ch_result,
+        "client connection closed after the upstream socket died"
+    );
+    assert!(
+        conn.create_channel().await.is_err(),
+        "no new channel on a dead connection"
+    );
 }
 
 #[tokio::test]
@@ -161,7 +225,10 @@ async fn max_connections_refuses_the_extra_client_and_frees_the_slot() {
     let first = nackd.connect().await;
     let mut extra = RawClient::connect(nackd.addr).await;
     extra.send(nackd::frame::PROTOCOL_HEADER).await;
-    assert!(extra.frame().await.is_none(), "extra connection closed without a frame");
+    assert!(
+        extra.frame().await.is_none(),
+        "extra connection closed without a frame"
+    );
     round_trip(&first).await;
     first.close(200, "bye".into()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -177,7 +244,11 @@ async fn handshake_timeout_drops_silent_and_stalled_clients() {
     assert!(silent.frame().await.is_none());
     let mut stalled = RawClient::start(nackd.addr).await; // never answers connection.start
     assert!(stalled.frame().await.is_none());
-    assert!(began.elapsed() < Duration::from_secs(3), "{:?}", began.elapsed());
+    assert!(
+        began.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        began.elapsed()
+    );
     let ok = nackd.connect().await;
     round_trip(&ok).await;
 }
@@ -188,12 +259,24 @@ async fn shutdown_stops_accepting_then_closes_sessions_after_grace() {
     let conn = nackd.connect().await;
     nackd.shutdown.cancel();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(tokio::net::TcpStream::connect(nackd.addr).await.is_err(), "listener closed");
+    assert!(
+        tokio::net::TcpStream::connect(nackd.addr).await.is_err(),
+        "listener closed"
+    );
     round_trip(&conn).await; // still served during the grace period
     let began = Instant::now();
-    tokio::time::timeout(Duration::from_secs(10), nackd.task).await.expect("nackd stops").unwrap();
-    assert!(began.elapsed() >= Duration::from_millis(900), "grace period honoured");
-    eventually(Duration::from_secs(3), "client sees the close", || !conn.status().connected()).await;
+    tokio::time::timeout(Duration::from_secs(10), nackd.task)
+        .await
+        .expect("nackd stops")
+        .unwrap();
+    assert!(
+        began.elapsed() >= Duration::from_millis(900),
+        "grace period honoured"
+    );
+    eventually(Duration::from_secs(3), "client sees the close", || {
+        !conn.status().connected()
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -201,15 +284,28 @@ async fn after_close_ok_the_client_closes_its_socket_first() {
     let nackd = start("").await;
     let mut client = RawClient::open(nackd.addr, 131072, 0).await;
     client
-        .send(&nackd::method::connection_close(nackd::reply::ReplyCode::Success, "bye", None))
+        .send(&nackd::method::connection_close(
+            nackd::reply::ReplyCode::Success,
+            "bye",
+            None,
+        ))
         .await;
     match client.method().await {
-        Some(amq_protocol::protocol::AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::CloseOk(_))) => {}
+        Some(amq_protocol::protocol::AMQPClass::Connection(
+            amq_protocol::protocol::connection::AMQPMethod::CloseOk(_),
+        )) => {}
         other => panic!("expected close-ok, got {other:?}"),
     }
     // As RabbitMQ does, nackd leaves the socket for the client to close, so
     // clients do not see the end of the stream before they handled close-ok.
     let mut byte = [0u8; 1];
-    let early = tokio::time::timeout(Duration::from_millis(300), tokio::io::AsyncReadExt::read(&mut client.stream, &mut byte)).await;
-    assert!(early.is_err(), "nackd closed the socket before the client did: {early:?}");
+    let early = tokio::time::timeout(
+        Duration::from_millis(300),
+        tokio::io::AsyncReadExt::read(&mut client.stream, &mut byte),
+    )
+    .await;
+    assert!(
+        early.is_err(),
+        "nackd closed the socket before the client did: {early:?}"
+    );
 }

@@ -14,28 +14,49 @@ use lapin::{BasicProperties, Channel, Consumer, ExchangeKind};
 
 fn policy(queues: &[&str], delays: &str, extra: &str) -> String {
     let queues: Vec<String> = queues.iter().map(|q| format!("{q:?}")).collect();
-    format!("[[policy]]\nqueues = [{}]\ndelays = [{delays}]\n{extra}\n", queues.join(", "))
+    format!(
+        "[[policy]]\nqueues = [{}]\ndelays = [{delays}]\n{extra}\n",
+        queues.join(", ")
+    )
 }
 
 async fn queue(ch: &Channel, name: &str, args: FieldTable) {
-    ch.queue_declare(name.into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
-        .await
-        .unwrap();
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
 }
 
 async fn publish(ch: &Channel, exchange: &str, key: &str, body: &[u8], props: BasicProperties) {
-    ch.basic_publish(exchange.into(), key.into(), BasicPublishOptions::default(), body, props)
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    ch.basic_publish(
+        exchange.into(),
+        key.into(),
+        BasicPublishOptions::default(),
+        body,
+        props,
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 }
 
 async fn consume(ch: &Channel, queue: &str) -> Consumer {
     ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
-    ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
-        .await
-        .unwrap()
+    ch.basic_consume(
+        queue.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
 }
 
 async fn next(consumer: &mut Consumer, within: Duration) -> Option<Delivery> {
@@ -58,9 +79,13 @@ fn retry_count(d: &Delivery) -> Option<i64> {
 
 /// How RabbitMQ users read the count today: the x-death entry of the queue.
 fn x_death_count(d: &Delivery, queue: &str) -> Option<i64> {
-    let AMQPValue::FieldArray(deaths) = header(d, "x-death")? else { panic!("x-death not an array") };
+    let AMQPValue::FieldArray(deaths) = header(d, "x-death")? else {
+        panic!("x-death not an array")
+    };
     deaths.as_slice().iter().find_map(|e| {
-        let AMQPValue::FieldTable(t) = e else { return None };
+        let AMQPValue::FieldTable(t) = e else {
+            return None;
+        };
         let q = match t.inner().get("queue")? {
             AMQPValue::LongString(s) => s.to_string(),
             _ => return None,
@@ -73,32 +98,60 @@ fn x_death_count(d: &Delivery, queue: &str) -> Option<i64> {
 }
 
 async fn message_count(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap()
-        .message_count()
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
 }
 
 async fn delete(ch: &Channel, names: &[&str]) {
     for n in names {
-        let _ = ch.queue_delete((*n).into(), QueueDeleteOptions::default()).await;
+        let _ = ch
+            .queue_delete((*n).into(), QueueDeleteOptions::default())
+            .await;
     }
 }
 
 #[tokio::test]
 async fn notification_use_case_email_retried_three_times_webhook_once() {
-    let (email, webhook, fanout) = (unique("email-queue"), unique("webhook-queue"), unique("notifications"));
+    let (email, webhook, fanout) = (
+        unique("email-queue"),
+        unique("webhook-queue"),
+        unique("notifications"),
+    );
     let nackd = start(&policy(&[&email], "\"50ms\", \"100ms\", \"200ms\"", "")).await;
     let conn = nackd.connect().await;
     let setup = conn.create_channel().await.unwrap();
-    setup.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     setup
-        .exchange_declare(fanout.as_str().into(), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    setup
+        .exchange_declare(
+            fanout.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     for q in [&email, &webhook] {
         queue(&setup, q, FieldTable::default()).await;
-        setup.queue_bind(q.as_str().into(), fanout.as_str().into(), "".into(), QueueBindOptions::default(), FieldTable::default())
+        setup
+            .queue_bind(
+                q.as_str().into(),
+                fanout.as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
             .await
             .unwrap();
     }
@@ -106,22 +159,41 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
     let webhook_ch = conn.create_channel().await.unwrap();
     let mut email_c = consume(&email_ch, &email).await;
     let mut webhook_c = consume(&webhook_ch, &webhook).await;
-    publish(&setup, &fanout, "user.42", b"welcome", BasicProperties::default()).await;
+    publish(
+        &setup,
+        &fanout,
+        "user.42",
+        b"welcome",
+        BasicProperties::default(),
+    )
+    .await;
 
-    let w = next(&mut webhook_c, Duration::from_secs(5)).await.expect("webhook delivery");
+    let w = next(&mut webhook_c, Duration::from_secs(5))
+        .await
+        .expect("webhook delivery");
     w.ack(BasicAckOptions::default()).await.unwrap();
 
     let delays = [50u64, 100, 200];
     let mut order = Vec::new();
-    let first = next(&mut email_c, Duration::from_secs(5)).await.expect("email delivery");
+    let first = next(&mut email_c, Duration::from_secs(5))
+        .await
+        .expect("email delivery");
     assert_eq!(retry_count(&first), None);
     let mut nacked_at = Instant::now();
-    first.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+    first
+        .nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
     // Published right after the nack: it must come before the retry (tail of queue).
     publish(&setup, "", &email, b"later", BasicProperties::default()).await;
     let mut retries = 0;
     while retries < 3 || order.last() != Some(&"later".to_string()) && order.len() < 5 {
-        let d = next(&mut email_c, Duration::from_secs(5)).await.expect("a delivery");
+        let d = next(&mut email_c, Duration::from_secs(5))
+            .await
+            .expect("a delivery");
         let body = String::from_utf8(d.data.clone()).unwrap();
         order.push(body.clone());
         if body == "later" {
@@ -131,16 +203,38 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
         retries += 1;
         let waited = nacked_at.elapsed();
         let delay = Duration::from_millis(delays[retries - 1]);
-        assert!(waited >= delay, "retry {retries} came after {waited:?}, before its {delay:?} delay");
-        assert!(waited < delay + Duration::from_secs(2), "retry {retries} far too late: {waited:?}");
+        assert!(
+            waited >= delay,
+            "retry {retries} came after {waited:?}, before its {delay:?} delay"
+        );
+        assert!(
+            waited < delay + Duration::from_secs(2),
+            "retry {retries} far too late: {waited:?}"
+        );
         assert_eq!(retry_count(&d), Some(retries as i64));
-        assert_eq!(x_death_count(&d, &email), Some(retries as i64), "x-death count as RabbitMQ users read it");
-        assert_eq!(d.exchange.as_str(), "", "republished through the default exchange");
+        assert_eq!(
+            x_death_count(&d, &email),
+            Some(retries as i64),
+            "x-death count as RabbitMQ users read it"
+        );
+        assert_eq!(
+            d.exchange.as_str(),
+            "",
+            "republished through the default exchange"
+        );
         assert_eq!(d.routing_key.as_str(), email.as_str());
-        assert_eq!(header(&d, "x-first-death-exchange"), Some(&AMQPValue::LongString(fanout.as_str().into())));
+        assert_eq!(
+            header(&d, "x-first-death-exchange"),
+            Some(&AMQPValue::LongString(fanout.as_str().into()))
+        );
         if retries < 3 {
             nacked_at = Instant::now();
-            d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+            d.nack(BasicNackOptions {
+                requeue: false,
+                multiple: false,
+            })
+            .await
+            .unwrap();
         } else {
             d.ack(BasicAckOptions::default()).await.unwrap();
             if order.contains(&"later".to_string()) {
@@ -148,10 +242,28 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
             }
         }
     }
-    assert_eq!(order.first().map(String::as_str), Some("later"), "the retry went to the tail: {order:?}");
-    assert_eq!(order.iter().filter(|b| *b == "welcome").count(), 3, "{order:?}");
-    assert!(next(&mut email_c, Duration::from_millis(600)).await.is_none(), "no extra delivery");
-    assert!(next(&mut webhook_c, Duration::from_millis(100)).await.is_none(), "webhook got it once");
+    assert_eq!(
+        order.first().map(String::as_str),
+        Some("later"),
+        "the retry went to the tail: {order:?}"
+    );
+    assert_eq!(
+        order.iter().filter(|b| *b == "welcome").count(),
+        3,
+        "{order:?}"
+    );
+    assert!(
+        next(&mut email_c, Duration::from_millis(600))
+            .await
+            .is_none(),
+        "no extra delivery"
+    );
+    assert!(
+        next(&mut webhook_c, Duration::from_millis(100))
+            .await
+            .is_none(),
+        "webhook got it once"
+    );
     let check = conn.create_channel().await.unwrap();
     delete(&check, &[&email, &webhook]).await;
 }
@@ -161,9 +273,16 @@ async fn nack_until_gone(consumer: &mut Consumer, reject: bool) -> usize {
     while let Some(d) = next(consumer, Duration::from_secs(3)).await {
         seen += 1;
         if reject {
-            d.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+            d.reject(BasicRejectOptions { requeue: false })
+                .await
+                .unwrap();
         } else {
-            d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+            d.nack(BasicNackOptions {
+                requeue: false,
+                multiple: false,
+            })
+            .await
+            .unwrap();
         }
     }
     seen
@@ -172,26 +291,51 @@ async fn nack_until_gone(consumer: &mut Consumer, reject: bool) -> usize {
 #[tokio::test]
 async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     let (q, dlq, dlx) = (unique("dlx-src"), unique("dlx-dst"), unique("dlx-x"));
-    let nackd = start(&policy(&[&q], "\"30ms\", \"60ms\"", "on_exhausted = \"reject\"")).await;
+    let nackd = start(&policy(
+        &[&q],
+        "\"30ms\", \"60ms\"",
+        "on_exhausted = \"reject\"",
+    ))
+    .await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.exchange_declare(dlx.as_str().into(), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch.exchange_declare(
+        dlx.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     queue(&ch, &dlq, FieldTable::default()).await;
-    ch.queue_bind(dlq.as_str().into(), dlx.as_str().into(), "".into(), QueueBindOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_bind(
+        dlq.as_str().into(),
+        dlx.as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let mut args = FieldTable::default();
-    args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(dlx.as_str().into()),
+    );
     queue(&ch, &q, args).await;
     publish(&ch, "", &q, b"doomed", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q).await;
     // basic.reject this time: 1 delivery + 2 retries, then the queue's DLX.
     assert_eq!(nack_until_gone(&mut consumer, true).await, 3);
-    let dead = ch.basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().expect("in the DLX queue");
+    let dead = ch
+        .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("in the DLX queue");
     assert_eq!(dead.delivery.data, b"doomed");
     assert_eq!(retry_count(&dead.delivery), Some(2));
     assert_eq!(message_count(&ch, &q).await, 0);
@@ -200,18 +344,40 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
 
 #[tokio::test]
 async fn exhausted_schedule_goes_to_the_configured_dead_letter_exchange() {
-    let (q, dlq, dlx) = (unique("dlx-cfg-src"), unique("dlx-cfg-dst"), unique("dlx-cfg-x"));
-    let nackd = start(&policy(&[&q], "\"30ms\"", &format!("on_exhausted = {{ exchange = \"{dlx}\", routing_key = \"dead\" }}"))).await;
+    let (q, dlq, dlx) = (
+        unique("dlx-cfg-src"),
+        unique("dlx-cfg-dst"),
+        unique("dlx-cfg-x"),
+    );
+    let nackd = start(&policy(
+        &[&q],
+        "\"30ms\"",
+        &format!("on_exhausted = {{ exchange = \"{dlx}\", routing_key = \"dead\" }}"),
+    ))
+    .await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch.exchange_declare(dlx.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default())
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch.exchange_declare(
+        dlx.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     queue(&ch, &dlq, FieldTable::default()).await;
-    ch.queue_bind(dlq.as_str().into(), dlx.as_str().into(), "dead".into(), QueueBindOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_bind(
+        dlq.as_str().into(),
+        dlx.as_str().into(),
+        "dead".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     queue(&ch, &q, FieldTable::default()).await;
     publish(&ch, "", &q, b"to the dlx", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
@@ -219,23 +385,35 @@ async fn exhausted_schedule_goes_to_the_configured_dead_letter_exchange() {
     assert_eq!(nack_until_gone(&mut consumer, false).await, 2);
     let mut dead = None;
     for _ in 0..100 {
-        dead = ch.basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap();
+        dead = ch
+            .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
         if dead.is_some() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let dead = dead.expect("in the configured dead-letter exchange's queue").delivery;
+    let dead = dead
+        .expect("in the configured dead-letter exchange's queue")
+        .delivery;
     assert_eq!(dead.data, b"to the dlx");
     assert_eq!(retry_count(&dead), Some(1));
     assert_eq!(x_death_count(&dead, &q), Some(2), "two rejections recorded");
-    assert!(matches!(header(&dead, "x-exhausted-reason"), Some(AMQPValue::LongString(_))));
+    assert!(matches!(
+        header(&dead, "x-exhausted-reason"),
+        Some(AMQPValue::LongString(_))
+    ));
     assert_eq!(message_count(&ch, &q).await, 0, "acked on the source queue");
     delete(&ch, &[&q, &dlq]).await;
 }
 
 async fn get(ch: &Channel, q: &str) -> Delivery {
-    ch.basic_get(q.into(), BasicGetOptions::default()).await.unwrap().expect("a message").delivery
+    ch.basic_get(q.into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message")
+        .delivery
 }
 
 #[tokio::test]
@@ -245,11 +423,22 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let setup = conn.create_channel().await.unwrap();
-    setup.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    setup
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     for q in [&a, &b] {
         queue(&setup, q, FieldTable::default()).await;
     }
-    for (q, body) in [(&a, "a1"), (&b, "b1"), (&a, "a2"), (&b, "b2"), (&a, "a3"), (&b, "b3"), (&a, "a4")] {
+    for (q, body) in [
+        (&a, "a1"),
+        (&b, "b1"),
+        (&a, "a2"),
+        (&b, "b2"),
+        (&a, "a3"),
+        (&b, "b3"),
+        (&a, "a4"),
+    ] {
         publish(&setup, "", q, body.as_bytes(), BasicProperties::default()).await;
     }
     // Tags 1..=7 on one channel: a1 b1 a2 b2 a3 b3 a4.
@@ -260,19 +449,43 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     }
     let tag = |name: &str| tags.iter().find(|(n, _)| n == name).unwrap().1;
     // a2 is claimed (reject), then ack(multiple) up to b2 must ack a1, b1, b2 only.
-    ch.basic_reject(tag("a2"), BasicRejectOptions { requeue: false }).await.unwrap();
-    ch.basic_ack(tag("b2"), BasicAckOptions { multiple: true }).await.unwrap();
+    ch.basic_reject(tag("a2"), BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    ch.basic_ack(tag("b2"), BasicAckOptions { multiple: true })
+        .await
+        .unwrap();
     // nack(multiple, requeue) up to a4: a3, a4 are delayed, b3 is requeued by the broker.
-    ch.basic_nack(tag("a4"), BasicNackOptions { multiple: true, requeue: true }).await.unwrap();
+    ch.basic_nack(
+        tag("a4"),
+        BasicNackOptions {
+            multiple: true,
+            requeue: true,
+        },
+    )
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(message_count(&setup, &b).await, 1, "b3 back in the plain queue at once");
-    assert_eq!(message_count(&setup, &a).await, 0, "a2, a3, a4 held, a1 acked");
+    assert_eq!(
+        message_count(&setup, &b).await,
+        1,
+        "b3 back in the plain queue at once"
+    );
+    assert_eq!(
+        message_count(&setup, &a).await,
+        0,
+        "a2, a3, a4 held, a1 acked"
+    );
     let b3 = get(&setup, &b).await;
     assert_eq!(b3.data, b"b3");
     assert!(b3.redelivered);
     b3.ack(BasicAckOptions::default()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(message_count(&setup, &a).await, 3, "a2, a3, a4 are back after the delay");
+    assert_eq!(
+        message_count(&setup, &a).await,
+        3,
+        "a2, a3, a4 are back after the delay"
+    );
     let mut back = Vec::new();
     for _ in 0..3 {
         let d = get(&setup, &a).await;
@@ -283,7 +496,10 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     back.sort();
     assert_eq!(back, vec!["a2", "a3", "a4"]);
     assert_eq!(message_count(&setup, &b).await, 0);
-    assert!(ch.status().connected(), "no settle was refused by the broker");
+    assert!(
+        ch.status().connected(),
+        "no settle was refused by the broker"
+    );
     delete(&setup, &[&a, &b]).await;
 }
 
@@ -293,16 +509,33 @@ async fn requeue_pass_leaves_requeue_true_nacks_to_the_broker() {
     let nackd = start(&policy(&[&q], "\"50ms\"", "requeue = \"pass\"")).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     queue(&ch, &q, FieldTable::default()).await;
     publish(&ch, "", &q, b"m", BasicProperties::default()).await;
     let d = get(&ch, &q).await;
-    d.nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
+    d.nack(BasicNackOptions {
+        requeue: true,
+        multiple: false,
+    })
+    .await
+    .unwrap();
     let again = get(&ch, &q).await;
     assert!(again.redelivered, "requeued by the broker");
     assert_eq!(retry_count(&again), None, "not through nackd's retry");
-    again.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
-    assert_eq!(message_count(&ch, &q).await, 0, "requeue=false is still delayed");
+    again
+        .nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        message_count(&ch, &q).await,
+        0,
+        "requeue=false is still delayed"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let retried = get(&ch, &q).await;
     assert_eq!(retry_count(&retried), Some(1));
@@ -316,23 +549,37 @@ async fn quorum_queues_work_too() {
     let nackd = start(&policy(&[&q], "\"50ms\", \"50ms\"", "")).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     queue(&ch, &q, args).await;
     publish(&ch, "", &q, b"q", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q).await;
     for n in 0..3 {
-        let d = next(&mut consumer, Duration::from_secs(5)).await.expect("delivery");
+        let d = next(&mut consumer, Duration::from_secs(5))
+            .await
+            .expect("delivery");
         assert_eq!(retry_count(&d), if n == 0 { None } else { Some(n) });
         if n < 2 {
-            d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+            d.nack(BasicNackOptions {
+                requeue: false,
+                multiple: false,
+            })
+            .await
+            .unwrap();
         } else {
             d.ack(BasicAckOptions::default()).await.unwrap();
         }
     }
-    assert!(next(&mut consumer, Duration::from_millis(300)).await.is_none());
+    assert!(next(&mut consumer, Duration::from_millis(300))
+        .await
+        .is_none());
     delete(&ch, &[&q]).await;
 }
 
@@ -342,7 +589,9 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
     let nackd = start(&policy(&[&q], "\"40ms\"", "")).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     queue(&ch, &q, FieldTable::default()).await;
     let mut nested = FieldTable::default();
     nested.insert("inner".into(), AMQPValue::LongInt(1));
@@ -358,10 +607,21 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
     h.insert("l".into(), AMQPValue::LongLongInt(-9_000_000_000));
     h.insert("f".into(), AMQPValue::Float(1.5));
     h.insert("d".into(), AMQPValue::Double(2.25));
-    h.insert("D".into(), AMQPValue::DecimalValue(amq_protocol::types::DecimalValue { scale: 2, value: 12345 }));
+    h.insert(
+        "D".into(),
+        AMQPValue::DecimalValue(amq_protocol::types::DecimalValue {
+            scale: 2,
+            value: 12345,
+        }),
+    );
     h.insert("T".into(), AMQPValue::Timestamp(1_700_000_000));
     h.insert("F".into(), AMQPValue::FieldTable(nested));
-    h.insert("A".into(), AMQPValue::FieldArray(vec![AMQPValue::LongInt(1), AMQPValue::LongString("two".into())].into()));
+    h.insert(
+        "A".into(),
+        AMQPValue::FieldArray(
+            vec![AMQPValue::LongInt(1), AMQPValue::LongString("two".into())].into(),
+        ),
+    );
     h.insert("x".into(), AMQPValue::ByteArray(vec![0u8, 1, 255].into()));
     h.insert("V".into(), AMQPValue::Void);
     let props = BasicProperties::default()
@@ -381,7 +641,13 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
     let body: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
     publish(&ch, "", &q, &body, props).await;
     let first = get(&ch, &q).await;
-    first.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+    first
+        .nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let retried = get(&ch, &q).await;
     assert!(retried.data == body, "body intact");
@@ -400,18 +666,36 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
         }
     }
     after_headers = trimmed;
-    assert_eq!(Some(&after_headers), before.headers().as_ref(), "every other header, value and type");
+    assert_eq!(
+        Some(&after_headers),
+        before.headers().as_ref(),
+        "every other header, value and type"
+    );
     assert_eq!(before.headers().as_ref(), Some(&h));
-    assert_eq!(before.clone().with_headers(FieldTable::default()), after.clone().with_headers(FieldTable::default()), "all properties");
+    assert_eq!(
+        before.clone().with_headers(FieldTable::default()),
+        after.clone().with_headers(FieldTable::default()),
+        "all properties"
+    );
     let mut expected_ours = vec![
-        "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-        "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", "x-retry-count", "x-retry-delay-ms",
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        "x-retry-count",
+        "x-retry-delay-ms",
     ];
     expected_ours.sort();
     let mut ours_sorted: Vec<&str> = ours.iter().map(String::as_str).collect();
     ours_sorted.sort();
     assert_eq!(ours_sorted, expected_ours);
-    assert_eq!(header(&retried, "x-retry-delay-ms"), Some(&AMQPValue::LongLongInt(40)));
+    assert_eq!(
+        header(&retried, "x-retry-delay-ms"),
+        Some(&AMQPValue::LongLongInt(40))
+    );
     retried.ack(BasicAckOptions::default()).await.unwrap();
     delete(&ch, &[&q]).await;
 }
@@ -422,7 +706,10 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
     let nackd = start(&policy(&[&q], "\"200ms\"", "")).await;
     let conn = nackd.connect().await;
     let setup = conn.create_channel().await.unwrap();
-    setup.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    setup
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     queue(&setup, &q, FieldTable::default()).await;
     for i in 0..20u8 {
         publish(&setup, "", &q, &[i], BasicProperties::default()).await;
@@ -435,7 +722,15 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
         last = d.delivery_tag;
     }
     // Nack all ten and close at once, before nackd can have acked upstream.
-    ch.basic_nack(last, BasicNackOptions { multiple: true, requeue: true }).await.unwrap();
+    ch.basic_nack(
+        last,
+        BasicNackOptions {
+            multiple: true,
+            requeue: true,
+        },
+    )
+    .await
+    .unwrap();
     ch.close(200, "bye".into()).await.unwrap();
     let other = conn.create_channel().await.unwrap();
     let mut consumer = consume(&other, &q).await;
@@ -446,8 +741,15 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
     }
     assert_eq!(seen.len(), 20, "every message arrives");
     for (body, counts) in &seen {
-        let want = if *body < 10 { vec![Some(1)] } else { vec![None] };
-        assert_eq!(counts, &want, "message {body}: exactly once, and the nacked ones as retries");
+        let want = if *body < 10 {
+            vec![Some(1)]
+        } else {
+            vec![None]
+        };
+        assert_eq!(
+            counts, &want,
+            "message {body}: exactly once, and the nacked ones as retries"
+        );
     }
     delete(&other, &[&q]).await;
 }

@@ -43,13 +43,19 @@ async fn chromium(url: &str, profile: &Path, output: &[&str]) -> std::process::O
         .await
         .expect("chromium finished in 90 s")
         .unwrap_or_else(|e| panic!("cannot run {CHROMIUM} ({e}): scripts/test installs it (scripts/ensure-chromium.sh)"));
-    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
 /// The opening tag of the element with `id` and the text right after it.
 fn element<'a>(dom: &'a str, id: &str) -> (&'a str, &'a str) {
-    let at = dom.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id} in the page"));
+    let at = dom
+        .find(&format!("id=\"{id}\""))
+        .unwrap_or_else(|| panic!("no #{id} in the page"));
     let open = dom[..at].rfind('<').unwrap();
     let close = at + dom[at..].find('>').unwrap();
     let text_end = close + dom[close..].find('<').unwrap();
@@ -58,7 +64,9 @@ fn element<'a>(dom: &'a str, id: &str) -> (&'a str, &'a str) {
 
 /// The text of the first element whose opening tag contains `marker`.
 fn text_after<'a>(dom: &'a str, marker: &str) -> &'a str {
-    let at = dom.find(marker).unwrap_or_else(|| panic!("no {marker} in the page"));
+    let at = dom
+        .find(marker)
+        .unwrap_or_else(|| panic!("no {marker} in the page"));
     let close = at + dom[at..].find('>').unwrap();
     &dom[close + 1..close + dom[close..].find('<').unwrap()]
 }
@@ -71,29 +79,61 @@ fn attr(tag: &str, name: &str) -> Option<String> {
 /// The number the page shows in `#id` (its text) and the raw value behind it.
 fn shown(dom: &str, id: &str) -> (f64, f64) {
     let (tag, text) = element(dom, id);
-    let raw: f64 = attr(tag, "data-value").unwrap_or_else(|| panic!("#{id} was not rendered: {tag}")).parse().unwrap();
-    let text = text.split_whitespace().next().unwrap_or("").replace(',', "");
+    let raw: f64 = attr(tag, "data-value")
+        .unwrap_or_else(|| panic!("#{id} was not rendered: {tag}"))
+        .parse()
+        .unwrap();
+    let text = text
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .replace(',', "");
     (text.parse().unwrap_or(f64::NAN), raw)
 }
 
 /// Every `<tag ... key="...">` opening tag containing `key`.
 fn tags_with<'a>(dom: &'a str, key: &str) -> Vec<&'a str> {
-    dom.match_indices(&format!(" {key}=\"")).map(|(at, _)| &dom[dom[..at].rfind('<').unwrap()..at + dom[at..].find('>').unwrap() + 1]).collect()
+    dom.match_indices(&format!(" {key}=\""))
+        .map(|(at, _)| &dom[dom[..at].rfind('<').unwrap()..at + dom[at..].find('>').unwrap() + 1])
+        .collect()
 }
 
 async fn declare(ch: &Channel, q: &str) {
-    ch.queue_declare(q.into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
 }
 
 async fn consume(ch: &Channel, q: &str) -> Consumer {
-    ch.basic_consume(q.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap()
+    ch.basic_consume(
+        q.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
 }
 
 async fn nack_next(c: &mut Consumer) {
-    let d = tokio::time::timeout(Duration::from_secs(10), c.next()).await.expect("a delivery").unwrap().unwrap();
-    d.nack(BasicNackOptions { requeue: false, multiple: false }).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(10), c.next())
+        .await
+        .expect("a delivery")
+        .unwrap()
+        .unwrap();
+    d.nack(BasicNackOptions {
+        requeue: false,
+        multiple: false,
+    })
+    .await
+    .unwrap();
 }
 
 /// Traffic: 3 held for an hour, 2 held for 90 s, one retried then
@@ -102,16 +142,24 @@ async fn traffic(nackd: &Nackd, queues: &[String; 4]) -> lapin::Connection {
     let [hour, minute, short, plain] = queues;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     for (q, n) in [(hour, 3), (minute, 2), (short, 1), (plain, 1)] {
         declare(&ch, q).await;
         for i in 0..n {
             let body = format!("{q} #{i}").into_bytes();
-            ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
         }
     }
     for (q, nacks) in [(hour, 3), (minute, 2), (short, 2), (plain, 1)] {
@@ -127,10 +175,16 @@ async fn settled(nackd: &Nackd) -> Scrape {
     let start = Instant::now();
     loop {
         let s = scrape(nackd.metrics).await;
-        if s.sum("nackd_held_messages") == 5.0 && s.get("nackd_exhausted_total", &[("route", "reject")]) == 1.0 && s.get("nackd_retries_confirmed_total", &[]) == 1.0 {
+        if s.sum("nackd_held_messages") == 5.0
+            && s.get("nackd_exhausted_total", &[("route", "reject")]) == 1.0
+            && s.get("nackd_retries_confirmed_total", &[]) == 1.0
+        {
             return s;
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "traffic did not settle: {s:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "traffic did not settle: {s:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -141,7 +195,12 @@ fn artifact(name: &str) -> PathBuf {
 
 #[tokio::test]
 async fn status_page_in_headless_chromium_shows_what_metrics_say() {
-    let queues = [unique("page-hour"), unique("page-minute"), unique("page-short"), unique("page-plain")];
+    let queues = [
+        unique("page-hour"),
+        unique("page-minute"),
+        unique("page-short"),
+        unique("page-plain"),
+    ];
     let policies = format!(
         "[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1h\"]\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"90s\"]\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"50ms\"]\n",
         queues[0], queues[1], queues[2]
@@ -152,16 +211,29 @@ async fn status_page_in_headless_chromium_shows_what_metrics_say() {
 
     let profile = tempfile::tempdir().unwrap();
     let url = format!("http://{}/", nackd.metrics);
-    let dom = String::from_utf8(chromium(&url, profile.path(), &["--dump-dom"]).await.stdout).unwrap();
+    let dom =
+        String::from_utf8(chromium(&url, profile.path(), &["--dump-dom"]).await.stdout).unwrap();
     std::fs::write(artifact("status-page.html"), &dom).unwrap();
     let png = artifact("status-page.png");
     let _ = std::fs::remove_file(&png);
-    chromium(&url, profile.path(), &[&format!("--screenshot={}", png.display())]).await;
+    chromium(
+        &url,
+        profile.path(),
+        &[&format!("--screenshot={}", png.display())],
+    )
+    .await;
     let s = scrape(nackd.metrics).await;
-    assert_eq!(s.sum("nackd_held_messages"), before.sum("nackd_held_messages"), "traffic was quiet while the page rendered");
+    assert_eq!(
+        s.sum("nackd_held_messages"),
+        before.sum("nackd_held_messages"),
+        "traffic was quiet while the page rendered"
+    );
 
     let body = &dom[dom.find("<body").unwrap()..];
-    let rendered: u32 = attr(&body[..body.find('>').unwrap()], "data-rendered").unwrap().parse().unwrap();
+    let rendered: u32 = attr(&body[..body.find('>').unwrap()], "data-rendered")
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(rendered >= 1, "the page script rendered /status.json");
     for (id, metric, labels) in [
         ("clients", "nackd_client_connections", vec![]),
@@ -171,20 +243,43 @@ async fn status_page_in_headless_chromium_shows_what_metrics_say() {
         ("published", "nackd_retries_published_total", vec![]),
         ("confirmed", "nackd_retries_confirmed_total", vec![]),
         ("returned", "nackd_retries_returned_total", vec![]),
-        ("exhausted-reject", "nackd_exhausted_total", vec![("route", "reject")]),
-        ("exhausted-dead-letter", "nackd_exhausted_total", vec![("route", "dead_letter")]),
+        (
+            "exhausted-reject",
+            "nackd_exhausted_total",
+            vec![("route", "reject")],
+        ),
+        (
+            "exhausted-dead-letter",
+            "nackd_exhausted_total",
+            vec![("route", "dead_letter")],
+        ),
     ] {
         let (text, raw) = shown(&dom, id);
         let want = s.get(metric, &labels);
-        assert_eq!((text, raw), (want, want), "#{id} shows {text} (raw {raw}), {metric} says {want}");
+        assert_eq!(
+            (text, raw),
+            (want, want),
+            "#{id} shows {text} (raw {raw}), {metric} says {want}"
+        );
     }
     assert_eq!(shown(&dom, "held"), (5.0, s.sum("nackd_held_messages")));
-    assert_eq!(shown(&dom, "passed"), (1.0, s.sum("nackd_nacks_passed_total")));
+    assert_eq!(
+        shown(&dom, "passed"),
+        (1.0, s.sum("nackd_nacks_passed_total"))
+    );
     assert_eq!(shown(&dom, "held-bytes").1, s.sum("nackd_held_bytes"));
-    assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 6.0, "5 held + the short one once (its second nack was exhausted)");
+    assert_eq!(
+        s.get("nackd_nacks_intercepted_total", &[]),
+        6.0,
+        "5 held + the short one once (its second nack was exhausted)"
+    );
 
     let rows = tags_with(&dom, "data-queue");
-    assert_eq!(rows.len(), 2, "one row per queue holding something: {rows:?}");
+    assert_eq!(
+        rows.len(),
+        2,
+        "one row per queue holding something: {rows:?}"
+    );
     for row in rows {
         let queue = attr(row, "data-queue").unwrap();
         let at = dom.find(row).unwrap();
@@ -194,15 +289,35 @@ async fn status_page_in_headless_chromium_shows_what_metrics_say() {
     }
     let buckets: Vec<(String, u64)> = tags_with(&dom, "data-bucket")
         .iter()
-        .map(|t| (attr(t, "data-bucket").unwrap(), attr(t, "data-count").unwrap().parse().unwrap()))
+        .map(|t| {
+            (
+                attr(t, "data-bucket").unwrap(),
+                attr(t, "data-count").unwrap().parse().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(buckets.iter().map(|(_, n)| n).sum::<u64>(), 5, "{buckets:?}");
-    assert!(buckets.contains(&("2m".to_string(), 2)) && buckets.contains(&("1h".to_string(), 3)), "{buckets:?}");
-    let kinds: Vec<String> = tags_with(&dom, "data-kind").iter().map(|t| attr(t, "data-kind").unwrap()).collect();
+    assert_eq!(
+        buckets.iter().map(|(_, n)| n).sum::<u64>(),
+        5,
+        "{buckets:?}"
+    );
+    assert!(
+        buckets.contains(&("2m".to_string(), 2)) && buckets.contains(&("1h".to_string(), 3)),
+        "{buckets:?}"
+    );
+    let kinds: Vec<String> = tags_with(&dom, "data-kind")
+        .iter()
+        .map(|t| attr(t, "data-kind").unwrap())
+        .collect();
     assert_eq!(kinds, ["exhausted_reject", "retried"], "newest first");
 
-    let size = std::fs::metadata(&png).expect("chromium wrote the screenshot").len();
-    assert!(size > 20_000, "a screenshot of a rendered page, not a blank one: {size} bytes");
+    let size = std::fs::metadata(&png)
+        .expect("chromium wrote the screenshot")
+        .len();
+    assert!(
+        size > 20_000,
+        "a screenshot of a rendered page, not a blank one: {size} bytes"
+    );
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;
 }

@@ -37,7 +37,10 @@ fn pki() -> Pki {
     std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
     std::fs::write(dir.path().join("server.pem"), leaf.pem()).unwrap();
     std::fs::write(dir.path().join("server.key"), leaf_key.serialize_pem()).unwrap();
-    Pki { dir, ca_pem: ca.pem() }
+    Pki {
+        dir,
+        ca_pem: ca.pem(),
+    }
 }
 
 fn config(text: &str) -> Config {
@@ -63,26 +66,52 @@ async fn amqps_client_to_nackd_and_nackd_to_a_tls_upstream() {
     .await;
     let conn = lapin::DefaultConnectionBuilder::new()
         .unwrap()
-        .with_uri_str(format!("amqps://guest:guest@localhost:{}/%2f", a.addr.port()))
-        .with_tls_config(OwnedTLSConfig { identity: None, cert_chain: Some(pki.ca_pem.clone()) })
+        .with_uri_str(format!(
+            "amqps://guest:guest@localhost:{}/%2f",
+            a.addr.port()
+        ))
+        .with_tls_config(OwnedTLSConfig {
+            identity: None,
+            cert_chain: Some(pki.ca_pem.clone()),
+        })
         .connect()
         .await
         .expect("amqps through two nackds");
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("tls");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let body = vec![42u8; 300_000]; // several TLS records and AMQP frames
     let confirm = ch
-        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
         .await
         .unwrap()
         .await
         .unwrap();
     assert!(confirm.is_ack());
-    let got = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    let got = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert!(got.delivery.data == body);
-    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -107,7 +136,10 @@ async fn upstream_tls_refuses_a_certificate_it_cannot_verify() {
     )
     .await
     .expect("fails fast");
-    assert!(result.is_err(), "a client must not get through an unverified upstream");
+    assert!(
+        result.is_err(),
+        "a client must not get through an unverified upstream"
+    );
 }
 
 #[tokio::test]

@@ -55,7 +55,9 @@ impl CpuSample {
 
     /// Use from `self` to `later`, `seconds` apart.
     pub fn until(&self, later: &CpuSample, seconds: f64) -> CpuUse {
-        let cores = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?) as f64 / TICKS_PER_SECOND / seconds);
+        let cores = |a: Option<u64>, b: Option<u64>| {
+            Some(b?.saturating_sub(a?) as f64 / TICKS_PER_SECOND / seconds)
+        };
         let total = later.total.saturating_sub(self.total);
         CpuUse {
             machine_busy: match total {
@@ -74,10 +76,15 @@ impl CpuSample {
 pub fn broker_pid() -> Option<u32> {
     let mut found = None;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
-        if std::fs::read_to_string(entry.path().join("comm")).is_ok_and(|c| c.trim() == "beam.smp") {
+        if std::fs::read_to_string(entry.path().join("comm")).is_ok_and(|c| c.trim() == "beam.smp")
+        {
             if found.is_some() {
                 return None;
             }
@@ -135,8 +142,15 @@ mod tests {
         let used = before.until(&CpuSample::now(&me), began.elapsed().as_secs_f64());
         let client = used.client.expect("own stat file");
         // Wrong fields would read 0 (children's time) or far more than a core.
-        assert!(client > 0.0 && client < 1.5, "one spinning thread is at most about one core: {client}");
-        assert!(used.machine_busy > 0.0 && used.machine_busy <= 1.0, "{}", used.machine_busy);
+        assert!(
+            client > 0.0 && client < 1.5,
+            "one spinning thread is at most about one core: {client}"
+        );
+        assert!(
+            used.machine_busy > 0.0 && used.machine_busy <= 1.0,
+            "{}",
+            used.machine_busy
+        );
         assert_eq!(used.nackd, None);
     }
 }

@@ -40,14 +40,23 @@ pub struct Args {
 fn rss(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_owned))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_owned)
+        })
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
 }
 
 fn dir_size(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
-        .map(|d| d.filter_map(|e| e.ok()).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
         .unwrap_or(0)
 }
 
@@ -72,11 +81,17 @@ fn mib(bytes: u64) -> f64 {
 pub async fn run(args: Args) -> BenchResult<()> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
-    let policy = format!("[[policy]]\nqueues = [\"nackd-bench-hold-*\"]\ndelays = [\"{}\"]\n", args.delay);
+    let policy = format!(
+        "[[policy]]\nqueues = [\"nackd-bench-hold-*\"]\ndelays = [\"{}\"]\n",
+        args.delay
+    );
     let mut targets = Targets::start(common, &policy)?;
     print_header("hold", common, &machine, &targets);
     let Some(nackd) = targets.nackd.as_mut() else {
-        return Err("hold needs to start nackd itself (no --proxy): it reads its RSS and restarts it".into());
+        return Err(
+            "hold needs to start nackd itself (no --proxy): it reads its RSS and restarts it"
+                .into(),
+        );
     };
     let (binary, store, pid) = (nackd.binary().to_owned(), nackd.store_dir(), nackd.pid());
     let rss_before = rss(pid);
@@ -87,14 +102,24 @@ pub async fn run(args: Args) -> BenchResult<()> {
     let ch = admin.create_channel().await?;
     let mut qargs = FieldTable::default();
     qargs.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
-    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs).await?;
+    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs)
+        .await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let published = Instant::now();
     let mut body = vec![7u8; 1024];
     let mut confirms = Vec::with_capacity(1000);
     for id in 0..n {
         body[..8].copy_from_slice(&id.to_be_bytes());
-        confirms.push(ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default()).await?);
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                BasicProperties::default(),
+            )
+            .await?,
+        );
         if confirms.len() == 1000 {
             for c in confirms.drain(..) {
                 c.await?;
@@ -104,13 +129,21 @@ pub async fn run(args: Args) -> BenchResult<()> {
     for c in confirms.drain(..) {
         c.await?;
     }
-    println!("publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s", published.elapsed().as_secs_f64());
+    println!(
+        "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s",
+        published.elapsed().as_secs_f64()
+    );
 
     let consumer = connect(&nackd.addr().to_string()).await?;
     let cch = consumer.create_channel().await?;
     cch.basic_qos(2000, BasicQosOptions::default()).await?;
     let mut deliveries = cch
-        .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let mut nacked = 0u64;
     let mut first = None;
@@ -125,7 +158,11 @@ pub async fn run(args: Args) -> BenchResult<()> {
         if let Some(slot) = nacked_at.get_mut(id as usize) {
             *slot = Some(Instant::now());
         }
-        d.nack(BasicNackOptions { requeue: false, multiple: false }).await?;
+        d.nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await?;
         nacked += 1;
     }
     let first = first.unwrap_or_else(Instant::now);
@@ -155,7 +192,10 @@ pub async fn run(args: Args) -> BenchResult<()> {
         mib(rss_before),
         rss_after.saturating_sub(rss_before) as f64 / n as f64
     );
-    println!("store       {:.1} MiB on disk for {n} held (bodies on disk)", mib(dir_size(&store)));
+    println!(
+        "store       {:.1} MiB on disk for {n} held (bodies on disk)",
+        mib(dir_size(&store))
+    );
 
     let to_listening = nackd.restart()?;
     let began = Instant::now();
@@ -167,12 +207,18 @@ pub async fn run(args: Args) -> BenchResult<()> {
         to_listening.as_secs_f64(),
         to_serving.as_secs_f64()
     );
-    println!("recovered   {} held after the restart; nackd RSS {:.1} MiB", held(&binary, &store), mib(rss(nackd.pid())));
+    println!(
+        "recovered   {} held after the restart; nackd RSS {:.1} MiB",
+        held(&binary, &store),
+        mib(rss(nackd.pid()))
+    );
     if args.fire {
         let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
         fire(&nackd.addr().to_string(), &queue, &nacked_at, delay).await?;
     }
-    let _ = ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
+    let _ = ch
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
     close(&admin).await;
     println!("load        average {} at the end", load_average());
     if let Some(nackd) = targets.nackd.take() {
@@ -183,26 +229,48 @@ pub async fn run(args: Args) -> BenchResult<()> {
 
 /// Consumes the redeliveries of the parked messages through nackd and
 /// reports how late each came against its nack time plus the delay.
-async fn fire(addr: &str, queue: &str, nacked_at: &[Option<Instant>], delay: Duration) -> BenchResult<()> {
+async fn fire(
+    addr: &str,
+    queue: &str,
+    nacked_at: &[Option<Instant>],
+    delay: Duration,
+) -> BenchResult<()> {
     let conn = connect(addr).await?;
     let ch = conn.create_channel().await?;
     ch.basic_qos(2000, BasicQosOptions::default()).await?;
     let mut deliveries = ch
-        .basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let expected = nacked_at.iter().filter(|t| t.is_some()).count();
-    let last_due = nacked_at.iter().flatten().max().map(|t| *t + delay).unwrap_or_else(Instant::now);
+    let last_due = nacked_at
+        .iter()
+        .flatten()
+        .max()
+        .map(|t| *t + delay)
+        .unwrap_or_else(Instant::now);
     let mut lateness_us: Vec<i64> = Vec::with_capacity(expected);
     let mut first: Option<Instant> = None;
     while lateness_us.len() < expected {
         let wait = last_due.saturating_duration_since(Instant::now()) + Duration::from_secs(60);
-        let d = tokio::time::timeout(wait, deliveries.next()).await.map_err(|_| "redeliveries stopped")?.ok_or("consumer closed")??;
+        let d = tokio::time::timeout(wait, deliveries.next())
+            .await
+            .map_err(|_| "redeliveries stopped")?
+            .ok_or("consumer closed")??;
         let now = Instant::now();
         first.get_or_insert(now);
         let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
         if let Some(Some(at)) = nacked_at.get(id as usize) {
             let due = *at + delay;
-            lateness_us.push(if now >= due { now.duration_since(due).as_micros() as i64 } else { -(due.duration_since(now).as_micros() as i64) });
+            lateness_us.push(if now >= due {
+                now.duration_since(due).as_micros() as i64
+            } else {
+                -(due.duration_since(now).as_micros() as i64)
+            });
         }
         d.ack(BasicAckOptions::default()).await?;
     }

@@ -16,7 +16,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     /// No `nackd` binary where it was looked for.
-    #[error("no nackd binary at {0}: build it with `cargo build --release --features bench --bins`")]
+    #[error(
+        "no nackd binary at {0}: build it with `cargo build --release --features bench --bins`"
+    )]
     Missing(PathBuf),
     /// Temp directory, config file, log file or spawn failed.
     #[error("{what}: {source}")]
@@ -79,11 +81,19 @@ impl NackdProcess {
         );
         std::fs::write(&config, text).map_err(io(format!("writing {}", config.display())))?;
         let log_path = dir.path().join("nackd.log");
-        let log = File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
+        let log =
+            File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
         let child = Command::new(binary)
             .arg("--config")
             .arg(&config)
-            .args(["--listen", "127.0.0.1:0", "--upstream", upstream, "--log-format", "json"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                upstream,
+                "--log-format",
+                "json",
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -109,7 +119,9 @@ impl NackdProcess {
             }
             let reason = match self.child.try_wait() {
                 Ok(Some(status)) => format!("exited with {status}"),
-                _ if began.elapsed() > START_TIMEOUT => format!("no \"listening\" line within {START_TIMEOUT:?}"),
+                _ if began.elapsed() > START_TIMEOUT => {
+                    format!("no \"listening\" line within {START_TIMEOUT:?}")
+                }
                 _ => {
                     std::thread::sleep(Duration::from_millis(20));
                     continue;
@@ -163,7 +175,9 @@ impl NackdProcess {
                 BufReader::new(f)
                     .lines()
                     .map_while(Result::ok)
-                    .filter(|l| l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\""))
+                    .filter(|l| {
+                        l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\"")
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -174,7 +188,10 @@ impl NackdProcess {
     /// recovers the store before it listens).
     pub fn restart(&mut self) -> Result<Duration, LaunchError> {
         self.kill_now();
-        let old = self.dir.path().join(format!("nackd.log.{}", self.child.id()));
+        let old = self
+            .dir
+            .path()
+            .join(format!("nackd.log.{}", self.child.id()));
         std::fs::rename(self.log_path(), &old).map_err(io("keeping the old log"))?;
         let log = File::create(self.log_path()).map_err(io("creating the log"))?;
         let began = Instant::now();
@@ -211,12 +228,15 @@ impl Drop for NackdProcess {
 /// The address of the first `"message":"listening"` JSON line in the log.
 fn listening_address(log: &Path) -> Option<SocketAddr> {
     let file = File::open(log).ok()?;
-    BufReader::new(file).lines().map_while(Result::ok).find_map(|line| {
-        let value: serde_json::Value = serde_json::from_str(&line).ok()?;
-        let fields = value.get("fields")?;
-        if fields.get("message")?.as_str()? != "listening" {
-            return None;
-        }
-        fields.get("address")?.as_str()?.parse().ok()
-    })
+    BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(&line).ok()?;
+            let fields = value.get("fields")?;
+            if fields.get("message")?.as_str()? != "listening" {
+                return None;
+            }
+            fields.get("address")?.as_str()?.parse().ok()
+        })
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, PublisherConfirm};
@@ -141,14 +141,20 @@ pub async fn connect(addr: &str) -> BenchResult<Connection> {
 pub async fn declare_queue(ch: &Channel, name: &str) -> BenchResult<()> {
     let mut args = FieldTable::default();
     args.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-    ch.queue_declare(name.into(), QueueDeclareOptions::default(), args).await?;
+    ch.queue_declare(name.into(), QueueDeclareOptions::default(), args)
+        .await?;
     Ok(())
 }
 
 /// A queue name no other run uses.
 pub fn unique_queue(what: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("nackd-bench-{what}-{}-{}-{}", std::process::id(), clock(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "nackd-bench-{what}-{}-{}-{}",
+        std::process::id(),
+        clock(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// A producer and a consumer on their own connections, one queue.
@@ -175,15 +181,31 @@ impl Pair {
         let admin = consumer_conn.create_channel().await?;
         declare_queue(&admin, &queue).await?;
         let consume_ch = consumer_conn.create_channel().await?;
-        consume_ch.basic_qos(spec.prefetch, BasicQosOptions::default()).await?;
+        consume_ch
+            .basic_qos(spec.prefetch, BasicQosOptions::default())
+            .await?;
         let producer_conn = connect(addr).await?;
         let publish_ch = producer_conn.create_channel().await?;
-        publish_ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        publish_ch
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         let flow = Arc::new(Flow::default());
         let stop = CancellationToken::new();
         let channels = [consume_ch.clone(), publish_ch.clone()];
-        let consumer = tokio::spawn(consume(consume_ch, queue.clone(), spec, flow.clone(), stop.clone()));
-        let producer = tokio::spawn(produce(publish_ch, queue.clone(), spec, flow.clone(), stop.clone()));
+        let consumer = tokio::spawn(consume(
+            consume_ch,
+            queue.clone(),
+            spec,
+            flow.clone(),
+            stop.clone(),
+        ));
+        let producer = tokio::spawn(produce(
+            publish_ch,
+            queue.clone(),
+            spec,
+            flow.clone(),
+            stop.clone(),
+        ));
         Ok(Self {
             flow,
             queue,
@@ -203,7 +225,9 @@ impl Pair {
         self.stop.cancel();
         let produced = join(self.producer, "producer").await;
         let consumed = join(self.consumer, "consumer").await;
-        let delete = self.admin.queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default());
+        let delete = self
+            .admin
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default());
         let deleted = tokio::time::timeout(CLOSE_TIMEOUT, delete).await;
         close(&self.producer_conn).await;
         close(&self.consumer_conn).await;
@@ -212,7 +236,11 @@ impl Pair {
         match deleted {
             Ok(Ok(_)) => consumed,
             Ok(Err(e)) => Err(format!("deleting {}: {e}", self.queue).into()),
-            Err(_) => Err(format!("deleting {}: no answer within {CLOSE_TIMEOUT:?}", self.queue).into()),
+            Err(_) => Err(format!(
+                "deleting {}: no answer within {CLOSE_TIMEOUT:?}",
+                self.queue
+            )
+            .into()),
         }
     }
 }
@@ -239,7 +267,13 @@ async fn join<T>(task: JoinHandle<BenchResult<T>>, what: &str) -> BenchResult<T>
 }
 
 /// Publishes until `stop`, at most `spec.window` unconfirmed at a time.
-async fn produce(ch: Channel, queue: String, spec: PairSpec, flow: Arc<Flow>, stop: CancellationToken) -> BenchResult<()> {
+async fn produce(
+    ch: Channel,
+    queue: String,
+    spec: PairSpec,
+    flow: Arc<Flow>,
+    stop: CancellationToken,
+) -> BenchResult<()> {
     let mut body = vec![0xA5u8; spec.sizes.max()];
     let mut unconfirmed: VecDeque<PublisherConfirm> = VecDeque::with_capacity(spec.window);
     let mut pace = spec.rate.map(|r| {
@@ -289,9 +323,20 @@ fn confirmed(confirmation: lapin::Confirmation, flow: &Flow) -> BenchResult<()> 
 }
 
 /// Consumes until `stop`, acking (multiple) every `spec.ack_every` deliveries.
-async fn consume(ch: Channel, queue: String, spec: PairSpec, flow: Arc<Flow>, stop: CancellationToken) -> BenchResult<Latencies> {
+async fn consume(
+    ch: Channel,
+    queue: String,
+    spec: PairSpec,
+    flow: Arc<Flow>,
+    stop: CancellationToken,
+) -> BenchResult<Latencies> {
     let mut consumer = ch
-        .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let mut latencies = Latencies::default();
     let mut unacked = 0;
@@ -305,15 +350,20 @@ async fn consume(ch: Channel, queue: String, spec: PairSpec, flow: Arc<Flow>, st
         };
         let now = clock();
         if spec.latency && flow.recording.load(Ordering::Relaxed) {
-            let stamp = delivery.data.get(..STAMP).ok_or("a body shorter than its timestamp")?;
+            let stamp = delivery
+                .data
+                .get(..STAMP)
+                .ok_or("a body shorter than its timestamp")?;
             let sent = u64::from_le_bytes(stamp.try_into().expect("8 bytes"));
             latencies.record(Duration::from_nanos(now.saturating_sub(sent)));
         }
         flow.delivered.fetch_add(1, Ordering::Relaxed);
-        flow.delivered_bytes.fetch_add(delivery.data.len() as u64, Ordering::Relaxed);
+        flow.delivered_bytes
+            .fetch_add(delivery.data.len() as u64, Ordering::Relaxed);
         unacked += 1;
         if unacked >= spec.ack_every {
-            ch.basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true }).await?;
+            ch.basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true })
+                .await?;
             unacked = 0;
         }
     }

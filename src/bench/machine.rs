@@ -28,11 +28,12 @@ pub struct Machine {
 impl Machine {
     /// Reads /proc and asks the broker at `broker_addr` for its version.
     pub async fn probe(broker_addr: &str) -> Self {
-        let broker = match tokio::time::timeout(Duration::from_secs(5), broker_version(broker_addr)).await {
-            Ok(Ok(version)) => version,
-            Ok(Err(e)) => format!("unknown ({e})"),
-            Err(_) => "unknown (no connection.start within 5 s)".into(),
-        };
+        let broker =
+            match tokio::time::timeout(Duration::from_secs(5), broker_version(broker_addr)).await {
+                Ok(Ok(version)) => version,
+                Ok(Err(e)) => format!("unknown ({e})"),
+                Err(_) => "unknown (no connection.start within 5 s)".into(),
+            };
         Self {
             cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
             cpu_model: cpu_model().unwrap_or_else(|| "unknown".into()),
@@ -76,7 +77,9 @@ async fn broker_version(addr: &str) -> Result<String, Box<dyn std::error::Error 
     if frame.kind != FrameType::Method {
         return Err("first frame is not a method".into());
     }
-    let AMQPClass::Connection(connection::AMQPMethod::Start(start)) = method::decode_any(&frame.payload())? else {
+    let AMQPClass::Connection(connection::AMQPMethod::Start(start)) =
+        method::decode_any(&frame.payload())?
+    else {
         return Err("first method is not connection.start".into());
     };
     let props = start.server_properties.inner();

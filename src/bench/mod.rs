@@ -130,7 +130,10 @@ impl Targets {
                 Some(NackdProcess::start(&binary, &common.broker, extra)?)
             }
         };
-        let proxy = common.proxy.or(nackd.as_ref().map(NackdProcess::addr)).expect("one of the two");
+        let proxy = common
+            .proxy
+            .or(nackd.as_ref().map(NackdProcess::addr))
+            .expect("one of the two");
         Ok(Self {
             broker: common.broker.clone(),
             proxy,
@@ -143,7 +146,10 @@ impl Targets {
     pub fn target(&self, side: Side) -> Target {
         let (addr, nackd) = match side {
             Side::Direct => (self.broker.clone(), None),
-            Side::Nackd => (self.proxy.to_string(), self.nackd.as_ref().map(NackdProcess::pid)),
+            Side::Nackd => (
+                self.proxy.to_string(),
+                self.nackd.as_ref().map(NackdProcess::pid),
+            ),
         };
         Target {
             side,
@@ -195,7 +201,11 @@ pub struct Sides<T> {
 
 /// Runs `round` for direct and nackd in turn, `rounds` times each, with a
 /// pause between runs so one run's queue deletion does not load the next.
-pub async fn alternate<T, F, Fut>(rounds: usize, targets: &Targets, mut round: F) -> BenchResult<Sides<T>>
+pub async fn alternate<T, F, Fut>(
+    rounds: usize,
+    targets: &Targets,
+    mut round: F,
+) -> BenchResult<Sides<T>>
 where
     F: FnMut(Target) -> Fut,
     Fut: Future<Output = BenchResult<T>>,
@@ -222,12 +232,28 @@ where
 /// Prints the lines every report starts with.
 pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets: &Targets) {
     println!("nackd-bench {scenario}");
-    println!("date        {}", humantime::format_rfc3339_seconds(SystemTime::now()));
-    println!("machine     {} CPUs, {}, load average {}", machine.cpus, machine.cpu_model, machine.load);
-    let pid = targets.broker_pid.map_or("pid unknown".into(), |p| format!("beam.smp pid {p}"));
-    println!("broker      {} at {} ({pid})", machine.broker, targets.broker);
+    println!(
+        "date        {}",
+        humantime::format_rfc3339_seconds(SystemTime::now())
+    );
+    println!(
+        "machine     {} CPUs, {}, load average {}",
+        machine.cpus, machine.cpu_model, machine.load
+    );
+    let pid = targets
+        .broker_pid
+        .map_or("pid unknown".into(), |p| format!("beam.smp pid {p}"));
+    println!(
+        "broker      {} at {} ({pid})",
+        machine.broker, targets.broker
+    );
     match &targets.nackd {
-        Some(n) => println!("nackd       {} (pid {}) at {}", n.binary().display(), n.pid(), n.addr()),
+        Some(n) => println!(
+            "nackd       {} (pid {}) at {}",
+            n.binary().display(),
+            n.pid(),
+            n.addr()
+        ),
         None => println!("nackd       already running at {}", targets.proxy),
     }
     if scenario == "passthrough" {

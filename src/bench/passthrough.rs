@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 
-use super::load::{self, Mark, Pair, PairSpec, Sizes};
 use super::cpu::{CpuSample, CpuUse};
+use super::load::{self, Mark, Pair, PairSpec, Sizes};
 use super::machine::Machine;
 use super::stats::{median, Summary};
 use super::{alternate, print_footer, print_header, BenchResult, Common, Sides, Target, Targets};
@@ -96,7 +96,10 @@ pub async fn run(args: Args) -> BenchResult<()> {
 /// SIGINT or SIGTERM: stop measuring, but still kill the nackd we started.
 async fn interrupted() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
         return std::future::pending().await;
     };
     tokio::select! {
@@ -108,16 +111,33 @@ async fn interrupted() -> &'static str {
 async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
     let common = &args.common;
     if args.wants(Figure::Throughput) {
-        let sides = alternate(common.rounds, targets, |target| throughput(target, Sizes::Fixed(KIB), common)).await?;
-        print_rates("throughput  1 KiB, 1 producer / 1 consumer", &sides, Some(THROUGHPUT_RATIO_MIN), false);
+        let sides = alternate(common.rounds, targets, |target| {
+            throughput(target, Sizes::Fixed(KIB), common)
+        })
+        .await?;
+        print_rates(
+            "throughput  1 KiB, 1 producer / 1 consumer",
+            &sides,
+            Some(THROUGHPUT_RATIO_MIN),
+            false,
+        );
     }
     if args.wants(Figure::Latency) {
-        let sides = alternate(common.rounds, targets, |target| latency(target, args.rate, common)).await?;
+        let sides = alternate(common.rounds, targets, |target| {
+            latency(target, args.rate, common)
+        })
+        .await?;
         print_latency(&format!("latency     1 KiB at {}/s", args.rate), &sides);
     }
     if args.wants(Figure::Many) {
-        let sides = alternate(common.rounds, targets, |target| many(target, args.idle, args.pairs, common)).await?;
-        let what = format!("many conns  {} idle + {} busy pairs, 1 KiB", args.idle, args.pairs);
+        let sides = alternate(common.rounds, targets, |target| {
+            many(target, args.idle, args.pairs, common)
+        })
+        .await?;
+        let what = format!(
+            "many conns  {} idle + {} busy pairs, 1 KiB",
+            args.idle, args.pairs
+        );
         print_rates(&what, &sides, None, false);
     }
     if args.wants(Figure::Mix) {
@@ -126,7 +146,10 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
             large: 64 * KIB,
             every: 10,
         };
-        let sides = alternate(common.rounds, targets, |target| throughput(target, mix, common)).await?;
+        let sides = alternate(common.rounds, targets, |target| {
+            throughput(target, mix, common)
+        })
+        .await?;
         print_rates("mix         90% 1 KiB / 10% 64 KiB", &sides, None, true);
     }
     Ok(())
@@ -149,7 +172,10 @@ async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResul
     let cpu_before = CpuSample::now(&target.processes);
     tokio::time::sleep(common.measure()).await;
     let after = marks(pairs);
-    let cpu = cpu_before.until(&CpuSample::now(&target.processes), common.measure().as_secs_f64());
+    let cpu = cpu_before.until(
+        &CpuSample::now(&target.processes),
+        common.measure().as_secs_f64(),
+    );
     let mut rate = Rate {
         msgs: 0.0,
         bytes: 0.0,
@@ -185,7 +211,9 @@ async fn latency(target: Target, rate: u32, common: &Common) -> BenchResult<Summ
     tokio::time::sleep(common.measure()).await;
     pair.flow.recording.store(false, Ordering::Relaxed);
     let latencies = pair.stop().await?;
-    latencies.summary().ok_or_else(|| "no message arrived while measured".into())
+    latencies
+        .summary()
+        .ok_or_else(|| "no message arrived while measured".into())
 }
 
 async fn many(target: Target, idle: usize, pairs: usize, common: &Common) -> BenchResult<Rate> {
@@ -199,7 +227,10 @@ async fn many(target: Target, idle: usize, pairs: usize, common: &Common) -> Ben
         pair.stop().await?;
     }
     let opened = idle.len();
-    let alive = idle.iter().filter(|(conn, ch)| conn.status().connected() && ch.status().connected()).count();
+    let alive = idle
+        .iter()
+        .filter(|(conn, ch)| conn.status().connected() && ch.status().connected())
+        .count();
     close_idle(idle).await;
     if alive < opened {
         return Err(format!("{} of {opened} idle connections were lost", opened - alive).into());
@@ -255,11 +286,17 @@ fn verdict(met: bool) -> &'static str {
 
 fn print_rates(what: &str, sides: &Sides<Rate>, ratio_min: Option<f64>, bytes: bool) {
     let mut medians = [0.0; 2];
-    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)].into_iter().enumerate() {
+    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)]
+        .into_iter()
+        .enumerate()
+    {
         medians[i] = median_of(rounds, |r| r.msgs);
         let each: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.msgs)).collect();
         let volume = match bytes {
-            true => format!(" ({:.1} MiB/s)", median_of(rounds, |r| r.bytes) / (KIB * KIB) as f64),
+            true => format!(
+                " ({:.1} MiB/s)",
+                median_of(rounds, |r| r.bytes) / (KIB * KIB) as f64
+            ),
             false => String::new(),
         };
         println!(
@@ -282,7 +319,11 @@ fn cpu_budget(rounds: &[Rate]) -> String {
     let busy = median_of(rounds, |r| r.cpu.machine_busy) * 100.0;
     let mut text = format!("CPUs {busy:.0}% busy; CPU µs/msg");
     type Share = fn(&CpuUse) -> Option<f64>;
-    let parts: [(&str, Share); 3] = [("client", |c| c.client), ("broker", |c| c.broker), ("nackd", |c| c.nackd)];
+    let parts: [(&str, Share); 3] = [
+        ("client", |c| c.client),
+        ("broker", |c| c.broker),
+        ("nackd", |c| c.nackd),
+    ];
     for (name, cores) in parts {
         if rounds.iter().all(|r| cores(&r.cpu).is_some()) {
             let per_msg = median_of(rounds, |r| cores(&r.cpu).unwrap_or(f64::NAN) / r.msgs * 1e6);
@@ -303,10 +344,19 @@ fn ms(d: Duration) -> String {
 fn print_latency(what: &str, sides: &Sides<Summary>) {
     let mut p50 = [0.0; 2];
     let mut p99 = [0.0; 2];
-    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)].into_iter().enumerate() {
+    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)]
+        .into_iter()
+        .enumerate()
+    {
         p50[i] = median_of(rounds, |s| s.p50.as_secs_f64());
         p99[i] = median_of(rounds, |s| s.p99.as_secs_f64());
-        let each = |f: fn(&Summary) -> Duration| rounds.iter().map(|s| ms(f(s))).collect::<Vec<_>>().join(" / ");
+        let each = |f: fn(&Summary) -> Duration| {
+            rounds
+                .iter()
+                .map(|s| ms(f(s)))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
         let count: usize = rounds.iter().map(|s| s.count).sum();
         let max = rounds.iter().map(|s| s.max).max().unwrap_or_default();
         println!(

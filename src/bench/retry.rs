@@ -73,7 +73,11 @@ struct Outcome {
 
 impl Outcome {
     fn p(&self, p: f64) -> f64 {
-        let mut sorted: Vec<u64> = self.lateness_us.iter().map(|l| (*l).max(0) as u64).collect();
+        let mut sorted: Vec<u64> = self
+            .lateness_us
+            .iter()
+            .map(|l| (*l).max(0) as u64)
+            .collect();
         sorted.sort_unstable();
         percentile(&sorted, p).unwrap_or(0) as f64 / 1000.0
     }
@@ -85,7 +89,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
     let delays: Vec<String> = args.delays.iter().map(|d| format!("\"{d}ms\"")).collect();
-    let policy = format!("[[policy]]\nqueues = [\"nackd-bench-retry-*\"]\ndelays = [{}]\n", delays.join(", "));
+    let policy = format!(
+        "[[policy]]\nqueues = [\"nackd-bench-retry-*\"]\ndelays = [{}]\n",
+        delays.join(", ")
+    );
     let targets = Targets::start(common, &policy)?;
     print_header("retry", common, &machine, &targets);
     println!(
@@ -94,7 +101,11 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     );
     println!("retry       mechanism             retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished");
     let mut knees = Vec::new();
-    for mechanism in [Mechanism::Nackd, Mechanism::TtlQueuePerLevel, Mechanism::PerMessageTtl] {
+    for mechanism in [
+        Mechanism::Nackd,
+        Mechanism::TtlQueuePerLevel,
+        Mechanism::PerMessageTtl,
+    ] {
         let mut knee = None;
         for &rate in &args.rates {
             let addr = match mechanism {
@@ -133,8 +144,15 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     if let Some(nackd) = knees[0].1 {
         for (m, k) in &knees[1..] {
             match k {
-                Some(k) => println!("ratio       knee nackd / {:<21} {:.2}", m.label(), nackd as f64 / *k as f64),
-                None => println!("ratio       knee nackd / {:<21} above (the recipe has no knee in range)", m.label()),
+                Some(k) => println!(
+                    "ratio       knee nackd / {:<21} {:.2}",
+                    m.label(),
+                    nackd as f64 / *k as f64
+                ),
+                None => println!(
+                    "ratio       knee nackd / {:<21} above (the recipe has no knee in range)",
+                    m.label()
+                ),
             }
         }
     }
@@ -152,12 +170,21 @@ fn args_with(pairs: &[(&str, AMQPValue)]) -> FieldTable {
 }
 
 /// Declares the work queue and the mechanism's wait queues; returns wait queue names.
-async fn declare(ch: &Channel, mechanism: Mechanism, queue: &str, delays: &[u64]) -> BenchResult<Vec<String>> {
-    ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args_with(&[])).await?;
+async fn declare(
+    ch: &Channel,
+    mechanism: Mechanism,
+    queue: &str,
+    delays: &[u64],
+) -> BenchResult<Vec<String>> {
+    ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args_with(&[]))
+        .await?;
     let back = |extra: Option<(&str, AMQPValue)>| {
         let mut pairs = vec![
             ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
-            ("x-dead-letter-routing-key", AMQPValue::LongString(queue.into())),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(queue.into()),
+            ),
         ];
         pairs.extend(extra);
         args_with(&pairs)
@@ -169,13 +196,23 @@ async fn declare(ch: &Channel, mechanism: Mechanism, queue: &str, delays: &[u64]
             for (i, d) in delays.iter().enumerate() {
                 let name = format!("{queue}-wait-{i}");
                 let ttl = ("x-message-ttl", AMQPValue::LongInt(*d as i32));
-                ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), back(Some(ttl))).await?;
+                ch.queue_declare(
+                    name.as_str().into(),
+                    QueueDeclareOptions::default(),
+                    back(Some(ttl)),
+                )
+                .await?;
                 waits.push(name);
             }
         }
         Mechanism::PerMessageTtl => {
             let name = format!("{queue}-wait");
-            ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), back(None)).await?;
+            ch.queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::default(),
+                back(None),
+            )
+            .await?;
             waits.push(name);
         }
     }
@@ -187,14 +224,25 @@ fn attempt(d: &lapin::message::Delivery, mechanism: Mechanism) -> usize {
         Mechanism::Nackd => "x-retry-count",
         _ => "x-attempt",
     };
-    match d.properties.headers().as_ref().and_then(|h| h.inner().get(key)) {
+    match d
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(key))
+    {
         Some(AMQPValue::LongLongInt(n)) => *n as usize,
         Some(AMQPValue::LongInt(n)) => *n as usize,
         _ => 0,
     }
 }
 
-async fn one_rate(mechanism: Mechanism, retries: u64, args: &Args, broker: &str, addr: &str) -> BenchResult<Outcome> {
+async fn one_rate(
+    mechanism: Mechanism,
+    retries: u64,
+    args: &Args,
+    broker: &str,
+    addr: &str,
+) -> BenchResult<Outcome> {
     let delays = &args.delays;
     let queue = unique_queue("retry");
     let admin = connect(broker).await?;
@@ -204,28 +252,54 @@ async fn one_rate(mechanism: Mechanism, retries: u64, args: &Args, broker: &str,
     let cch = consumer_conn.create_channel().await?;
     cch.basic_qos(2000, BasicQosOptions::default()).await?;
     let mut deliveries = cch
-        .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let rate = (retries as f64 / delays.len() as f64).max(1.0);
-    let mut publisher = Some(tokio::spawn(publish(broker.to_string(), queue.clone(), rate, Duration::from_secs(args.common.seconds))));
+    let mut publisher = Some(tokio::spawn(publish(
+        broker.to_string(),
+        queue.clone(),
+        rate,
+        Duration::from_secs(args.common.seconds),
+    )));
     let began = Instant::now();
     let mut waiting: HashMap<u64, (Instant, u64)> = HashMap::new();
-    let mut o = Outcome { lateness_us: Vec::new(), early: 0, deliveries: 0, seconds: 0.0, published: 0, finished: 0 };
+    let mut o = Outcome {
+        lateness_us: Vec::new(),
+        early: 0,
+        deliveries: 0,
+        seconds: 0.0,
+        published: 0,
+        finished: 0,
+    };
     let total_delay: u64 = delays.iter().sum();
     let mut published: Option<u64> = None;
     loop {
         if publisher.as_ref().is_some_and(|p| p.is_finished()) {
-            let done = publisher.take().expect("checked").await.map_err(|e| e.to_string())??;
+            let done = publisher
+                .take()
+                .expect("checked")
+                .await
+                .map_err(|e| e.to_string())??;
             published = Some(done);
         }
         if published.is_some_and(|p| o.finished >= p) {
             break;
         }
-        let limit = Duration::from_secs(args.common.seconds) + Duration::from_millis(total_delay * 4) + Duration::from_secs(15);
+        let limit = Duration::from_secs(args.common.seconds)
+            + Duration::from_millis(total_delay * 4)
+            + Duration::from_secs(15);
         if began.elapsed() > limit {
             break;
         }
-        let Ok(next) = tokio::time::timeout(Duration::from_millis(200), deliveries.next()).await else { continue };
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(200), deliveries.next()).await
+        else {
+            continue;
+        };
         let Some(delivery) = next else { break };
         let d = delivery?;
         let now = Instant::now();
@@ -253,7 +327,9 @@ async fn one_rate(mechanism: Mechanism, retries: u64, args: &Args, broker: &str,
     o.published = published.unwrap_or(0);
     close(&consumer_conn).await;
     for q in waits.iter().chain(std::iter::once(&queue)) {
-        let _ = ach.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        let _ = ach
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
     }
     close(&admin).await;
     Ok(o)
@@ -269,7 +345,11 @@ async fn retry_later(
     delay_ms: u64,
 ) -> BenchResult<()> {
     if mechanism == Mechanism::Nackd {
-        d.nack(BasicNackOptions { requeue: false, multiple: false }).await?;
+        d.nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await?;
         return Ok(());
     }
     let mut headers = FieldTable::default();
@@ -283,13 +363,25 @@ async fn retry_later(
         }
     };
     let _ = queue;
-    ch.basic_publish("".into(), wait.as_str().into(), BasicPublishOptions::default(), &d.data, props).await?;
+    ch.basic_publish(
+        "".into(),
+        wait.as_str().into(),
+        BasicPublishOptions::default(),
+        &d.data,
+        props,
+    )
+    .await?;
     d.ack(BasicAckOptions::default()).await?;
     Ok(())
 }
 
 /// Publishes 1 KiB messages (id first) straight to the broker at `rate`/s.
-async fn publish(broker: String, queue: String, rate: f64, for_how_long: Duration) -> BenchResult<u64> {
+async fn publish(
+    broker: String,
+    queue: String,
+    rate: f64,
+    for_how_long: Duration,
+) -> BenchResult<u64> {
     let conn = connect(&broker).await?;
     let ch = conn.create_channel().await?;
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
@@ -300,8 +392,14 @@ async fn publish(broker: String, queue: String, rate: f64, for_how_long: Duratio
     while began.elapsed() < for_how_long {
         tick.tick().await;
         body[..8].copy_from_slice(&id.to_be_bytes());
-        ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
-            .await?;
+        ch.basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
+        .await?;
         id += 1;
     }
     close(&conn).await;

@@ -48,7 +48,8 @@ pub struct Summary {
 impl Latencies {
     /// Adds one sample.
     pub fn record(&mut self, latency: Duration) {
-        self.samples.push(latency.as_nanos().min(u64::MAX as u128) as u64);
+        self.samples
+            .push(latency.as_nanos().min(u64::MAX as u128) as u64);
     }
 
     /// Adds every sample of `other`.
@@ -90,11 +91,18 @@ mod tests {
         assert_eq!(percentile(&sorted, 99.0), Some(99));
         assert_eq!(percentile(&sorted, 99.5), Some(100));
         assert_eq!(percentile(&sorted, 100.0), Some(100));
-        assert_eq!(percentile(&sorted, 0.0), Some(1), "p0 is the smallest sample");
+        assert_eq!(
+            percentile(&sorted, 0.0),
+            Some(1),
+            "p0 is the smallest sample"
+        );
         assert_eq!(percentile(&[7], 99.0), Some(7));
         assert_eq!(percentile(&[], 50.0), None);
         // With 10 samples, p99 is the largest, not an interpolation.
-        assert_eq!(percentile(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 1000], 99.0), Some(1000));
+        assert_eq!(
+            percentile(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 1000], 99.0),
+            Some(1000)
+        );
     }
 
     #[test]

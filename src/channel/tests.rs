@@ -14,7 +14,9 @@ fn consume(queue: &str, tag: &str, no_ack: bool, nowait: bool) -> AMQPClass {
 }
 
 fn consume_ok(tag: &str) -> AMQPClass {
-    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: tag.into() }))
+    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+        consumer_tag: tag.into(),
+    }))
 }
 
 fn deliver(tag: &str, delivery_tag: u64) -> AMQPClass {
@@ -28,11 +30,16 @@ fn deliver(tag: &str, delivery_tag: u64) -> AMQPClass {
 }
 
 fn ack(tag: u64, multiple: bool) -> AMQPClass {
-    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: tag, multiple }))
+    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+        delivery_tag: tag,
+        multiple,
+    }))
 }
 
 fn tags(ch: &Channel) -> Vec<(u64, String)> {
-    ch.outstanding().map(|(t, d)| (t, d.queue.to_string())).collect()
+    ch.outstanding()
+        .map(|(t, d)| (t, d.queue.to_string()))
+        .collect()
 }
 
 #[test]
@@ -46,7 +53,10 @@ fn consumer_tag_from_consume_ok_maps_to_queue() {
     assert_eq!(&*ch.consumer("mine").unwrap().queue, "webhook-queue");
     ch.on_broker_method(&deliver("amq.ctag-1", 1));
     ch.on_broker_method(&deliver("mine", 2));
-    assert_eq!(tags(&ch), vec![(1, "email-queue".into()), (2, "webhook-queue".into())]);
+    assert_eq!(
+        tags(&ch),
+        vec![(1, "email-queue".into()), (2, "webhook-queue".into())]
+    );
 }
 
 #[test]
@@ -55,17 +65,22 @@ fn nowait_consume_and_no_ack_deliveries() {
     ch.on_client_method(&consume("q", "t", true, true));
     assert!(ch.consumer("t").unwrap().no_ack);
     ch.on_broker_method(&deliver("t", 1));
-    assert!(tags(&ch).is_empty(), "no-ack deliveries are never outstanding");
+    assert!(
+        tags(&ch).is_empty(),
+        "no-ack deliveries are never outstanding"
+    );
 }
 
 #[test]
 fn empty_queue_name_means_last_declared_server_named_queue() {
     let mut ch = Channel::default();
-    ch.on_broker_method(&AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
-        queue: "amq.gen-XYZ".into(),
-        message_count: 0,
-        consumer_count: 0,
-    })));
+    ch.on_broker_method(&AMQPClass::Queue(queue::AMQPMethod::DeclareOk(
+        queue::DeclareOk {
+            queue: "amq.gen-XYZ".into(),
+            message_count: 0,
+            consumer_count: 0,
+        },
+    )));
     ch.on_client_method(&consume("", "c", false, true));
     assert_eq!(&*ch.consumer("c").unwrap().queue, "amq.gen-XYZ");
     ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
@@ -85,10 +100,17 @@ fn empty_queue_name_means_last_declared_server_named_queue() {
 #[test]
 fn get_empty_consumes_the_pending_get() {
     let mut ch = Channel::default();
-    let get = |q: &str| AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get { queue: q.into(), no_ack: false }));
+    let get = |q: &str| {
+        AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+            queue: q.into(),
+            no_ack: false,
+        }))
+    };
     ch.on_client_method(&get("a"));
     ch.on_client_method(&get("b"));
-    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})));
+    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::GetEmpty(
+        basic::GetEmpty {},
+    )));
     ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
         delivery_tag: 1,
         redelivered: false,
@@ -107,18 +129,31 @@ fn acks_nacks_rejects_and_recover_settle_the_right_tags() {
         ch.on_broker_method(&deliver("t", tag));
     }
     ch.on_client_method(&ack(3, true));
-    assert_eq!(tags(&ch).iter().map(|t| t.0).collect::<Vec<_>>(), vec![4, 5, 6, 7, 8]);
-    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject { delivery_tag: 6, requeue: true })));
+    assert_eq!(
+        tags(&ch).iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![4, 5, 6, 7, 8]
+    );
+    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Reject(
+        basic::Reject {
+            delivery_tag: 6,
+            requeue: true,
+        },
+    )));
     ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
         delivery_tag: 7,
         multiple: false,
         requeue: false,
     })));
-    assert_eq!(tags(&ch).iter().map(|t| t.0).collect::<Vec<_>>(), vec![4, 5, 8]);
+    assert_eq!(
+        tags(&ch).iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![4, 5, 8]
+    );
     ch.on_client_method(&ack(0, true));
     assert!(tags(&ch).is_empty(), "ack(0, multiple) covers everything");
     ch.on_broker_method(&deliver("t", 9));
-    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })));
+    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Recover(
+        basic::Recover { requeue: true },
+    )));
     assert!(tags(&ch).is_empty());
 }
 
@@ -127,17 +162,25 @@ fn cancel_from_either_side_removes_the_consumer() {
     let mut ch = Channel::default();
     ch.on_client_method(&consume("q", "a", false, true));
     ch.on_client_method(&consume("q", "b", false, true));
-    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-        consumer_tag: "a".into(),
-        nowait: true,
-    })));
-    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-        consumer_tag: "b".into(),
-        nowait: false,
-    })));
+    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::Cancel(
+        basic::Cancel {
+            consumer_tag: "a".into(),
+            nowait: true,
+        },
+    )));
+    ch.on_client_method(&AMQPClass::Basic(basic::AMQPMethod::Cancel(
+        basic::Cancel {
+            consumer_tag: "b".into(),
+            nowait: false,
+        },
+    )));
     assert!(ch.consumer("a").is_none());
     assert!(ch.consumer("b").is_some(), "until cancel-ok");
-    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: "b".into() })));
+    ch.on_broker_method(&AMQPClass::Basic(basic::AMQPMethod::CancelOk(
+        basic::CancelOk {
+            consumer_tag: "b".into(),
+        },
+    )));
     assert_eq!(ch.consumer_count(), 0);
 }
 
@@ -145,7 +188,9 @@ fn cancel_from_either_side_removes_the_consumer() {
 fn tx_and_confirm_modes() {
     let mut ch = Channel::default();
     ch.on_client_method(&AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})));
-    ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false })));
+    ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(
+        confirm::Select { nowait: false },
+    )));
     assert!(ch.tx && ch.confirm);
 }
 
@@ -159,15 +204,20 @@ fn header(body: u64) -> Frame {
 #[test]
 fn content_state_follows_method_header_bodies() {
     let publish = Frame::new(FrameType::Method, 1, &[0, 60, 0, 40]);
-    let id = Some(MethodId { class: 60, method: 40 });
+    let id = Some(MethodId {
+        class: 60,
+        method: 40,
+    });
     let mut s = ContentState::default();
     s.advance(&publish, id).unwrap();
     assert_eq!(s, ContentState::Header);
     s.advance(&header(10), None).unwrap();
     assert_eq!(s, ContentState::Body(10));
     assert!(s.in_flight());
-    s.advance(&Frame::new(FrameType::Body, 1, &[0; 6]), None).unwrap();
-    s.advance(&Frame::new(FrameType::Body, 1, &[0; 4]), None).unwrap();
+    s.advance(&Frame::new(FrameType::Body, 1, &[0; 6]), None)
+        .unwrap();
+    s.advance(&Frame::new(FrameType::Body, 1, &[0; 4]), None)
+        .unwrap();
     assert_eq!(s, ContentState::Idle);
     s.advance(&publish, id).unwrap();
     s.advance(&header(0), None).unwrap();
@@ -181,9 +231,15 @@ fn content_out_of_order_is_unexpected_frame() {
     let e = s.advance(&header(1), None).unwrap_err();
     assert_eq!(e.reply_code(), ReplyCode::UnexpectedFrame);
     let mut s = ContentState::default();
-    assert!(s.advance(&Frame::new(FrameType::Body, 1, &[1]), None).is_err());
+    assert!(s
+        .advance(&Frame::new(FrameType::Body, 1, &[1]), None)
+        .is_err());
     let mut s = ContentState::Body(3);
-    assert!(s.advance(&Frame::new(FrameType::Method, 1, &[0, 60, 0, 80]), None).is_err());
+    assert!(s
+        .advance(&Frame::new(FrameType::Method, 1, &[0, 60, 0, 80]), None)
+        .is_err());
     let mut s = ContentState::Body(3);
-    assert!(s.advance(&Frame::new(FrameType::Body, 1, &[0; 4]), None).is_err());
+    assert!(s
+        .advance(&Frame::new(FrameType::Body, 1, &[0; 4]), None)
+        .is_err());
 }

@@ -1,7 +1,9 @@
 use super::*;
 
 fn err(text: &str) -> String {
-    Config::parse(text, Path::new("nackd.toml")).unwrap_err().to_string()
+    Config::parse(text, Path::new("nackd.toml"))
+        .unwrap_err()
+        .to_string()
 }
 
 #[test]
@@ -40,7 +42,10 @@ fn policy_errors_name_the_policy_and_key() {
     let e = err("[[policy]]\nqueues = [\"q\"]\n");
     assert!(e.contains("policy[0].delays"), "{e}");
     let e = err("[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\n[[policy]]\nqueues=[\"b\"]\ndelays=[\"1s\"]\nbackoff={initial=\"1s\",max=\"2s\"}\nmax_retries=2\n");
-    assert!(e.contains("policy[1].backoff: set delays or backoff"), "{e}");
+    assert!(
+        e.contains("policy[1].backoff: set delays or backoff"),
+        "{e}"
+    );
     let e = err("[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\non_exhausted=\"drop\"\n");
     assert!(e.contains("policy[0].on_exhausted"), "{e}");
     let e = err("[[policy]]\nqueues=[\"[\"]\ndelays=[\"1s\"]\n");
@@ -58,7 +63,10 @@ fn on_exhausted_forms() {
     .unwrap();
     assert_eq!(
         c.policies[0].on_exhausted,
-        OnExhausted::DeadLetter { exchange: "dlx".into(), routing_key: Some("k".into()) }
+        OnExhausted::DeadLetter {
+            exchange: "dlx".into(),
+            routing_key: Some("k".into())
+        }
     );
     assert_eq!(c.policies[1].on_exhausted, OnExhausted::Reject);
 }
@@ -66,14 +74,34 @@ fn on_exhausted_forms() {
 #[test]
 fn admin_token_keys_are_checked_and_named() {
     let e = err("[metrics]\nadmin_token = \"short\"\n");
-    assert!(e.starts_with("nackd.toml: metrics.admin_token: ") && e.contains("at least 16"), "{e}");
+    assert!(
+        e.starts_with("nackd.toml: metrics.admin_token: ") && e.contains("at least 16"),
+        "{e}"
+    );
     let e = err("[metrics]\nadmin_token = \"0123456789abcdef\"\nadmin_token_env = \"T\"\n");
-    assert!(e.contains("metrics.admin_token_env") && e.contains("not both"), "{e}");
+    assert!(
+        e.contains("metrics.admin_token_env") && e.contains("not both"),
+        "{e}"
+    );
     let e = err("[metrics]\nadmin_tokn = \"0123456789abcdef\"\n");
     assert!(e.contains("metrics") && e.contains("admin_tokn"), "{e}");
-    let ok = Config::parse("[metrics]\nadmin_token = \"0123456789abcdef\"\n", Path::new("x")).unwrap();
-    assert_eq!(ok.metrics.admin_token().unwrap().as_deref(), Some("0123456789abcdef"));
-    let env = Config::parse("[metrics]\nadmin_token_env = \"NACKD_TEST_TOKEN_UNSET_1\"\n", Path::new("x")).unwrap();
-    assert_eq!(env.metrics.admin_token().unwrap_err(), "metrics.admin_token_env: NACKD_TEST_TOKEN_UNSET_1 is not set");
+    let ok = Config::parse(
+        "[metrics]\nadmin_token = \"0123456789abcdef\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        ok.metrics.admin_token().unwrap().as_deref(),
+        Some("0123456789abcdef")
+    );
+    let env = Config::parse(
+        "[metrics]\nadmin_token_env = \"NACKD_TEST_TOKEN_UNSET_1\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        env.metrics.admin_token().unwrap_err(),
+        "metrics.admin_token_env: NACKD_TEST_TOKEN_UNSET_1 is not set"
+    );
     assert_eq!(Config::default().metrics.admin_token().unwrap(), None);
 }

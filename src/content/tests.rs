@@ -28,7 +28,13 @@ fn every_type() -> Vec<(&'static str, u8, Vec<u8>)> {
             [&(inner.len() as u32).to_be_bytes()[..], &inner].concat()
         }),
         ("A", b'A', {
-            let inner = [&[b'L'][..], &9u64.to_be_bytes(), &[b'S'], &long_string(b"x")].concat();
+            let inner = [
+                &[b'L'][..],
+                &9u64.to_be_bytes(),
+                &[b'S'],
+                &long_string(b"x"),
+            ]
+            .concat();
             [&(inner.len() as u32).to_be_bytes()[..], &inner].concat()
         }),
         ("x", b'x', long_string(&[0, 1, 2, 0xfe])),
@@ -80,12 +86,19 @@ fn every_rabbitmq_type_decodes_through_amq_protocol() {
     let header = decode_header(&payload).unwrap();
     assert_eq!(header.body_size, 1024);
     let props = &header.properties;
-    assert_eq!(props.content_type().as_ref().unwrap().as_str(), "application/json");
+    assert_eq!(
+        props.content_type().as_ref().unwrap().as_str(),
+        "application/json"
+    );
     assert_eq!(*props.delivery_mode(), Some(2));
     assert_eq!(props.message_id().as_ref().unwrap().as_str(), "id-42");
     let headers = props.headers().as_ref().unwrap().inner();
     assert_eq!(headers.len(), every_type().len());
-    assert_eq!(headers.get("L"), Some(&AMQPValue::LongLongInt(-1)), "L read as its 64 bits");
+    assert_eq!(
+        headers.get("L"),
+        Some(&AMQPValue::LongLongInt(-1)),
+        "L read as its 64 bits"
+    );
     assert_eq!(headers.get("i"), Some(&AMQPValue::LongUInt(4_000_000_000)));
     assert_eq!(headers.get("s"), Some(&AMQPValue::ShortInt(-2)));
     assert_eq!(headers.get("V"), Some(&AMQPValue::Void));
@@ -114,7 +127,11 @@ fn amq_protocol_reencoding_changes_the_l_tag() {
 fn rewrite_keeps_every_type_byte_for_byte() {
     let table = table_bytes(&every_type());
     let payload = header_with(&table);
-    assert_eq!(rewrite_headers(&payload, &[]).unwrap(), payload, "no edit = same bytes");
+    assert_eq!(
+        rewrite_headers(&payload, &[]).unwrap(),
+        payload,
+        "no edit = same bytes"
+    );
 
     let set = [
         ("x-retry-count", AMQPValue::LongLongInt(3)),
@@ -125,19 +142,38 @@ fn rewrite_keeps_every_type_byte_for_byte() {
     let after = entries_by_key(raw_headers(&out).unwrap().unwrap());
     for (key, bytes) in &before {
         if key != b"S" {
-            assert_eq!(after.get(key), Some(bytes), "{}", String::from_utf8_lossy(key));
+            assert_eq!(
+                after.get(key),
+                Some(bytes),
+                "{}",
+                String::from_utf8_lossy(key)
+            );
         }
     }
     let decoded = decode_header(&out).unwrap();
     let headers = decoded.properties.headers().as_ref().unwrap();
-    assert_eq!(headers.inner().get("x-retry-count"), Some(&AMQPValue::LongLongInt(3)));
+    assert_eq!(
+        headers.inner().get("x-retry-count"),
+        Some(&AMQPValue::LongLongInt(3))
+    );
     assert_eq!(
         headers.inner().get("S"),
         Some(&AMQPValue::LongString("replaced".into()))
     );
     // Properties before and after the table are intact.
-    assert_eq!(decoded.properties.message_id().as_ref().unwrap().as_str(), "id-42");
-    assert_eq!(decoded.properties.content_encoding().as_ref().unwrap().as_str(), "gzip");
+    assert_eq!(
+        decoded.properties.message_id().as_ref().unwrap().as_str(),
+        "id-42"
+    );
+    assert_eq!(
+        decoded
+            .properties
+            .content_encoding()
+            .as_ref()
+            .unwrap()
+            .as_str(),
+        "gzip"
+    );
     assert_eq!(decoded.body_size, 1024);
 }
 
@@ -155,8 +191,14 @@ fn rewrite_adds_a_table_to_a_message_without_headers() {
     expected.insert("x-retry-count".into(), AMQPValue::LongLongInt(1));
     assert_eq!(decoded.properties.headers().as_ref(), Some(&expected));
     assert_eq!(*decoded.properties.priority(), Some(7));
-    assert_eq!(decoded.properties.reply_to().as_ref().unwrap().as_str(), "replies");
-    assert_eq!(decoded.properties.content_type().as_ref().unwrap().as_str(), "text/plain");
+    assert_eq!(
+        decoded.properties.reply_to().as_ref().unwrap().as_str(),
+        "replies"
+    );
+    assert_eq!(
+        decoded.properties.content_type().as_ref().unwrap().as_str(),
+        "text/plain"
+    );
 }
 
 #[test]

@@ -195,9 +195,9 @@ impl MethodSpec {
                 method_id,
             })),
             Self::ConnectionCloseOk => Connection(C::CloseOk(connection::CloseOk {})),
-            Self::ConnectionBlocked { reason } => {
-                Connection(C::Blocked(connection::Blocked { reason: short(&reason) }))
-            }
+            Self::ConnectionBlocked { reason } => Connection(C::Blocked(connection::Blocked {
+                reason: short(&reason),
+            })),
             Self::ConnectionUnblocked => Connection(C::Unblocked(connection::Unblocked {})),
             Self::ChannelOpen => Channel(channel::AMQPMethod::Open(channel::Open {})),
             Self::ChannelOpenOk => Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
@@ -252,7 +252,10 @@ impl MethodSpec {
             Self::BasicConsumeOk { consumer_tag } => Basic(B::ConsumeOk(basic::ConsumeOk {
                 consumer_tag: short(&consumer_tag),
             })),
-            Self::BasicCancel { consumer_tag, nowait } => Basic(B::Cancel(basic::Cancel {
+            Self::BasicCancel {
+                consumer_tag,
+                nowait,
+            } => Basic(B::Cancel(basic::Cancel {
                 consumer_tag: short(&consumer_tag),
                 nowait,
             })),
@@ -290,9 +293,23 @@ impl MethodSpec {
                 message_count,
             })),
             Self::BasicGetEmpty => Basic(B::GetEmpty(basic::GetEmpty {})),
-            Self::BasicAck { delivery_tag, multiple } => Basic(B::Ack(basic::Ack { delivery_tag, multiple })),
-            Self::BasicReject { delivery_tag, requeue } => Basic(B::Reject(basic::Reject { delivery_tag, requeue })),
-            Self::BasicRecoverAsync { requeue } => Basic(B::RecoverAsync(basic::RecoverAsync { requeue })),
+            Self::BasicAck {
+                delivery_tag,
+                multiple,
+            } => Basic(B::Ack(basic::Ack {
+                delivery_tag,
+                multiple,
+            })),
+            Self::BasicReject {
+                delivery_tag,
+                requeue,
+            } => Basic(B::Reject(basic::Reject {
+                delivery_tag,
+                requeue,
+            })),
+            Self::BasicRecoverAsync { requeue } => {
+                Basic(B::RecoverAsync(basic::RecoverAsync { requeue }))
+            }
             Self::BasicRecover { requeue } => Basic(B::Recover(basic::Recover { requeue })),
             Self::BasicRecoverOk => Basic(B::RecoverOk(basic::RecoverOk {})),
             Self::BasicNack {
@@ -306,7 +323,9 @@ impl MethodSpec {
             })),
             Self::TxSelect => Tx(tx::AMQPMethod::Select(tx::Select {})),
             Self::TxSelectOk => Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})),
-            Self::ConfirmSelect { nowait } => Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait })),
+            Self::ConfirmSelect { nowait } => {
+                Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait }))
+            }
             Self::ConfirmSelectOk => Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
         }
     }

@@ -39,7 +39,10 @@ pub(super) fn method(payload: &[u8]) {
         Ok(None) => assert!(!id.is_decoded(), "{id:?} is decoded"),
         decoded => {
             assert!(id.is_decoded(), "{id:?} is opaque");
-            assert!(same(&decoded, &any.clone().map(Some)), "{decoded:?} vs {any:?}");
+            assert!(
+                same(&decoded, &any.clone().map(Some)),
+                "{decoded:?} vs {any:?}"
+            );
         }
     }
     if let Ok(class) = any {
@@ -53,7 +56,11 @@ fn reencode_method(class: &AMQPClass) {
     assert_eq!((frame.kind, frame.channel), (FrameType::Method, 7));
     let again = method::decode_any(&frame.payload()).expect("a re-encoded method decodes");
     assert!(same(&again, class), "{again:?} vs {class:?}");
-    assert_eq!(method::encode(7, &again), wire, "encode . decode is a fixpoint");
+    assert_eq!(
+        method::encode(7, &again),
+        wire,
+        "encode . decode is a fixpoint"
+    );
 }
 
 /// A content-header payload: decode, re-encode, body size, the raw headers
@@ -117,7 +124,10 @@ pub(super) fn table(data: &[u8]) {
 }
 
 fn check_entries(table: &[u8], entries: &[RawEntry<'_>]) {
-    let tiled: Vec<u8> = entries.iter().flat_map(|e| e.bytes.iter().copied()).collect();
+    let tiled: Vec<u8> = entries
+        .iter()
+        .flat_map(|e| e.bytes.iter().copied())
+        .collect();
     assert_eq!(tiled, table, "entries tile the table");
     for e in entries {
         assert_eq!(usize::from(e.bytes[0]), e.key.len());
@@ -129,8 +139,14 @@ fn check_entries(table: &[u8], entries: &[RawEntry<'_>]) {
 /// keep their bytes, nothing outside the table moves, and a header that
 /// decoded before decodes after with exactly those keys changed.
 fn rewrite(payload: &[u8], decoded: Option<ContentHeader>, entries: &[RawEntry<'_>]) {
-    let mut set = vec![("x-retry-count", AMQPValue::LongLongInt(payload.len() as i64))];
-    if let Some(key) = entries.first().and_then(|e| std::str::from_utf8(e.key).ok()) {
+    let mut set = vec![(
+        "x-retry-count",
+        AMQPValue::LongLongInt(payload.len() as i64),
+    )];
+    if let Some(key) = entries
+        .first()
+        .and_then(|e| std::str::from_utf8(e.key).ok())
+    {
         set.push((key, AMQPValue::LongString(LongString::from("rewritten"))));
     }
     let out = content::rewrite_headers(payload, &set).expect("rewrite of a table that splits");
@@ -151,10 +167,17 @@ fn rewrite(payload: &[u8], decoded: Option<ContentHeader>, entries: &[RawEntry<'
         .zip(&set)
         .all(|(g, (k, _))| g.key == k.as_bytes()));
     assert_eq!(out[..12], payload[..12], "class, weight, body size");
-    assert_eq!(out[12..14], [payload[12] | 0x20, payload[13]], "flags + headers");
+    assert_eq!(
+        out[12..14],
+        [payload[12] | 0x20, payload[13]],
+        "flags + headers"
+    );
     let Some(before) = decoded else { return };
     let after = content::decode_header(&out).expect("a decodable header stays decodable");
-    assert_eq!((after.class_id, after.body_size), (before.class_id, before.body_size));
+    assert_eq!(
+        (after.class_id, after.body_size),
+        (before.class_id, before.body_size)
+    );
     let mut expected = before.properties.headers().clone().unwrap_or_default();
     for (key, value) in &set {
         expected.insert((*key).into(), value.clone());
@@ -164,5 +187,8 @@ fn rewrite(payload: &[u8], decoded: Option<ContentHeader>, entries: &[RawEntry<'
         "headers = before + edits"
     );
     let strip = |h: &ContentHeader| h.properties.clone().with_headers(FieldTable::default());
-    assert!(same(&strip(&after), &strip(&before)), "other properties untouched");
+    assert!(
+        same(&strip(&after), &strip(&before)),
+        "other properties untouched"
+    );
 }

@@ -19,7 +19,10 @@ pub fn roundtrip(spec: &FrameSpec) {
             let class = m.class();
             let wire = method::encode(*channel, &class);
             let payload = cut(&wire, FrameType::Method, *channel).payload();
-            assert!(MethodId::peek(&payload).expect("ids").is_decoded(), "{class:?}");
+            assert!(
+                MethodId::peek(&payload).expect("ids").is_decoded(),
+                "{class:?}"
+            );
             assert_eq!(method::decode(&payload), Ok(Some(class)));
         }
         FrameSpec::Header { channel, header } => {
@@ -70,8 +73,14 @@ fn cut(wire: &[u8], kind: FrameType, channel: u16) -> Frame {
     let size = wire.len() as u32;
     let exact = FrameDecoder::new(size);
     let frame = payload::one_frame(wire);
-    assert_eq!((frame.kind, frame.channel, &frame.raw[..]), (kind, channel, wire));
-    assert_eq!(exact.decode(&mut BytesMut::from(wire)), Ok(Some(frame.clone())));
+    assert_eq!(
+        (frame.kind, frame.channel, &frame.raw[..]),
+        (kind, channel, wire)
+    );
+    assert_eq!(
+        exact.decode(&mut BytesMut::from(wire)),
+        Ok(Some(frame.clone()))
+    );
     assert_eq!(
         FrameDecoder::new(size - 1).decode(&mut BytesMut::from(wire)),
         Err(FrameError::TooLarge {
@@ -105,7 +114,13 @@ fn check_header(payload: &[u8], expected: &ContentHeader, retry: i64) {
     assert_eq!(content::decode_header(&out), Ok(want));
 }
 
-fn check_publish(channel: u16, publish: basic::Publish, header: &HeaderSpec, body: &[u8], frame_max: u32) {
+fn check_publish(
+    channel: u16,
+    publish: basic::Publish,
+    header: &HeaderSpec,
+    body: &[u8],
+    frame_max: u32,
+) {
     let expected = header.content_header(body.len() as u64);
     let header_payload = content::encode_header(60, body.len() as u64, &expected.properties);
     let wire = method::publish(
@@ -129,8 +144,14 @@ fn check_publish(channel: u16, publish: basic::Publish, header: &HeaderSpec, bod
     let id = MethodId::peek(&method_frame.payload()).expect("ids");
     assert!(id == ids::BASIC_PUBLISH && id.carries_content());
     let class = method::decode_any(&method_frame.payload());
-    assert_eq!(class, Ok(AMQPClass::Basic(basic::AMQPMethod::Publish(publish))));
-    assert_eq!(content::decode_header(&header_frame.payload()), Ok(expected));
+    assert_eq!(
+        class,
+        Ok(AMQPClass::Basic(basic::AMQPMethod::Publish(publish)))
+    );
+    assert_eq!(
+        content::decode_header(&header_frame.payload()),
+        Ok(expected)
+    );
     assert!(frames.iter().all(|f| f.channel == channel));
     assert_eq!(header_frame.kind, FrameType::Header);
     assert!(bodies

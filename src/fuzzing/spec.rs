@@ -9,7 +9,9 @@
 //! `LongLongUInt`, written as `l` and read as `LongLongInt`).
 
 use amq_protocol::protocol::basic;
-use amq_protocol::types::{AMQPValue, DecimalValue, FieldArray, FieldTable, LongString, ShortString};
+use amq_protocol::types::{
+    AMQPValue, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
+};
 
 pub use super::method_spec::MethodSpec;
 use crate::content::ContentHeader;
@@ -132,8 +134,16 @@ impl ValueSpec {
             Self::I32(v) => V::LongInt(*v),
             Self::U32(v) => V::LongUInt(*v),
             Self::I64(v) => V::LongLongInt(*v),
-            Self::F32(bits) => V::Float(Some(f32::from_bits(*bits)).filter(|f| !f.is_nan()).unwrap_or(0.0)),
-            Self::F64(bits) => V::Double(Some(f64::from_bits(*bits)).filter(|f| !f.is_nan()).unwrap_or(0.0)),
+            Self::F32(bits) => V::Float(
+                Some(f32::from_bits(*bits))
+                    .filter(|f| !f.is_nan())
+                    .unwrap_or(0.0),
+            ),
+            Self::F64(bits) => V::Double(
+                Some(f64::from_bits(*bits))
+                    .filter(|f| !f.is_nan())
+                    .unwrap_or(0.0),
+            ),
             Self::Decimal(scale, value) => V::DecimalValue(DecimalValue {
                 scale: *scale,
                 value: *value,

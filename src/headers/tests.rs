@@ -14,7 +14,12 @@ fn retry(count: u32) -> Retry<'static> {
 }
 
 fn headers(payload: &[u8]) -> FieldTable {
-    content::decode_header(payload).unwrap().properties.headers().clone().unwrap()
+    content::decode_header(payload)
+        .unwrap()
+        .properties
+        .headers()
+        .clone()
+        .unwrap()
 }
 
 fn get<'a>(t: &'a FieldTable, k: &str) -> &'a AMQPValue {
@@ -25,7 +30,8 @@ fn get<'a>(t: &'a FieldTable, k: &str) -> &'a AMQPValue {
 fn three_retries_count_up_and_keep_the_first_death() {
     let mut original = FieldTable::default();
     original.insert("tenant".into(), AMQPValue::LongString("acme".into()));
-    let mut payload = content::encode_header(60, 3, &AMQPProperties::default().with_headers(original));
+    let mut payload =
+        content::encode_header(60, 3, &AMQPProperties::default().with_headers(original));
     assert_eq!(retry_count(&payload), 0);
     for n in 1..=3 {
         let mut r = retry(retry_count(&payload) + 1);
@@ -39,15 +45,35 @@ fn three_retries_count_up_and_keep_the_first_death() {
     assert_eq!(get(&h, "tenant"), &AMQPValue::LongString("acme".into()));
     assert_eq!(get(&h, RETRY_COUNT), &AMQPValue::LongLongInt(3));
     assert_eq!(get(&h, RETRY_DELAY), &AMQPValue::LongLongInt(150));
-    assert_eq!(get(&h, "x-first-death-exchange"), &AMQPValue::LongString("notifications".into()));
-    assert_eq!(get(&h, "x-last-death-exchange"), &AMQPValue::LongString("other".into()));
-    assert_eq!(get(&h, "x-first-death-queue"), &AMQPValue::LongString("email-queue".into()));
-    let AMQPValue::FieldArray(deaths) = get(&h, X_DEATH) else { panic!("x-death not an array") };
+    assert_eq!(
+        get(&h, "x-first-death-exchange"),
+        &AMQPValue::LongString("notifications".into())
+    );
+    assert_eq!(
+        get(&h, "x-last-death-exchange"),
+        &AMQPValue::LongString("other".into())
+    );
+    assert_eq!(
+        get(&h, "x-first-death-queue"),
+        &AMQPValue::LongString("email-queue".into())
+    );
+    let AMQPValue::FieldArray(deaths) = get(&h, X_DEATH) else {
+        panic!("x-death not an array")
+    };
     assert_eq!(deaths.as_slice().len(), 1, "one entry per (queue, reason)");
-    let AMQPValue::FieldTable(entry) = &deaths.as_slice()[0] else { panic!() };
+    let AMQPValue::FieldTable(entry) = &deaths.as_slice()[0] else {
+        panic!()
+    };
     assert_eq!(get(entry, "count"), &AMQPValue::LongLongInt(3));
-    assert_eq!(get(entry, "time"), &AMQPValue::Timestamp(1_700_000_001), "time of the first death");
-    assert_eq!(get(entry, "reason"), &AMQPValue::LongString("rejected".into()));
+    assert_eq!(
+        get(entry, "time"),
+        &AMQPValue::Timestamp(1_700_000_001),
+        "time of the first death"
+    );
+    assert_eq!(
+        get(entry, "reason"),
+        &AMQPValue::LongString("rejected".into())
+    );
     assert_eq!(
         get(entry, "routing-keys"),
         &AMQPValue::FieldArray(vec![AMQPValue::LongString("user.7".into())].into())
@@ -68,12 +94,22 @@ fn an_existing_x_death_from_rabbitmq_is_extended_and_ours_moves_first() {
     let mut h = FieldTable::default();
     h.insert(
         X_DEATH.into(),
-        AMQPValue::FieldArray(vec![AMQPValue::FieldTable(expired.clone()), AMQPValue::FieldTable(rejected)].into()),
+        AMQPValue::FieldArray(
+            vec![
+                AMQPValue::FieldTable(expired.clone()),
+                AMQPValue::FieldTable(rejected),
+            ]
+            .into(),
+        ),
     );
     let payload = content::encode_header(60, 0, &AMQPProperties::default().with_headers(h));
     let out = headers(&rewrite(&payload, &retry(1)).unwrap());
-    let AMQPValue::FieldArray(deaths) = get(&out, X_DEATH) else { panic!() };
-    let AMQPValue::FieldTable(first) = &deaths.as_slice()[0] else { panic!() };
+    let AMQPValue::FieldArray(deaths) = get(&out, X_DEATH) else {
+        panic!()
+    };
+    let AMQPValue::FieldTable(first) = &deaths.as_slice()[0] else {
+        panic!()
+    };
     assert_eq!(get(first, "count"), &AMQPValue::LongLongInt(3));
     assert_eq!(get(first, "time"), &AMQPValue::Timestamp(5));
     assert_eq!(&deaths.as_slice()[1], &AMQPValue::FieldTable(expired));
@@ -85,7 +121,10 @@ fn exhausted_reason_is_added_on_dead_letter() {
     let mut r = retry(4);
     r.exhausted = Some("retries exhausted after 3 delays");
     let h = headers(&rewrite(&payload, &r).unwrap());
-    assert_eq!(get(&h, EXHAUSTED_REASON), &AMQPValue::LongString("retries exhausted after 3 delays".into()));
+    assert_eq!(
+        get(&h, EXHAUSTED_REASON),
+        &AMQPValue::LongString("retries exhausted after 3 delays".into())
+    );
 }
 
 #[test]

@@ -5,7 +5,10 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 
 fn table() -> FieldTable {
     let mut t = FieldTable::default();
-    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    t.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     t.insert("n".into(), AMQPValue::LongInt(-7));
     t
 }
@@ -121,7 +124,9 @@ fn decoded_methods() -> Vec<AMQPClass> {
             delivery_tag: 5,
             requeue: false,
         })),
-        Basic(basic::AMQPMethod::RecoverAsync(basic::RecoverAsync { requeue: true })),
+        Basic(basic::AMQPMethod::RecoverAsync(basic::RecoverAsync {
+            requeue: true,
+        })),
         Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
         Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
         Basic(basic::AMQPMethod::Nack(basic::Nack {
@@ -131,7 +136,9 @@ fn decoded_methods() -> Vec<AMQPClass> {
         })),
         Tx(tx::AMQPMethod::Select(tx::Select {})),
         Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})),
-        Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false })),
+        Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
         Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
     ]
 }
@@ -139,11 +146,18 @@ fn decoded_methods() -> Vec<AMQPClass> {
 #[test]
 fn every_decoded_method_round_trips_through_the_frame_layer() {
     let methods = decoded_methods();
-    assert_eq!(methods.len(), DECODED.len(), "one sample per decoded method");
+    assert_eq!(
+        methods.len(),
+        DECODED.len(),
+        "one sample per decoded method"
+    );
     for class in methods {
         let wire = encode(3, &class);
         let mut buf = BytesMut::from(&wire[..]);
-        let frame = FrameDecoder::new(131_072).decode(&mut buf).unwrap().unwrap();
+        let frame = FrameDecoder::new(131_072)
+            .decode(&mut buf)
+            .unwrap()
+            .unwrap();
         assert_eq!(frame.kind, FrameType::Method);
         assert_eq!(frame.channel, 3);
         let payload = frame.payload();
@@ -190,7 +204,15 @@ fn malformed_arguments_are_a_syntax_error() {
 #[test]
 fn content_is_split_by_frame_max() {
     let body = vec![7u8; 10_000];
-    let out = publish(1, "", "q", true, &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0x27, 0x10, 0, 0], &body, 4096);
+    let out = publish(
+        1,
+        "",
+        "q",
+        true,
+        &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0x27, 0x10, 0, 0],
+        &body,
+        4096,
+    );
     let decoder = FrameDecoder::new(4096);
     let mut buf = out;
     let kinds: Vec<(FrameType, usize)> = std::iter::from_fn(|| decoder.decode(&mut buf).unwrap())
@@ -220,7 +242,12 @@ fn own_frames_encode_as_the_spec_says() {
     );
     assert_eq!(&heartbeat()[..], &[8, 0, 0, 0, 0, 0, 0, FRAME_END]);
     let close = connection_close(ReplyCode::FrameError, &"é".repeat(200), None);
-    let payload = Frame { kind: FrameType::Method, channel: 0, raw: close }.payload();
+    let payload = Frame {
+        kind: FrameType::Method,
+        channel: 0,
+        raw: close,
+    }
+    .payload();
     match decode(&payload).unwrap() {
         Some(AMQPClass::Connection(connection::AMQPMethod::Close(c))) => {
             assert_eq!(c.reply_code, 501);
@@ -229,7 +256,12 @@ fn own_frames_encode_as_the_spec_says() {
         other => panic!("{other:?}"),
     }
     let rej = reject(4, 9, true);
-    let payload = Frame { kind: FrameType::Method, channel: 4, raw: rej }.payload();
+    let payload = Frame {
+        kind: FrameType::Method,
+        channel: 4,
+        raw: rej,
+    }
+    .payload();
     assert_eq!(
         decode(&payload).unwrap(),
         Some(AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
@@ -243,7 +275,11 @@ fn own_frames_encode_as_the_spec_says() {
 fn nested_value(levels: usize) -> Vec<u8> {
     let mut value = vec![b'V'];
     for i in 0..levels {
-        let (tag, key): (u8, &[u8]) = if i % 2 == 0 { (b'A', &[]) } else { (b'F', &[1, b'k']) };
+        let (tag, key): (u8, &[u8]) = if i % 2 == 0 {
+            (b'A', &[])
+        } else {
+            (b'F', &[1, b'k'])
+        };
         let inner = [key, &value].concat();
         value = [&[tag][..], &(inner.len() as u32).to_be_bytes(), &inner].concat();
     }
@@ -253,10 +289,18 @@ fn nested_value(levels: usize) -> Vec<u8> {
 /// The payload of `class`, whose table holds only `marker`, with that table
 /// replaced by { "m": <nested `levels` deep> }.
 fn with_nested_table(class: &AMQPClass, levels: usize) -> Vec<u8> {
-    let payload = Frame { kind: FrameType::Method, channel: 1, raw: encode(1, class) }.payload();
+    let payload = Frame {
+        kind: FrameType::Method,
+        channel: 1,
+        raw: encode(1, class),
+    }
+    .payload();
     let marker = [&[1u8, b'm', b'V'][..]].concat();
     let table = [&(marker.len() as u32).to_be_bytes()[..], &marker].concat();
-    let at = payload.windows(table.len()).position(|w| w == table).expect("marker table");
+    let at = payload
+        .windows(table.len())
+        .position(|w| w == table)
+        .expect("marker table");
     let entry = [&[1u8, b'm'][..], &nested_value(levels)].concat();
     let mut out = payload[..at].to_vec();
     out.extend_from_slice(&(entry.len() as u32).to_be_bytes());
@@ -274,17 +318,29 @@ fn methods_with_tables() -> Vec<AMQPClass> {
         .into_iter()
         .filter_map(|class| match class {
             AMQPClass::Connection(connection::AMQPMethod::Start(m)) => Some(AMQPClass::Connection(
-                connection::AMQPMethod::Start(connection::Start { server_properties: marker.clone(), ..m }),
+                connection::AMQPMethod::Start(connection::Start {
+                    server_properties: marker.clone(),
+                    ..m
+                }),
             )),
-            AMQPClass::Connection(connection::AMQPMethod::StartOk(m)) => Some(AMQPClass::Connection(
-                connection::AMQPMethod::StartOk(connection::StartOk { client_properties: marker.clone(), ..m }),
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(m)) => Some(
+                AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                    client_properties: marker.clone(),
+                    ..m
+                })),
+            ),
+            AMQPClass::Queue(queue::AMQPMethod::Declare(m)) => Some(AMQPClass::Queue(
+                queue::AMQPMethod::Declare(queue::Declare {
+                    arguments: marker.clone(),
+                    ..m
+                }),
             )),
-            AMQPClass::Queue(queue::AMQPMethod::Declare(m)) => Some(AMQPClass::Queue(queue::AMQPMethod::Declare(
-                queue::Declare { arguments: marker.clone(), ..m },
-            ))),
-            AMQPClass::Basic(basic::AMQPMethod::Consume(m)) => Some(AMQPClass::Basic(basic::AMQPMethod::Consume(
-                basic::Consume { arguments: marker.clone(), ..m },
-            ))),
+            AMQPClass::Basic(basic::AMQPMethod::Consume(m)) => Some(AMQPClass::Basic(
+                basic::AMQPMethod::Consume(basic::Consume {
+                    arguments: marker.clone(),
+                    ..m
+                }),
+            )),
             _ => None,
         })
         .collect();

@@ -49,6 +49,12 @@ impl Recent {
 
     /// The events, newest first.
     pub fn newest_first(&self) -> Vec<Event> {
-        self.0.lock().expect("recent events lock").iter().rev().cloned().collect()
+        self.0
+            .lock()
+            .expect("recent events lock")
+            .iter()
+            .rev()
+            .cloned()
+            .collect()
     }
 }

@@ -1,7 +1,8 @@
 use super::*;
 
 fn line<'a>(text: &'a str, series: &str) -> Option<&'a str> {
-    text.lines().find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
 }
 
 #[test]
@@ -26,7 +27,11 @@ fn every_series_follows_the_naming_conventions_and_starts_at_zero() {
         "nackd_republisher_connections",
         "nackd_policy_reloads_total{result=\"error\"}",
     ] {
-        assert_eq!(line(&text, series).map(|l| l.rsplit(' ').next().unwrap()), Some("0"), "{series} in\n{text}");
+        assert_eq!(
+            line(&text, series).map(|l| l.rsplit(' ').next().unwrap()),
+            Some("0"),
+            "{series} in\n{text}"
+        );
     }
     assert!(text.contains("nackd_build_info{version=\""), "{text}");
     assert!(text.ends_with("# EOF\n"));
@@ -41,11 +46,38 @@ fn handles_update_the_exported_series() {
     m.exhausted_reject.inc();
     Metrics::observe(&m.lateness, Duration::from_millis(3));
     let text = m.encode();
-    assert_eq!(line(&text, "nackd_nacks_passed_total{reason=\"tx_channel\"}"), Some("nackd_nacks_passed_total{reason=\"tx_channel\"} 3"));
-    assert_eq!(line(&text, "nackd_frames_total{direction=\"to_client\"}"), Some("nackd_frames_total{direction=\"to_client\"} 7"));
-    assert_eq!(line(&text, "nackd_exhausted_total{route=\"reject\"}"), Some("nackd_exhausted_total{route=\"reject\"} 1"));
-    assert_eq!(line(&text, "nackd_redelivery_lateness_seconds_bucket{le=\"0.002\"}").unwrap().rsplit(' ').next(), Some("0"));
-    assert_eq!(line(&text, "nackd_redelivery_lateness_seconds_bucket{le=\"0.005\"}").unwrap().rsplit(' ').next(), Some("1"));
+    assert_eq!(
+        line(&text, "nackd_nacks_passed_total{reason=\"tx_channel\"}"),
+        Some("nackd_nacks_passed_total{reason=\"tx_channel\"} 3")
+    );
+    assert_eq!(
+        line(&text, "nackd_frames_total{direction=\"to_client\"}"),
+        Some("nackd_frames_total{direction=\"to_client\"} 7")
+    );
+    assert_eq!(
+        line(&text, "nackd_exhausted_total{route=\"reject\"}"),
+        Some("nackd_exhausted_total{route=\"reject\"} 1")
+    );
+    assert_eq!(
+        line(
+            &text,
+            "nackd_redelivery_lateness_seconds_bucket{le=\"0.002\"}"
+        )
+        .unwrap()
+        .rsplit(' ')
+        .next(),
+        Some("0")
+    );
+    assert_eq!(
+        line(
+            &text,
+            "nackd_redelivery_lateness_seconds_bucket{le=\"0.005\"}"
+        )
+        .unwrap()
+        .rsplit(' ')
+        .next(),
+        Some("1")
+    );
     assert_eq!((m.passed(PassReason::TxChannel), m.passed_total()), (3, 3));
 }
 
@@ -65,9 +97,18 @@ fn recent_keeps_the_newest() {
     let recent = Recent::default();
     for i in 0..(recent::KEPT as u64 + 5) {
         let (vhost, queue) = ("/".to_string(), "q".to_string());
-        recent.push(Event { at_ms: i, kind: EventKind::Retried, vhost, queue, retry: 1 });
+        recent.push(Event {
+            at_ms: i,
+            kind: EventKind::Retried,
+            vhost,
+            queue,
+            retry: 1,
+        });
     }
     let events = recent.newest_first();
     assert_eq!(events.len(), recent::KEPT);
-    assert_eq!((events[0].at_ms, events.last().unwrap().at_ms), (recent::KEPT as u64 + 4, 5));
+    assert_eq!(
+        (events[0].at_ms, events.last().unwrap().at_ms),
+        (recent::KEPT as u64 + 4, 5)
+    );
 }

@@ -48,9 +48,16 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Checks the bearer token on every admin call.
-pub(super) async fn authorize(State(ops): State<Arc<Ops>>, request: Request, next: Next) -> Response {
+pub(super) async fn authorize(
+    State(ops): State<Arc<Ops>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let Some(token) = &ops.admin_token else {
-        return error(StatusCode::NOT_FOUND, "the admin API is off: set metrics.admin_token or metrics.admin_token_env");
+        return error(
+            StatusCode::NOT_FOUND,
+            "the admin API is off: set metrics.admin_token or metrics.admin_token_env",
+        );
     };
     let given = request
         .headers()
@@ -59,7 +66,10 @@ pub(super) async fn authorize(State(ops): State<Arc<Ops>>, request: Request, nex
         .and_then(|v| v.strip_prefix("Bearer "));
     if !given.is_some_and(|g| same(g.trim().as_bytes(), token.as_bytes())) {
         let mut response = error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-        response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
         return response;
     }
     next.run(request).await
@@ -68,17 +78,25 @@ pub(super) async fn authorize(State(ops): State<Arc<Ops>>, request: Request, nex
 fn target(p: &Params) -> Option<Target> {
     match (p.id, &p.queue) {
         (Some(id), None) => Some(Target::Id(id)),
-        (None, Some(queue)) => Some(Target::Queue { vhost: p.vhost.clone().unwrap_or_else(|| "/".into()), queue: queue.clone() }),
+        (None, Some(queue)) => Some(Target::Queue {
+            vhost: p.vhost.clone().unwrap_or_else(|| "/".into()),
+            queue: queue.clone(),
+        }),
         _ => None,
     }
 }
 
 pub(super) async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
-    let Some(retry) = ops.retry() else { return Json(json!({ "total": 0, "held": [] })).into_response() };
+    let Some(retry) = ops.retry() else {
+        return Json(json!({ "total": 0, "held": [] })).into_response();
+    };
     let limit = p.limit.unwrap_or(DEFAULT_LIMIT).min(MAX_LIMIT);
     match retry.list(p.vhost, p.queue, limit).await {
         Ok((listed, total)) => {
-            let held: Vec<Value> = listed.into_iter().map(|(l, h)| listed_json(&l, h.as_ref())).collect();
+            let held: Vec<Value> = listed
+                .into_iter()
+                .map(|(l, h)| listed_json(&l, h.as_ref()))
+                .collect();
             Json(json!({ "total": total, "held": held })).into_response()
         }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e),
@@ -95,9 +113,14 @@ pub(super) async fn purge(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) 
 
 async fn act(ops: &Ops, p: &Params, what: &str) -> Response {
     let Some(target) = target(p) else {
-        return error(StatusCode::BAD_REQUEST, "give either id=N or queue=NAME (with vhost=V, default \"/\")");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "give either id=N or queue=NAME (with vhost=V, default \"/\")",
+        );
     };
-    let Some(retry) = ops.retry() else { return not_held(&target, what) };
+    let Some(retry) = ops.retry() else {
+        return not_held(&target, what);
+    };
     let done = match what {
         "fired" => retry.fire(target.clone()).await,
         _ => retry.purge(target.clone()).await,
@@ -112,7 +135,10 @@ async fn act(ops: &Ops, p: &Params, what: &str) -> Response {
 /// Nothing matched: an unknown id is a 404, an empty queue is `0`.
 fn not_held(target: &Target, what: &str) -> Response {
     match target {
-        Target::Id(id) => error(StatusCode::NOT_FOUND, format!("no held message with id {id} (or it is being published)")),
+        Target::Id(id) => error(
+            StatusCode::NOT_FOUND,
+            format!("no held message with id {id} (or it is being published)"),
+        ),
         Target::Queue { .. } => count(what, 0),
     }
 }
@@ -126,7 +152,8 @@ fn count(what: &str, n: usize) -> Response {
 
 fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
     let mut v = serde_json::to_value(l).unwrap_or(Value::Null);
-    let due = humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(l.due_ms)).to_string();
+    let due =
+        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(l.due_ms)).to_string();
     v["due"] = Value::String(due);
     v["headers"] = held.map_or(Value::Null, headers_json);
     v
@@ -134,9 +161,17 @@ fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
 
 /// The message's AMQP headers as plain JSON values.
 fn headers_json(held: &Held) -> Value {
-    let Ok(header) = crate::content::decode_header(&held.header) else { return Value::Null };
+    let Ok(header) = crate::content::decode_header(&held.header) else {
+        return Value::Null;
+    };
     match header.properties.headers() {
-        Some(table) => Value::Object(table.inner().iter().map(|(k, v)| (k.to_string(), amqp_json(v))).collect()),
+        Some(table) => Value::Object(
+            table
+                .inner()
+                .iter()
+                .map(|(k, v)| (k.to_string(), amqp_json(v)))
+                .collect(),
+        ),
         None => Value::Object(Default::default()),
     }
 }
@@ -159,7 +194,12 @@ fn amqp_json(v: &AMQPValue) -> Value {
         AMQPValue::LongString(s) => json!(String::from_utf8_lossy(s.as_bytes())),
         AMQPValue::ByteArray(b) => json!(String::from_utf8_lossy(b.as_slice())),
         AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(amqp_json).collect()),
-        AMQPValue::FieldTable(t) => Value::Object(t.inner().iter().map(|(k, v)| (k.to_string(), amqp_json(v))).collect()),
+        AMQPValue::FieldTable(t) => Value::Object(
+            t.inner()
+                .iter()
+                .map(|(k, v)| (k.to_string(), amqp_json(v)))
+                .collect(),
+        ),
         AMQPValue::Void => Value::Null,
     }
 }

@@ -52,7 +52,11 @@ fn target_query(target: &Target) -> String {
 /// Runs `action` against the operations listener at `address`.
 pub async fn run(address: &str, token: &str, action: &Action) -> Result<String, AdminError> {
     let (method, target) = match action {
-        Action::List { queue, vhost, limit } => {
+        Action::List {
+            queue,
+            vhost,
+            limit,
+        } => {
             let limit = limit.to_string();
             let mut pairs = vec![("limit", limit.as_str())];
             pairs.extend(queue.as_deref().map(|q| ("queue", q)));
@@ -65,8 +69,13 @@ pub async fn run(address: &str, token: &str, action: &Action) -> Result<String, 
     let response = client::request(address, method, &target, Some(token)).await?;
     let body: Value = serde_json::from_str(&response.body).unwrap_or(Value::Null);
     if response.status != 200 {
-        let message = body["error"].as_str().map_or(response.body.clone(), str::to_string);
-        return Err(AdminError::Api { status: response.status, message });
+        let message = body["error"]
+            .as_str()
+            .map_or(response.body.clone(), str::to_string);
+        return Err(AdminError::Api {
+            status: response.status,
+            message,
+        });
     }
     Ok(match action {
         Action::List { .. } => list_lines(&body),
@@ -82,8 +91,18 @@ fn list_lines(body: &Value) -> String {
         let _ = writeln!(
             out,
             "id {} vhost {} queue {} due {} retry {} size {} attempts {}{} headers {}",
-            h["id"], h["vhost"], h["queue"], h["due"].as_str().unwrap_or("?"), h["retry"], h["size"], h["attempts"],
-            if h["publishing"] == Value::Bool(true) { " publishing" } else { "" },
+            h["id"],
+            h["vhost"],
+            h["queue"],
+            h["due"].as_str().unwrap_or("?"),
+            h["retry"],
+            h["size"],
+            h["attempts"],
+            if h["publishing"] == Value::Bool(true) {
+                " publishing"
+            } else {
+                ""
+            },
             h["headers"]
         );
     }

@@ -47,8 +47,16 @@ pub enum ClientError {
 
 /// Sends `method target` (target = path and query) to `address`, with a
 /// bearer token if given.
-pub async fn request(address: &str, method: &str, target: &str, token: Option<&str>) -> Result<HttpResponse, ClientError> {
-    let io = |source| ClientError::Io { address: address.to_string(), source };
+pub async fn request(
+    address: &str,
+    method: &str,
+    target: &str,
+    token: Option<&str>,
+) -> Result<HttpResponse, ClientError> {
+    let io = |source| ClientError::Io {
+        address: address.to_string(),
+        source,
+    };
     let exchange = async {
         let mut stream = TcpStream::connect(address).await.map_err(io)?;
         let mut head = format!("{method} {target} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Length: 0\r\n");
@@ -59,13 +67,21 @@ pub async fn request(address: &str, method: &str, target: &str, token: Option<&s
         stream.write_all(head.as_bytes()).await.map_err(io)?;
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).await.map_err(io)?;
-        parse(&raw).map_err(|reason| ClientError::Malformed { address: address.to_string(), reason })
+        parse(&raw).map_err(|reason| ClientError::Malformed {
+            address: address.to_string(),
+            reason,
+        })
     };
-    tokio::time::timeout(TIMEOUT, exchange).await.map_err(|_| ClientError::Timeout(address.to_string()))?
+    tokio::time::timeout(TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout(address.to_string()))?
 }
 
 fn parse(raw: &[u8]) -> Result<HttpResponse, &'static str> {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no end of headers")?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("no end of headers")?;
     let head = std::str::from_utf8(&raw[..split]).map_err(|_| "headers are not UTF-8")?;
     let mut lines = head.split("\r\n");
     let status = lines
@@ -76,7 +92,9 @@ fn parse(raw: &[u8]) -> Result<HttpResponse, &'static str> {
     let mut content_type = None;
     let mut chunked = false;
     for line in lines {
-        let Some((name, value)) = line.split_once(':') else { continue };
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
         match name.trim().to_ascii_lowercase().as_str() {
             "content-type" => content_type = Some(value.trim().to_string()),
             "transfer-encoding" => chunked = value.to_ascii_lowercase().contains("chunked"),
@@ -84,16 +102,28 @@ fn parse(raw: &[u8]) -> Result<HttpResponse, &'static str> {
         }
     }
     let body = &raw[split + 4..];
-    let body = if chunked { dechunk(body)? } else { body.to_vec() };
-    Ok(HttpResponse { status, content_type, body: String::from_utf8_lossy(&body).into_owned() })
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_vec()
+    };
+    Ok(HttpResponse {
+        status,
+        content_type,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
 }
 
 fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, &'static str> {
     let mut out = Vec::new();
     loop {
-        let line_end = rest.windows(2).position(|w| w == b"\r\n").ok_or("chunk size line")?;
+        let line_end = rest
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or("chunk size line")?;
         let size_text = std::str::from_utf8(&rest[..line_end]).map_err(|_| "chunk size")?;
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16).map_err(|_| "chunk size")?;
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            .map_err(|_| "chunk size")?;
         rest = &rest[line_end + 2..];
         if size == 0 {
             return Ok(out);
@@ -111,12 +141,17 @@ pub fn query(pairs: &[(&str, &str)]) -> String {
     let encode = |s: &str| {
         s.bytes()
             .map(|b| match b {
-                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
                 _ => format!("%{b:02X}"),
             })
             .collect::<String>()
     };
-    let joined: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={}", encode(v))).collect();
+    let joined: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| format!("{k}={}", encode(v)))
+        .collect();
     if joined.is_empty() {
         String::new()
     } else {
@@ -131,7 +166,14 @@ mod tests {
     #[test]
     fn parses_plain_and_chunked_bodies() {
         let plain = parse(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}").unwrap();
-        assert_eq!((plain.status, plain.content_type.as_deref(), plain.body.as_str()), (401, Some("application/json"), "{}"));
+        assert_eq!(
+            (
+                plain.status,
+                plain.content_type.as_deref(),
+                plain.body.as_str()
+            ),
+            (401, Some("application/json"), "{}")
+        );
         let chunked = parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
         assert_eq!(chunked.body, "abcde");
         assert!(parse(b"garbage").is_err());
@@ -139,7 +181,10 @@ mod tests {
 
     #[test]
     fn query_values_are_percent_encoded() {
-        assert_eq!(query(&[("queue", "a b/c"), ("vhost", "/")]), "?queue=a%20b%2Fc&vhost=%2F");
+        assert_eq!(
+            query(&[("queue", "a b/c"), ("vhost", "/")]),
+            "?queue=a%20b%2Fc&vhost=%2F"
+        );
         assert_eq!(query(&[]), "");
     }
 }

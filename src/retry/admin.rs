@@ -112,16 +112,34 @@ const DUE_EDGES: [(&str, u64); 12] = [
 const DUE_SAMPLE: usize = 200_000;
 
 pub(super) enum Command {
-    List { vhost: Option<String>, queue: Option<String>, limit: usize, reply: oneshot::Sender<(Vec<Listed>, usize)> },
-    Fire { target: Target, reply: oneshot::Sender<usize> },
-    Purge { target: Target, reply: oneshot::Sender<usize> },
-    Status { reply: oneshot::Sender<Status> },
+    List {
+        vhost: Option<String>,
+        queue: Option<String>,
+        limit: usize,
+        reply: oneshot::Sender<(Vec<Listed>, usize)>,
+    },
+    Fire {
+        target: Target,
+        reply: oneshot::Sender<usize>,
+    },
+    Purge {
+        target: Target,
+        reply: oneshot::Sender<usize>,
+    },
+    Status {
+        reply: oneshot::Sender<Status>,
+    },
 }
 
 impl RetryHandle {
-    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, EngineGone> {
+    async fn ask<T>(
+        &self,
+        command: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, EngineGone> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(super::Command::Admin(command(reply))).map_err(|_| EngineGone)?;
+        self.tx
+            .send(super::Command::Admin(command(reply)))
+            .map_err(|_| EngineGone)?;
         answer.await.map_err(|_| EngineGone)
     }
 
@@ -134,10 +152,25 @@ impl RetryHandle {
         queue: Option<String>,
         limit: usize,
     ) -> Result<(Vec<(Listed, Option<Held>)>, usize), EngineGone> {
-        let (listed, total) = self.ask(|reply| Command::List { vhost, queue, limit, reply }).await?;
+        let (listed, total) = self
+            .ask(|reply| Command::List {
+                vhost,
+                queue,
+                limit,
+                reply,
+            })
+            .await?;
         let reader = self.reader.clone();
-        let read = move || listed.into_iter().map(|l| (reader.read(l.loc).ok(), l)).map(|(h, l)| (l, h)).collect();
-        let listed = tokio::task::spawn_blocking(read).await.map_err(|_| EngineGone)?;
+        let read = move || {
+            listed
+                .into_iter()
+                .map(|l| (reader.read(l.loc).ok(), l))
+                .map(|(h, l)| (l, h))
+                .collect()
+        };
+        let listed = tokio::task::spawn_blocking(read)
+            .await
+            .map_err(|_| EngineGone)?;
         Ok((listed, total))
     }
 
@@ -161,7 +194,12 @@ impl RetryHandle {
 impl Engine {
     pub(super) fn on_admin(&mut self, command: Command) {
         match command {
-            Command::List { vhost, queue, limit, reply } => {
+            Command::List {
+                vhost,
+                queue,
+                limit,
+                reply,
+            } => {
                 let _ = reply.send(self.list(vhost.as_deref(), queue.as_deref(), limit));
             }
             Command::Fire { target, reply } => {
@@ -187,7 +225,12 @@ impl Engine {
                 None => return Vec::new(),
             },
         };
-        let mut ids: Vec<(u64, u64)> = self.ledger.iter().filter(|(_, e)| e.queue == queue).map(|(id, e)| (e.due_ms, id)).collect();
+        let mut ids: Vec<(u64, u64)> = self
+            .ledger
+            .iter()
+            .filter(|(_, e)| e.queue == queue)
+            .map(|(id, e)| (e.due_ms, id))
+            .collect();
         ids.sort_unstable();
         ids.into_iter().map(|(_, id)| id).collect()
     }
@@ -197,7 +240,9 @@ impl Engine {
         let now = self.clock.now_ms();
         let mut fired = 0;
         for id in self.matching(target) {
-            let Some(entry) = self.ledger.get_mut(id) else { continue };
+            let Some(entry) = self.ledger.get_mut(id) else {
+                continue;
+            };
             if entry.inflight {
                 continue;
             }
@@ -248,7 +293,12 @@ impl Engine {
         let mut queues: Vec<QueueStatus> = self
             .ledger
             .totals()
-            .map(|(_, vhost, queue, held, bytes)| QueueStatus { vhost: vhost.to_string(), queue: queue.to_string(), held, bytes })
+            .map(|(_, vhost, queue, held, bytes)| QueueStatus {
+                vhost: vhost.to_string(),
+                queue: queue.to_string(),
+                held,
+                bytes,
+            })
             .collect();
         queues.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.queue.cmp(&b.queue)));
         let mut counts = [0u64; DUE_EDGES.len() + 1];
@@ -259,10 +309,22 @@ impl Engine {
         let sampled = self.ledger.len() > DUE_SAMPLE;
         if sampled {
             let scale = self.ledger.len() as f64 / DUE_SAMPLE as f64;
-            counts.iter_mut().for_each(|c| *c = (*c as f64 * scale).round() as u64);
+            counts
+                .iter_mut()
+                .for_each(|c| *c = (*c as f64 * scale).round() as u64);
         }
-        let labels = DUE_EDGES.iter().map(|(l, e)| (*l, Some(*e))).chain([("later", None)]);
-        let due = labels.zip(counts).map(|((label, within_s), count)| DueBucket { label, within_s, count }).collect();
+        let labels = DUE_EDGES
+            .iter()
+            .map(|(l, e)| (*l, Some(*e)))
+            .chain([("later", None)]);
+        let due = labels
+            .zip(counts)
+            .map(|((label, within_s), count)| DueBucket {
+                label,
+                within_s,
+                count,
+            })
+            .collect();
         Status {
             now_ms,
             held: queues.iter().map(|q| q.held).sum(),

@@ -40,8 +40,26 @@ pub struct Entry {
 
 impl Entry {
     /// A fresh entry.
-    pub fn new(loc: Loc, due_ms: u64, queue: u32, size: u32, retry: u32, dead_letter: bool) -> Self {
-        Self { loc, due_ms, queue, size, retry, token: 0, attempts: 0, inflight: false, forced: false, dead_letter }
+    pub fn new(
+        loc: Loc,
+        due_ms: u64,
+        queue: u32,
+        size: u32,
+        retry: u32,
+        dead_letter: bool,
+    ) -> Self {
+        Self {
+            loc,
+            due_ms,
+            queue,
+            size,
+            retry,
+            token: 0,
+            attempts: 0,
+            inflight: false,
+            forced: false,
+            dead_letter,
+        }
     }
 }
 
@@ -65,7 +83,12 @@ pub struct Ledger {
 impl Ledger {
     /// An empty ledger reporting into `metrics`.
     pub fn new(metrics: Arc<Metrics>, capacity: usize) -> Self {
-        Self { entries: HashMap::with_capacity(capacity), queues: Vec::new(), names: HashMap::new(), metrics }
+        Self {
+            entries: HashMap::with_capacity(capacity),
+            queues: Vec::new(),
+            names: HashMap::new(),
+            metrics,
+        }
     }
 
     /// The interned id of `(vhost, queue)`.
@@ -74,7 +97,13 @@ impl Ledger {
             return *id;
         }
         let id = self.queues.len() as u32;
-        self.queues.push(QueueStat { vhost: vhost.clone(), queue: queue.clone(), count: 0, bytes: 0, series: None });
+        self.queues.push(QueueStat {
+            vhost: vhost.clone(),
+            queue: queue.clone(),
+            count: 0,
+            bytes: 0,
+            series: None,
+        });
         self.names.insert((vhost.clone(), queue.clone()), id);
         id
     }
@@ -87,7 +116,9 @@ impl Ledger {
 
     /// The interned id of `(vhost, queue)` if a message of it was ever held.
     pub fn find(&self, vhost: &str, queue: &str) -> Option<u32> {
-        self.names.get(&(Arc::from(vhost), Arc::from(queue))).copied()
+        self.names
+            .get(&(Arc::from(vhost), Arc::from(queue)))
+            .copied()
     }
 
     /// Adds (or replaces) a held message.
@@ -146,7 +177,10 @@ impl Ledger {
             q.count -= 1;
             q.bytes -= u64::from(entry.size);
         }
-        let labels = || QueueLabels { vhost: q.vhost.to_string(), queue: q.queue.to_string() };
+        let labels = || QueueLabels {
+            vhost: q.vhost.to_string(),
+            queue: q.queue.to_string(),
+        };
         match (&q.series, q.count) {
             (Some(_), 0) => {
                 let labels = labels();
@@ -161,7 +195,10 @@ impl Ledger {
             (None, 0) => {}
             (None, _) => {
                 let labels = labels();
-                let series = (metrics.held.get_or_create_owned(&labels), metrics.held_bytes.get_or_create_owned(&labels));
+                let series = (
+                    metrics.held.get_or_create_owned(&labels),
+                    metrics.held_bytes.get_or_create_owned(&labels),
+                );
                 series.0.set(q.count as i64);
                 series.1.set(q.bytes as i64);
                 q.series = Some(series);
@@ -175,7 +212,11 @@ mod tests {
     use super::*;
 
     fn loc() -> Loc {
-        Loc { segment: 1, offset: 0, len: 10 }
+        Loc {
+            segment: 1,
+            offset: 0,
+            len: 10,
+        }
     }
 
     #[test]
@@ -188,18 +229,34 @@ mod tests {
         ledger.insert(1, Entry::new(loc(), 10, qa, 100, 1, false));
         ledger.insert(2, Entry::new(loc(), 20, qa, 50, 1, false));
         ledger.insert(3, Entry::new(loc(), 30, qb, 7, 2, false));
-        let labels = |q: &str| QueueLabels { vhost: "/".into(), queue: q.into() };
+        let labels = |q: &str| QueueLabels {
+            vhost: "/".into(),
+            queue: q.into(),
+        };
         assert_eq!(metrics.held.get_or_create(&labels("a")).get(), 2);
         assert_eq!(metrics.held_bytes.get_or_create(&labels("a")).get(), 150);
         ledger.insert(2, Entry::new(loc(), 25, qa, 50, 1, true)); // a re-route replaces
         assert_eq!(metrics.held.get_or_create(&labels("a")).get(), 2);
         ledger.remove(3);
-        assert!(metrics.held.get(&labels("b")).is_none(), "an empty queue drops its series");
+        assert!(
+            metrics.held.get(&labels("b")).is_none(),
+            "an empty queue drops its series"
+        );
         assert!(!metrics.encode().contains("queue=\"b\""));
         ledger.insert(4, Entry::new(loc(), 40, qb, 9, 1, false));
-        assert_eq!(metrics.held_bytes.get_or_create(&labels("b")).get(), 9, "and gets it back");
-        let totals: Vec<_> = ledger.totals().map(|(_, _, q, n, bytes)| (q.to_string(), n, bytes)).collect();
-        assert_eq!(totals, vec![("a".to_string(), 2, 150), ("b".to_string(), 1, 9)]);
+        assert_eq!(
+            metrics.held_bytes.get_or_create(&labels("b")).get(),
+            9,
+            "and gets it back"
+        );
+        let totals: Vec<_> = ledger
+            .totals()
+            .map(|(_, _, q, n, bytes)| (q.to_string(), n, bytes))
+            .collect();
+        assert_eq!(
+            totals,
+            vec![("a".to_string(), 2, 150), ("b".to_string(), 1, 9)]
+        );
         assert_eq!(ledger.find("/", "b"), Some(qb));
         assert_eq!(ledger.len(), 3);
     }

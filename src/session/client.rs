@@ -28,7 +28,12 @@ impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
         let span = match frame.channel {
             0 => tracing::Span::none(),
-            id => self.channels.get(id).span.clone().unwrap_or_else(tracing::Span::none),
+            id => self
+                .channels
+                .get(id)
+                .span
+                .clone()
+                .unwrap_or_else(tracing::Span::none),
         };
         let _in_channel = span.enter();
         if self.close.client_failed {
@@ -46,7 +51,10 @@ impl Session {
                 let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
                 let id = MethodId::peek(payload)?;
                 if frame.channel != 0 {
-                    self.channels.get(frame.channel).publishing.advance(&frame, Some(id))?;
+                    self.channels
+                        .get(frame.channel)
+                        .publishing
+                        .advance(&frame, Some(id))?;
                 }
                 if let Some(class) = method::decode(payload)? {
                     if !self.on_client_method(frame.channel, &class) {
@@ -88,7 +96,11 @@ impl Session {
                 }
             }
             AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
-                debug!(code = c.reply_code, text = c.reply_text.as_str(), "client closes the connection");
+                debug!(
+                    code = c.reply_code,
+                    text = c.reply_text.as_str(),
+                    "client closes the connection"
+                );
                 if self.channels.pending() > 0 {
                     self.hold();
                 }
@@ -98,15 +110,25 @@ impl Session {
                 return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
             }
             AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
-                return self.on_settle(channel_id, Settle::Nack(n.requeue), n.delivery_tag, n.multiple);
+                return self.on_settle(
+                    channel_id,
+                    Settle::Nack(n.requeue),
+                    n.delivery_tag,
+                    n.multiple,
+                );
             }
             AMQPClass::Basic(basic::AMQPMethod::Reject(r)) if channel_id != 0 => {
-                return self.on_settle(channel_id, Settle::Reject(r.requeue), r.delivery_tag, false);
+                return self.on_settle(
+                    channel_id,
+                    Settle::Reject(r.requeue),
+                    r.delivery_tag,
+                    false,
+                );
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(_))
-            | AMQPClass::Basic(basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_))
-                if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() =>
-            {
+            | AMQPClass::Basic(
+                basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
+            ) if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() => {
                 // The broker would requeue what nackd holds: ack it first.
                 self.hold();
                 self.channels.get(channel_id).on_client_method(class);
@@ -132,7 +154,12 @@ impl Session {
         self.upstream_decoder.set_frame_max(frame_max);
         self.channel_max = tune.channel_max;
         self.heartbeat = Duration::from_secs(tune.heartbeat.into());
-        debug!(frame_max, channel_max = tune.channel_max, heartbeat = tune.heartbeat, "tuned");
+        debug!(
+            frame_max,
+            channel_max = tune.channel_max,
+            heartbeat = tune.heartbeat,
+            "tuned"
+        );
     }
 
     /// After a client fault only the close handshake matters.
@@ -145,7 +172,8 @@ impl Session {
                 self.close.client_close_ok();
             }
             ids::CONNECTION_CLOSE => {
-                self.to_client.extend_from_slice(&method::connection_close_ok());
+                self.to_client
+                    .extend_from_slice(&method::connection_close_ok());
                 self.close.client_close_ok();
             }
             _ => {}

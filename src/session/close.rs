@@ -82,7 +82,9 @@ impl Close {
         if self.client_gone && self.upstream_gone {
             return true;
         }
-        let Some(since) = self.since else { return false };
+        let Some(since) = self.since else {
+            return false;
+        };
         if self.settling && !self.upstream_gone && now.duration_since(since) < SETTLE_TIMEOUT {
             return false;
         }
@@ -93,7 +95,12 @@ impl Close {
 
     /// A short word for the log line at the end.
     pub fn reason(&self) -> &'static str {
-        match (self.forced, self.client_failed, self.client_gone, self.upstream_gone) {
+        match (
+            self.forced,
+            self.client_failed,
+            self.client_gone,
+            self.upstream_gone,
+        ) {
             (true, ..) => "shutdown",
             (_, true, ..) => "client protocol error",
             (_, _, true, false) => "client socket closed",

@@ -41,7 +41,10 @@ pub(super) struct Intercepting {
 }
 
 impl Intercepting {
-    pub fn new(shared: Arc<Interception>, parked: tokio::sync::mpsc::UnboundedSender<Parked>) -> Self {
+    pub fn new(
+        shared: Arc<Interception>,
+        parked: tokio::sync::mpsc::UnboundedSender<Parked>,
+    ) -> Self {
         let mut policies = shared.policies.clone();
         let current = policies.borrow_and_update().clone();
         Self {
@@ -79,30 +82,48 @@ enum Claim {
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
 }
 
 impl Session {
     /// A delivery (deliver or get-ok) was tracked: capture it if its queue is intercepted.
-    pub(super) fn start_capture(&mut self, channel_id: u16, tag: u64, exchange: &str, routing_key: &str) {
-        let Some(state) = self.intercepting.as_mut() else { return };
+    pub(super) fn start_capture(
+        &mut self,
+        channel_id: u16,
+        tag: u64,
+        exchange: &str,
+        routing_key: &str,
+    ) {
+        let Some(state) = self.intercepting.as_mut() else {
+            return;
+        };
         let channel = self.channels.get(channel_id);
         if channel.tx {
             return;
         }
-        let Some(delivery) = channel.delivery_mut(tag) else { return }; // no-ack: never captured
+        let Some(delivery) = channel.delivery_mut(tag) else {
+            return;
+        }; // no-ack: never captured
         let queue = delivery.queue.clone();
         if let Some(policy) = state.policy(&queue) {
-            self.channels.get(channel_id).capturing = Some(Capturing::new(tag, exchange, routing_key, policy));
+            self.channels.get(channel_id).capturing =
+                Some(Capturing::new(tag, exchange, routing_key, policy));
         }
     }
 
     /// A content frame from the broker: feed the capture of its channel.
     pub(super) fn capture_content(&mut self, frame: &Frame) {
-        let Some(state) = self.intercepting.as_ref() else { return };
+        let Some(state) = self.intercepting.as_ref() else {
+            return;
+        };
         let budget = state.shared.budget.clone();
         let channel = self.channels.get(frame.channel);
-        let Some(capturing) = channel.capturing.as_mut() else { return };
+        let Some(capturing) = channel.capturing.as_mut() else {
+            return;
+        };
         let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
         match frame.kind {
             FrameType::Header => {
@@ -115,7 +136,11 @@ impl Session {
                     }
                     let refused = budget.refused();
                     if refused.is_power_of_two() {
-                        warn!(refused, used = budget.used(), "capture budget spent: nacks of such deliveries pass through");
+                        warn!(
+                            refused,
+                            used = budget.used(),
+                            "capture budget spent: nacks of such deliveries pass through"
+                        );
                     }
                     return;
                 }
@@ -126,14 +151,22 @@ impl Session {
         if !channel.delivering.in_flight() {
             let capturing = channel.capturing.take().expect("checked above");
             let tag = capturing.tag;
-            if let (Some(captured), Some(delivery)) = (capturing.finish(), channel.delivery_mut(tag)) {
+            if let (Some(captured), Some(delivery)) =
+                (capturing.finish(), channel.delivery_mut(tag))
+            {
                 delivery.capture = Some(captured);
             }
         }
     }
 
     /// A client ack/nack/reject; `true` means "forward the frame as it is".
-    pub(super) fn on_settle(&mut self, channel_id: u16, settle: Settle, tag: u64, multiple: bool) -> bool {
+    pub(super) fn on_settle(
+        &mut self,
+        channel_id: u16,
+        settle: Settle,
+        tag: u64,
+        multiple: bool,
+    ) -> bool {
         let intercepting = self.intercepting.is_some();
         let channel = self.channels.get(channel_id);
         if !intercepting || channel.tx || (!multiple && channel.pending.contains_key(&tag)) {
@@ -164,7 +197,11 @@ impl Session {
             let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
                 Claim::Parked => {
-                    debug!(tag = t, ?settle, "claimed for a delayed retry; storing before the ack");
+                    debug!(
+                        tag = t,
+                        ?settle,
+                        "claimed for a delayed retry; storing before the ack"
+                    );
                     self.channels.get(channel_id).pending.insert(t, settle);
                 }
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
@@ -195,26 +232,50 @@ impl Session {
             return self.metrics.pass(PassReason::UnknownTag, 1);
         }
         for (_, d) in covered {
-            let reason = if d.over_budget { PassReason::OverBudget } else { default };
+            let reason = if d.over_budget {
+                PassReason::OverBudget
+            } else {
+                default
+            };
             self.metrics.pass(reason, 1);
         }
     }
 
     fn on_exhausted_reject(&self, queue: &str, retry: u32) {
         self.metrics.exhausted_reject.inc();
-        let vhost = self.intercepting.as_ref().map_or_else(String::new, |s| s.vhost.to_string());
-        let at_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+        let vhost = self
+            .intercepting
+            .as_ref()
+            .map_or_else(String::new, |s| s.vhost.to_string());
+        let at_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64;
         let (kind, queue) = (EventKind::ExhaustedReject, queue.to_string());
-        self.metrics.recent.push(Event { at_ms, kind, vhost, queue, retry });
+        self.metrics.recent.push(Event {
+            at_ms,
+            kind,
+            vhost,
+            queue,
+            retry,
+        });
     }
 
     fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
-        let not_captured = if delivery.over_budget { PassReason::OverBudget } else { PassReason::NotConfigured };
+        let not_captured = if delivery.over_budget {
+            PassReason::OverBudget
+        } else {
+            PassReason::NotConfigured
+        };
         if settle == Settle::Ack {
             return Claim::Pass(not_captured);
         }
-        let Some(captured) = delivery.capture else { return Claim::Pass(not_captured) };
-        let Some(state) = self.intercepting.as_ref() else { return Claim::Pass(PassReason::NotConfigured) };
+        let Some(captured) = delivery.capture else {
+            return Claim::Pass(not_captured);
+        };
+        let Some(state) = self.intercepting.as_ref() else {
+            return Claim::Pass(PassReason::NotConfigured);
+        };
         let policy = captured.policy.clone();
         if !policy.wants(settle.requeue()) {
             return Claim::Pass(PassReason::RequeuePass);
@@ -232,7 +293,10 @@ impl Session {
         };
         let dead_letter = match &policy.on_exhausted {
             OnExhausted::Reject => None,
-            OnExhausted::DeadLetter { exchange, routing_key } => Some(Route::Exchange {
+            OnExhausted::DeadLetter {
+                exchange,
+                routing_key,
+            } => Some(Route::Exchange {
                 exchange: exchange.clone(),
                 routing_key: routing_key.clone().unwrap_or_else(|| queue.to_string()),
             }),
@@ -258,7 +322,11 @@ impl Session {
         };
         let epoch = self.channels.get(channel_id).epoch;
         let park = Park {
-            key: ClaimKey { channel: channel_id, epoch, tag },
+            key: ClaimKey {
+                channel: channel_id,
+                epoch,
+                tag,
+            },
             reply: state.parked.clone(),
             vhost: state.vhost.clone(),
             queue,
@@ -288,7 +356,12 @@ impl Session {
             .and_then(|c| c.pending.remove(&key.tag));
         match (settle, parked.result) {
             (Some(_), Ok(id)) => {
-                debug!(channel = key.channel, tag = key.tag, id, "held; acking upstream");
+                debug!(
+                    channel = key.channel,
+                    tag = key.tag,
+                    id,
+                    "held; acking upstream"
+                );
                 self.metrics.intercepted.inc();
                 let ack = method::ack(key.channel, key.tag, false);
                 let channel = self.channels.get(key.channel);
@@ -336,7 +409,10 @@ impl Session {
     /// close or recover that would make the broker requeue held messages).
     pub(super) fn hold(&mut self) {
         if !self.holding {
-            debug!(pending = self.channels.pending(), "holding client frames until held messages are acked");
+            debug!(
+                pending = self.channels.pending(),
+                "holding client frames until held messages are acked"
+            );
         }
         self.holding = true;
     }

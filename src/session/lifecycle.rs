@@ -9,7 +9,8 @@ impl Session {
         self.close.client_failed = true;
         self.client_in.clear();
         let text = format!("{} - {fault}", code.name());
-        self.to_client.extend_from_slice(&method::connection_close(code, &text, None));
+        self.to_client
+            .extend_from_slice(&method::connection_close(code, &text, None));
         self.close.expect_client_close_ok(Origin::Nackd);
         self.close_upstream("client connection failed");
     }
@@ -17,7 +18,10 @@ impl Session {
     pub(super) fn on_upstream_fault(&mut self, fault: Fault) {
         warn!(error = %fault, "the broker sent a malformed frame; closing both sides");
         self.close.upstream_gone = true;
-        self.close_client(ReplyCode::InternalError, &format!("nackd: broker sent a malformed frame: {fault}"));
+        self.close_client(
+            ReplyCode::InternalError,
+            &format!("nackd: broker sent a malformed frame: {fault}"),
+        );
     }
 
     pub(super) fn on_client_gone(&mut self, error: Option<std::io::Error>) {
@@ -33,7 +37,8 @@ impl Session {
         self.close.begin();
         if self.close.awaiting_client() == Some(Origin::Broker) {
             // The broker waits for a close-ok the client will never send.
-            self.to_upstream.extend_from_slice(&method::connection_close_ok());
+            self.to_upstream
+                .extend_from_slice(&method::connection_close_ok());
             self.close.client_close_ok();
         } else if self.channels.pending() > 0 {
             // Ack what nackd holds before the broker sees the client go.
@@ -55,9 +60,13 @@ impl Session {
         self.close.begin();
         if self.close.upstream_close_ok() == Some(Origin::Client) {
             // The client asked to close: it gets its close-ok.
-            self.to_client.extend_from_slice(&method::connection_close_ok());
+            self.to_client
+                .extend_from_slice(&method::connection_close_ok());
         } else if self.close.awaiting_client().is_none() {
-            self.close_client(ReplyCode::ConnectionForced, "CONNECTION_FORCED - nackd: upstream connection lost");
+            self.close_client(
+                ReplyCode::ConnectionForced,
+                "CONNECTION_FORCED - nackd: upstream connection lost",
+            );
         }
     }
 
@@ -71,7 +80,8 @@ impl Session {
             self.close.client_gone = true;
             return;
         }
-        self.to_client.extend_from_slice(&method::connection_close(code, text, None));
+        self.to_client
+            .extend_from_slice(&method::connection_close(code, text, None));
         self.close.expect_client_close_ok(Origin::Nackd);
     }
 
@@ -86,14 +96,18 @@ impl Session {
             return;
         }
         let text = format!("nackd: {why}");
-        self.to_upstream.extend_from_slice(&method::connection_close(ReplyCode::Success, &text, None));
+        self.to_upstream
+            .extend_from_slice(&method::connection_close(ReplyCode::Success, &text, None));
         self.close.expect_upstream_close_ok(Origin::Nackd);
     }
 
     pub(super) fn on_force(&mut self) {
         self.close.forced = true;
         info!("closing: nackd is shutting down");
-        self.close_client(ReplyCode::ConnectionForced, "CONNECTION_FORCED - nackd is shutting down");
+        self.close_client(
+            ReplyCode::ConnectionForced,
+            "CONNECTION_FORCED - nackd is shutting down",
+        );
         self.close_upstream("shutting down");
     }
 

@@ -28,7 +28,12 @@ impl Session {
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
         let span = match frame.channel {
             0 => tracing::Span::none(),
-            id => self.channels.get(id).span.clone().unwrap_or_else(tracing::Span::none),
+            id => self
+                .channels
+                .get(id)
+                .span
+                .clone()
+                .unwrap_or_else(tracing::Span::none),
         };
         let _in_channel = span.enter();
         match frame.kind {
@@ -37,7 +42,10 @@ impl Session {
                 let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
                 let id = MethodId::peek(payload)?;
                 if frame.channel != 0 {
-                    self.channels.get(frame.channel).delivering.advance(&frame, Some(id))?;
+                    self.channels
+                        .get(frame.channel)
+                        .delivering
+                        .advance(&frame, Some(id))?;
                 }
                 if let Some(class) = method::decode(payload)? {
                     if !self.on_upstream_method(frame.channel, &class) {
@@ -49,7 +57,10 @@ impl Session {
                 return Err(FrameError::Unexpected("content frame on channel 0"));
             }
             FrameType::Header | FrameType::Body => {
-                self.channels.get(frame.channel).delivering.advance(&frame, None)?;
+                self.channels
+                    .get(frame.channel)
+                    .delivering
+                    .advance(&frame, None)?;
                 self.capture_content(&frame);
             }
         }
@@ -77,7 +88,11 @@ impl Session {
                 info!("connection open");
             }
             AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
-                info!(code = c.reply_code, text = c.reply_text.as_str(), "broker closes the connection");
+                info!(
+                    code = c.reply_code,
+                    text = c.reply_text.as_str(),
+                    "broker closes the connection"
+                );
                 self.close.expect_client_close_ok(Origin::Broker);
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
@@ -91,11 +106,21 @@ impl Session {
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
-                self.start_capture(channel_id, d.delivery_tag, d.exchange.as_str(), d.routing_key.as_str());
+                self.start_capture(
+                    channel_id,
+                    d.delivery_tag,
+                    d.exchange.as_str(),
+                    d.routing_key.as_str(),
+                );
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
-                self.start_capture(channel_id, ok.delivery_tag, ok.exchange.as_str(), ok.routing_key.as_str());
+                self.start_capture(
+                    channel_id,
+                    ok.delivery_tag,
+                    ok.exchange.as_str(),
+                    ok.routing_key.as_str(),
+                );
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_broker_method(class),
             _ => {}

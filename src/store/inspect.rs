@@ -48,7 +48,9 @@ pub fn stats(dir: &Path) -> io::Result<String> {
     let held = held(dir)?;
     let mut per_queue: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
     for h in &held {
-        let e = per_queue.entry((h.vhost.to_string(), h.queue.to_string())).or_default();
+        let e = per_queue
+            .entry((h.vhost.to_string(), h.queue.to_string()))
+            .or_default();
         e.0 += 1;
         e.1 += h.size();
     }
@@ -58,12 +60,26 @@ pub fn stats(dir: &Path) -> io::Result<String> {
         .map(|m| m.len())
         .sum();
     let mut out = String::new();
-    let _ = writeln!(out, "held {}  bytes {}  on disk {}", held.len(), held.iter().map(Held::size).sum::<usize>(), disk);
+    let _ = writeln!(
+        out,
+        "held {}  bytes {}  on disk {}",
+        held.len(),
+        held.iter().map(Held::size).sum::<usize>(),
+        disk
+    );
     if let (Some(first), Some(last)) = (held.first(), held.last()) {
-        let _ = writeln!(out, "next due {}  last due {}", when(first.due_ms), when(last.due_ms));
+        let _ = writeln!(
+            out,
+            "next due {}  last due {}",
+            when(first.due_ms),
+            when(last.due_ms)
+        );
     }
     for ((vhost, queue), (count, bytes)) in per_queue {
-        let _ = writeln!(out, "vhost {vhost:?} queue {queue:?}: {count} held, {bytes} bytes");
+        let _ = writeln!(
+            out,
+            "vhost {vhost:?} queue {queue:?}: {count} held, {bytes} bytes"
+        );
     }
     Ok(out)
 }
@@ -71,7 +87,10 @@ pub fn stats(dir: &Path) -> io::Result<String> {
 /// `nackd store list [--queue Q]`: one line per held message.
 pub fn list(dir: &Path, queue: Option<&str>) -> io::Result<String> {
     let mut out = String::new();
-    for h in held(dir)?.iter().filter(|h| queue.is_none_or(|q| &*h.queue == q)) {
+    for h in held(dir)?
+        .iter()
+        .filter(|h| queue.is_none_or(|q| &*h.queue == q))
+    {
         let headers = crate::content::decode_header(&h.header)
             .ok()
             .and_then(|c| c.properties.headers().clone())

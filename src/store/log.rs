@@ -115,7 +115,14 @@ pub fn scan(bytes: &[u8], mut each: impl FnMut(Record, Loc), segment: u32) -> (u
             return (at, Some(Bad::Torn));
         }
         match record::decode(&bytes[at + record::PREFIX..end], crc) {
-            Ok(rec) => each(rec, Loc { segment, offset: at as u32, len: (end - at) as u32 }),
+            Ok(rec) => each(
+                rec,
+                Loc {
+                    segment,
+                    offset: at as u32,
+                    len: (end - at) as u32,
+                },
+            ),
             Err(bad) => return (at, Some(bad)),
         }
         at = end;
@@ -128,14 +135,24 @@ impl Log {
     /// starts a fresh head segment. Fails if another nackd has it open.
     pub fn open(dir: &Path, max_bytes: Option<u64>) -> io::Result<(Self, Recovered)> {
         std::fs::create_dir_all(dir)?;
-        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("LOCK"))?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("LOCK"))?;
         lock.try_lock().map_err(|_| {
-            io::Error::new(io::ErrorKind::WouldBlock, format!("{} is in use by another nackd", dir.display()))
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is in use by another nackd", dir.display()),
+            )
         })?;
         let mut index: HashMap<u64, (u64, Loc, HeldMeta)> = HashMap::new();
         let mut queues: HashMap<(Arc<str>, Arc<str>), u32> = HashMap::new();
         let mut segments = BTreeMap::new();
-        let mut recovered = Recovered { next_id: 1, ..Recovered::default() };
+        let mut recovered = Recovered {
+            next_id: 1,
+            ..Recovered::default()
+        };
         let numbers = segment_numbers(dir)?;
         for (i, &n) in numbers.iter().enumerate() {
             let path = segment_path(dir, n);
@@ -146,9 +163,24 @@ impl Log {
                     Record::Put(h) => {
                         recovered.next_id = recovered.next_id.max(h.id + 1);
                         let next = queues.len() as u32;
-                        let queue = *queues.entry((h.vhost.clone(), h.queue.clone())).or_insert(next);
-                        let (size, retry, dead_letter) = (h.size() as u32, h.retry, h.route != super::Route::Queue);
-                        index.insert(h.id, (h.due_ms, loc, HeldMeta { queue, size, retry, dead_letter }));
+                        let queue = *queues
+                            .entry((h.vhost.clone(), h.queue.clone()))
+                            .or_insert(next);
+                        let (size, retry, dead_letter) =
+                            (h.size() as u32, h.retry, h.route != super::Route::Queue);
+                        index.insert(
+                            h.id,
+                            (
+                                h.due_ms,
+                                loc,
+                                HeldMeta {
+                                    queue,
+                                    size,
+                                    retry,
+                                    dead_letter,
+                                },
+                            ),
+                        );
                     }
                     Record::Del(id) => {
                         index.remove(&id);
@@ -163,7 +195,13 @@ impl Log {
                 file.set_len(good as u64)?;
                 file.sync_all()?;
             }
-            segments.insert(n, Segment { size: good as u64, live: 0 });
+            segments.insert(
+                n,
+                Segment {
+                    size: good as u64,
+                    live: 0,
+                },
+            );
         }
         for (_, loc, _) in index.values() {
             if let Some(s) = segments.get_mut(&loc.segment) {
@@ -172,7 +210,10 @@ impl Log {
         }
         let files: Files = Arc::default();
         for (&n, _) in segments.iter() {
-            files.write().expect("lock").insert(n, Arc::new(File::open(segment_path(dir, n))?));
+            files
+                .write()
+                .expect("lock")
+                .insert(n, Arc::new(File::open(segment_path(dir, n))?));
         }
         let head = numbers.last().map_or(1, |n| n + 1);
         let head_file = Self::create_segment(dir, head, &files)?;
@@ -189,12 +230,21 @@ impl Log {
             total,
             _lock: lock,
         };
-        for n in log.segments.iter().filter(|(n, s)| **n != head && s.live == 0).map(|(n, _)| *n).collect::<Vec<_>>() {
+        for n in log
+            .segments
+            .iter()
+            .filter(|(n, s)| **n != head && s.live == 0)
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+        {
             log.drop_segment(n);
         }
         let mut held: Vec<_> = index.into_iter().collect();
         held.sort_unstable_by_key(|(id, (due, _, _))| (*due, *id));
-        (recovered.held, recovered.meta) = held.into_iter().map(|(id, (due, loc, meta))| ((id, due, loc), meta)).unzip();
+        (recovered.held, recovered.meta) = held
+            .into_iter()
+            .map(|(id, (due, loc, meta))| ((id, due, loc), meta))
+            .unzip();
         recovered.queues = vec![(Arc::from(""), Arc::from("")); queues.len()];
         for (key, i) in queues {
             recovered.queues[i as usize] = key;
@@ -207,13 +257,18 @@ impl Log {
         let path = segment_path(dir, n);
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
         sync_dir(dir)?;
-        files.write().expect("lock").insert(n, Arc::new(File::open(&path)?));
+        files
+            .write()
+            .expect("lock")
+            .insert(n, Arc::new(File::open(&path)?));
         Ok(file)
     }
 
     /// A reader for the records of this log.
     pub fn reader(&self) -> Reader {
-        Reader { files: self.files.clone() }
+        Reader {
+            files: self.files.clone(),
+        }
     }
 
     /// Bytes on disk.
@@ -237,7 +292,11 @@ impl Log {
         if self.head_size() + rec.len() as u64 > SEGMENT_BYTES && self.head_size() > 0 {
             self.rotate()?;
         }
-        let loc = Loc { segment: self.head, offset: self.head_size() as u32, len: rec.len() as u32 };
+        let loc = Loc {
+            segment: self.head,
+            offset: self.head_size() as u32,
+            len: rec.len() as u32,
+        };
         self.pending.extend_from_slice(&rec);
         self.segments.get_mut(&self.head).expect("head exists").live += 1;
         if let Some(old) = replaces {
@@ -253,7 +312,9 @@ impl Log {
     }
 
     fn release(&mut self, segment: u32) {
-        let Some(s) = self.segments.get_mut(&segment) else { return };
+        let Some(s) = self.segments.get_mut(&segment) else {
+            return;
+        };
         s.live = s.live.saturating_sub(1);
         if s.live == 0 && segment != self.head {
             self.drop_segment(segment);
@@ -325,8 +386,10 @@ impl Reader {
             .cloned()
             .ok_or_else(|| StoreError::Io(format!("segment {} is gone", loc.segment)))?;
         let mut buf = vec![0u8; loc.len as usize];
-        file.read_exact_at(&mut buf, loc.offset as u64).map_err(io_err)?;
-        let (_, crc) = record::prefix(&buf).map_err(|b| StoreError::Io(format!("record at {loc:?}: {b:?}")))?;
+        file.read_exact_at(&mut buf, loc.offset as u64)
+            .map_err(io_err)?;
+        let (_, crc) = record::prefix(&buf)
+            .map_err(|b| StoreError::Io(format!("record at {loc:?}: {b:?}")))?;
         match record::decode(&buf[record::PREFIX..], crc) {
             Ok(Record::Put(h)) => Ok(h),
             Ok(Record::Del(_)) | Err(_) => Err(StoreError::Io(format!("no put record at {loc:?}"))),

@@ -42,7 +42,10 @@ fn put_route(out: &mut Vec<u8>, route: Option<&Route>) {
     match route {
         None => out.put_u8(255),
         Some(Route::Queue) => out.put_u8(0),
-        Some(Route::Exchange { exchange, routing_key }) => {
+        Some(Route::Exchange {
+            exchange,
+            routing_key,
+        }) => {
             out.put_u8(1);
             put_str16(out, exchange);
             put_str16(out, routing_key);
@@ -60,7 +63,8 @@ fn frame(body: Vec<u8>) -> Vec<u8> {
 
 /// Encodes a put record, prefix included.
 pub fn encode_put(h: &Held) -> Vec<u8> {
-    let mut b = Vec::with_capacity(64 + h.vhost.len() + h.queue.len() + h.header.len() + h.body.len());
+    let mut b =
+        Vec::with_capacity(64 + h.vhost.len() + h.queue.len() + h.header.len() + h.body.len());
     b.put_u8(PUT);
     b.put_u64(h.id);
     b.put_u64(h.due_ms);
@@ -112,7 +116,13 @@ pub fn decode(body: &[u8], crc: u32) -> Result<Record, Bad> {
         return Err(Bad::Corrupt);
     }
     let mut b = body;
-    let need = |b: &[u8], n: usize| if b.remaining() < n { Err(Bad::Corrupt) } else { Ok(()) };
+    let need = |b: &[u8], n: usize| {
+        if b.remaining() < n {
+            Err(Bad::Corrupt)
+        } else {
+            Ok(())
+        }
+    };
     need(b, 1)?;
     match b.get_u8() {
         DEL => {
@@ -199,7 +209,10 @@ mod tests {
             due_ms: 1_700_000_000_000 + id,
             retry: 2,
             route: Route::Queue,
-            on_return: Some(Route::Exchange { exchange: "dlx".into(), routing_key: "k".into() }),
+            on_return: Some(Route::Exchange {
+                exchange: "dlx".into(),
+                routing_key: "k".into(),
+            }),
             header: Bytes::from_static(&[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0]),
             body: Bytes::from_static(b"abc"),
         }
@@ -233,7 +246,11 @@ mod tests {
             let mut bad = wire.clone();
             bad[i] ^= 0x10;
             let (_, crc) = prefix(&bad).unwrap();
-            assert_eq!(decode(&bad[PREFIX..], crc).unwrap_err(), Bad::Corrupt, "byte {i}");
+            assert_eq!(
+                decode(&bad[PREFIX..], crc).unwrap_err(),
+                Bad::Corrupt,
+                "byte {i}"
+            );
         }
         assert_eq!(prefix(&wire[..5]).unwrap_err(), Bad::Torn);
     }

@@ -31,7 +31,18 @@ fn same_tick_entries_fire_together_in_insert_order() {
 #[test]
 fn order_follows_due_time_across_levels() {
     let mut w = Wheel::new(0);
-    let dues = [5_000_000u64, 3, 70, 4_100, 262_144, 64, 63, 1, 300_000, 4_096];
+    let dues = [
+        5_000_000u64,
+        3,
+        70,
+        4_100,
+        262_144,
+        64,
+        63,
+        1,
+        300_000,
+        4_096,
+    ];
     for (i, due) in dues.iter().enumerate() {
         w.insert(*due, i as u64);
     }
@@ -44,7 +55,11 @@ fn order_follows_due_time_across_levels() {
             fired.push((now, id));
         }
     }
-    let mut by_due: Vec<(u64, u64)> = dues.iter().enumerate().map(|(i, d)| (*d, i as u64)).collect();
+    let mut by_due: Vec<(u64, u64)> = dues
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (*d, i as u64))
+        .collect();
     by_due.sort();
     assert_eq!(fired, by_due, "each fired at its due time, in due order");
 }

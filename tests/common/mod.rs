@@ -20,7 +20,9 @@ pub const BROKER: &str = "127.0.0.1:5672";
 
 /// Fails loudly when RabbitMQ is not there: tests never skip.
 pub fn require_broker() {
-    if std::net::TcpStream::connect_timeout(&BROKER.parse().unwrap(), Duration::from_secs(2)).is_err() {
+    if std::net::TcpStream::connect_timeout(&BROKER.parse().unwrap(), Duration::from_secs(2))
+        .is_err()
+    {
         panic!("RabbitMQ is not reachable on {BROKER}: run the test command from README.md (scripts/test), which starts it");
     }
 }
@@ -57,7 +59,10 @@ impl Nackd {
 
 pub fn init_logs() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("NACKD_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NACKD_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_test_writer()
         .try_init();
 }
@@ -72,12 +77,15 @@ pub async fn start(extra: &str) -> Nackd {
 pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     init_logs();
     require_broker();
-    let mut text = format!("[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n{extra}");
+    let mut text = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n{extra}"
+    );
     let store = tempfile::tempdir().unwrap();
     if !extra.contains("[store]") {
         text = format!("[store]\npath = \"{}\"\n{text}", store.path().display());
     }
-    let mut nackd = start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await;
+    let mut nackd =
+        start_with(Config::parse(&text, Path::new("test.toml")).expect("test config")).await;
     nackd.store = Some(store);
     nackd
 }
@@ -90,7 +98,14 @@ pub async fn start_with(mut config: Config) -> Nackd {
     let (addr, metrics, reloader) = (proxy.local_addr(), proxy.metrics_addr(), proxy.reloader());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(proxy.run(shutdown.clone()));
-    Nackd { addr, metrics, reloader, store: None, shutdown, task }
+    Nackd {
+        addr,
+        metrics,
+        reloader,
+        store: None,
+        shutdown,
+        task,
+    }
 }
 
 pub async fn connect(uri: &str) -> Connection {
@@ -112,7 +127,11 @@ pub fn unique(prefix: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .subsec_nanos();
-    format!("nackd-test-{prefix}-{}-{nanos}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "nackd-test-{prefix}-{}-{nanos}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Waits for `f` to become true, polling; panics with `what` after `limit`.

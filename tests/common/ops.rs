@@ -13,14 +13,22 @@ pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
 
 /// Any call, with an optional bearer token.
 pub async fn call(addr: SocketAddr, method: &str, path: &str, token: Option<&str>) -> HttpResponse {
-    client::request(&addr.to_string(), method, path, token).await.unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    client::request(&addr.to_string(), method, path, token)
+        .await
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
 /// The JSON body of a call that must answer 200.
-pub async fn json(addr: SocketAddr, method: &str, path: &str, token: Option<&str>) -> serde_json::Value {
+pub async fn json(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> serde_json::Value {
     let r = call(addr, method, path, token).await;
     assert_eq!(r.status, 200, "{method} {path}: {}", r.body);
-    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {}", r.body))
+    serde_json::from_str(&r.body)
+        .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {}", r.body))
 }
 
 /// `?queue=Q` (encoded) for the admin API.
@@ -37,13 +45,21 @@ pub struct Scrape(BTreeMap<String, Vec<(Labels, f64)>>);
 impl Scrape {
     /// The value of `name` with exactly these labels (0 when absent).
     pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let want: Labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        self.0.get(name).and_then(|series| series.iter().find(|(l, _)| *l == want)).map_or(0.0, |(_, v)| *v)
+        let want: Labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.0
+            .get(name)
+            .and_then(|series| series.iter().find(|(l, _)| *l == want))
+            .map_or(0.0, |(_, v)| *v)
     }
 
     /// The sum of `name` over every label set (0 when absent).
     pub fn sum(&self, name: &str) -> f64 {
-        self.0.get(name).map_or(0.0, |series| series.iter().map(|(_, v)| v).sum())
+        self.0
+            .get(name)
+            .map_or(0.0, |series| series.iter().map(|(_, v)| v).sum())
     }
 
     /// Whether a series `name` exists at all.
@@ -62,11 +78,18 @@ pub async fn scrape(addr: SocketAddr) -> Scrape {
 /// Parses Prometheus / OpenMetrics text (enough for nackd's own output).
 pub fn parse(text: &str) -> Scrape {
     let mut scrape = Scrape::default();
-    for line in text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
         let value: f64 = match value {
             "+Inf" => f64::INFINITY,
-            v => v.parse().unwrap_or_else(|_| panic!("bad value in {line:?}")),
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value in {line:?}")),
         };
         let (name, labels) = match series.split_once('{') {
             None => (series.to_string(), BTreeMap::new()),

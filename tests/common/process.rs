@@ -25,7 +25,14 @@ impl Process {
         let mut child = Command::new(NACKD)
             .arg("--config")
             .arg(config)
-            .args(["--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--log-format", "json"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+            ])
             .env("NACKD_LOG", "info")
             .stderr(Stdio::piped())
             .spawn()
@@ -37,7 +44,10 @@ impl Process {
                 if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
                     if v["fields"]["message"] == "listening" {
                         let fields = &v["fields"];
-                        let _ = tx.send((fields["address"].as_str().unwrap().to_string(), fields["metrics"].as_str().unwrap().to_string()));
+                        let _ = tx.send((
+                            fields["address"].as_str().unwrap().to_string(),
+                            fields["metrics"].as_str().unwrap().to_string(),
+                        ));
                     }
                 }
                 if std::env::var_os("NACKD_TEST_ECHO").is_some() {
@@ -45,8 +55,14 @@ impl Process {
                 }
             }
         });
-        let (addr, metrics) = rx.recv_timeout(Duration::from_secs(30)).expect("nackd listening");
-        Self { child, addr: addr.parse().unwrap(), metrics: metrics.parse().unwrap() }
+        let (addr, metrics) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("nackd listening");
+        Self {
+            child,
+            addr: addr.parse().unwrap(),
+            metrics: metrics.parse().unwrap(),
+        }
     }
 
     pub fn kill9(mut self) {

@@ -32,7 +32,10 @@ pub enum Ending {
 impl RawClient {
     pub async fn connect(addr: SocketAddr) -> Self {
         let stream = TcpStream::connect(addr).await.unwrap();
-        Self { stream, buf: BytesMut::new() }
+        Self {
+            stream,
+            buf: BytesMut::new(),
+        }
     }
 
     pub async fn send(&mut self, bytes: &[u8]) {
@@ -43,10 +46,15 @@ impl RawClient {
     pub async fn frame(&mut self) -> Option<Frame> {
         let decoder = FrameDecoder::new(u32::MAX);
         loop {
-            if let Some(frame) = decoder.decode(&mut self.buf).expect("server sent a valid frame") {
+            if let Some(frame) = decoder
+                .decode(&mut self.buf)
+                .expect("server sent a valid frame")
+            {
                 return Some(frame);
             }
-            match tokio::time::timeout(Duration::from_secs(10), self.stream.read_buf(&mut self.buf)).await {
+            match tokio::time::timeout(Duration::from_secs(10), self.stream.read_buf(&mut self.buf))
+                .await
+            {
                 Ok(Ok(0)) | Ok(Err(_)) => return None,
                 Ok(Ok(_)) => {}
                 Err(_) => panic!("no frame from the server in 10 s"),
@@ -88,12 +96,13 @@ impl RawClient {
     /// A full handshake as guest on `/` with the given tune values.
     pub async fn open(addr: SocketAddr, frame_max: u32, heartbeat: u16) -> Self {
         let mut client = Self::start(addr).await;
-        let start_ok = AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-            client_properties: FieldTable::default(),
-            mechanism: "PLAIN".into(),
-            response: LongString::from("\0guest\0guest"),
-            locale: "en_US".into(),
-        }));
+        let start_ok =
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: FieldTable::default(),
+                mechanism: "PLAIN".into(),
+                response: LongString::from("\0guest\0guest"),
+                locale: "en_US".into(),
+            }));
         client.send(&method::encode(0, &start_ok)).await;
         match client.method().await {
             Some(AMQPClass::Connection(connection::AMQPMethod::Tune(_))) => {}
@@ -105,7 +114,9 @@ impl RawClient {
             heartbeat,
         }));
         client.send(&method::encode(0, &tune_ok)).await;
-        let open = AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open { virtual_host: "/".into() }));
+        let open = AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: "/".into(),
+        }));
         client.send(&method::encode(0, &open)).await;
         match client.method().await {
             Some(AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))) => client,

@@ -28,7 +28,10 @@ fn puts_survive_reopen_and_deletes_stick() {
         }
         log.sync().unwrap();
         let reader = log.reader();
-        assert_eq!(reader.read(locs[2]).unwrap().body, Bytes::from(vec![3u8; 100]));
+        assert_eq!(
+            reader.read(locs[2]).unwrap().body,
+            Bytes::from(vec![3u8; 100])
+        );
         for id in [2u64, 4, 6] {
             log.del(id, locs[id as usize - 1]);
         }
@@ -42,8 +45,14 @@ fn puts_survive_reopen_and_deletes_stick() {
     let back = log.reader().read(loc).unwrap();
     assert_eq!((back.id, back.due_ms), (id, due));
     let meta = rec.meta[0];
-    assert_eq!((meta.retry, meta.size as usize, meta.dead_letter), (back.retry, back.size(), false));
-    assert_eq!(rec.queues[meta.queue as usize], (back.vhost.clone(), back.queue.clone()));
+    assert_eq!(
+        (meta.retry, meta.size as usize, meta.dead_letter),
+        (back.retry, back.size(), false)
+    );
+    assert_eq!(
+        rec.queues[meta.queue as usize],
+        (back.vhost.clone(), back.queue.clone())
+    );
     assert_eq!(rec.meta.len(), rec.held.len());
 }
 
@@ -61,7 +70,11 @@ fn a_segment_is_deleted_when_nothing_in_it_is_held() {
     log.del(1, a);
     log.del(2, b);
     log.sync().unwrap();
-    assert_eq!(segment_numbers(dir.path()).unwrap(), vec![c.segment], "space reclaimed");
+    assert_eq!(
+        segment_numbers(dir.path()).unwrap(),
+        vec![c.segment],
+        "space reclaimed"
+    );
     assert!(log.bytes() < SEGMENT_BYTES);
 }
 
@@ -81,10 +94,16 @@ fn corrupt_or_torn_tail_keeps_everything_before_it() {
     bytes[n - 3] ^= 0xff; // damage the last record
     std::fs::write(&seg, &bytes).unwrap();
     let (_, rec) = Log::open(dir.path(), None).unwrap();
-    assert_eq!(rec.held.iter().map(|h| h.0).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    assert_eq!(
+        rec.held.iter().map(|h| h.0).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
     assert_eq!(rec.damaged, 1);
     // A torn write: half a record at the end of the newest segment.
-    let newest = segment_path(dir.path(), *segment_numbers(dir.path()).unwrap().last().unwrap());
+    let newest = segment_path(
+        dir.path(),
+        *segment_numbers(dir.path()).unwrap().last().unwrap(),
+    );
     let half = record::encode_put(&held(9, 9, 50));
     std::fs::write(&newest, &half[..half.len() / 2]).unwrap();
     let (_, rec) = Log::open(dir.path(), None).unwrap();
@@ -97,7 +116,10 @@ fn max_bytes_refuses_puts_and_a_second_opener_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (mut log, _) = Log::open(dir.path(), Some(1000)).unwrap();
     log.put(&held(1, 1, 500), None).unwrap();
-    assert!(matches!(log.put(&held(2, 2, 500), None), Err(StoreError::Full(_))));
+    assert!(matches!(
+        log.put(&held(2, 2, 500), None),
+        Err(StoreError::Full(_))
+    ));
     assert!(Log::open(dir.path(), None).is_err(), "locked by the first");
 }
 
@@ -108,7 +130,10 @@ fn a_reroute_supersedes_the_old_record() {
         let (mut log, _) = Log::open(dir.path(), None).unwrap();
         let first = log.put(&held(1, 1, 10), None).unwrap();
         let mut moved = held(1, 1, 10);
-        moved.route = Route::Exchange { exchange: "dlx".into(), routing_key: "k".into() };
+        moved.route = Route::Exchange {
+            exchange: "dlx".into(),
+            routing_key: "k".into(),
+        };
         log.put(&moved, Some(first)).unwrap();
         log.sync().unwrap();
     }
