@@ -79,6 +79,11 @@ impl Frame {
         self.raw.slice(HEADER_LEN..self.raw.len() - 1)
     }
 
+    /// The payload as a slice, without taking a reference on the buffer.
+    pub fn payload_slice(&self) -> &[u8] {
+        &self.raw[HEADER_LEN..self.raw.len() - 1]
+    }
+
     /// Builds a frame around `payload` (used by the encoder and by tests).
     pub fn new(kind: FrameType, channel: u16, payload: &[u8]) -> Self {
         let mut raw = BytesMut::with_capacity(payload.len() + FRAME_OVERHEAD);

@@ -24,6 +24,7 @@ use crate::reply::ReplyCode;
 
 mod client;
 mod close;
+mod frames;
 mod intercepting;
 mod lifecycle;
 mod upstream;
@@ -178,7 +179,7 @@ impl Session {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut client_flush, mut upstream_flush) = (false, false);
         // Frames the client sent along with its protocol header.
-        self.on_client_bytes();
+        self.on_bytes(frames::Peer::Client);
         while !self.close.finished(Instant::now()) {
             reserve(&mut self.client_in);
             reserve(&mut self.upstream_in);
@@ -189,7 +190,7 @@ impl Session {
                     Ok(n) if n > 0 => {
                         self.client_rx = Instant::now();
                         self.metrics.bytes.to_upstream.inc_by(n as u64);
-                        self.on_client_bytes()
+                        self.on_bytes(frames::Peer::Client)
                     }
                     r => self.on_client_gone(r.err()),
                 },
@@ -197,7 +198,7 @@ impl Session {
                     Ok(n) if n > 0 => {
                         self.upstream_rx = Instant::now();
                         self.metrics.bytes.to_client.inc_by(n as u64);
-                        self.on_upstream_bytes()
+                        self.on_bytes(frames::Peer::Upstream)
                     }
                     r => self.on_upstream_gone(r.err()),
                 },

@@ -1,40 +1,11 @@
 //! Frames from the client: tracking, settles, the handshake's tune-ok.
 
+use super::frames::Peer;
 use super::*;
 
 impl Session {
-    /// Handles every whole frame the client sent; counts them once per read.
-    pub(super) fn on_client_bytes(&mut self) {
-        let mut frames = 0;
-        loop {
-            match self.client_decoder.decode(&mut self.client_in) {
-                Ok(Some(frame)) => {
-                    frames += 1;
-                    if let Err(fault) = self.on_client_frame(frame) {
-                        self.on_client_fault(fault);
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(fault) => {
-                    self.on_client_fault(fault);
-                    break;
-                }
-            }
-        }
-        self.metrics.frames.to_upstream.inc_by(frames);
-    }
-
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
-        let span = match frame.channel {
-            0 => tracing::Span::none(),
-            id => self
-                .channels
-                .get(id)
-                .span
-                .clone()
-                .unwrap_or_else(tracing::Span::none),
-        };
+        let span = self.channel_span(frame.channel);
         let _in_channel = span.enter();
         if self.close.client_failed {
             return self.on_failed_client_frame(&frame);
@@ -45,37 +16,21 @@ impl Session {
                 max: self.channel_max,
             });
         }
-        match frame.kind {
-            FrameType::Heartbeat => {}
-            FrameType::Method => {
-                let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
-                let id = MethodId::peek(payload)?;
-                if frame.channel != 0 {
-                    self.channels
-                        .get(frame.channel)
-                        .publishing
-                        .advance(&frame, Some(id))?;
-                }
-                if let Some(class) = method::decode(payload)? {
-                    if !self.on_client_method(frame.channel, &class) {
-                        return Ok(());
-                    }
-                }
+        if let Some(class) = self.inspect(Peer::Client, &frame)? {
+            if !self.on_client_method(frame.channel, &class) {
+                return Ok(());
             }
-            FrameType::Header | FrameType::Body if frame.channel == 0 => {
-                return Err(FrameError::Unexpected("content frame on channel 0"));
-            }
-            FrameType::Header | FrameType::Body => {
-                let channel = self.channels.get(frame.channel);
-                channel.publishing.advance(&frame, None)?;
-                if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
-                    let deferred = std::mem::take(&mut channel.deferred);
-                    self.emit_upstream(&frame.raw);
-                    for ack in deferred {
-                        self.to_upstream.extend_from_slice(&ack);
-                    }
-                    return Ok(());
+        }
+        // An ack that waited for this publish to end goes right after it.
+        if matches!(frame.kind, FrameType::Header | FrameType::Body) {
+            let channel = self.channels.get(frame.channel);
+            if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
+                let deferred = std::mem::take(&mut channel.deferred);
+                self.emit_upstream(&frame.raw);
+                for ack in deferred {
+                    self.to_upstream.extend_from_slice(&ack);
                 }
+                return Ok(());
             }
         }
         self.emit_upstream(&frame.raw);

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 use super::Session;
 use crate::channel::Delivery;
 use crate::config::OnExhausted;
-use crate::frame::{self, Frame, FrameType};
+use crate::frame::{Frame, FrameType};
 use crate::headers::{self, Retry};
 use crate::intercept::{self, Budget, Capturing, Settle};
 use crate::method;
@@ -124,7 +124,7 @@ impl Session {
         let Some(capturing) = channel.capturing.as_mut() else {
             return;
         };
-        let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
+        let payload = frame.payload_slice();
         match frame.kind {
             FrameType::Header => {
                 let size = crate::content::body_size(payload).unwrap_or(0);

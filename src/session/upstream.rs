@@ -1,68 +1,19 @@
 //! Frames from the broker: tracking, capture of deliveries, tune capping.
 
+use super::frames::Peer;
 use super::*;
 
 impl Session {
-    /// Handles every whole frame the broker sent; counts them once per read.
-    pub(super) fn on_upstream_bytes(&mut self) {
-        let mut frames = 0;
-        loop {
-            match self.upstream_decoder.decode(&mut self.upstream_in) {
-                Ok(Some(frame)) => {
-                    frames += 1;
-                    if let Err(fault) = self.on_upstream_frame(frame) {
-                        self.on_upstream_fault(fault);
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(fault) => {
-                    self.on_upstream_fault(fault);
-                    break;
-                }
+    pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
+        let span = self.channel_span(frame.channel);
+        let _in_channel = span.enter();
+        if let Some(class) = self.inspect(Peer::Upstream, &frame)? {
+            if !self.on_upstream_method(frame.channel, &class) {
+                return Ok(());
             }
         }
-        self.metrics.frames.to_client.inc_by(frames);
-    }
-
-    pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
-        let span = match frame.channel {
-            0 => tracing::Span::none(),
-            id => self
-                .channels
-                .get(id)
-                .span
-                .clone()
-                .unwrap_or_else(tracing::Span::none),
-        };
-        let _in_channel = span.enter();
-        match frame.kind {
-            FrameType::Heartbeat => {}
-            FrameType::Method => {
-                let payload = &frame.raw[frame::HEADER_LEN..frame.raw.len() - 1];
-                let id = MethodId::peek(payload)?;
-                if frame.channel != 0 {
-                    self.channels
-                        .get(frame.channel)
-                        .delivering
-                        .advance(&frame, Some(id))?;
-                }
-                if let Some(class) = method::decode(payload)? {
-                    if !self.on_upstream_method(frame.channel, &class) {
-                        return Ok(());
-                    }
-                }
-            }
-            FrameType::Header | FrameType::Body if frame.channel == 0 => {
-                return Err(FrameError::Unexpected("content frame on channel 0"));
-            }
-            FrameType::Header | FrameType::Body => {
-                self.channels
-                    .get(frame.channel)
-                    .delivering
-                    .advance(&frame, None)?;
-                self.capture_content(&frame);
-            }
+        if matches!(frame.kind, FrameType::Header | FrameType::Body) {
+            self.capture_content(&frame);
         }
         if !self.close.client_failed {
             self.to_client.extend_from_slice(&frame.raw);
