@@ -268,6 +268,28 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
     delete(&check, &[&email, &webhook]).await;
 }
 
+/// Declares exchange `x` of `kind` and a queue bound to it with `key`.
+async fn dead_letter_queue(ch: &Channel, x: &str, kind: ExchangeKind, q: &str, key: &str) {
+    ch.exchange_declare(
+        x.into(),
+        kind,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    queue(ch, q, FieldTable::default()).await;
+    ch.queue_bind(
+        q.into(),
+        x.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
 async fn nack_until_gone(consumer: &mut Consumer, reject: bool) -> usize {
     let mut seen = 0;
     while let Some(d) = next(consumer, Duration::from_secs(3)).await {
@@ -302,24 +324,7 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    queue(&ch, &dlq, FieldTable::default()).await;
-    ch.queue_bind(
-        dlq.as_str().into(),
-        dlx.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    dead_letter_queue(&ch, &dlx, ExchangeKind::Fanout, &dlq, "").await;
     let mut args = FieldTable::default();
     args.insert(
         "x-dead-letter-exchange".into(),
@@ -360,24 +365,7 @@ async fn exhausted_schedule_goes_to_the_configured_dead_letter_exchange() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    queue(&ch, &dlq, FieldTable::default()).await;
-    ch.queue_bind(
-        dlq.as_str().into(),
-        dlx.as_str().into(),
-        "dead".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    dead_letter_queue(&ch, &dlx, ExchangeKind::Direct, &dlq, "dead").await;
     queue(&ch, &q, FieldTable::default()).await;
     publish(&ch, "", &q, b"to the dlx", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
