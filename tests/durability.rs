@@ -12,20 +12,8 @@ use common::process::{Process, NACKD};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::BasicProperties;
-
-fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get("x-retry-count"))
-    {
-        Some(AMQPValue::LongLongInt(n)) => *n,
-        _ => 0,
-    }
-}
 
 fn config(dir: &std::path::Path, queue: &str, delays: &str, extra: &str) -> std::path::PathBuf {
     let path = dir.join("nackd.toml");

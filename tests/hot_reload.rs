@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 use common::ops::{json, scrape};
 use common::process::{Process, NACKD};
 use common::*;
-use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Consumer};
+use lapin::types::FieldTable;
+use lapin::Consumer;
 
 const TOKEN: &str = "hot-reload-token-0123456789";
 
@@ -35,39 +34,6 @@ fn hup(nackd: &Process) {
         .status()
         .unwrap()
         .success());
-}
-
-async fn publish(ch: &Channel, q: &str, body: &[u8]) {
-    ch.basic_publish(
-        "".into(),
-        q.into(),
-        BasicPublishOptions::default(),
-        body,
-        BasicProperties::default(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
-}
-
-async fn next(c: &mut Consumer, within: Duration) -> Option<lapin::message::Delivery> {
-    match tokio::time::timeout(within, c.next()).await {
-        Ok(Some(d)) => Some(d.unwrap()),
-        _ => None,
-    }
-}
-
-fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get("x-retry-count"))
-    {
-        Some(AMQPValue::LongLongInt(n)) => *n,
-        _ => 0,
-    }
 }
 
 async fn wait_reloads(nackd: &Process, result: &str, n: f64) {

@@ -10,68 +10,15 @@ use common::ops::{call, get, json, scrape};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Consumer};
+use lapin::types::FieldTable;
+use lapin::Consumer;
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
-async fn declare(ch: &Channel, q: &str) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
-
-async fn publish(ch: &Channel, q: &str, body: &[u8]) {
-    ch.basic_publish(
-        "".into(),
-        q.into(),
-        BasicPublishOptions::default(),
-        body,
-        BasicProperties::default(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
-}
-
-async fn consume(ch: &Channel, q: &str) -> Consumer {
-    ch.basic_qos(20, BasicQosOptions::default()).await.unwrap();
-    ch.basic_consume(
-        q.into(),
-        "".into(),
-        BasicConsumeOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-}
-
-async fn next(c: &mut Consumer) -> lapin::message::Delivery {
-    tokio::time::timeout(Duration::from_secs(10), c.next())
+async fn next_in_10s(c: &mut Consumer) -> lapin::message::Delivery {
+    next(c, Duration::from_secs(10))
         .await
         .expect("a delivery in 10 s")
-        .unwrap()
-        .unwrap()
-}
-
-fn retry_count(d: &lapin::message::Delivery) -> i64 {
-    match d
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get("x-retry-count"))
-    {
-        Some(AMQPValue::LongLongInt(n)) => *n,
-        _ => 0,
-    }
 }
 
 fn nack() -> BasicNackOptions {
@@ -121,8 +68,8 @@ async fn metrics_move_exactly_as_the_traffic_did() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    declare(&ch, &q).await;
-    declare(&ch, &plain).await;
+    declare_durable(&ch, &q).await;
+    declare_durable(&ch, &plain).await;
     for i in 0..5u8 {
         publish(&ch, &q, &[i; 100]).await;
     }
@@ -135,13 +82,13 @@ async fn metrics_move_exactly_as_the_traffic_did() {
     assert!(s.get("nackd_frames_total", &[("direction", "to_upstream")]) > 0.0);
     assert!(s.get("nackd_proxied_bytes_total", &[("direction", "to_client")]) > 0.0);
 
-    let mut held_c = consume(&ch, &q).await;
-    let mut plain_c = consume(&conn.create_channel().await.unwrap(), &plain).await;
+    let mut held_c = consume(&ch, &q, Some(20)).await;
+    let mut plain_c = consume(&conn.create_channel().await.unwrap(), &plain, Some(20)).await;
     for _ in 0..5 {
-        next(&mut held_c).await.nack(nack()).await.unwrap();
+        next_in_10s(&mut held_c).await.nack(nack()).await.unwrap();
     }
     for _ in 0..2 {
-        next(&mut plain_c).await.nack(nack()).await.unwrap();
+        next_in_10s(&mut plain_c).await.nack(nack()).await.unwrap();
     }
     let held = [("vhost", "/"), ("queue", q.as_str())];
     let s = until(&nackd, "5 held", |s| {
@@ -164,7 +111,7 @@ async fn metrics_move_exactly_as_the_traffic_did() {
     assert!(s.get("nackd_store_bytes", &[]) > 500.0);
 
     for _ in 0..5 {
-        let d = next(&mut held_c).await;
+        let d = next_in_10s(&mut held_c).await;
         assert_eq!(retry_count(&d), 1);
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
@@ -302,13 +249,13 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    declare(&ch, &q).await;
+    declare_durable(&ch, &q).await;
     for body in [b"warm-up", b"fire-me", b"purge-1"] {
         publish(&ch, &q, body).await;
     }
-    let mut c = consume(&ch, &q).await;
+    let mut c = consume(&ch, &q, Some(20)).await;
     for _ in 0..3 {
-        next(&mut c).await.nack(nack()).await.unwrap();
+        next_in_10s(&mut c).await.nack(nack()).await.unwrap();
     }
     until(&nackd, "3 held", |s| s.sum("nackd_held_messages") == 3.0).await;
 
@@ -373,7 +320,7 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     )
     .await;
     assert_eq!(fired, serde_json::json!({ "fired": 1 }));
-    let d = next(&mut c).await;
+    let d = next_in_10s(&mut c).await;
     assert_eq!(&*d.data, b"warm-up");
     d.ack(BasicAckOptions::default()).await.unwrap();
 
@@ -385,7 +332,7 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
         Some(TOKEN),
     )
     .await;
-    let d = next(&mut c).await;
+    let d = next_in_10s(&mut c).await;
     let took = asked.elapsed();
     assert_eq!(&*d.data, b"fire-me");
     assert!(
@@ -467,18 +414,18 @@ async fn every_pass_through_reason_is_counted() {
         .await
         .unwrap();
     for q in [&tx_q, &pass_q] {
-        declare(&ch, q).await;
+        declare_durable(&ch, q).await;
         publish(&ch, q, b"m").await;
     }
     // A transacted channel: never intercepted.
     let tx = conn.create_channel().await.unwrap();
     tx.tx_select().await.unwrap();
-    let mut c = consume(&tx, &tx_q).await;
-    next(&mut c).await.nack(nack()).await.unwrap();
+    let mut c = consume(&tx, &tx_q, Some(20)).await;
+    next_in_10s(&mut c).await.nack(nack()).await.unwrap();
     tx.tx_commit().await.unwrap();
     // requeue = "pass": a requeue=true nack goes to the broker.
-    let mut c = consume(&conn.create_channel().await.unwrap(), &pass_q).await;
-    next(&mut c)
+    let mut c = consume(&conn.create_channel().await.unwrap(), &pass_q, Some(20)).await;
+    next_in_10s(&mut c)
         .await
         .nack(BasicNackOptions {
             requeue: true,
@@ -511,10 +458,10 @@ async fn every_pass_through_reason_is_counted() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    declare(&ch, &big_q).await;
+    declare_durable(&ch, &big_q).await;
     publish(&ch, &big_q, &[7u8; 1000]).await;
-    let mut c = consume(&ch, &big_q).await;
-    let d = next(&mut c).await;
+    let mut c = consume(&ch, &big_q, Some(20)).await;
+    let d = next_in_10s(&mut c).await;
     d.nack(nack()).await.unwrap();
     let s = until(&nackd, "an over-budget pass", |s| {
         s.sum("nackd_nacks_passed_total") == 1.0

@@ -30,20 +30,6 @@ async fn cleanup(ch: &Channel, name: &str) {
         .await;
 }
 
-async fn publish(ch: &Channel, queue: &str, body: &[u8]) -> Confirmation {
-    ch.basic_publish(
-        "".into(),
-        queue.into(),
-        BasicPublishOptions::default(),
-        body,
-        BasicProperties::default(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap()
-}
-
 async fn consume_n(ch: &Channel, queue: &str, n: usize) -> Vec<Vec<u8>> {
     let mut consumer = ch
         .basic_consume(

@@ -6,7 +6,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
@@ -45,25 +44,6 @@ async fn publish(ch: &Channel, exchange: &str, key: &str, body: &[u8], props: Ba
     .unwrap()
     .await
     .unwrap();
-}
-
-async fn consume(ch: &Channel, queue: &str) -> Consumer {
-    ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
-    ch.basic_consume(
-        queue.into(),
-        "".into(),
-        BasicConsumeOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-}
-
-async fn next(consumer: &mut Consumer, within: Duration) -> Option<Delivery> {
-    match tokio::time::timeout(within, consumer.next()).await {
-        Ok(Some(d)) => Some(d.unwrap()),
-        _ => None,
-    }
 }
 
 fn header<'a>(d: &'a Delivery, key: &str) -> Option<&'a AMQPValue> {
@@ -157,8 +137,8 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
     }
     let email_ch = conn.create_channel().await.unwrap();
     let webhook_ch = conn.create_channel().await.unwrap();
-    let mut email_c = consume(&email_ch, &email).await;
-    let mut webhook_c = consume(&webhook_ch, &webhook).await;
+    let mut email_c = consume(&email_ch, &email, Some(10)).await;
+    let mut webhook_c = consume(&webhook_ch, &webhook, Some(10)).await;
     publish(
         &setup,
         &fanout,
@@ -333,7 +313,7 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     queue(&ch, &q, args).await;
     publish(&ch, "", &q, b"doomed", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&consumer_ch, &q).await;
+    let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     // basic.reject this time: 1 delivery + 2 retries, then the queue's DLX.
     assert_eq!(nack_until_gone(&mut consumer, true).await, 3);
     let dead = ch
@@ -369,7 +349,7 @@ async fn exhausted_schedule_goes_to_the_configured_dead_letter_exchange() {
     queue(&ch, &q, FieldTable::default()).await;
     publish(&ch, "", &q, b"to the dlx", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&consumer_ch, &q).await;
+    let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     assert_eq!(nack_until_gone(&mut consumer, false).await, 2);
     let mut dead = None;
     for _ in 0..100 {
@@ -548,7 +528,7 @@ async fn quorum_queues_work_too() {
     queue(&ch, &q, args).await;
     publish(&ch, "", &q, b"q", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&consumer_ch, &q).await;
+    let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     for n in 0..3 {
         let d = next(&mut consumer, Duration::from_secs(5))
             .await
@@ -703,7 +683,7 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
         publish(&setup, "", &q, &[i], BasicProperties::default()).await;
     }
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&ch, &q).await;
+    let mut consumer = consume(&ch, &q, Some(10)).await;
     let mut last = 0;
     for _ in 0..10 {
         let d = next(&mut consumer, Duration::from_secs(5)).await.unwrap();
@@ -721,7 +701,7 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
     .unwrap();
     ch.close(200, "bye".into()).await.unwrap();
     let other = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&other, &q).await;
+    let mut consumer = consume(&other, &q, Some(10)).await;
     let mut seen = std::collections::HashMap::<u8, Vec<Option<i64>>>::new();
     while let Some(d) = next(&mut consumer, Duration::from_millis(800)).await {
         seen.entry(d.data[0]).or_default().push(retry_count(&d));

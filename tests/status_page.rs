@@ -14,8 +14,7 @@ use common::ops::{scrape, Scrape};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Consumer};
+use lapin::{BasicProperties, Consumer};
 
 const CHROMIUM: &str = "chromium";
 
@@ -98,30 +97,6 @@ fn tags_with<'a>(dom: &'a str, key: &str) -> Vec<&'a str> {
         .collect()
 }
 
-async fn declare(ch: &Channel, q: &str) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
-
-async fn consume(ch: &Channel, q: &str) -> Consumer {
-    ch.basic_consume(
-        q.into(),
-        "".into(),
-        BasicConsumeOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-}
-
 async fn nack_next(c: &mut Consumer) {
     let d = tokio::time::timeout(Duration::from_secs(10), c.next())
         .await
@@ -146,7 +121,7 @@ async fn traffic(nackd: &Nackd, queues: &[String; 4]) -> lapin::Connection {
         .await
         .unwrap();
     for (q, n) in [(hour, 3), (minute, 2), (short, 1), (plain, 1)] {
-        declare(&ch, q).await;
+        declare_durable(&ch, q).await;
         for i in 0..n {
             let body = format!("{q} #{i}").into_bytes();
             ch.basic_publish(
@@ -163,7 +138,7 @@ async fn traffic(nackd: &Nackd, queues: &[String; 4]) -> lapin::Connection {
         }
     }
     for (q, nacks) in [(hour, 3), (minute, 2), (short, 2), (plain, 1)] {
-        let mut c = consume(&conn.create_channel().await.unwrap(), q).await;
+        let mut c = consume(&conn.create_channel().await.unwrap(), q, None).await;
         for _ in 0..nacks {
             nack_next(&mut c).await;
         }

@@ -12,6 +12,10 @@ use nackd::config::Config;
 use nackd::server::Proxy;
 use tokio_util::sync::CancellationToken;
 
+#[allow(unused_imports)]
+pub use amqp::*;
+
+pub mod amqp;
 pub mod ops;
 pub mod process;
 pub mod raw;
