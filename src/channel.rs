@@ -164,9 +164,15 @@ impl Channel {
                     no_ack: g.no_ack,
                 });
             }
-            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => self.settle(a.delivery_tag, a.multiple),
-            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => self.settle(n.delivery_tag, n.multiple),
-            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => self.settle(r.delivery_tag, false),
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                self.take_covered(a.delivery_tag, a.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
+                self.take_covered(n.delivery_tag, n.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => {
+                self.take_covered(r.delivery_tag, false);
+            }
             AMQPClass::Basic(
                 basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
             ) => {
@@ -233,22 +239,8 @@ impl Channel {
         }
     }
 
-    /// Removes the deliveries an ack/nack/reject covers (`multiple` with tag
-    /// 0 means all of them, as in the spec).
-    fn settle(&mut self, tag: u64, multiple: bool) {
-        match (multiple, tag) {
-            (true, 0) => self.outstanding.clear(),
-            (true, tag) => {
-                let rest = self.outstanding.split_off(&(tag + 1));
-                self.outstanding = rest;
-            }
-            (false, tag) => {
-                self.outstanding.remove(&tag);
-            }
-        }
-    }
-
-    /// Removes and returns the deliveries a settle covers, in tag order.
+    /// Removes and returns the deliveries a settle covers, in tag order
+    /// (`multiple` with tag 0 means all of them, as in the spec).
     pub fn take_covered(&mut self, tag: u64, multiple: bool) -> Vec<(u64, Delivery)> {
         match (multiple, tag) {
             (true, 0) => std::mem::take(&mut self.outstanding).into_iter().collect(),
