@@ -79,18 +79,17 @@ async fn consumer(
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Ok(ch) = conn.create_channel().await else {
+        let Some(Ok(ch)) = bounded(conn.create_channel()).await else {
             continue;
         };
-        let _ = ch.basic_qos(50, BasicQosOptions::default()).await;
-        let Ok(mut deliveries) = ch
-            .basic_consume(
-                queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
+        let _ = bounded(ch.basic_qos(50, BasicQosOptions::default())).await;
+        let Some(Ok(mut deliveries)) = bounded(ch.basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        ))
+        .await
         else {
             continue;
         };
@@ -102,24 +101,30 @@ async fn consumer(
             };
             let Some(Ok(d)) = next else { break };
             let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
-            let result = if retry_count(&d) >= 2 {
-                let r = d.ack(BasicAckOptions::default()).await;
-                if r.is_ok() {
+            let settled = if retry_count(&d) >= 2 {
+                let r = bounded(d.ack(BasicAckOptions::default())).await;
+                if matches!(r, Some(Ok(_))) {
                     *acked.lock().unwrap().entry(id).or_default() += 1;
                 }
                 r
             } else {
-                d.nack(BasicNackOptions {
+                bounded(d.nack(BasicNackOptions {
                     requeue: false,
                     multiple: false,
-                })
+                }))
                 .await
             };
-            if result.is_err() {
+            if !matches!(settled, Some(Ok(_))) {
                 break;
             }
         }
     }
+}
+
+/// `f`, or `None` after 5 s: a lapin call on a connection whose nackd was
+/// just killed can wait forever, and the consumer must reconnect instead.
+async fn bounded<F: std::future::Future>(f: F) -> Option<F::Output> {
+    tokio::time::timeout(Duration::from_secs(5), f).await.ok()
 }
 
 /// Publishes straight to the broker at about `rate`/s until `stop`; returns the count.
@@ -163,7 +168,7 @@ async fn sigkill_under_nack_load_loses_nothing() {
     let (stop_publishing, stop_consuming) =
         (Arc::new(Mutex::new(false)), Arc::new(Mutex::new(false)));
     let producer = tokio::spawn(publisher(q.clone(), 300, stop_publishing.clone()));
-    let consumer_task = tokio::spawn(consumer(
+    let mut consumer_task = tokio::spawn(consumer(
         q.clone(),
         addr.clone(),
         acked.clone(),
@@ -198,7 +203,9 @@ async fn sigkill_under_nack_load_loses_nothing() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     *stop_consuming.lock().unwrap() = true;
-    let _ = consumer_task.await;
+    // The consumer checks `stop` at least every 5 s; never wait on it forever.
+    let _ = tokio::time::timeout(Duration::from_secs(15), &mut consumer_task).await;
+    consumer_task.abort();
     let acked = acked.lock().unwrap().clone();
     let missing: Vec<u32> = (0..n).filter(|i| !acked.contains_key(i)).collect();
     let duplicates: u32 = acked.values().map(|c| c - 1).sum();
