@@ -54,6 +54,9 @@ pub struct Config {
     /// Resource limits.
     #[serde(default)]
     pub limits: Limits,
+    /// Threads.
+    #[serde(default)]
+    pub runtime: Runtime,
     /// Retry policies, first match wins.
     #[serde(default, rename = "policy")]
     pub policies: Vec<PolicyConfig>,
@@ -247,6 +250,33 @@ fn check_token(token: &str) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `[runtime]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Runtime {
+    /// Threads that run client sessions (the frame pump). The retry engine
+    /// and the store writer have a thread each besides these.
+    #[serde(default = "default_worker_threads")]
+    pub worker_threads: usize,
+}
+
+/// One session thread: on a host shared with the broker, one thread finds
+/// more frames per wakeup than two (see bench/RESULTS.md).
+fn default_worker_threads() -> usize {
+    1
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Self {
+            worker_threads: default_worker_threads(),
+        }
+    }
+}
+
+/// Most session threads `runtime.worker_threads` accepts.
+pub const MAX_WORKER_THREADS: usize = 1024;
 
 /// `[limits]`
 #[derive(Clone, Debug, Deserialize)]
@@ -464,6 +494,12 @@ impl Config {
             return Err((
                 "limits.max_frame".into(),
                 format!("must be at least {}", crate::frame::FRAME_MIN_SIZE),
+            ));
+        }
+        if !(1..=MAX_WORKER_THREADS).contains(&self.runtime.worker_threads) {
+            return Err((
+                "runtime.worker_threads".into(),
+                format!("must be between 1 and {MAX_WORKER_THREADS}"),
             ));
         }
         if !self.upstream.address.contains(':') {

@@ -178,7 +178,12 @@ fn main() -> ExitCode {
     if let Some(metrics) = args.metrics {
         config.metrics.address = metrics;
     }
-    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.runtime.worker_threads)
+        .thread_name("nackd-worker")
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match runtime.block_on(run(config, args.config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

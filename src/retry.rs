@@ -188,7 +188,19 @@ pub fn spawn(
         );
         engine.wheel.insert(due, (id, 0));
     }
-    tokio::spawn(engine.run(rx, reports, written));
+    // The engine and its republishers get a thread of their own, so that
+    // timers fire and republishes go out on time however busy the session
+    // workers are, and sessions never queue behind republishing.
+    std::thread::Builder::new()
+        .name("nackd-retry".into())
+        .spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("the retry engine's runtime")
+                .block_on(engine.run(rx, reports, written));
+        })
+        .expect("spawn the retry engine's thread");
     RetryHandle { tx, reader }
 }
 

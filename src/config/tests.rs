@@ -21,6 +21,20 @@ fn empty_file_means_defaults() {
     assert_eq!(config.listen.address.port(), 5673);
     assert_eq!(config.limits.handshake_timeout, Duration::from_secs(10));
     assert!(config.policies.is_empty());
+    assert_eq!(config.runtime.worker_threads, 1);
+}
+
+#[test]
+fn worker_threads_are_bounded() {
+    let config = Config::parse("[runtime]\nworker_threads = 4\n", Path::new("x")).unwrap();
+    assert_eq!(config.runtime.worker_threads, 4);
+    let e = err("[runtime]\nworker_threads = 0\n");
+    assert!(
+        e.contains("runtime.worker_threads: must be between 1 and 1024"),
+        "{e}"
+    );
+    let e = err("[runtime]\nworker_threads = -2\n");
+    assert!(e.contains("runtime.worker_threads"), "{e}");
 }
 
 #[test]
