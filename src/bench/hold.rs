@@ -1,12 +1,16 @@
 //! `nackd-bench hold`: park many messages through nackd (1 KiB bodies, a long
 //! delay), then report the park rate, nackd's RSS, the store on disk, and the
 //! time nackd takes to serve again after a SIGKILL with all of them held.
+//! `nackd-bench restart` parks the same way, then SIGKILLs and restarts
+//! nackd several times.
 //!
 //! Every message is published to RabbitMQ, delivered through nackd to a lapin
 //! consumer that nacks it, stored by nackd and acked upstream; "parked" is
 //! read back from the store with `nackd store stats`.
 
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
@@ -14,6 +18,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
+use super::launcher::NackdProcess;
 use super::load::{close, connect, unique_queue};
 use super::machine::{load_average, Machine};
 use super::{print_header, BenchResult, Common, Targets};
@@ -34,6 +39,11 @@ pub struct Args {
     /// of the redeliveries (pick a `--delay` longer than parking takes).
     #[arg(long)]
     pub fire: bool,
+    /// Publish alongside parking, at most this many messages ahead of the
+    /// nacks, so RabbitMQ never holds the whole run (for 10 M); by default
+    /// all are published first.
+    #[arg(long)]
+    pub backlog: Option<u64>,
 }
 
 /// Reads a process's resident set size in bytes.
@@ -77,38 +87,121 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-/// Runs the scenario.
+/// Options of the restart scenario.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RestartArgs {
+    #[command(flatten)]
+    pub park: Args,
+    /// SIGKILL/restart cycles with everything held.
+    #[arg(long, default_value_t = 3)]
+    pub restarts: u32,
+}
+
+/// What parking left behind.
+struct Parking {
+    queue: String,
+    /// When each message (by id) was nacked.
+    nacked_at: Vec<Option<Instant>>,
+    admin: lapin::Connection,
+    admin_ch: lapin::Channel,
+}
+
+impl Parking {
+    async fn delete(self) {
+        let _ = self
+            .admin_ch
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        close(&self.admin).await;
+    }
+}
+
+/// Runs the hold scenario: park, one SIGKILL restart, optionally fire.
 pub async fn run(args: Args) -> BenchResult<()> {
+    let mut targets = start("hold", &args).await?;
+    let nackd = started(&mut targets)?;
+    let parking = park(&args, nackd).await?;
+    restart_once(nackd, args.count)?;
+    if args.fire {
+        let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
+        fire(
+            &nackd.addr().to_string(),
+            &parking.queue,
+            &parking.nacked_at,
+            delay,
+        )
+        .await?;
+    }
+    finish(targets, parking).await
+}
+
+/// Runs the restart scenario: park, then `--restarts` SIGKILL restarts.
+pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
+    let mut targets = start("restart", &args.park).await?;
+    let nackd = started(&mut targets)?;
+    let parking = park(&args.park, nackd).await?;
+    let mut listening = Vec::new();
+    for _ in 0..args.restarts {
+        listening.push(restart_once(nackd, args.park.count)?);
+    }
+    listening.sort();
+    if let Some(median) = listening.get(listening.len() / 2) {
+        println!(
+            "restart     median of {} SIGKILL restarts with {} held: listening after {:.2} s",
+            listening.len(),
+            args.park.count,
+            median.as_secs_f64()
+        );
+    }
+    finish(targets, parking).await
+}
+
+async fn start(scenario: &str, args: &Args) -> BenchResult<Targets> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
     let policy = format!(
         "[[policy]]\nqueues = [\"nackd-bench-hold-*\"]\ndelays = [\"{}\"]\n",
         args.delay
     );
-    let mut targets = Targets::start(common, &policy)?;
-    print_header("hold", common, &machine, &targets);
-    let Some(nackd) = targets.nackd.as_mut() else {
-        return Err(
-            "hold needs to start nackd itself (no --proxy): it reads its RSS and restarts it"
-                .into(),
-        );
-    };
-    let (binary, store, pid) = (nackd.binary().to_owned(), nackd.store_dir(), nackd.pid());
-    let rss_before = rss(pid);
-    let queue = unique_queue("hold");
-    let n = args.count;
+    let targets = Targets::start(common, &policy)?;
+    print_header(scenario, common, &machine, &targets);
+    Ok(targets)
+}
 
-    let admin = connect(&common.broker).await?;
-    let ch = admin.create_channel().await?;
-    let mut qargs = FieldTable::default();
-    qargs.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
-    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs)
-        .await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+fn started(targets: &mut Targets) -> BenchResult<&mut NackdProcess> {
+    targets.nackd.as_mut().ok_or_else(|| {
+        "this scenario needs to start nackd itself (no --proxy): it reads its RSS and restarts it"
+            .into()
+    })
+}
+
+async fn finish(mut targets: Targets, parking: Parking) -> BenchResult<()> {
+    parking.delete().await;
+    println!("load        average {} at the end", load_average());
+    if let Some(nackd) = targets.nackd.take() {
+        nackd.kill();
+    }
+    Ok(())
+}
+
+/// Publishes `--count` messages to RabbitMQ with confirms, `backlog` ahead
+/// of `nacked` at most (all at once without it).
+async fn publish(
+    ch: lapin::Channel,
+    queue: String,
+    n: u64,
+    nacked: Arc<AtomicU64>,
+    backlog: Option<u64>,
+) -> BenchResult<Duration> {
     let published = Instant::now();
     let mut body = vec![7u8; 1024];
     let mut confirms = Vec::with_capacity(1000);
     for id in 0..n {
+        if let Some(backlog) = backlog {
+            while id.saturating_sub(nacked.load(Ordering::Relaxed)) >= backlog {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
         body[..8].copy_from_slice(&id.to_be_bytes());
         confirms.push(
             ch.basic_publish(
@@ -129,10 +222,46 @@ pub async fn run(args: Args) -> BenchResult<()> {
     for c in confirms.drain(..) {
         c.await?;
     }
-    println!(
-        "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s",
-        published.elapsed().as_secs_f64()
-    );
+    Ok(published.elapsed())
+}
+
+/// Parks `--count` messages through nackd and prints the park rate, RSS
+/// and store size.
+async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
+    let (binary, store, pid) = (nackd.binary().to_owned(), nackd.store_dir(), nackd.pid());
+    let rss_before = rss(pid);
+    let queue = unique_queue("hold");
+    let n = args.count;
+
+    let admin = connect(&args.common.broker).await?;
+    let admin_ch = admin.create_channel().await?;
+    let mut qargs = FieldTable::default();
+    qargs.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
+    admin_ch
+        .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs)
+        .await?;
+    admin_ch
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let nacked_count = Arc::new(AtomicU64::new(0));
+    let publishing = tokio::spawn(publish(
+        admin_ch.clone(),
+        queue.clone(),
+        n,
+        nacked_count.clone(),
+        args.backlog,
+    ));
+    let publishing = match args.backlog {
+        None => {
+            let took = publishing.await.map_err(|e| e.to_string())??;
+            println!(
+                "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s, before parking",
+                took.as_secs_f64()
+            );
+            None
+        }
+        Some(_) => Some(publishing),
+    };
 
     let consumer = connect(&nackd.addr().to_string()).await?;
     let cch = consumer.create_channel().await?;
@@ -164,6 +293,14 @@ pub async fn run(args: Args) -> BenchResult<()> {
         })
         .await?;
         nacked += 1;
+        nacked_count.store(nacked, Ordering::Relaxed);
+    }
+    if let (Some(publishing), Some(backlog)) = (publishing, args.backlog) {
+        let took = publishing.await.map_err(|e| e.to_string())??;
+        println!(
+            "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s, alongside parking, at most {backlog} ahead of it",
+            took.as_secs_f64()
+        );
     }
     let first = first.unwrap_or_else(Instant::now);
     let nacks_done = first.elapsed();
@@ -196,35 +333,39 @@ pub async fn run(args: Args) -> BenchResult<()> {
         "store       {:.1} MiB on disk for {n} held (bodies on disk)",
         mib(dir_size(&store))
     );
+    Ok(Parking {
+        queue,
+        nacked_at,
+        admin,
+        admin_ch,
+    })
+}
 
+/// SIGKILLs nackd with `n` held and starts it on the same store; prints
+/// the time to listening (recovery and wheel rebuild come first), to a
+/// first AMQP connection through it, and what its recovery log line says.
+fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<Duration> {
     let to_listening = nackd.restart()?;
     let began = Instant::now();
-    let conn = connect(&nackd.addr().to_string()).await?;
+    let runtime = tokio::runtime::Handle::current();
+    let addr = nackd.addr().to_string();
+    let conn = tokio::task::block_in_place(|| runtime.block_on(connect(&addr)))?;
     let to_serving = to_listening + began.elapsed();
-    close(&conn).await;
+    tokio::task::block_in_place(|| runtime.block_on(close(&conn)));
     println!(
         "restart     SIGKILL with {n} held: listening (store recovered, wheel rebuilt) after {:.2} s, first AMQP connection through it after {:.2} s",
         to_listening.as_secs_f64(),
         to_serving.as_secs_f64()
     );
     println!(
-        "recovered   {} held after the restart; nackd RSS {:.1} MiB",
-        held(&binary, &store),
+        "recovered   {} held re-scheduled before listening (nackd's recovery log line), {} in the store; nackd RSS {:.1} MiB",
+        nackd
+            .recovered_held()
+            .map_or("?".to_string(), |h| h.to_string()),
+        held(nackd.binary(), &nackd.store_dir()),
         mib(rss(nackd.pid()))
     );
-    if args.fire {
-        let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
-        fire(&nackd.addr().to_string(), &queue, &nacked_at, delay).await?;
-    }
-    let _ = ch
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await;
-    close(&admin).await;
-    println!("load        average {} at the end", load_average());
-    if let Some(nackd) = targets.nackd.take() {
-        nackd.kill();
-    }
-    Ok(())
+    Ok(to_listening)
 }
 
 /// Consumes the redeliveries of the parked messages through nackd and

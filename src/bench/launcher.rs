@@ -208,6 +208,23 @@ impl NackdProcess {
         Ok(began.elapsed())
     }
 
+    /// `held` of the "store recovered" line in the current log: what the
+    /// recovery put back into the wheel before nackd listened.
+    pub fn recovered_held(&self) -> Option<u64> {
+        let file = File::open(self.log_path()).ok()?;
+        BufReader::new(file)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|line| {
+                let value: serde_json::Value = serde_json::from_str(&line).ok()?;
+                let fields = value.get("fields")?;
+                if fields.get("message")?.as_str()? != "store recovered" {
+                    return None;
+                }
+                fields.get("held")?.as_u64()
+            })
+    }
+
     /// Kills the process and waits for it; the temp directory goes with `self`.
     pub fn kill(mut self) {
         self.kill_now();

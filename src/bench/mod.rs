@@ -53,6 +53,8 @@ pub enum Scenario {
     Retry(retry::Args),
     /// Park many messages: park rate, RSS, store size, restart after SIGKILL.
     Hold(hold::Args),
+    /// Park N, then SIGKILL and restart nackd several times: time to serving.
+    Restart(hold::RestartArgs),
 }
 
 /// Options every scenario takes.
@@ -283,5 +285,6 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
         Scenario::Passthrough(args) => passthrough::run(args).await,
         Scenario::Retry(args) => retry::run(args).await,
         Scenario::Hold(args) => hold::run(args).await,
+        Scenario::Restart(args) => hold::run_restart(args).await,
     }
 }
