@@ -259,6 +259,21 @@ pub struct Runtime {
     /// and the store writer have a thread each besides these.
     #[serde(default = "default_worker_threads")]
     pub worker_threads: usize,
+    /// How Linux schedules the session threads.
+    #[serde(default)]
+    pub scheduling: Scheduling,
+}
+
+/// `runtime.scheduling`
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduling {
+    /// The kernel's default: a frame's arrival wakes nackd at once.
+    #[default]
+    Normal,
+    /// `SCHED_BATCH` (Linux): on a busy CPU nackd waits its turn instead of
+    /// preempting, and handles more frames per wakeup (see [`crate::sched`]).
+    Batch,
 }
 
 /// One session thread: on a host shared with the broker, one thread finds
@@ -271,6 +286,7 @@ impl Default for Runtime {
     fn default() -> Self {
         Self {
             worker_threads: default_worker_threads(),
+            scheduling: Scheduling::default(),
         }
     }
 }

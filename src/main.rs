@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
-use nackd::config::Config;
+use nackd::config::{Config, Scheduling};
 use nackd::ops::cli::Action;
 use nackd::reload::Reloader;
 use nackd::retry::Target;
@@ -178,9 +178,17 @@ fn main() -> ExitCode {
     if let Some(metrics) = args.metrics {
         config.metrics.address = metrics;
     }
+    let batch = config.runtime.scheduling == Scheduling::Batch;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.runtime.worker_threads)
         .thread_name("nackd-worker")
+        .on_thread_start(move || {
+            if batch {
+                if let Err(e) = nackd::sched::batch_current_thread() {
+                    tracing::warn!(error = %e, "runtime.scheduling = \"batch\" not applied");
+                }
+            }
+        })
         .enable_all()
         .build()
         .expect("tokio runtime");

@@ -1,5 +1,5 @@
 //! The `nackd` binary: configuration errors, `--check-config`, overrides,
-//! and a clean exit on SIGTERM.
+//! a clean exit on SIGTERM, and the threads `[runtime]` asks for.
 
 mod common;
 
@@ -120,5 +120,80 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
             "nackd did not exit on SIGTERM"
         );
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Linux scheduling policy (field 41 of /proc/PID/task/TID/stat) of each
+/// of `pid`'s threads, by thread name.
+fn thread_policies(pid: u32) -> Vec<(String, u32)> {
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        // Fields after the parenthesised name start at field 3.
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let policy = rest
+            .split_whitespace()
+            .nth(41 - 3)
+            .unwrap()
+            .parse()
+            .unwrap();
+        threads.push((name.trim().to_string(), policy));
+    }
+    threads
+}
+
+#[test]
+fn runtime_section_sets_session_threads_and_their_scheduling() {
+    common::require_broker();
+    const SCHED_OTHER: u32 = 0;
+    const SCHED_BATCH: u32 = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let base = format!(
+        "[upstream]\naddress = \"{}\"\n[store]\npath = {:?}\n[[policy]]\nqueues = [\"cli-sched\"]\ndelays = [\"1s\"]\n",
+        common::BROKER,
+        store.display().to_string()
+    );
+    for (runtime, workers, policy) in [
+        ("", 1, SCHED_OTHER),
+        (
+            "[runtime]\nworker_threads = 3\nscheduling = \"batch\"\n",
+            3,
+            SCHED_BATCH,
+        ),
+    ] {
+        let cfg = write(&dir, "n.toml", &format!("{base}{runtime}"));
+        let nackd = common::process::Process::start(&cfg);
+        // A new thread names itself and runs its start hook once it runs:
+        // give them a moment.
+        let began = Instant::now();
+        let wanted = |threads: &[(String, u32)]| {
+            let sessions: Vec<u32> = threads
+                .iter()
+                .filter(|(name, _)| name == "nackd-worker")
+                .map(|(_, p)| *p)
+                .collect();
+            // Tokio's blocking threads carry the same name and settings.
+            sessions.len() >= workers
+                && sessions.iter().all(|p| *p == policy)
+                // The retry engine keeps the default policy either way.
+                && threads.contains(&("nackd-retry".to_string(), SCHED_OTHER))
+        };
+        let mut threads = thread_policies(nackd.child.id());
+        while !wanted(&threads) && began.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+            threads = thread_policies(nackd.child.id());
+        }
+        assert!(wanted(&threads), "{runtime:?}: {threads:?}");
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+            assert!(conn.status().connected());
+            conn.close(200, "bye".into()).await.unwrap();
+        });
     }
 }

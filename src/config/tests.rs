@@ -38,6 +38,16 @@ fn worker_threads_are_bounded() {
 }
 
 #[test]
+fn scheduling_is_normal_or_batch() {
+    let default = Config::parse("", Path::new("x")).unwrap();
+    assert_eq!(default.runtime.scheduling, Scheduling::Normal);
+    let batch = Config::parse("[runtime]\nscheduling = \"batch\"\n", Path::new("x")).unwrap();
+    assert_eq!(batch.runtime.scheduling, Scheduling::Batch);
+    let e = err("[runtime]\nscheduling = \"fifo\"\n");
+    assert!(e.contains("runtime.scheduling"), "{e}");
+}
+
+#[test]
 fn errors_name_the_key() {
     let e = err("[listen]\naddress = \"nowhere\"\n");
     assert!(e.starts_with("nackd.toml: listen.address: "), "{e}");
