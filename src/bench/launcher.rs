@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 /// How long nackd gets to log "listening".
 const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// Time a restarted nackd gets to recover its store before listening: a
+/// 10 M-message store is 15 GB to read back.
+const RESTART_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Why nackd could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -105,13 +108,13 @@ impl NackdProcess {
             binary: binary.to_owned(),
             dir,
         };
-        process.addr = process.wait_listening()?;
+        process.addr = process.wait_listening(START_TIMEOUT)?;
         Ok(process)
     }
 
     /// Polls the log for the "listening" line; nackd logs to a file rather
     /// than a pipe so a long run can never block it on a full pipe.
-    fn wait_listening(&mut self) -> Result<SocketAddr, LaunchError> {
+    fn wait_listening(&mut self, timeout: Duration) -> Result<SocketAddr, LaunchError> {
         let began = Instant::now();
         loop {
             if let Some(addr) = listening_address(&self.log_path()) {
@@ -119,8 +122,8 @@ impl NackdProcess {
             }
             let reason = match self.child.try_wait() {
                 Ok(Some(status)) => format!("exited with {status}"),
-                _ if began.elapsed() > START_TIMEOUT => {
-                    format!("no \"listening\" line within {START_TIMEOUT:?}")
+                _ if began.elapsed() > timeout => {
+                    format!("no \"listening\" line within {timeout:?}")
                 }
                 _ => {
                     std::thread::sleep(Duration::from_millis(20));
@@ -204,7 +207,7 @@ impl NackdProcess {
             .stderr(log)
             .spawn()
             .map_err(io(format!("starting {}", self.binary.display())))?;
-        self.addr = self.wait_listening()?;
+        self.addr = self.wait_listening(RESTART_TIMEOUT)?;
         Ok(began.elapsed())
     }
 

@@ -76,6 +76,10 @@ pub struct Common {
     /// Rounds per side (direct, nackd, direct, nackd, ...).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// TOML appended to the config of the nackd this command starts, e.g.
+    /// a file holding a `[runtime]` table (printed in the header).
+    #[arg(long, value_name = "FILE")]
+    pub nackd_config: Option<std::path::PathBuf>,
 }
 
 impl Common {
@@ -129,7 +133,13 @@ impl Targets {
             None => {
                 let binary = NackdProcess::sibling_binary()?;
                 warn_if_stale(&binary);
-                Some(NackdProcess::start(&binary, &common.broker, extra)?)
+                let mut extra = extra.to_string();
+                if let Some(path) = &common.nackd_config {
+                    let more = std::fs::read_to_string(path)
+                        .map_err(|e| format!("--nackd-config {}: {e}", path.display()))?;
+                    extra = format!("{more}\n{extra}");
+                }
+                Some(NackdProcess::start(&binary, &common.broker, &extra)?)
             }
         };
         let proxy = common
@@ -257,6 +267,15 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
             n.addr()
         ),
         None => println!("nackd       already running at {}", targets.proxy),
+    }
+    if let (Some(path), Some(_)) = (&common.nackd_config, &targets.nackd) {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let settings: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .collect();
+        println!("nackd conf  {} ({})", path.display(), settings.join(" "));
     }
     if scenario == "passthrough" {
         println!(
