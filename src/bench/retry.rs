@@ -11,7 +11,8 @@
 //! the schedule, then acked. Lateness = actual delay − scheduled delay,
 //! measured by the consumer from its own nack/republish to the redelivery.
 //! The knee of a mechanism is the highest rate tried whose p99 lateness stays
-//! within `--knee-ms`.
+//! within `--knee-ms`, by the median of `--rounds` rounds; within a round the
+//! mechanisms take turns at each rate, so they share the machine's state.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -60,6 +61,21 @@ impl Mechanism {
     }
 }
 
+const MECHANISMS: [Mechanism; 3] = [
+    Mechanism::Nackd,
+    Mechanism::TtlQueuePerLevel,
+    Mechanism::PerMessageTtl,
+];
+
+/// One round of one mechanism at one rate, as printed.
+struct Run {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    early: usize,
+    complete: bool,
+}
+
 /// What one mechanism did at one rate.
 #[derive(Debug)]
 struct Outcome {
@@ -99,39 +115,75 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; knee = highest rate with p99 <= {} ms",
         args.delays, common.seconds, args.knee_ms
     );
-    println!("retry       mechanism             retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished");
+    let rounds = common.rounds.max(1);
+    println!(
+        "method      {rounds} rounds; each round runs every rate with the three mechanisms in turn; per mechanism and rate the median of the rounds' p50/p99 counts"
+    );
+    println!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished");
+    let mut runs: HashMap<(usize, u64), Vec<Run>> = HashMap::new();
+    for round in 1..=rounds {
+        for &rate in &args.rates {
+            for (m, mechanism) in MECHANISMS.iter().enumerate() {
+                let addr = match mechanism {
+                    Mechanism::Nackd => targets.proxy.to_string(),
+                    _ => targets.broker.clone(),
+                };
+                let o = one_rate(*mechanism, rate, &args, &targets.broker, &addr).await?;
+                let run = Run {
+                    p50: o.p(50.0),
+                    p99: o.p(99.0),
+                    max: o.lateness_us.iter().max().copied().unwrap_or(0) as f64 / 1000.0,
+                    early: o.early,
+                    complete: o.finished == o.published,
+                };
+                println!(
+                    "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>12.0}  {}/{}",
+                    mechanism.label(),
+                    round,
+                    rate,
+                    run.p50,
+                    run.p99,
+                    run.max,
+                    run.early,
+                    o.deliveries as f64 / o.seconds,
+                    o.finished,
+                    o.published
+                );
+                runs.entry((m, rate)).or_default().push(run);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    println!("median      mechanism             retries/s  p50 ms   p99 ms   max ms  early  all finished");
     let mut knees = Vec::new();
-    for mechanism in [
-        Mechanism::Nackd,
-        Mechanism::TtlQueuePerLevel,
-        Mechanism::PerMessageTtl,
-    ] {
+    for (m, mechanism) in MECHANISMS.iter().enumerate() {
         let mut knee = None;
         for &rate in &args.rates {
-            let addr = match mechanism {
-                Mechanism::Nackd => targets.proxy.to_string(),
-                _ => targets.broker.clone(),
+            let runs = &runs[&(m, rate)];
+            let median = |f: fn(&Run) -> f64| {
+                let mut v: Vec<f64> = runs.iter().map(f).collect();
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
             };
-            let o = one_rate(mechanism, rate, &args, &targets.broker, &addr).await?;
-            let max = o.lateness_us.iter().max().copied().unwrap_or(0) as f64 / 1000.0;
+            let (p50, p99) = (median(|r| r.p50), median(|r| r.p99));
+            let max = runs.iter().map(|r| r.max).fold(0.0, f64::max);
+            let early: usize = runs.iter().map(|r| r.early).sum();
+            let complete = runs.iter().all(|r| r.complete);
             println!(
-                "retry       {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>12.0}  {}/{}",
+                "median      {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {}",
                 mechanism.label(),
                 rate,
-                o.p(50.0),
-                o.p(99.0),
+                p50,
+                p99,
                 max,
-                o.early,
-                o.deliveries as f64 / o.seconds,
-                o.finished,
-                o.published
+                early,
+                if complete { "yes" } else { "no" }
             );
-            if o.p(99.0) <= args.knee_ms as f64 && o.early == 0 && o.finished == o.published {
+            if p99 <= args.knee_ms as f64 && early == 0 && complete {
                 knee = Some(rate);
             }
-            tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        knees.push((mechanism, knee));
+        knees.push((*mechanism, knee));
     }
     let describe = |k: Option<u64>| match k {
         Some(r) if Some(&r) == args.rates.last() => format!(">= {r} retries/s (every rate tried)"),
