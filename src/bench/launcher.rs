@@ -214,18 +214,9 @@ impl NackdProcess {
     /// `held` of the "store recovered" line in the current log: what the
     /// recovery put back into the wheel before nackd listened.
     pub fn recovered_held(&self) -> Option<u64> {
-        let file = File::open(self.log_path()).ok()?;
-        BufReader::new(file)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|line| {
-                let value: serde_json::Value = serde_json::from_str(&line).ok()?;
-                let fields = value.get("fields")?;
-                if fields.get("message")?.as_str()? != "store recovered" {
-                    return None;
-                }
-                fields.get("held")?.as_u64()
-            })
+        log_fields(&self.log_path(), "store recovered")?
+            .get("held")?
+            .as_u64()
     }
 
     /// Kills the process and waits for it; the temp directory goes with `self`.
@@ -247,16 +238,22 @@ impl Drop for NackdProcess {
 
 /// The address of the first `"message":"listening"` JSON line in the log.
 fn listening_address(log: &Path) -> Option<SocketAddr> {
+    log_fields(log, "listening")?
+        .get("address")?
+        .as_str()?
+        .parse()
+        .ok()
+}
+
+/// The fields of the first JSON log line whose message is `message`.
+fn log_fields(log: &Path, message: &str) -> Option<serde_json::Value> {
     let file = File::open(log).ok()?;
     BufReader::new(file)
         .lines()
         .map_while(Result::ok)
         .find_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(&line).ok()?;
-            let fields = value.get("fields")?;
-            if fields.get("message")?.as_str()? != "listening" {
-                return None;
-            }
-            fields.get("address")?.as_str()?.parse().ok()
+            let mut value: serde_json::Value = serde_json::from_str(&line).ok()?;
+            let fields = value.get_mut("fields")?.take();
+            (fields.get("message")?.as_str()? == message).then_some(fields)
         })
 }
