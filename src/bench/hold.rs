@@ -19,7 +19,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
 use super::launcher::NackdProcess;
-use super::load::{close, connect, unique_queue};
+use super::load::{close, connect, consume_queue, unique_queue};
 use super::machine::{load_average, Machine};
 use super::{print_header, BenchResult, Common, Targets};
 
@@ -264,16 +264,7 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
     };
 
     let consumer = connect(&nackd.addr().to_string()).await?;
-    let cch = consumer.create_channel().await?;
-    cch.basic_qos(2000, BasicQosOptions::default()).await?;
-    let mut deliveries = cch
-        .basic_consume(
-            queue.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (_cch, mut deliveries) = consume_queue(&consumer, &queue).await?;
     let mut nacked = 0u64;
     let mut first = None;
     let mut nacked_at = vec![None; n as usize];
@@ -377,16 +368,7 @@ async fn fire(
     delay: Duration,
 ) -> BenchResult<()> {
     let conn = connect(addr).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(2000, BasicQosOptions::default()).await?;
-    let mut deliveries = ch
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (_ch, mut deliveries) = consume_queue(&conn, queue).await?;
     let expected = nacked_at.iter().filter(|t| t.is_some()).count();
     let last_due = nacked_at
         .iter()

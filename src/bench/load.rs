@@ -17,7 +17,9 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, PublisherConfirm};
+use lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties, Consumer, PublisherConfirm,
+};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -144,6 +146,22 @@ pub async fn declare_queue(ch: &Channel, name: &str) -> BenchResult<()> {
     ch.queue_declare(name.into(), QueueDeclareOptions::default(), args)
         .await?;
     Ok(())
+}
+
+/// Consumes `queue` on a new channel of `conn`, 2 000 unacked deliveries
+/// at most (the channel is returned for the acks and nacks).
+pub async fn consume_queue(conn: &Connection, queue: &str) -> BenchResult<(Channel, Consumer)> {
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(2000, BasicQosOptions::default()).await?;
+    let consumer = ch
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((ch, consumer))
 }
 
 /// A queue name no other run uses.

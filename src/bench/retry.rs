@@ -22,7 +22,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use super::load::{close, connect, unique_queue};
+use super::load::{close, connect, consume_queue, unique_queue};
 use super::machine::Machine;
 use super::stats::percentile;
 use super::{print_footer, print_header, BenchResult, Common, Targets};
@@ -301,16 +301,7 @@ async fn one_rate(
     let ach = admin.create_channel().await?;
     let waits = declare(&ach, mechanism, &queue, delays).await?;
     let consumer_conn = connect(addr).await?;
-    let cch = consumer_conn.create_channel().await?;
-    cch.basic_qos(2000, BasicQosOptions::default()).await?;
-    let mut deliveries = cch
-        .basic_consume(
-            queue.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (cch, mut deliveries) = consume_queue(&consumer_conn, &queue).await?;
     let rate = (retries as f64 / delays.len() as f64).max(1.0);
     let mut publisher = Some(tokio::spawn(publish(
         broker.to_string(),
