@@ -121,7 +121,7 @@ pub async fn run(args: Args) -> BenchResult<()> {
     let mut targets = start("hold", &args).await?;
     let nackd = started(&mut targets)?;
     let parking = park(&args, nackd).await?;
-    restart_once(nackd, args.count)?;
+    restart_once(nackd, args.count).await?;
     if args.fire {
         let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
         fire(
@@ -142,7 +142,7 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
     let parking = park(&args.park, nackd).await?;
     let mut listening = Vec::new();
     for _ in 0..args.restarts {
-        listening.push(restart_once(nackd, args.park.count)?);
+        listening.push(restart_once(nackd, args.park.count).await?);
     }
     listening.sort();
     if let Some(median) = listening.get(listening.len() / 2) {
@@ -335,14 +335,12 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
 /// SIGKILLs nackd with `n` held and starts it on the same store; prints
 /// the time to listening (recovery and wheel rebuild come first), to a
 /// first AMQP connection through it, and what its recovery log line says.
-fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<Duration> {
+async fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<Duration> {
     let to_listening = nackd.restart()?;
     let began = Instant::now();
-    let runtime = tokio::runtime::Handle::current();
-    let addr = nackd.addr().to_string();
-    let conn = tokio::task::block_in_place(|| runtime.block_on(connect(&addr)))?;
+    let conn = connect(&nackd.addr().to_string()).await?;
     let to_serving = to_listening + began.elapsed();
-    tokio::task::block_in_place(|| runtime.block_on(close(&conn)));
+    close(&conn).await;
     println!(
         "restart     SIGKILL with {n} held: listening (store recovered, wheel rebuilt) after {:.2} s, first AMQP connection through it after {:.2} s",
         to_listening.as_secs_f64(),

@@ -123,11 +123,14 @@ pub struct Targets {
     pub nackd: Option<NackdProcess>,
     /// The local RabbitMQ's pid, if found.
     pub broker_pid: Option<u32>,
+    /// `--nackd-config` and its settings on one line, if the started nackd got one.
+    pub nackd_settings: Option<String>,
 }
 
 impl Targets {
     /// Uses `--proxy`, or starts the sibling `nackd` with `extra` TOML.
     pub fn start(common: &Common, extra: &str) -> BenchResult<Self> {
+        let mut nackd_settings = None;
         let nackd = match common.proxy {
             Some(_) => None,
             None => {
@@ -137,6 +140,12 @@ impl Targets {
                 if let Some(path) = &common.nackd_config {
                     let more = std::fs::read_to_string(path)
                         .map_err(|e| format!("--nackd-config {}: {e}", path.display()))?;
+                    let settings: Vec<&str> = more
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                        .collect();
+                    nackd_settings = Some(format!("{} ({})", path.display(), settings.join(" ")));
                     extra = format!("{more}\n{extra}");
                 }
                 Some(NackdProcess::start(&binary, &common.broker, &extra)?)
@@ -151,6 +160,7 @@ impl Targets {
             proxy,
             nackd,
             broker_pid: cpu::broker_pid(),
+            nackd_settings,
         })
     }
 
@@ -268,14 +278,8 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
         ),
         None => println!("nackd       already running at {}", targets.proxy),
     }
-    if let (Some(path), Some(_)) = (&common.nackd_config, &targets.nackd) {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        let settings: Vec<&str> = text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with('#'))
-            .collect();
-        println!("nackd conf  {} ({})", path.display(), settings.join(" "));
+    if let Some(settings) = &targets.nackd_settings {
+        println!("nackd conf  {settings}");
     }
     if scenario == "passthrough" {
         println!(
