@@ -63,16 +63,7 @@ async fn held_messages_survive_a_broker_restart() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare_durable(&ch, &q).await;
     let persistent = BasicProperties::default().with_delivery_mode(2);
     // Warm-up: one retry makes the republisher connect before the restart.
     ch.basic_publish(
@@ -86,16 +77,7 @@ async fn held_messages_survive_a_broker_restart() {
     .unwrap()
     .await
     .unwrap();
-    ch.basic_qos(100, BasicQosOptions::default()).await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, &q, Some(100)).await;
     let d = consumer.next().await.unwrap().unwrap();
     d.nack(BasicNackOptions {
         requeue: false,

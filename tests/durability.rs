@@ -34,16 +34,7 @@ async fn publish_all(queue: &str, n: u32) {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare_durable(&ch, queue).await;
     for i in 0..n {
         ch.basic_publish(
             "".into(),
@@ -252,15 +243,7 @@ async fn a_full_store_falls_back_to_the_broker_and_loses_nothing() {
         .await
         .unwrap();
     }
-    let mut deliveries = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut deliveries = consume(&ch, &q, None).await;
     let mut seen: HashMap<u8, Vec<(bool, i64)>> = HashMap::new();
     while let Ok(Some(d)) = tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await {
         let d = d.unwrap();

@@ -12,7 +12,6 @@ use common::ops::{json, scrape};
 use common::process::{Process, NACKD};
 use common::*;
 use lapin::options::*;
-use lapin::types::FieldTable;
 use lapin::Consumer;
 
 const TOKEN: &str = "hot-reload-token-0123456789";
@@ -75,26 +74,8 @@ async fn sighup_reloads_policies_and_keeps_held_schedules() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
-    let mut c = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    declare_durable(&ch, &q).await;
+    let mut c = consume(&ch, &q, Some(10)).await;
 
     // Held under the old policy: due in an hour.
     publish(&ch, &q, b"old").await;
@@ -208,25 +189,8 @@ async fn admin_cli_lists_fires_and_purges() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let mut c = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    declare_durable(&ch, &q).await;
+    let mut c = consume(&ch, &q, None).await;
     for body in [b"one", b"two"] {
         publish(&ch, &q, body).await;
         nack_next(&mut c).await;
