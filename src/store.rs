@@ -1,16 +1,58 @@
-//! Where held messages are kept until they are republished and confirmed.
+//! Where held messages are kept until they are republished and confirmed:
+//! the hold log, numbered segment files of checksummed records, appended
+//! by one writer thread.
 //!
-//! The retry engine writes a message here before nackd acks it upstream and
-//! removes it only after the broker confirmed the republish. Bodies live on
-//! disk in the hold log; RAM keeps only each message's location and its
-//! wheel entry.
+//! # Invariants
+//!
+//! 1. **A put is durable only after the fsync that covers its bytes.** The
+//!    writer answers a put after that fsync and not before; the session
+//!    acks upstream only on that answer. A failed write or fsync fails
+//!    every put staged with it, and the head is cut back to its durable
+//!    length (or closed for good if it cannot be), so no later record is
+//!    ever written behind a hole and no location is reused.
+//! 2. **A delete is durable once its record's fsync succeeded.** Until
+//!    then its put counts as live; a delete record lost to a failed commit
+//!    is written again at once on its own (it never waits on puts that do
+//!    not fit), else at the next commit.
+//! 3. **A delete stays on disk as long as the put it cancels can be read at
+//!    recovery.** A delete record is always newer than its put, and segment
+//!    files are removed oldest first only, each removal made durable before
+//!    the next: a delete goes no earlier than every put it could cancel.
+//! 4. **Disk use is bounded by the held bytes**: when the files on disk
+//!    exceed twice the live bytes plus one segment, compaction copies the
+//!    oldest segment's live puts to the head, byte for byte, and fsyncs
+//!    them; the old segment goes only once every copy has superseded its
+//!    original (the engine adopts it) and nothing in it is live.
+//! 5. **Recovery never drops an answered record silently.** It reads every
+//!    segment in order (the latest put of an id wins, a delete removes it),
+//!    skips damaged records one by one, keeps reading after them, and
+//!    reports every skipped range with its offsets (`nackd_store_damaged_bytes`).
+//!    Only a torn tail at the end of the newest segment, a write the crash
+//!    interrupted and nobody was answered for, is cut off; the log then
+//!    continues in a fresh segment, never behind it.
+//!
+//! RAM keeps, per held message, its location and a few bytes of liveness
+//! bookkeeping; bodies are read back when due.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 
-use crate::metrics::{Metrics, Open};
+pub mod inspect;
+mod log;
+#[cfg(test)]
+mod model_tests;
+pub mod record;
+mod recover;
+mod scan;
+mod segment;
+mod writer;
+
+pub use log::{segment_numbers, segment_path, Log, Options, Reader, Relocation, SEGMENT_BYTES};
+pub use recover::Recovered;
+pub use scan::{scan, Damage};
+pub use segment::Loc;
+pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
 
 /// Where a held message goes when it is due.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,7 +68,7 @@ pub enum Route {
     },
 }
 
-/// A message nackd holds.
+/// A message nackd holds, as stored.
 #[derive(Clone, Debug)]
 pub struct Held {
     /// Store id.
@@ -54,6 +96,30 @@ impl Held {
     pub fn size(&self) -> usize {
         self.header.len() + self.body.len()
     }
+
+    /// What RAM keeps of it, with its queue interned as `queue`.
+    pub fn meta(&self, queue: u32) -> HeldMeta {
+        HeldMeta {
+            queue,
+            size: self.size() as u32,
+            retry: self.retry,
+            dead_letter: self.route != Route::Queue,
+        }
+    }
+}
+
+/// What RAM keeps of a held message besides its id, due time and place:
+/// the one record of it that recovery, the engine and its ledger share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldMeta {
+    /// Interned `(vhost, queue)`.
+    pub queue: u32,
+    /// Header + body bytes.
+    pub size: u32,
+    /// Retry number in its headers.
+    pub retry: u32,
+    /// It goes to an exchange (`on_exhausted`), not back to its queue.
+    pub dead_letter: bool,
 }
 
 /// Why the store cannot take or give a message.
@@ -65,113 +131,4 @@ pub enum StoreError {
     /// An I/O error.
     #[error("store I/O error: {0}")]
     Io(String),
-}
-
-pub mod inspect;
-mod log;
-pub mod record;
-
-pub use log::{scan, segment_numbers, HeldMeta, Loc, Log, Reader, Recovered, SEGMENT_BYTES};
-
-/// An operation for the writer thread.
-pub enum WriteOp<C> {
-    /// Store a message; the answer comes back with `ctx`.
-    Put {
-        /// The message.
-        held: Held,
-        /// The record it supersedes (a re-route).
-        replaces: Option<Loc>,
-        /// Handed back in [`Written`].
-        ctx: C,
-    },
-    /// Forget a message.
-    Del {
-        /// Its id.
-        id: u64,
-        /// Its put record.
-        loc: Loc,
-    },
-}
-
-/// The writer's answer to a put, once fsynced (or failed).
-pub struct Written<C> {
-    /// The caller's context.
-    pub ctx: C,
-    /// The message id.
-    pub id: u64,
-    /// Its due time.
-    pub due_ms: u64,
-    /// Where it is, or why it is not stored.
-    pub result: Result<Loc, StoreError>,
-}
-
-/// Runs `log` on its own thread. Every batch of operations that arrived
-/// together shares one fsync (group commit); puts are answered after it.
-/// The thread times each fsync and reports the store's size in `metrics`.
-pub fn spawn_writer<C: Send + 'static>(
-    mut log: Log,
-    done: tokio::sync::mpsc::UnboundedSender<Written<C>>,
-    metrics: Arc<Metrics>,
-) -> std::sync::mpsc::Sender<WriteOp<C>> {
-    let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
-    let open = Open::track(&metrics.store_open);
-    metrics.store_bytes.set(log.bytes() as i64);
-    std::thread::Builder::new()
-        .name("nackd-store".into())
-        .spawn(move || {
-            let _open = open;
-            while let Ok(first) = rx.recv() {
-                let mut batch = vec![first];
-                while batch.len() < 4096 {
-                    match rx.try_recv() {
-                        Ok(op) => batch.push(op),
-                        Err(_) => break,
-                    }
-                }
-                let mut answers = Vec::new();
-                for op in batch {
-                    match op {
-                        WriteOp::Put {
-                            held,
-                            replaces,
-                            ctx,
-                        } => {
-                            let result = log.put(&held, replaces);
-                            answers.push(Written {
-                                ctx,
-                                id: held.id,
-                                due_ms: held.due_ms,
-                                result,
-                            });
-                        }
-                        WriteOp::Del { id, loc } => log.del(id, loc),
-                    }
-                }
-                let synced = if answers.is_empty() {
-                    log.flush()
-                } else {
-                    let started = Instant::now();
-                    let synced = log.sync();
-                    Metrics::observe(&metrics.fsync, started.elapsed());
-                    synced
-                };
-                metrics.store_bytes.set(log.bytes() as i64);
-                let failed = answers
-                    .iter()
-                    .filter(|a| matches!(a.result, Err(StoreError::Io(_))))
-                    .count()
-                    + usize::from(synced.is_err());
-                metrics.store_errors.inc_by(failed as u64);
-                for mut answer in answers {
-                    if let (Err(e), Ok(_)) = (&synced, &answer.result) {
-                        answer.result = Err(e.clone());
-                    }
-                    if done.send(answer).is_err() {
-                        return;
-                    }
-                }
-            }
-        })
-        .expect("spawn the store thread");
-    tx
 }

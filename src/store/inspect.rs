@@ -8,31 +8,32 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
-use super::log::{scan, segment_numbers, Log};
-use super::record::Record;
+use super::log::{segment_numbers, segment_path, Log, Options};
+use super::record::View;
+use super::scan::scan;
 use super::Held;
 
-/// Every held message, read without taking the lock, in due order.
+/// Every held message, read without taking the lock, in due order. A
+/// running nackd may compact meanwhile: its copies land in newer segments,
+/// which are read too (the latest put of an id wins, as in recovery).
 pub fn held(dir: &Path) -> io::Result<Vec<Held>> {
     let mut live: HashMap<u64, Held> = HashMap::new();
-    for n in segment_numbers(dir)? {
-        let bytes = match std::fs::read(dir.join(format!("{n:010}.log"))) {
+    let mut next = 0;
+    while let Some(n) = segment_numbers(dir)?.into_iter().find(|n| *n >= next) {
+        next = n + 1;
+        let bytes = match std::fs::read(segment_path(dir, n)) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue, // deleted meanwhile
             Err(e) => return Err(e),
         };
-        scan(
-            &bytes,
-            |rec, _| match rec {
-                Record::Put(h) => {
-                    live.insert(h.id, h);
-                }
-                Record::Del(id) => {
-                    live.remove(&id);
-                }
-            },
-            n,
-        );
+        scan(&bytes, n, |rec, _| match rec {
+            View::Put(p) => {
+                live.insert(p.id, p.to_held());
+            }
+            View::Del(id) => {
+                live.remove(&id);
+            }
+        });
     }
     let mut held: Vec<Held> = live.into_values().collect();
     held.sort_by_key(|h| (h.due_ms, h.id));
@@ -56,7 +57,7 @@ pub fn stats(dir: &Path) -> io::Result<String> {
     }
     let disk: u64 = segment_numbers(dir)?
         .iter()
-        .filter_map(|n| std::fs::metadata(dir.join(format!("{n:010}.log"))).ok())
+        .filter_map(|n| std::fs::metadata(segment_path(dir, *n)).ok())
         .map(|m| m.len())
         .sum();
     let mut out = String::new();
@@ -91,7 +92,7 @@ pub fn list(dir: &Path, queue: Option<&str>) -> io::Result<String> {
         .iter()
         .filter(|h| queue.is_none_or(|q| &*h.queue == q))
     {
-        let headers = crate::content::decode_header(&h.header)
+        let headers = crate::protocol::content::decode_header(&h.header)
             .ok()
             .and_then(|c| c.properties.headers().clone())
             .map(|t| format!("{:?}", t.inner()))
@@ -114,7 +115,7 @@ pub fn list(dir: &Path, queue: Option<&str>) -> io::Result<String> {
 
 /// `nackd store purge --queue Q`: forgets every held message of `queue`.
 pub fn purge(dir: &Path, queue: &str) -> io::Result<usize> {
-    let (mut log, recovered) = Log::open(dir, None)?;
+    let (mut log, recovered) = Log::open(dir, Options::default())?;
     let reader = log.reader();
     let mut purged = 0;
     for (id, _, loc) in recovered.held {
@@ -123,6 +124,6 @@ pub fn purge(dir: &Path, queue: &str) -> io::Result<usize> {
             purged += 1;
         }
     }
-    log.sync().map_err(|e| io::Error::other(e.to_string()))?;
+    log.commit().map_err(|e| io::Error::other(e.to_string()))?;
     Ok(purged)
 }

@@ -1,9 +1,9 @@
-//! The hold log: numbered segment files of CRC'd records, appended by one
-//! writer thread that shares one fsync among every put of a batch (group
-//! commit). A segment is deleted as soon as none of its messages is held.
+//! The hold log: numbered segment files of records, appended by one writer.
 //!
-//! Recovery reads the segments in order; a torn or corrupt record at the
-//! tail is logged and cut off, never a reason not to start.
+//! Changes are staged and take effect in [`Log::commit`], which writes them
+//! with one `write` and one `fdatasync` (group commit). See the store
+//! module's documentation for the invariants this file keeps; the comments
+//! below say which code keeps which.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -12,70 +12,114 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use tracing::{info, warn};
+use tracing::{error, warn};
 
-use super::record::{self, Bad, Record};
+use super::record::{self, View};
+use super::recover::{self, Recovered};
+use super::segment::{Loc, Segment};
 use super::{Held, StoreError};
 
-/// A segment is closed once it holds this many bytes.
+/// Default size at which the head segment is closed and a new one started.
 pub const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
+/// A head that holds nothing live is closed early once it is this big, so
+/// light traffic does not keep a mostly dead file around.
+const EMPTY_HEAD_BYTES: u64 = 1024 * 1024;
+/// Free disk space kept beyond the deletes of every held message (block
+/// rounding, a new segment's first blocks).
+const HEADROOM: u64 = 1024 * 1024;
+/// The file that holds an id above every id used, written before a segment
+/// goes: no id is handed out twice, even once its records are gone.
+const NEXT_ID: &str = "NEXT_ID";
+/// Ids [`NEXT_ID`] is written ahead by, so that it is written rarely.
+const ID_BLOCK: u64 = 1 << 16;
 
-/// Where a record sits.
+/// How a log is sized.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Above this many bytes on disk, puts are refused (`store.max_bytes`).
+    pub max_bytes: Option<u64>,
+    /// Size at which a segment is closed (`store.segment_bytes`).
+    pub segment_bytes: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            max_bytes: None,
+            segment_bytes: SEGMENT_BYTES,
+        }
+    }
+}
+
+/// A live put that compaction copied forward, fsynced. Until the engine
+/// adopts the copy (releasing `from`) or discards it (releasing `to`), both
+/// stay live and the old segment stays on disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Loc {
-    /// Segment number.
-    pub segment: u32,
-    /// Offset of the record (prefix included) in the segment.
-    pub offset: u32,
-    /// Length of the record, prefix included.
-    pub len: u32,
+pub struct Relocation {
+    /// Message id.
+    pub id: u64,
+    /// The record copied.
+    pub from: Loc,
+    /// The copy.
+    pub to: Loc,
 }
 
-/// What recovery keeps of a held message besides its id, due time and place.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldMeta {
-    /// Index into [`Recovered::queues`].
-    pub queue: u32,
-    /// Header + body bytes.
-    pub size: u32,
-    /// Retry number in its headers.
-    pub retry: u32,
-    /// It goes to an exchange (`on_exhausted`), not back to its queue.
-    pub dead_letter: bool,
+/// What a staged record does once its commit succeeded.
+#[derive(Debug)]
+enum Effect {
+    /// A put became durable: it is live.
+    Live(Loc),
+    /// A put superseding `Loc` became durable: the old record is dead.
+    Supersede(Loc),
+    /// A delete record for `(id, loc)` became durable: the put is dead.
+    Delete(u64, Loc),
 }
 
-/// What recovery found.
-#[derive(Debug, Default)]
-pub struct Recovered {
-    /// Held messages: id, due time, location; in due order.
-    pub held: Vec<(u64, u64, Loc)>,
-    /// Per held message, in the same order: queue, size, retry, route.
-    pub meta: Vec<HeldMeta>,
-    /// `(vhost, queue)` of the held messages, each once.
-    pub queues: Vec<(Arc<str>, Arc<str>)>,
-    /// First id not used yet.
-    pub next_id: u64,
-    /// Records cut off as torn or corrupt.
-    pub damaged: usize,
-}
+pub(super) type Files = Arc<RwLock<HashMap<u32, Arc<File>>>>;
 
-struct Segment {
-    size: u64,
-    live: u64,
-}
+/// A record's position: segment and offset.
+type Pos = (u32, u32);
 
-type Files = Arc<RwLock<HashMap<u32, Arc<File>>>>;
+fn pos(loc: Loc) -> Pos {
+    (loc.segment, loc.offset)
+}
 
 /// The writer side of the log.
 pub struct Log {
     dir: PathBuf,
+    options: Options,
     segments: BTreeMap<u32, Segment>,
     files: Files,
     head: u32,
     head_file: File,
+    /// Records staged since the last commit, and what they do once durable.
     pending: Vec<u8>,
-    max_bytes: Option<u64>,
+    effects: Vec<Effect>,
+    /// Deletes whose record a failed commit lost: staged again at the next
+    /// commit (the engine already forgot the message; the store must not).
+    unwritten: Vec<(u64, Loc)>,
+    /// Compaction copies not yet adopted or discarded, by position: from →
+    /// to, and to → from.
+    relocating: HashMap<Pos, Loc>,
+    relocated_to: HashMap<Pos, Loc>,
+    /// A commit failed in a way that makes the head untrustworthy (its
+    /// fsync failed, or it could not be cut back): never append to it again.
+    stale_head: bool,
+    /// Durable bytes on disk, over every segment.
     total: u64,
+    /// Bytes of live puts, and how many.
+    live_bytes: u64,
+    live_puts: u64,
+    /// Free space on the store's file system at the last commit.
+    free: u64,
+    /// Releases that matched no live put (a bookkeeping bug if non-zero).
+    mismatched: u64,
+    /// Highest id staged or recovered, and what [`NEXT_ID`] says: a segment
+    /// goes only once the file is above every id it may hold.
+    max_id: u64,
+    next_id_kept: u64,
+    #[cfg(test)]
+    pub(crate) faults: faults::Faults,
     _lock: File,
 }
 
@@ -83,7 +127,8 @@ fn io_err(e: io::Error) -> StoreError {
     StoreError::Io(e.to_string())
 }
 
-fn segment_path(dir: &Path, n: u32) -> PathBuf {
+/// The file of segment `n` in `dir`.
+pub fn segment_path(dir: &Path, n: u32) -> PathBuf {
     dir.join(format!("{n:010}.log"))
 }
 
@@ -101,167 +146,76 @@ pub fn segment_numbers(dir: &Path) -> io::Result<Vec<u32>> {
     Ok(numbers)
 }
 
-/// Reads every record of one segment; returns the offset where good data
-/// ends and whether something bad was found there.
-pub fn scan(bytes: &[u8], mut each: impl FnMut(Record, Loc), segment: u32) -> (usize, Option<Bad>) {
-    let mut at = 0;
-    while at < bytes.len() {
-        let (len, crc) = match record::prefix(&bytes[at..]) {
-            Ok(p) => p,
-            Err(bad) => return (at, Some(bad)),
-        };
-        let end = at + record::PREFIX + len;
-        if end > bytes.len() {
-            return (at, Some(Bad::Torn));
-        }
-        match record::decode(&bytes[at + record::PREFIX..end], crc) {
-            Ok(rec) => each(
-                rec,
-                Loc {
-                    segment,
-                    offset: at as u32,
-                    len: (end - at) as u32,
-                },
-            ),
-            Err(bad) => return (at, Some(bad)),
-        }
-        at = end;
-    }
-    (at, None)
+fn lock(dir: &Path) -> io::Result<File> {
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("LOCK"))?;
+    lock.try_lock().map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("{} is in use by another nackd", dir.display()),
+        )
+    })?;
+    Ok(lock)
 }
 
 impl Log {
     /// Opens (or creates) the log in `dir`, recovers what it holds, and
-    /// starts a fresh head segment. Fails if another nackd has it open.
-    pub fn open(dir: &Path, max_bytes: Option<u64>) -> io::Result<(Self, Recovered)> {
+    /// starts a fresh head segment: nothing is ever appended to a segment
+    /// written before, so a torn tail is never written over. Fails if
+    /// another nackd has it open.
+    pub fn open(dir: &Path, options: Options) -> io::Result<(Self, Recovered)> {
         std::fs::create_dir_all(dir)?;
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join("LOCK"))?;
-        lock.try_lock().map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::WouldBlock,
-                format!("{} is in use by another nackd", dir.display()),
-            )
-        })?;
-        let mut index: HashMap<u64, (u64, Loc, HeldMeta)> = HashMap::new();
-        let mut queues: HashMap<(Arc<str>, Arc<str>), u32> = HashMap::new();
-        let mut segments = BTreeMap::new();
-        let mut recovered = Recovered {
-            next_id: 1,
-            ..Recovered::default()
-        };
-        let numbers = segment_numbers(dir)?;
-        for (i, &n) in numbers.iter().enumerate() {
-            let path = segment_path(dir, n);
-            let bytes = std::fs::read(&path)?;
-            let (good, bad) = scan(
-                &bytes,
-                |rec, loc| match rec {
-                    Record::Put(h) => {
-                        recovered.next_id = recovered.next_id.max(h.id + 1);
-                        let next = queues.len() as u32;
-                        let queue = *queues
-                            .entry((h.vhost.clone(), h.queue.clone()))
-                            .or_insert(next);
-                        let (size, retry, dead_letter) =
-                            (h.size() as u32, h.retry, h.route != super::Route::Queue);
-                        index.insert(
-                            h.id,
-                            (
-                                h.due_ms,
-                                loc,
-                                HeldMeta {
-                                    queue,
-                                    size,
-                                    retry,
-                                    dead_letter,
-                                },
-                            ),
-                        );
-                    }
-                    Record::Del(id) => {
-                        index.remove(&id);
-                    }
-                },
-                n,
-            );
-            if let Some(bad) = bad {
-                recovered.damaged += 1;
-                warn!(segment = %path.display(), offset = good, ?bad, last = i + 1 == numbers.len(), "store: damaged record; keeping everything before it");
-                let file = OpenOptions::new().write(true).open(&path)?;
-                file.set_len(good as u64)?;
-                file.sync_all()?;
-            }
-            segments.insert(
-                n,
-                Segment {
-                    size: good as u64,
-                    live: 0,
-                },
-            );
-        }
-        for (_, loc, _) in index.values() {
-            if let Some(s) = segments.get_mut(&loc.segment) {
-                s.live += 1;
-            }
-        }
+        let lock = lock(dir)?;
+        let (mut recovered, segments) = recover::read(dir)?;
+        let next_id_kept = read_next_id(dir);
+        recovered.next_id = recovered.next_id.max(next_id_kept);
         let files: Files = Arc::default();
-        for (&n, _) in segments.iter() {
-            files
-                .write()
-                .expect("lock")
-                .insert(n, Arc::new(File::open(segment_path(dir, n))?));
+        for n in segments.keys() {
+            let file = Arc::new(File::open(segment_path(dir, *n))?);
+            files.write().expect("lock").insert(*n, file);
         }
-        let head = numbers.last().map_or(1, |n| n + 1);
-        let head_file = Self::create_segment(dir, head, &files)?;
-        segments.insert(head, Segment { size: 0, live: 0 });
-        let total = segments.values().map(|s| s.size).sum();
+        let head = segments.keys().last().map_or(1, |n| n + 1);
+        let head_file = create_segment(dir, head, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
+            options,
+            total: segments.values().map(|s| s.size).sum(),
+            live_bytes: segments.values().map(Segment::live_bytes).sum(),
+            live_puts: segments.values().map(Segment::live_count).sum(),
+            free: free_bytes(dir),
             segments,
             files,
             head,
             head_file,
             pending: Vec::new(),
-            max_bytes,
-            total,
+            effects: Vec::new(),
+            unwritten: Vec::new(),
+            relocating: HashMap::new(),
+            relocated_to: HashMap::new(),
+            stale_head: false,
+            mismatched: 0,
+            max_id: recovered.next_id - 1,
+            next_id_kept,
+            #[cfg(test)]
+            faults: faults::Faults::default(),
             _lock: lock,
         };
-        for n in log
-            .segments
-            .iter()
-            .filter(|(n, s)| **n != head && s.live == 0)
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-        {
-            log.drop_segment(n);
-        }
-        let mut held: Vec<_> = index.into_iter().collect();
-        held.sort_unstable_by_key(|(id, (due, _, _))| (*due, *id));
-        (recovered.held, recovered.meta) = held
-            .into_iter()
-            .map(|(id, (due, loc, meta))| ((id, due, loc), meta))
-            .unzip();
-        recovered.queues = vec![(Arc::from(""), Arc::from("")); queues.len()];
-        for (key, i) in queues {
-            recovered.queues[i as usize] = key;
-        }
-        info!(dir = %dir.display(), held = recovered.held.len(), segments = log.segments.len(), damaged = recovered.damaged, "store recovered");
+        log.segments.insert(head, Segment::new(0));
+        log.reclaim();
         Ok((log, recovered))
     }
 
-    fn create_segment(dir: &Path, n: u32, files: &Files) -> io::Result<File> {
-        let path = segment_path(dir, n);
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
-        sync_dir(dir)?;
-        files
-            .write()
-            .expect("lock")
-            .insert(n, Arc::new(File::open(&path)?));
-        Ok(file)
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// How it is sized.
+    pub fn options(&self) -> Options {
+        self.options
     }
 
     /// A reader for the records of this log.
@@ -271,102 +225,471 @@ impl Log {
         }
     }
 
-    /// Bytes on disk.
+    /// Durable bytes on disk.
     pub fn bytes(&self) -> u64 {
         self.total
+    }
+
+    /// Bytes of the live puts.
+    pub fn live_bytes(&self) -> u64 {
+        self.live_bytes
+    }
+
+    /// Segment files on disk.
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// Releases that matched no live put; 0 unless a caller released twice.
+    pub fn mismatched_releases(&self) -> u64 {
+        self.mismatched
+    }
+
+    /// Whether staged deletes wait for a commit (one failed before).
+    pub fn has_unwritten(&self) -> bool {
+        !self.unwritten.is_empty()
     }
 
     fn head_size(&self) -> u64 {
         self.segments[&self.head].size + self.pending.len() as u64
     }
 
-    /// Appends a put; durable only after [`Log::sync`]. `replaces` is the
-    /// record of the same message this one supersedes.
+    /// Stages a put; it is durable, and its location valid, only once
+    /// [`Log::commit`] succeeds. `replaces` is the record of the same
+    /// message this one supersedes (a re-route): it stays live until then.
     pub fn put(&mut self, held: &Held, replaces: Option<Loc>) -> Result<Loc, StoreError> {
+        if record::put_len(held) > record::MAX_BODY {
+            return Err(StoreError::Full(format!(
+                "a message of {} bytes is larger than a record can be",
+                held.size()
+            )));
+        }
         let rec = record::encode_put(held);
-        if let Some(max) = self.max_bytes {
+        if let Some(max) = self.options.max_bytes {
             if self.total + self.pending.len() as u64 + rec.len() as u64 > max {
                 return Err(StoreError::Full(format!("store.max_bytes {max} reached")));
             }
         }
-        if self.head_size() + rec.len() as u64 > SEGMENT_BYTES && self.head_size() > 0 {
-            self.rotate()?;
+        if !self.room_for(rec.len()) {
+            return Err(StoreError::Io(
+                "the disk is full (room is kept for deletes)".into(),
+            ));
+        }
+        let loc = self.stage(&rec)?;
+        self.max_id = self.max_id.max(held.id);
+        self.effects.push(Effect::Live(loc));
+        if let Some(old) = replaces {
+            self.effects.push(Effect::Supersede(old));
+        }
+        Ok(loc)
+    }
+
+    /// Whether `bytes` more can be staged and still leave the disk room for
+    /// the deletes of everything held: a disk this store fills must still
+    /// take them, they are what frees it again. The free space is read at
+    /// each commit, and again before saying no.
+    fn room_for(&mut self, bytes: usize) -> bool {
+        let deletes = (self.live_puts + self.effects.len() as u64 + 1) * record::DEL_LEN as u64;
+        let needed = (self.pending.len() + bytes) as u64 + deletes + HEADROOM;
+        if needed > self.free {
+            self.read_free();
+        }
+        needed <= self.free
+    }
+
+    /// Stages a delete record for the message whose live put is at `loc`.
+    /// The put stays live until the delete record is durable; if a commit
+    /// loses it, it is staged again at the next one.
+    pub fn del(&mut self, id: u64, loc: Loc) {
+        if self.stage(&record::encode_del(id)).is_ok() {
+            self.effects.push(Effect::Delete(id, loc));
+        } else {
+            self.unwritten.push((id, loc));
+        }
+    }
+
+    /// Marks a put dead that a durable record of the same message supersedes
+    /// (a compaction copy adopted or discarded). Takes effect at once.
+    pub fn release(&mut self, loc: Loc) {
+        self.release_now(loc);
+    }
+
+    /// Appends `rec` to the staged bytes of the head, replacing the head
+    /// first when it is full or cannot be trusted. Rotating only between
+    /// commits keeps one commit = one file, one write, one fsync.
+    fn stage(&mut self, rec: &[u8]) -> Result<Loc, StoreError> {
+        if self.pending.is_empty() {
+            let full = self.segments[&self.head].size >= self.options.segment_bytes;
+            if self.stale_head || full {
+                self.rotate()?;
+            }
         }
         let loc = Loc {
             segment: self.head,
             offset: self.head_size() as u32,
             len: rec.len() as u32,
         };
-        self.pending.extend_from_slice(&rec);
-        self.segments.get_mut(&self.head).expect("head exists").live += 1;
-        if let Some(old) = replaces {
-            self.release(old.segment);
-        }
+        self.pending.extend_from_slice(rec);
         Ok(loc)
     }
 
-    /// Appends a delete for the message whose put is at `loc`.
-    pub fn del(&mut self, id: u64, loc: Loc) {
-        self.pending.extend_from_slice(&record::encode_del(id));
-        self.release(loc.segment);
-    }
-
-    fn release(&mut self, segment: u32) {
-        let Some(s) = self.segments.get_mut(&segment) else {
-            return;
-        };
-        s.live = s.live.saturating_sub(1);
-        if s.live == 0 && segment != self.head {
-            self.drop_segment(segment);
-        }
-    }
-
-    fn drop_segment(&mut self, n: u32) {
-        if let Some(s) = self.segments.remove(&n) {
-            self.total -= s.size;
-        }
-        self.files.write().expect("lock").remove(&n);
-        if let Err(e) = std::fs::remove_file(segment_path(&self.dir, n)) {
-            warn!(segment = n, error = %e, "store: cannot delete an empty segment");
-        }
-    }
-
     fn rotate(&mut self) -> Result<(), StoreError> {
-        self.sync()?;
         let next = self.head + 1;
-        self.head_file = Self::create_segment(&self.dir, next, &self.files).map_err(io_err)?;
+        self.head_file = create_segment(&self.dir, next, &self.files).map_err(io_err)?;
         self.head = next;
-        self.segments.insert(next, Segment { size: 0, live: 0 });
+        self.segments.insert(next, Segment::new(0));
+        self.stale_head = false;
         Ok(())
     }
 
-    /// Writes what is buffered (no fsync). On error the head is cut back to
-    /// its last good length, so a half-written record never stays.
-    pub fn flush(&mut self) -> Result<(), StoreError> {
+    /// Writes and fsyncs everything staged; only then do the staged puts
+    /// count as live and the staged deletes take effect. On failure nothing
+    /// staged takes effect: the head is cut back to its durable length (no
+    /// later record lands behind a hole), puts fail, deletes are written
+    /// again at once on their own, or else kept for the next commit.
+    pub fn commit(&mut self) -> Result<(), StoreError> {
+        let committed = self.write_staged();
+        self.read_free();
+        committed
+    }
+
+    fn read_free(&mut self) {
+        self.free = free_bytes(&self.dir);
+        #[cfg(test)]
+        if let Some(free) = self.faults.free_bytes {
+            self.free = free;
+        }
+    }
+
+    fn write_staged(&mut self) -> Result<(), StoreError> {
+        for (id, loc) in std::mem::take(&mut self.unwritten) {
+            self.del(id, loc);
+        }
         if self.pending.is_empty() {
             return Ok(());
         }
-        let head = self.segments.get_mut(&self.head).expect("head exists");
-        match self.head_file.write_all(&self.pending) {
+        match self.write_and_sync() {
             Ok(()) => {
-                head.size += self.pending.len() as u64;
-                self.total += self.pending.len() as u64;
+                let n = self.pending.len() as u64;
+                self.segments.get_mut(&self.head).expect("head").size += n;
+                self.total += n;
                 self.pending.clear();
+                for effect in std::mem::take(&mut self.effects) {
+                    match effect {
+                        Effect::Live(loc) => self.add_live(loc),
+                        Effect::Supersede(loc) | Effect::Delete(_, loc) => self.release_now(loc),
+                    }
+                }
+                self.rotate_empty_head();
                 Ok(())
             }
             Err(e) => {
-                self.pending.clear();
-                let _ = self.head_file.set_len(head.size);
+                let only_deletes = self.effects.iter().all(|e| matches!(e, Effect::Delete(..)));
+                self.fail_commit();
+                // Deletes free the disk, so they never wait on puts (a
+                // full disk refuses every batch that brings puts): they
+                // are tried again at once, alone; a few bytes often fit.
+                if !only_deletes {
+                    let _ = self.write_staged();
+                }
                 Err(io_err(e))
             }
         }
     }
 
-    /// Writes and fsyncs what is buffered.
-    pub fn sync(&mut self) -> Result<(), StoreError> {
-        self.flush()?;
-        self.head_file.sync_data().map_err(io_err)
+    fn write_and_sync(&mut self) -> io::Result<()> {
+        #[cfg(test)]
+        if let Some(e) = self.faults.before_write(&self.head_file, &self.pending) {
+            return Err(e);
+        }
+        self.head_file.write_all(&self.pending)?;
+        #[cfg(test)]
+        if let Some(e) = self.faults.before_sync() {
+            self.stale_head = true; // as after a real fsync error
+            return Err(e);
+        }
+        self.head_file
+            .sync_data()
+            .inspect_err(|_| self.stale_head = true)
     }
+
+    fn fail_commit(&mut self) {
+        let durable = self.segments[&self.head].size;
+        let cut = self
+            .head_file
+            .set_len(durable)
+            .and_then(|()| self.head_file.sync_data());
+        if let Err(e) = cut {
+            error!(segment = self.head, error = %e, "store: cannot cut a failed write back; the segment is closed");
+            self.stale_head = true;
+        }
+        self.pending.clear();
+        for effect in std::mem::take(&mut self.effects) {
+            if let Effect::Delete(id, loc) = effect {
+                self.unwritten.push((id, loc));
+            }
+        }
+    }
+
+    fn add_live(&mut self, loc: Loc) {
+        let segment = self
+            .segments
+            .get_mut(&loc.segment)
+            .expect("a put's segment");
+        segment.add(loc.offset, loc.len);
+        self.live_bytes += u64::from(loc.len);
+        self.live_puts += 1;
+    }
+
+    fn release_now(&mut self, loc: Loc) {
+        if let Some(to) = self.relocating.remove(&pos(loc)) {
+            self.relocated_to.remove(&pos(to));
+        }
+        if let Some(from) = self.relocated_to.remove(&pos(loc)) {
+            self.relocating.remove(&pos(from));
+        }
+        let released = self
+            .segments
+            .get_mut(&loc.segment)
+            .is_some_and(|s| s.release(loc.offset, loc.len));
+        if released {
+            self.live_bytes -= u64::from(loc.len);
+            self.live_puts -= 1;
+        } else {
+            self.mismatched += 1;
+            warn!(?loc, "store: released a record that is not live");
+        }
+    }
+
+    /// A head with nothing live in it is closed early, so that it can go.
+    fn rotate_empty_head(&mut self) {
+        let head = &self.segments[&self.head];
+        if head.live_count() == 0 && head.size >= EMPTY_HEAD_BYTES.min(self.options.segment_bytes) {
+            if let Err(e) = self.rotate() {
+                warn!(error = %e, "store: cannot start a new segment");
+            }
+        }
+    }
+
+    /// Makes sure no id below `next` is ever handed out by this store, now
+    /// or after a restart (ids another holder used, learnt from a replica).
+    pub fn reserve_ids(&mut self, next: u64) -> io::Result<()> {
+        if next > self.next_id_kept {
+            write_next_id(&self.dir, next)?;
+            self.next_id_kept = next;
+        }
+        self.max_id = self.max_id.max(next.saturating_sub(1));
+        Ok(())
+    }
+
+    /// Deletes the oldest segments while nothing in them is live; returns
+    /// how many went. Only ever the oldest: a segment's delete records can
+    /// only cancel puts of the same or older segments, so they are needed
+    /// exactly as long as an older segment exists. Each removal is made
+    /// durable (directory fsync) before the next, so a crash never brings
+    /// back an old segment whose deletes were in a newer one already gone.
+    pub fn reclaim(&mut self) -> usize {
+        let mut removed = 0;
+        while let Some((&n, s)) = self.segments.first_key_value() {
+            if n == self.head || s.live_count() > 0 {
+                break;
+            }
+            if self.next_id_kept <= self.max_id {
+                let next = self.max_id + 1 + ID_BLOCK;
+                if let Err(e) = write_next_id(&self.dir, next) {
+                    warn!(error = %e, "store: cannot keep the next id; no segment goes");
+                    break;
+                }
+                self.next_id_kept = next;
+            }
+            self.files.write().expect("lock").remove(&n);
+            if let Err(e) = std::fs::remove_file(segment_path(&self.dir, n)) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    warn!(segment = n, error = %e, "store: cannot delete a segment");
+                    break;
+                }
+            }
+            if let Err(e) = sync_dir(&self.dir) {
+                warn!(error = %e, "store: cannot sync the store directory");
+                break;
+            }
+            self.total -= s.size;
+            self.segments.remove(&n);
+            removed += 1;
+        }
+        removed
+    }
+
+    /// Whether disk use is above about twice the live bytes plus one
+    /// segment: then the oldest segment's live puts should move forward.
+    pub fn wants_compaction(&self) -> bool {
+        let oldest = self.segments.keys().next().copied();
+        oldest.is_some_and(|n| n != self.head)
+            && self.total > 2 * self.live_bytes + self.options.segment_bytes
+            && self.next_to_copy(usize::MAX).next().is_some()
+    }
+
+    fn next_to_copy(&self, limit: usize) -> impl Iterator<Item = u32> + '_ {
+        let (&n, oldest) = self.segments.first_key_value().expect("a segment");
+        oldest
+            .live_offsets()
+            .filter(move |o| !self.relocating.contains_key(&(n, *o)))
+            .take(limit)
+    }
+
+    /// Copies up to `budget` bytes of the oldest segment's live puts to the
+    /// head, verbatim, and commits: each copy supersedes its original once
+    /// the engine adopts it ([`Relocation`]). A record that no longer reads
+    /// back is reported and left alone.
+    pub fn compact(&mut self, budget: u64) -> Result<Vec<Relocation>, StoreError> {
+        if !self.pending.is_empty() || !self.wants_compaction() {
+            return Ok(Vec::new());
+        }
+        let n = *self.segments.keys().next().expect("a segment");
+        let file = self.files.read().expect("lock").get(&n).cloned();
+        let Some(file) = file else {
+            return Ok(Vec::new());
+        };
+        let offsets: Vec<u32> = self.next_to_copy(usize::MAX).collect();
+        let mut copies = Vec::new();
+        let mut copied = 0u64;
+        for offset in offsets {
+            if copied >= budget {
+                break;
+            }
+            let Some((bytes, id)) = read_record(&file, offset) else {
+                error!(
+                    segment = n,
+                    offset, "store: a held message no longer reads back; compaction leaves it"
+                );
+                continue;
+            };
+            if !self.room_for(bytes.len()) {
+                break;
+            }
+            let to = self.stage(&bytes)?;
+            let from = Loc {
+                segment: n,
+                offset,
+                len: bytes.len() as u32,
+            };
+            self.effects.push(Effect::Live(to));
+            copies.push(Relocation { id, from, to });
+            copied += bytes.len() as u64;
+        }
+        self.commit()?;
+        for r in &copies {
+            self.relocating.insert(pos(r.from), r.to);
+            self.relocated_to.insert(pos(r.to), r.from);
+        }
+        Ok(copies)
+    }
+}
+
+#[cfg(test)]
+impl Log {
+    /// A crash in the middle of a write: the first `torn` staged bytes reach
+    /// the file, nothing is fsynced, the log is gone. Returns those bytes.
+    pub(crate) fn crash(mut self, torn: usize) -> Vec<u8> {
+        let n = torn.min(self.pending.len());
+        self.head_file
+            .write_all(&self.pending[..n])
+            .expect("test write");
+        self.pending[..n].to_vec()
+    }
+
+    /// `(segment, offset)` of every live put.
+    pub(crate) fn live_positions(&self) -> Vec<(u32, u32)> {
+        let mut all: Vec<(u32, u32)> = self
+            .segments
+            .iter()
+            .flat_map(|(n, s)| s.live_offsets().map(move |o| (*n, o)))
+            .collect();
+        all.sort_unstable();
+        all
+    }
+
+    /// Whether a commit would write something.
+    pub(crate) fn has_staged(&self) -> bool {
+        !self.pending.is_empty() || !self.unwritten.is_empty()
+    }
+
+    /// Whether compaction copies wait for the engine's answer.
+    pub(crate) fn relocations_pending(&self) -> bool {
+        !self.relocating.is_empty()
+    }
+}
+
+/// A whole, good record at `offset`, and its message id (puts only).
+fn read_record(file: &File, offset: u32) -> Option<(Vec<u8>, u64)> {
+    let mut prefix = [0u8; record::PREFIX];
+    file.read_exact_at(&mut prefix, offset.into()).ok()?;
+    let (len, _) = record::prefix(&prefix).ok()?;
+    let mut bytes = vec![0u8; record::PREFIX + len];
+    file.read_exact_at(&mut bytes, offset.into()).ok()?;
+    match record::at(&bytes).ok()? {
+        (View::Put(p), _) => {
+            let id = p.id;
+            Some((bytes, id))
+        }
+        (View::Del(_), _) => None,
+    }
+}
+
+/// Bytes free for this process on the file system of `dir` (as many as
+/// can be if that cannot be known).
+#[allow(unsafe_code)]
+fn free_bytes(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return u64::MAX;
+    };
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated; statvfs fills `stat` when it returns 0.
+    if unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return u64::MAX;
+    }
+    // SAFETY: initialised by the successful call above.
+    let stat = unsafe { stat.assume_init() };
+    stat.f_bavail.saturating_mul(stat.f_frsize)
+}
+
+/// What [`NEXT_ID`] says (0 if there is none, or it cannot be read).
+fn read_next_id(dir: &Path) -> u64 {
+    let read = std::fs::read_to_string(dir.join(NEXT_ID));
+    if read
+        .as_ref()
+        .is_err_and(|e| e.kind() == io::ErrorKind::NotFound)
+    {
+        return 0;
+    }
+    read.ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| {
+            warn!(file = NEXT_ID, "store: unreadable; ids may be used again");
+            0
+        })
+}
+
+/// Replaces [`NEXT_ID`] with `n`, durably.
+fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
+    let tmp = dir.join(format!("{NEXT_ID}.tmp"));
+    let mut file = File::create(&tmp)?;
+    writeln!(file, "{n}")?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(NEXT_ID))?;
+    sync_dir(dir)
+}
+
+fn create_segment(dir: &Path, n: u32, files: &Files) -> io::Result<File> {
+    let path = segment_path(dir, n);
+    let file = OpenOptions::new().create(true).append(true).open(&path)?;
+    sync_dir(dir)?;
+    files
+        .write()
+        .expect("lock")
+        .insert(n, Arc::new(File::open(&path)?));
+    Ok(file)
 }
 
 /// Reads records by location; cheap to clone, usable from any thread.
@@ -388,14 +711,14 @@ impl Reader {
         let mut buf = vec![0u8; loc.len as usize];
         file.read_exact_at(&mut buf, loc.offset as u64)
             .map_err(io_err)?;
-        let (_, crc) = record::prefix(&buf)
-            .map_err(|b| StoreError::Io(format!("record at {loc:?}: {b:?}")))?;
-        match record::decode(&buf[record::PREFIX..], crc) {
-            Ok(Record::Put(h)) => Ok(h),
-            Ok(Record::Del(_)) | Err(_) => Err(StoreError::Io(format!("no put record at {loc:?}"))),
+        match record::at(&buf) {
+            Ok((View::Put(p), len)) if len == buf.len() => Ok(p.to_held()),
+            Ok(_) | Err(_) => Err(StoreError::Io(format!("no put record at {loc:?}"))),
         }
     }
 }
 
+#[cfg(test)]
+pub(crate) mod faults;
 #[cfg(test)]
 mod tests;

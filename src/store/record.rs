@@ -17,20 +17,13 @@ use super::{Held, Route};
 
 /// Bytes before a record's body.
 pub const PREFIX: usize = 8;
+/// Bytes of a delete record, prefix included.
+pub const DEL_LEN: usize = PREFIX + 1 + 8;
 /// Largest record body accepted when reading (corruption guard).
 pub const MAX_BODY: usize = 512 * 1024 * 1024;
 
 const PUT: u8 = 1;
 const DEL: u8 = 2;
-
-/// A decoded record.
-#[derive(Debug)]
-pub enum Record {
-    /// A message is held.
-    Put(Held),
-    /// A message left.
-    Del(u64),
-}
 
 fn put_str16(out: &mut Vec<u8>, s: &str) {
     let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
@@ -61,10 +54,25 @@ fn frame(body: Vec<u8>) -> Vec<u8> {
     out
 }
 
+/// The body length of `h`'s put record (what its prefix will say).
+pub fn put_len(h: &Held) -> usize {
+    let str16 = |s: &str| 2 + s.len().min(u16::MAX as usize);
+    let route = |r: Option<&Route>| match r {
+        Some(Route::Exchange {
+            exchange,
+            routing_key,
+        }) => 1 + str16(exchange) + str16(routing_key),
+        _ => 1,
+    };
+    let fixed = 1 + 8 + 8 + 4 + 4 + 4; // kind, id, due_ms, retry, two lengths
+    let names = str16(&h.vhost) + str16(&h.queue);
+    let routes = route(Some(&h.route)) + route(h.on_return.as_ref());
+    fixed + names + routes + h.header.len() + h.body.len()
+}
+
 /// Encodes a put record, prefix included.
 pub fn encode_put(h: &Held) -> Vec<u8> {
-    let mut b =
-        Vec::with_capacity(64 + h.vhost.len() + h.queue.len() + h.header.len() + h.body.len());
+    let mut b = Vec::with_capacity(put_len(h));
     b.put_u8(PUT);
     b.put_u64(h.id);
     b.put_u64(h.due_ms);
@@ -89,7 +97,7 @@ pub fn encode_del(id: u64) -> Vec<u8> {
 }
 
 /// Why a record cannot be read.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bad {
     /// Fewer bytes than the record announces (a torn write at the tail).
     Torn,
@@ -110,88 +118,219 @@ pub fn prefix(bytes: &[u8]) -> Result<(usize, u32), Bad> {
     Ok((len, crc))
 }
 
-/// Decodes a record body after checking it against `crc`.
-pub fn decode(body: &[u8], crc: u32) -> Result<Record, Bad> {
-    if crc32fast::hash(body) != crc {
-        return Err(Bad::Corrupt);
+/// A record read in place: nothing is copied (recovery reads millions).
+#[derive(Debug)]
+pub enum View<'a> {
+    /// A message is held.
+    Put(PutView<'a>),
+    /// A message left.
+    Del(u64),
+}
+
+/// A put record read in place.
+#[derive(Debug)]
+pub struct PutView<'a> {
+    /// Store id.
+    pub id: u64,
+    /// Due time, ms since the Unix epoch.
+    pub due_ms: u64,
+    /// Retry number in its headers.
+    pub retry: u32,
+    /// Virtual host.
+    pub vhost: &'a str,
+    /// Queue.
+    pub queue: &'a str,
+    /// Where it goes when due.
+    pub route: Route,
+    /// Where it goes if returned.
+    pub on_return: Option<Route>,
+    /// Content header payload.
+    pub header: &'a [u8],
+    /// Body.
+    pub body: &'a [u8],
+}
+
+impl PutView<'_> {
+    /// Header + body bytes.
+    pub fn size(&self) -> usize {
+        self.header.len() + self.body.len()
     }
+
+    /// The message, copied out.
+    pub fn to_held(&self) -> Held {
+        Held {
+            id: self.id,
+            vhost: Arc::from(self.vhost),
+            queue: Arc::from(self.queue),
+            due_ms: self.due_ms,
+            retry: self.retry,
+            route: self.route.clone(),
+            on_return: self.on_return.clone(),
+            header: Bytes::copy_from_slice(self.header),
+            body: Bytes::copy_from_slice(self.body),
+        }
+    }
+}
+
+/// Reads a record body whose structure must use exactly its length (the
+/// checksum is [`decode`]'s job; this alone is a strong filter when looking
+/// for the next record after damage).
+pub fn view(body: &[u8]) -> Result<View<'_>, Bad> {
     let mut b = body;
-    let need = |b: &[u8], n: usize| {
-        if b.remaining() < n {
-            Err(Bad::Corrupt)
-        } else {
-            Ok(())
-        }
-    };
-    need(b, 1)?;
-    match b.get_u8() {
-        DEL => {
-            need(b, 8)?;
-            Ok(Record::Del(b.get_u64()))
-        }
+    let view = match take(&mut b, 1)?[0] {
+        DEL => View::Del(u64_of(take(&mut b, 8)?)),
         PUT => {
-            need(b, 20)?;
-            let id = b.get_u64();
-            let due_ms = b.get_u64();
-            let retry = b.get_u32();
+            let id = u64_of(take(&mut b, 8)?);
+            let due_ms = u64_of(take(&mut b, 8)?);
+            let retry = u32::from_be_bytes(take(&mut b, 4)?.try_into().expect("4 bytes"));
             let vhost = str16(&mut b)?;
             let queue = str16(&mut b)?;
             let target = route(&mut b)?.ok_or(Bad::Corrupt)?;
             let on_return = route(&mut b)?;
             let header = bytes32(&mut b)?;
-            let payload = bytes32(&mut b)?;
-            Ok(Record::Put(Held {
+            let body = bytes32(&mut b)?;
+            View::Put(PutView {
                 id,
-                vhost: Arc::from(vhost.as_str()),
-                queue: Arc::from(queue.as_str()),
                 due_ms,
                 retry,
+                vhost,
+                queue,
                 route: target,
                 on_return,
                 header,
-                body: payload,
-            }))
+                body,
+            })
         }
-        _ => Err(Bad::Corrupt),
+        _ => return Err(Bad::Corrupt),
+    };
+    if !b.is_empty() {
+        return Err(Bad::Corrupt);
+    }
+    Ok(view)
+}
+
+/// Checks a record body against `crc` and reads it in place.
+pub fn decode(body: &[u8], crc: u32) -> Result<View<'_>, Bad> {
+    if crc32fast::hash(body) != crc {
+        return Err(Bad::Corrupt);
+    }
+    view(body)
+}
+
+/// The record that starts at `bytes[0]` (prefix included) and its whole
+/// length, if a complete, well-formed record with a good checksum is there.
+pub fn at(bytes: &[u8]) -> Result<(View<'_>, usize), Bad> {
+    let (len, crc) = prefix(bytes)?;
+    let end = PREFIX + len;
+    if end > bytes.len() {
+        return Err(Bad::Torn);
+    }
+    let body = &bytes[PREFIX..end];
+    // Structure first: it costs nothing compared with a checksum over a
+    // large body, and random bytes almost never have it.
+    view(body)?;
+    Ok((decode(body, crc)?, end))
+}
+
+/// How many bytes the record at `bytes[0]` (prefix included) takes when
+/// its length prefix and the lengths inside its body agree (after a torn
+/// write both run past the end of `bytes`): a bad record whose framing is
+/// intact, only its contents are not. `None` when they disagree or it is no
+/// put or delete: then the framing itself is damaged.
+pub fn extent(bytes: &[u8]) -> Option<usize> {
+    let said = PREFIX + u32::from_be_bytes(bytes.get(..4)?.try_into().expect("4 bytes")) as usize;
+    match inner_len(bytes.get(PREFIX..).unwrap_or_default()) {
+        Ok(Some(len)) if PREFIX + len == said => Some(said),
+        Ok(None) if said > bytes.len() => Some(said),
+        _ => None,
     }
 }
 
-fn str16(b: &mut &[u8]) -> Result<String, Bad> {
-    if b.remaining() < 2 {
-        return Err(Bad::Corrupt);
+/// A record body's length by its own length fields; `Ok(None)` if `body`
+/// ends before one of them, `Err` if it is no put or delete.
+fn inner_len(body: &[u8]) -> Result<Option<usize>, ()> {
+    let n = |at: usize, width: usize| -> Option<usize> {
+        let b = body.get(at..at + width)?;
+        Some(b.iter().fold(0, |n, x| n << 8 | usize::from(*x)))
+    };
+    match body.first() {
+        None => return Ok(None),
+        Some(&DEL) => return Ok(Some(9)),
+        Some(&PUT) => {}
+        Some(_) => return Err(()),
     }
-    let len = b.get_u16() as usize;
-    if b.remaining() < len {
-        return Err(Bad::Corrupt);
+    let str16s = |at: &mut usize| {
+        for _ in 0..2 {
+            *at += 2 + n(*at, 2)?;
+        }
+        Some(())
+    };
+    // id, due_ms, retry; vhost, queue; route, on_return; header, body.
+    let mut at = 1 + 8 + 8 + 4;
+    if str16s(&mut at).is_none() {
+        return Ok(None);
     }
-    let s = String::from_utf8(b[..len].to_vec()).map_err(|_| Bad::Corrupt)?;
-    b.advance(len);
-    Ok(s)
+    for _ in 0..2 {
+        match n(at, 1) {
+            None => return Ok(None),
+            Some(0 | 255) => at += 1,
+            Some(1) => {
+                at += 1;
+                if str16s(&mut at).is_none() {
+                    return Ok(None);
+                }
+            }
+            Some(_) => return Err(()),
+        }
+    }
+    for _ in 0..2 {
+        let Some(len) = n(at, 4) else {
+            return Ok(None);
+        };
+        at += 4 + len;
+    }
+    Ok(Some(at))
 }
 
-fn bytes32(b: &mut &[u8]) -> Result<Bytes, Bad> {
-    if b.remaining() < 4 {
+/// The id of the put or delete record `bytes` (prefix included) holds.
+pub fn id_of(bytes: &[u8]) -> Option<u64> {
+    let body = bytes.get(PREFIX..)?;
+    match body.first()? {
+        &PUT | &DEL => Some(u64_of(body.get(1..9)?)),
+        _ => None,
+    }
+}
+
+fn u64_of(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b.try_into().expect("8 bytes"))
+}
+
+fn take<'a>(b: &mut &'a [u8], n: usize) -> Result<&'a [u8], Bad> {
+    if b.remaining() < n {
         return Err(Bad::Corrupt);
     }
-    let len = b.get_u32() as usize;
-    if b.remaining() < len {
-        return Err(Bad::Corrupt);
-    }
-    let out = Bytes::copy_from_slice(&b[..len]);
-    b.advance(len);
-    Ok(out)
+    let (head, rest) = b.split_at(n);
+    *b = rest;
+    Ok(head)
+}
+
+fn str16<'a>(b: &mut &'a [u8]) -> Result<&'a str, Bad> {
+    let len = u16::from_be_bytes(take(b, 2)?.try_into().expect("2 bytes")) as usize;
+    std::str::from_utf8(take(b, len)?).map_err(|_| Bad::Corrupt)
+}
+
+fn bytes32<'a>(b: &mut &'a [u8]) -> Result<&'a [u8], Bad> {
+    let len = u32::from_be_bytes(take(b, 4)?.try_into().expect("4 bytes")) as usize;
+    take(b, len)
 }
 
 fn route(b: &mut &[u8]) -> Result<Option<Route>, Bad> {
-    if b.remaining() < 1 {
-        return Err(Bad::Corrupt);
-    }
-    match b.get_u8() {
+    match take(b, 1)?[0] {
         255 => Ok(None),
         0 => Ok(Some(Route::Queue)),
         1 => Ok(Some(Route::Exchange {
-            exchange: str16(b)?,
-            routing_key: str16(b)?,
+            exchange: str16(b)?.to_string(),
+            routing_key: str16(b)?.to_string(),
         })),
         _ => Err(Bad::Corrupt),
     }
@@ -222,10 +361,12 @@ mod tests {
     fn put_and_del_round_trip() {
         let h = held(7);
         let wire = encode_put(&h);
+        assert_eq!(wire.len(), PREFIX + put_len(&h));
         let (len, crc) = prefix(&wire).unwrap();
         assert_eq!(len, wire.len() - PREFIX);
         match decode(&wire[PREFIX..], crc).unwrap() {
-            Record::Put(back) => {
+            View::Put(back) => {
+                let back = back.to_held();
                 assert_eq!((back.id, back.due_ms, back.retry), (7, h.due_ms, 2));
                 assert_eq!((&*back.vhost, &*back.queue), ("/", "email-queue"));
                 assert_eq!(back.route, Route::Queue);
@@ -236,7 +377,10 @@ mod tests {
         }
         let del = encode_del(9);
         let (_, crc) = prefix(&del).unwrap();
-        assert!(matches!(decode(&del[PREFIX..], crc), Ok(Record::Del(9))));
+        assert!(matches!(decode(&del[PREFIX..], crc), Ok(View::Del(9))));
+        assert_eq!((id_of(&wire), id_of(&del)), (Some(7), Some(9)));
+        assert_eq!(at(&wire).unwrap().1, wire.len());
+        assert_eq!(at(&wire[..wire.len() - 1]).unwrap_err(), Bad::Torn);
     }
 
     #[test]
@@ -253,5 +397,25 @@ mod tests {
             );
         }
         assert_eq!(prefix(&wire[..5]).unwrap_err(), Bad::Torn);
+    }
+
+    #[test]
+    fn a_records_extent_is_known_wherever_a_write_tore_it() {
+        let mut h = held(1);
+        h.route = Route::Exchange {
+            exchange: "x".into(),
+            routing_key: "k".into(),
+        };
+        for wire in [encode_put(&h), encode_put(&held(2)), encode_del(3)] {
+            for cut in 4..=wire.len() {
+                assert_eq!(extent(&wire[..cut]), Some(wire.len()), "cut at {cut}");
+            }
+            let mut bad = wire.clone();
+            bad[0] ^= 0x10; // the length prefix disagrees with the body
+            assert_eq!(extent(&bad), None);
+            bad = wire.clone();
+            bad[PREFIX] = 9; // no put or delete
+            assert_eq!(extent(&bad), None);
+        }
     }
 }

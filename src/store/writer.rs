@@ -1,0 +1,248 @@
+//! The store's writer thread: group commit, answers, reclamation and
+//! compaction, in that order, one batch at a time.
+//!
+//! Every operation that arrives while the previous commit runs joins the
+//! next one, so one fsync covers a whole batch of puts. Puts are answered
+//! only after that fsync, each with its own result.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{info_span, warn};
+
+use super::log::{Log, Relocation};
+use super::{Held, Loc, StoreError};
+use crate::metrics::{Metrics, Open};
+
+/// Operations in one batch at most.
+const BATCH_OPS: usize = 4096;
+/// Staged bytes in one batch at most (a batch is one write).
+const BATCH_BYTES: usize = 16 * 1024 * 1024;
+/// Bytes compaction copies between two batches: a park waits for at most
+/// this much extra writing.
+const COMPACT_STEP: u64 = 4 * 1024 * 1024;
+/// How often lost deletes are written again when nothing else comes.
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// An operation for the writer thread.
+pub enum WriteOp<C> {
+    /// Store a message; the answer comes back with `ctx`.
+    Put {
+        /// The message.
+        held: Held,
+        /// The record of the same message it supersedes (a re-route).
+        replaces: Option<Loc>,
+        /// Handed back in [`Written`].
+        ctx: C,
+    },
+    /// Forget a message whose live put is at `loc`.
+    Del {
+        /// Its id.
+        id: u64,
+        /// Its put record.
+        loc: Loc,
+    },
+    /// A put a durable record of the same message supersedes (a compaction
+    /// copy adopted: the original; discarded: the copy).
+    Release {
+        /// The record.
+        loc: Loc,
+    },
+}
+
+/// The writer's answer to a put, once fsynced (or failed).
+pub struct Written<C> {
+    /// The caller's context.
+    pub ctx: C,
+    /// The message id.
+    pub id: u64,
+    /// Its due time.
+    pub due_ms: u64,
+    /// Where it is, or why it is not stored.
+    pub result: Result<Loc, StoreError>,
+}
+
+/// What the writer tells its owner.
+pub enum Event<C> {
+    /// A put's answer.
+    Written(Written<C>),
+    /// Compaction copied live puts forward: adopt or discard each copy.
+    Relocated(Vec<Relocation>),
+}
+
+/// The running writer: where operations go, and the thread to join.
+pub struct Writer<C> {
+    /// Operations; dropping every sender ends the thread after a last commit.
+    pub tx: Sender<WriteOp<C>>,
+    thread: JoinHandle<Log>,
+}
+
+impl<C> Writer<C> {
+    /// Waits for the thread to end (once every sender is dropped) and gives
+    /// the log back, committed; `None` if the thread panicked.
+    pub fn join(self) -> Option<Log> {
+        drop(self.tx);
+        self.thread.join().ok()
+    }
+}
+
+/// Runs `log` on its own thread, reporting to `events`.
+pub fn spawn_writer<C: Send + 'static>(
+    log: Log,
+    events: UnboundedSender<Event<C>>,
+    metrics: Arc<Metrics>,
+) -> Writer<C> {
+    let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
+    let open = Open::track(&metrics.store_open);
+    metrics.store_bytes.set(log.bytes() as i64);
+    let thread = std::thread::Builder::new()
+        .name("nackd-store".into())
+        .spawn(move || {
+            let _open = open;
+            let _span = info_span!("store").entered();
+            Thread {
+                log,
+                events,
+                metrics,
+                compact_after: None,
+            }
+            .run(rx)
+        })
+        .expect("spawn the store thread");
+    Writer { tx, thread }
+}
+
+struct Thread<C> {
+    log: Log,
+    events: UnboundedSender<Event<C>>,
+    metrics: Arc<Metrics>,
+    /// No compaction before this (it failed, or found nothing to copy).
+    compact_after: Option<Instant>,
+}
+
+impl<C> Thread<C> {
+    fn run(mut self, rx: Receiver<WriteOp<C>>) -> Log {
+        while let Some(batch) = self.next_batch(&rx) {
+            let answers = self.apply(batch);
+            self.commit(answers);
+            self.log.reclaim();
+            self.compact();
+            self.metrics.store_bytes.set(self.log.bytes() as i64);
+            self.metrics
+                .store_live_bytes
+                .set(self.log.live_bytes() as i64);
+        }
+        let _ = self.log.commit();
+        self.log
+    }
+
+    /// The next batch: waits for one operation (not long when deletes must
+    /// be written again or compaction has work), then takes what is queued.
+    fn next_batch(&self, rx: &Receiver<WriteOp<C>>) -> Option<Vec<WriteOp<C>>> {
+        let wait = if self.may_compact() {
+            Some(Duration::ZERO)
+        } else if self.log.has_unwritten() {
+            Some(RETRY_EVERY)
+        } else {
+            None
+        };
+        let first = match wait {
+            None => Some(rx.recv().ok()?),
+            Some(wait) => match rx.recv_timeout(wait) {
+                Ok(op) => Some(op),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return None,
+            },
+        };
+        let mut batch: Vec<WriteOp<C>> = first.into_iter().collect();
+        let mut bytes = 0;
+        while batch.len() < BATCH_OPS && bytes < BATCH_BYTES {
+            match rx.try_recv() {
+                Ok(op) => {
+                    if let WriteOp::Put { held, .. } = &op {
+                        bytes += held.size();
+                    }
+                    batch.push(op);
+                }
+                Err(_) => break,
+            }
+        }
+        Some(batch)
+    }
+
+    /// Stages every operation; returns the puts' tentative answers.
+    fn apply(&mut self, batch: Vec<WriteOp<C>>) -> Vec<Written<C>> {
+        let mut answers = Vec::new();
+        for op in batch {
+            match op {
+                WriteOp::Put {
+                    held,
+                    replaces,
+                    ctx,
+                } => answers.push(Written {
+                    ctx,
+                    id: held.id,
+                    due_ms: held.due_ms,
+                    result: self.log.put(&held, replaces),
+                }),
+                WriteOp::Del { id, loc } => self.log.del(id, loc),
+                WriteOp::Release { loc } => self.log.release(loc),
+            }
+        }
+        answers
+    }
+
+    /// Commits, then answers every put: `Ok` only if the commit covered it.
+    fn commit(&mut self, mut answers: Vec<Written<C>>) {
+        let started = Instant::now();
+        let committed = self.log.commit();
+        if !answers.is_empty() {
+            Metrics::observe(&self.metrics.fsync, started.elapsed());
+        }
+        let refused = answers
+            .iter()
+            .filter(|a| matches!(a.result, Err(StoreError::Io(_))))
+            .count();
+        self.metrics.store_errors.inc_by(refused as u64);
+        if let Err(e) = &committed {
+            warn!(error = %e, puts = answers.len(), "store: commit failed; its puts are refused");
+            self.metrics.store_errors.inc();
+            for a in answers.iter_mut().filter(|a| a.result.is_ok()) {
+                a.result = Err(e.clone());
+            }
+        }
+        for answer in answers {
+            let _ = self.events.send(Event::Written(answer));
+        }
+    }
+
+    fn may_compact(&self) -> bool {
+        self.compact_after.is_none_or(|t| Instant::now() >= t) && self.log.wants_compaction()
+    }
+
+    /// One step of compaction, if disk use calls for it.
+    fn compact(&mut self) {
+        if !self.may_compact() {
+            return;
+        }
+        self.compact_after = None;
+        match self.log.compact(COMPACT_STEP) {
+            Ok(copies) if copies.is_empty() => {
+                self.compact_after = Some(Instant::now() + RETRY_EVERY)
+            }
+            Ok(copies) => {
+                let bytes: u64 = copies.iter().map(|c| u64::from(c.to.len)).sum();
+                self.metrics.store_compacted_bytes.inc_by(bytes);
+                let _ = self.events.send(Event::Relocated(copies));
+            }
+            Err(e) => {
+                self.metrics.store_errors.inc();
+                self.compact_after = Some(Instant::now() + RETRY_EVERY);
+                warn!(error = %e, "store: compaction failed; trying again later");
+            }
+        }
+    }
+}
