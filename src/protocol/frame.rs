@@ -9,7 +9,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use nom::number::streaming::{be_u16, be_u32, be_u8};
 use nom::Parser;
 
-use crate::reply::ReplyCode;
+use crate::protocol::reply::ReplyCode;
 
 /// Octets of the frame header (type, channel, size).
 pub const HEADER_LEN: usize = 7;

@@ -7,11 +7,12 @@ use std::sync::Arc;
 use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
 use bytes::Bytes;
 
-use crate::intercept::{Captured, Capturing, Settle};
+use crate::session::capture::{Captured, Capturing};
+use crate::session::settle::Settle;
 
-use crate::content;
-use crate::frame::{Frame, FrameError, FrameType};
-use crate::method::MethodId;
+use crate::protocol::content;
+use crate::protocol::frame::{Frame, FrameError, FrameType};
+use crate::protocol::method::MethodId;
 
 /// A consumer registered on the channel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,7 +60,7 @@ impl ContentState {
                 n => Self::Body(n),
             },
             (Self::Body(left), FrameType::Body) => {
-                let len = (frame.raw.len() - crate::frame::FRAME_OVERHEAD) as u64;
+                let len = (frame.raw.len() - crate::protocol::frame::FRAME_OVERHEAD) as u64;
                 match left.checked_sub(len) {
                     Some(0) => Self::Idle,
                     Some(rest) => Self::Body(rest),

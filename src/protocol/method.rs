@@ -10,9 +10,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 use nom::combinator::all_consuming;
 use nom::Parser;
 
-use crate::content;
-use crate::frame::{FrameError, FrameType, FRAME_END, FRAME_OVERHEAD};
-use crate::reply::ReplyCode;
+use crate::protocol::content;
+use crate::protocol::frame::{FrameError, FrameType, FRAME_END, FRAME_OVERHEAD};
+use crate::protocol::reply::ReplyCode;
 
 /// Class and method id, the first four octets of a method payload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -7,8 +7,8 @@
 use amq_protocol::types::parsing::parse_value;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString};
 
-use crate::content;
-use crate::frame::FrameError;
+use crate::protocol::content;
+use crate::protocol::frame::FrameError;
 
 /// Header with the retry number (1 on the first redelivery).
 pub const RETRY_COUNT: &str = "x-retry-count";

@@ -18,7 +18,7 @@ use bytes::{BufMut, BytesMut};
 use nom::combinator::all_consuming;
 use nom::Parser;
 
-use crate::frame::FrameError;
+use crate::protocol::frame::FrameError;
 
 /// Flag bit of the `headers` property in the property flags.
 const HEADERS_FLAG: u16 = 1 << 13;

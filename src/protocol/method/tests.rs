@@ -1,5 +1,5 @@
 use super::*;
-use crate::frame::{Frame, FrameDecoder};
+use crate::protocol::frame::{Frame, FrameDecoder};
 use amq_protocol::protocol::{confirm, queue, tx};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 
