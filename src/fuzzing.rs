@@ -1,5 +1,6 @@
 //! Fuzz targets for the frame layer, shared by the libFuzzer targets in
-//! `fuzz/` and the property tests in `tests/fuzz_props.rs`.
+//! `fuzz/` and the property tests in `tests/fuzz_props.rs`. Compiled only
+//! with the `fuzzing` feature: the product carries none of it.
 //!
 //! A target panics only when an invariant breaks: decoding never panics, a
 //! frame is cut exactly where its header says, input split anywhere decodes
@@ -16,7 +17,7 @@ pub use spec::{short, table, FrameSpec, HeaderSpec, MethodSpec, TableSpec, Text,
 
 use bytes::BytesMut;
 
-use crate::frame::{
+use crate::protocol::frame::{
     decode_protocol_header, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader, FRAME_END,
     FRAME_MIN_SIZE, FRAME_OVERHEAD, HANDSHAKE_FRAME_MAX, HEADER_LEN, PROTOCOL_HEADER, RESERVE_STEP,
 };

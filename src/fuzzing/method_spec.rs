@@ -6,8 +6,7 @@ use amq_protocol::protocol::{basic, channel, confirm, connection, queue, tx, AMQ
 use super::spec::{short, table, TableSpec, Text};
 
 /// The methods nackd decodes, with every field free.
-#[derive(Clone, Debug)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[derive(Clone, Debug, arbitrary::Arbitrary)]
 #[allow(missing_docs)]
 pub enum MethodSpec {
     ConnectionStart {

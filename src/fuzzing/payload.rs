@@ -8,9 +8,9 @@ use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
 
-use crate::content::{self, ContentHeader, RawEntry};
-use crate::frame::{Frame, FrameDecoder, FrameType};
-use crate::method::{self, MethodId};
+use crate::protocol::content::{self, ContentHeader, RawEntry};
+use crate::protocol::frame::{Frame, FrameDecoder, FrameType};
+use crate::protocol::method::{self, MethodId};
 
 /// Equal, or equal but for NaNs in the same places (NaN != NaN).
 pub(super) fn same<T: PartialEq + Debug>(a: &T, b: &T) -> bool {

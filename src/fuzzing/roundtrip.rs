@@ -8,9 +8,9 @@ use bytes::BytesMut;
 use super::payload;
 use super::spec::{short, FrameSpec, HeaderSpec};
 use super::{decode_chunks, Decoded};
-use crate::content::{self, ContentHeader};
-use crate::frame::{Frame, FrameDecoder, FrameError, FrameType, FRAME_OVERHEAD};
-use crate::method::{self, ids, MethodId};
+use crate::protocol::content::{self, ContentHeader};
+use crate::protocol::frame::{Frame, FrameDecoder, FrameError, FrameType, FRAME_OVERHEAD};
+use crate::protocol::method::{self, ids, MethodId};
 
 /// Encodes `spec`, decodes it and asserts decode(encode(x)) == x.
 pub fn roundtrip(spec: &FrameSpec) {

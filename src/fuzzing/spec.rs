@@ -14,7 +14,7 @@ use amq_protocol::types::{
 };
 
 pub use super::method_spec::MethodSpec;
-use crate::content::ContentHeader;
+use crate::protocol::content::ContentHeader;
 
 /// Text of a short string; cut to 255 octets when encoded.
 pub type Text = String;
@@ -26,8 +26,7 @@ pub type TableSpec = Vec<(Text, ValueSpec)>;
 const MAX_DEPTH: usize = 8;
 
 /// One frame, or a whole publish, as nackd may send or receive it.
-#[derive(Clone, Debug)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[derive(Clone, Debug, arbitrary::Arbitrary)]
 pub enum FrameSpec {
     /// A method nackd decodes.
     Method { channel: u16, method: MethodSpec },
@@ -51,8 +50,7 @@ pub enum FrameSpec {
 }
 
 /// A content header: body size and every basic property.
-#[derive(Clone, Debug)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[derive(Clone, Debug, arbitrary::Arbitrary)]
 #[allow(missing_docs)]
 pub struct HeaderSpec {
     pub body_size: u64,
@@ -75,8 +73,7 @@ pub struct HeaderSpec {
 }
 
 /// A field value of every type RabbitMQ and amq-protocol agree on.
-#[derive(Clone, Debug)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[derive(Clone, Debug, arbitrary::Arbitrary)]
 #[allow(missing_docs)]
 pub enum ValueSpec {
     Bool(bool),

@@ -1,6 +1,7 @@
 //! `nackd-bench`: measurements of nackd against the real RabbitMQ with a
 //! real client (lapin), each figure taken directly and through nackd in
-//! alternating rounds of the same run. Built only with the `bench` feature.
+//! alternating rounds of the same run. A crate of its own in the workspace,
+//! so the product library carries none of it.
 //!
 //! # Layout
 //!
@@ -12,6 +13,7 @@
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
 //! - one file per scenario: [`passthrough`], [`retry`], [`hold`].
+#![forbid(unsafe_code)]
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -206,7 +208,7 @@ fn warn_if_stale(nackd: &std::path::Path) {
         if theirs + Duration::from_secs(60) < mine {
             tracing::warn!(
                 nackd = %nackd.display(),
-                "nackd is older than nackd-bench; rebuild both with `cargo build --release --features bench --bins`"
+                "nackd is older than nackd-bench; rebuild both with `cargo build --release --bins`"
             );
         }
     }

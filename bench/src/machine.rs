@@ -9,8 +9,8 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
-use crate::method;
+use nackd::protocol::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
+use nackd::protocol::method;
 
 /// The machine and broker a run measured.
 #[derive(Clone, Debug)]

@@ -19,9 +19,7 @@ const RESTART_TIMEOUT: Duration = Duration::from_secs(600);
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     /// No `nackd` binary where it was looked for.
-    #[error(
-        "no nackd binary at {0}: build it with `cargo build --release --features bench --bins`"
-    )]
+    #[error("no nackd binary at {0}: build it with `cargo build --release --bins`")]
     Missing(PathBuf),
     /// Temp directory, config file, log file or spawn failed.
     #[error("{what}: {source}")]

@@ -1,10 +1,10 @@
 //! `nackd-bench`: parse arguments, start logging, run the scenario
-//! (see `nackd::bench`). Needs `--features bench`.
+//! (see the `nackd_bench` library of this crate).
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use nackd::bench::Cli;
+use nackd_bench::Cli;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -15,7 +15,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-    match runtime.block_on(nackd::bench::run(cli)) {
+    match runtime.block_on(nackd_bench::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("benchmark failed: {e}");

@@ -1,0 +1,250 @@
+//! `nackd admin list|fire|purge`: the admin API of a running nackd from the
+//! command line, printed as lines an operator reads (or greps). Address and
+//! token come from the config file unless `--address` / `--token-env` say.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use nackd::config::Config;
+use nackd::retry::Target;
+use serde_json::Value;
+use ureq::{Agent, RequestBuilder};
+
+// No doc comment here: clap would take it for the subcommand's help, which
+// is the doc comment of `Command::Admin` in main.rs.
+#[derive(Args, Debug)]
+pub struct AdminArgs {
+    /// host:port of its metrics listener (default: metrics.address of --config).
+    #[arg(long)]
+    address: Option<String>,
+    /// Environment variable holding the admin token (default: the token of --config).
+    #[arg(long)]
+    token_env: Option<String>,
+    #[command(subcommand)]
+    action: AdminAction,
+}
+
+#[derive(Subcommand, Debug)]
+enum AdminAction {
+    /// Held messages, soonest due first.
+    List {
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// Only this vhost.
+        #[arg(long)]
+        vhost: Option<String>,
+        /// At most this many (the server caps it at 10000).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Republish now: one message (--id) or every message of a queue.
+    Fire(Which),
+    /// Forget held messages: one (--id) or every message of a queue.
+    Purge(Which),
+}
+
+#[derive(Args, Debug)]
+struct Which {
+    /// Store id (from `list`).
+    #[arg(long, conflicts_with = "queue", required_unless_present = "queue")]
+    id: Option<u64>,
+    /// Every held message of this queue.
+    #[arg(long)]
+    queue: Option<String>,
+    /// Virtual host of --queue.
+    #[arg(long, default_value = "/", requires = "queue")]
+    vhost: String,
+}
+
+impl Which {
+    fn target(&self) -> Target {
+        match (self.id, &self.queue) {
+            (Some(id), _) => Target::Id(id),
+            (None, queue) => Target::Queue {
+                vhost: self.vhost.clone(),
+                queue: queue.clone().unwrap_or_default(),
+            },
+        }
+    }
+}
+
+/// How long a whole call may take.
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs the command against the nackd that the file `config` describes.
+pub fn run(config: &Path, args: &AdminArgs) -> ExitCode {
+    let (address, token) = match address_and_token(config, args) {
+        Ok(found) => found,
+        Err((message, code)) => {
+            eprintln!("{message}");
+            return ExitCode::from(code);
+        }
+    };
+    match call(&address, &token, &args.action) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `--address` and `--token-env`, else what the config file says; the
+/// error comes with the exit code (2: a configuration problem).
+fn address_and_token(config: &Path, args: &AdminArgs) -> Result<(String, String), (String, u8)> {
+    let loaded = match (&args.address, &args.token_env) {
+        (Some(_), Some(_)) => None,
+        _ => match Config::load(config) {
+            Ok(c) => Some(c),
+            Err(e) => return Err((format!("invalid configuration: {e}"), 2)),
+        },
+    };
+    let address = args.address.clone().unwrap_or_else(|| {
+        loaded
+            .as_ref()
+            .map(|c| c.metrics.address.to_string())
+            .unwrap_or_default()
+    });
+    let token = match (&args.token_env, &loaded) {
+        (Some(var), _) => std::env::var(var).map_err(|_| format!("--token-env: {var} is not set")),
+        (None, Some(c)) => c.metrics.admin_token().and_then(|t| {
+            t.ok_or_else(|| "no admin token: set metrics.admin_token or pass --token-env".into())
+        }),
+        (None, None) => Err("no admin token".into()),
+    };
+    token.map(|t| (address, t)).map_err(|e| (e, 2))
+}
+
+/// Why an admin command failed.
+#[derive(Debug, thiserror::Error)]
+enum AdminError {
+    /// nackd cannot be reached, or did not answer in HTTP.
+    #[error("{address}: {reason}")]
+    Unreachable { address: String, reason: String },
+    /// No answer in time.
+    #[error("{0}: no answer in 30 s")]
+    Timeout(String),
+    /// nackd answered with an error.
+    #[error("HTTP {status}: {message}")]
+    Api { status: u16, message: String },
+}
+
+impl AdminError {
+    fn from_ureq(address: &str, e: ureq::Error) -> Self {
+        let reason = match e {
+            ureq::Error::Timeout(_) => return Self::Timeout(address.to_string()),
+            // The OS's words alone ("Connection refused (os error 111)").
+            ureq::Error::Io(e) => e.to_string(),
+            e => e.to_string(),
+        };
+        Self::Unreachable {
+            address: address.to_string(),
+            reason,
+        }
+    }
+}
+
+/// Adds the query that names `target`.
+fn with_target<B>(request: RequestBuilder<B>, target: &Target) -> RequestBuilder<B> {
+    match target {
+        Target::Id(id) => request.query("id", id.to_string()),
+        Target::Queue { vhost, queue } => request.query("queue", queue).query("vhost", vhost),
+    }
+}
+
+/// Asks the operations listener at `address`; the answer as lines to print.
+fn call(address: &str, token: &str, action: &AdminAction) -> Result<String, AdminError> {
+    let (status, text) =
+        send(address, token, action).map_err(|e| AdminError::from_ureq(address, e))?;
+    let body: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    if status != 200 {
+        let message = body["error"].as_str().map_or(text.clone(), str::to_string);
+        return Err(AdminError::Api { status, message });
+    }
+    Ok(match action {
+        AdminAction::List { .. } => list_lines(&body),
+        AdminAction::Fire(_) => format!("fired {}\n", body["fired"]),
+        AdminAction::Purge(_) => format!("purged {}\n", body["purged"]),
+    })
+}
+
+/// One HTTP call: status and body.
+fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String), ureq::Error> {
+    // Straight to nackd: no proxy from the environment, and an error
+    // status is an answer to read, not a transport error.
+    let agent: Agent = Agent::config_builder()
+        .timeout_global(Some(TIMEOUT))
+        .http_status_as_error(false)
+        .proxy(None)
+        .build()
+        .into();
+    let url = |path: &str| format!("http://{address}{path}");
+    let bearer = format!("Bearer {token}");
+    let mut response = match action {
+        AdminAction::List {
+            queue,
+            vhost,
+            limit,
+        } => {
+            let mut request = agent
+                .get(url("/api/held"))
+                .query("limit", limit.to_string());
+            if let Some(queue) = queue {
+                request = request.query("queue", queue);
+            }
+            if let Some(vhost) = vhost {
+                request = request.query("vhost", vhost);
+            }
+            request.header("Authorization", &bearer).call()?
+        }
+        AdminAction::Fire(which) => with_target(agent.post(url("/api/fire")), &which.target())
+            .header("Authorization", &bearer)
+            .send_empty()?,
+        AdminAction::Purge(which) => with_target(agent.post(url("/api/purge")), &which.target())
+            .header("Authorization", &bearer)
+            .send_empty()?,
+    };
+    // Read to the end, as text: `list --limit 10000` may be large.
+    let text = (response.body_mut().with_config())
+        .limit(u64::MAX)
+        .lossy_utf8(true)
+        .read_to_string()?;
+    Ok((response.status().as_u16(), text))
+}
+
+/// One line per held message, then the count.
+fn list_lines(body: &Value) -> String {
+    let mut out = String::new();
+    let held = body["held"].as_array().cloned().unwrap_or_default();
+    for h in &held {
+        let _ = writeln!(
+            out,
+            "id {} vhost {} queue {} due {} retry {} size {} attempts {}{}{} headers {}",
+            h["id"],
+            h["vhost"],
+            h["queue"],
+            h["due"].as_str().unwrap_or("?"),
+            h["retry"],
+            h["size"],
+            h["attempts"],
+            if h["publishing"] == Value::Bool(true) {
+                " publishing"
+            } else {
+                ""
+            },
+            h["blocked"]
+                .as_str()
+                .map_or(String::new(), |b| format!(" blocked: {b}")),
+            h["headers"]
+        );
+    }
+    let _ = writeln!(out, "{} of {} held", held.len(), body["total"]);
+    out
+}

@@ -1,0 +1,188 @@
+//! `nackd`: parse arguments, load the config, start logging and signal
+//! handling, and run the proxy. The operator subcommands live beside this
+//! file: [`admin`] (the admin API of a running nackd) and [`store`] (the
+//! hold store on disk).
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use nackd::config::{Config, Scheduling};
+use nackd::reload::Reloader;
+use nackd::server::Proxy;
+use tokio_util::sync::CancellationToken;
+
+mod admin;
+mod store;
+
+/// AMQP 0-9-1 proxy that turns nack/reject into delayed retries.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Configuration file.
+    #[arg(long, default_value = "config/nackd.toml")]
+    config: PathBuf,
+    /// Check this configuration file and exit (0 if valid).
+    #[arg(long, value_name = "FILE")]
+    check_config: Option<PathBuf>,
+    /// Override `listen.address`.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Override `upstream.address` (host:port).
+    #[arg(long)]
+    upstream: Option<String>,
+    /// Override `metrics.address`.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Inspect or edit the store of held messages (`store.path` of --config).
+    Store(store::StoreArgs),
+    /// Ask a running nackd (its admin API) about held messages.
+    Admin(admin::AdminArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(path) = &args.check_config {
+        return match Config::load(path) {
+            Ok(_) => {
+                println!("{}: ok", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("invalid configuration: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
+    match &args.command {
+        Some(Command::Store(store)) => return store::run(&args.config, store),
+        Some(Command::Admin(admin)) => return admin::run(&args.config, admin),
+        None => {}
+    }
+    init_logging(args.log_format);
+    let mut config = match Config::load(&args.config) {
+        Ok(config) => config,
+        Err(e) => {
+            tracing::error!("invalid configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(listen) = args.listen {
+        config.listen.address = listen;
+    }
+    if let Some(upstream) = args.upstream {
+        config.upstream.set_single(upstream);
+    }
+    if let Some(metrics) = args.metrics {
+        config.metrics.address = metrics;
+    }
+    match runtime(&config).block_on(run(config, args.config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("cannot start: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The session threads `[runtime]` asks for.
+fn runtime(config: &Config) -> tokio::runtime::Runtime {
+    let batch = config.runtime.scheduling == Scheduling::Batch;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.runtime.worker_threads)
+        .thread_name("nackd-worker")
+        .on_thread_start(move || {
+            if batch {
+                if let Err(e) = nackd::sched::batch_current_thread() {
+                    tracing::warn!(error = %e, "runtime.scheduling = \"batch\" not applied");
+                }
+            }
+        })
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+async fn run(config: Config, path: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
+    // Handlers first: a signal that arrives once "listening" is logged must
+    // find them, not the default action (which would end the process).
+    let handlers = Signals::install()?;
+    let proxy = Proxy::bind(&config).await?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(handlers.serve(shutdown.clone(), proxy.reloader(), path));
+    proxy.run(shutdown).await;
+    Ok(())
+}
+
+/// SIGINT/SIGTERM stop nackd; SIGHUP reloads the `[[policy]]` tables.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn serve(self, shutdown: CancellationToken, reloader: Reloader, path: PathBuf) {
+        let Self {
+            mut term,
+            mut int,
+            mut hup,
+        } = self;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break tracing::info!("SIGTERM: shutting down"),
+                _ = int.recv() => break tracing::info!("SIGINT: shutting down"),
+                _ = hup.recv() => match reloader.reload(&path) {
+                    Ok(policies) => tracing::info!(policies, file = %path.display(), "SIGHUP: policies reloaded (other sections need a restart)"),
+                    Err(e) => tracing::error!(file = %path.display(), "SIGHUP: reload refused, the old policies stay: {e}"),
+                },
+            }
+        }
+        shutdown.cancel();
+    }
+}
+
+/// What is logged when `NACKD_LOG` does not say. lapin (the replica's
+/// client) logs every channel a broker closes as an error, and nackd probes
+/// queues that may not exist on purpose (leases): nackd logs what matters.
+const DEFAULT_LOG: &str = "info,lapin=warn,lapin::channel=off";
+
+/// Logs on stderr; text is coloured only on a terminal, so that
+/// `scripts/run > nackd.log 2>&1` writes plain lines.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NACKD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
