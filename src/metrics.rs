@@ -61,11 +61,15 @@ pub enum PassReason {
     BadHeaders,
     /// nackd does not know the delivery tag (double settle, no-ack delivery).
     UnknownTag,
+    /// The store (and replica) are still being recovered after a start.
+    Recovering,
+    /// The replica's lease is not held (a standby, or the broker was lost).
+    NoLease,
 }
 
 impl PassReason {
     /// Every reason, in label order.
-    pub const ALL: [PassReason; 7] = [
+    pub const ALL: [PassReason; 9] = [
         Self::NotConfigured,
         Self::OverBudget,
         Self::StoreUnavailable,
@@ -73,6 +77,8 @@ impl PassReason {
         Self::RequeuePass,
         Self::BadHeaders,
         Self::UnknownTag,
+        Self::Recovering,
+        Self::NoLease,
     ];
 
     /// The `reason` label value.
@@ -85,6 +91,66 @@ impl PassReason {
             Self::RequeuePass => "requeue_pass",
             Self::BadHeaders => "bad_headers",
             Self::UnknownTag => "unknown_tag",
+            Self::Recovering => "recovering",
+            Self::NoLease => "no_lease",
+        }
+    }
+}
+
+/// Why a held message was set aside instead of republished (it stays held
+/// and is tried again with a backoff of its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockReason {
+    /// The destination exchange does not exist (404 on publish or passive declare).
+    NoExchange,
+    /// The broker refused access (403: permissions, an internal exchange).
+    AccessRefused,
+    /// The broker refused this message (406, e.g. larger than its `max_message_size`).
+    PreconditionFailed,
+    /// The rewritten content header does not fit in one frame of the negotiated `frame_max`.
+    FrameMax,
+    /// Its `user_id` property is not the republisher's user, which the broker refuses.
+    UserId,
+    /// Returned: nothing is bound to its `on_exhausted` exchange for its routing key.
+    NoRoute,
+    /// Its queue no longer exists (`republish.queue_gone`).
+    QueueGone,
+    /// The broker nacked the republish (an internal error on its side).
+    Nacked,
+    /// Another channel error on the republish.
+    ChannelError,
+    /// The held copy cannot be read or re-routed in the store.
+    Store,
+}
+
+impl BlockReason {
+    /// Every reason, in label order.
+    pub const ALL: [BlockReason; 10] = [
+        Self::NoExchange,
+        Self::AccessRefused,
+        Self::PreconditionFailed,
+        Self::FrameMax,
+        Self::UserId,
+        Self::NoRoute,
+        Self::QueueGone,
+        Self::Nacked,
+        Self::ChannelError,
+        Self::Store,
+    ];
+
+    /// The `reason` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NoExchange => "no_exchange",
+            Self::AccessRefused => "access_refused",
+            Self::PreconditionFailed => "precondition_failed",
+            Self::FrameMax => "frame_max",
+            Self::UserId => "user_id",
+            Self::NoRoute => "no_route",
+            Self::QueueGone => "queue_gone",
+            Self::Nacked => "nacked",
+            Self::ChannelError => "channel_error",
+            Self::Store => "store",
         }
     }
 }
@@ -147,12 +213,38 @@ pub struct Metrics {
     pub store_open: Gauge,
     /// Store writes or fsyncs that failed.
     pub store_errors: Counter,
+    /// Bytes of the store's live puts (what disk use is bounded by).
+    pub store_live_bytes: Gauge,
+    /// Bytes compaction copied forward.
+    pub store_compacted_bytes: Counter,
+    /// Bytes recovery skipped because they did not read back.
+    pub store_damaged_bytes: Counter,
+    /// Held messages written back into the local store from the replica stream.
+    pub replica_rebuilt: Counter,
+    /// Replica generations replaced by a compacted one.
+    pub replica_generations: Counter,
     /// Republisher connections up now (all vhosts).
     pub republishers: Gauge,
     /// 1 while the republisher of a vhost is connected.
     pub republisher_connected: Family<VhostLabels, Gauge>,
     /// 1 while the broker blocks the republisher of a vhost.
     pub republisher_blocked: Family<VhostLabels, Gauge>,
+    /// Republisher connections opened, by vhost.
+    pub republisher_connects: Family<VhostLabels, Counter>,
+    /// Channels of a republisher the broker closed with an error, by vhost.
+    pub republisher_channel_errors: Family<VhostLabels, Counter>,
+    /// Bytes of due messages read from the store and not yet settled, by vhost.
+    pub republish_pending_bytes: Family<VhostLabels, Gauge>,
+    blocked_total: Vec<Counter>,
+    blocked_now: Vec<Gauge>,
+    /// 1 while a queue that holds messages is gone (returned as unroutable).
+    pub queue_gone: Family<QueueLabels, Gauge>,
+    /// Held messages of a gone queue dropped by `republish.queue_gone`.
+    pub gone_dropped: Counter,
+    /// Held messages of a gone queue sent to `republish.queue_gone.exchange`.
+    pub gone_dead_lettered: Counter,
+    /// `on_exhausted` (and `queue_gone`) exchanges the last check found missing.
+    pub exchanges_missing: Gauge,
     /// Bytes of deliveries captured in case they are nacked.
     pub capture_bytes: Gauge,
     /// Policy reloads that took effect.
@@ -180,6 +272,9 @@ impl Metrics {
         let passed = Family::<Label, Counter>::default();
         let exhausted = Family::<Label, Counter>::default();
         let reloads = Family::<Label, Counter>::default();
+        let blocked_total = Family::<Label, Counter>::default();
+        let blocked_now = Family::<Label, Gauge>::default();
+        let gone = Family::<Label, Counter>::default();
         let one = |f: &Family<Label, Counter>, name, value| f.get_or_create_owned(&[(name, value)]);
         let directions = |f: &Family<Label, Counter>| Directions {
             to_upstream: one(f, "direction", "to_upstream"),
@@ -213,9 +308,29 @@ impl Metrics {
             store_bytes: Gauge::default(),
             store_open: Gauge::default(),
             store_errors: Counter::default(),
+            store_live_bytes: Gauge::default(),
+            store_compacted_bytes: Counter::default(),
+            store_damaged_bytes: Counter::default(),
+            replica_rebuilt: Counter::default(),
+            replica_generations: Counter::default(),
             republishers: Gauge::default(),
             republisher_connected: Family::default(),
             republisher_blocked: Family::default(),
+            republisher_connects: Family::default(),
+            republisher_channel_errors: Family::default(),
+            republish_pending_bytes: Family::default(),
+            blocked_total: BlockReason::ALL
+                .iter()
+                .map(|r| one(&blocked_total, "reason", r.label()))
+                .collect(),
+            blocked_now: BlockReason::ALL
+                .iter()
+                .map(|r| blocked_now.get_or_create_owned(&[("reason", r.label())]))
+                .collect(),
+            queue_gone: Family::default(),
+            gone_dropped: one(&gone, "action", "drop"),
+            gone_dead_lettered: one(&gone, "action", "dead_letter"),
+            exchanges_missing: Gauge::default(),
             capture_bytes: Gauge::default(),
             reloads_ok: one(&reloads, "result", "ok"),
             reloads_failed: one(&reloads, "result", "error"),
@@ -338,6 +453,34 @@ impl Metrics {
             "Store writes or fsyncs that failed",
             m.store_errors.clone(),
         );
+        r.register_with_unit(
+            "nackd_store_live",
+            "Bytes of the store's live records (disk use stays within about twice this plus a segment)",
+            Unit::Bytes,
+            m.store_live_bytes.clone(),
+        );
+        r.register_with_unit(
+            "nackd_store_compacted",
+            "Bytes the store's compaction copied forward",
+            Unit::Bytes,
+            m.store_compacted_bytes.clone(),
+        );
+        r.register_with_unit(
+            "nackd_store_damaged",
+            "Bytes recovery skipped because they did not read back (held messages in them are lost)",
+            Unit::Bytes,
+            m.store_damaged_bytes.clone(),
+        );
+        r.register(
+            "nackd_replica_compactions",
+            "Replica generation streams replaced by a compacted one",
+            m.replica_generations.clone(),
+        );
+        r.register(
+            "nackd_replica_rebuilt_messages",
+            "Held messages the local store got back from the replica stream",
+            m.replica_rebuilt.clone(),
+        );
         r.register(
             "nackd_republisher_connections",
             "Republisher connections up (all vhosts)",
@@ -352,6 +495,47 @@ impl Metrics {
             "nackd_republisher_blocked",
             "1 while the broker blocks the republisher of the vhost",
             m.republisher_blocked.clone(),
+        );
+        r.register(
+            "nackd_republisher_connects",
+            "Republisher connections opened, by vhost",
+            m.republisher_connects.clone(),
+        );
+        r.register(
+            "nackd_republisher_channel_errors",
+            "Republisher channels the broker closed with an error (the connection stays)",
+            m.republisher_channel_errors.clone(),
+        );
+        r.register_with_unit(
+            "nackd_republish_pending",
+            "Bytes of due messages read from the store and not yet settled (bounded by republish.max_pending_bytes)",
+            Unit::Bytes,
+            m.republish_pending_bytes.clone(),
+        );
+        r.register(
+            "nackd_retries_blocked",
+            "Republishes set aside (kept, tried again with backoff), by reason",
+            blocked_total,
+        );
+        r.register(
+            "nackd_blocked_messages",
+            "Held messages whose last republish was set aside, by reason",
+            blocked_now,
+        );
+        r.register(
+            "nackd_queue_gone",
+            "1 while a queue nackd holds messages for does not exist",
+            m.queue_gone.clone(),
+        );
+        r.register(
+            "nackd_gone_queue_messages",
+            "Held messages of a gone queue handled by republish.queue_gone, by action",
+            gone,
+        );
+        r.register(
+            "nackd_policy_exchanges_missing",
+            "on_exhausted and queue_gone exchanges the last check (startup, reload) did not find",
+            m.exchanges_missing.clone(),
         );
         r.register_with_unit(
             "nackd_capture",
@@ -382,6 +566,21 @@ impl Metrics {
     /// Nacks passed through, all reasons.
     pub fn passed_total(&self) -> u64 {
         self.passed.iter().map(Counter::get).sum()
+    }
+
+    /// Counts one republish set aside for `reason`.
+    pub fn blocked(&self, reason: BlockReason) {
+        self.blocked_total[reason as usize].inc();
+    }
+
+    /// Republishes set aside for `reason` so far.
+    pub fn blocked_total(&self, reason: BlockReason) -> u64 {
+        self.blocked_total[reason as usize].get()
+    }
+
+    /// The gauge of held messages currently set aside for `reason`.
+    pub fn blocked_now(&self, reason: BlockReason) -> &Gauge {
+        &self.blocked_now[reason as usize]
     }
 
     /// Observes a duration, in seconds.

@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -20,44 +20,49 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::intercept::Budget;
 use crate::metrics::{Metrics, CONTENT_TYPE};
 use crate::retry::RetryHandle;
+use crate::session::capture::Budget;
 
 mod admin;
-pub mod cli;
-pub mod client;
 mod status;
 
 /// How long `/readyz` waits for a TCP connect to the broker.
 const UPSTREAM_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a broker check of `/readyz` answers for: requests in between
+/// share it, so probes (or anyone) cannot make nackd open a connection each.
+const UPSTREAM_CHECK_TTL: Duration = Duration::from_secs(1);
 
 /// What the handlers share.
 pub struct Ops {
     metrics: Arc<Metrics>,
-    upstream: String,
+    /// `host:port` of each broker node.
+    nodes: Vec<String>,
     admin_token: Option<String>,
     intercepting: bool,
     engine: OnceLock<(RetryHandle, Arc<Budget>)>,
     draining: AtomicBool,
+    /// The last broker check of `/readyz` and when it ran.
+    upstream_check: tokio::sync::Mutex<Option<(Instant, Nodes)>>,
 }
 
 impl Ops {
-    /// State for a proxy whose broker is `upstream`. `intercepting`: a store
-    /// and an engine will be [`attach`](Ops::attach)ed once recovered.
+    /// State for a proxy whose broker nodes are `nodes`. `intercepting`: a
+    /// store and an engine will be [`attach`](Ops::attach)ed once recovered.
     pub fn new(
         metrics: Arc<Metrics>,
-        upstream: String,
+        nodes: Vec<String>,
         admin_token: Option<String>,
         intercepting: bool,
     ) -> Arc<Self> {
         Arc::new(Self {
             metrics,
-            upstream,
+            nodes,
             admin_token,
             intercepting,
             engine: OnceLock::new(),
             draining: AtomicBool::new(false),
+            upstream_check: tokio::sync::Mutex::new(None),
         })
     }
 
@@ -123,27 +128,19 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
-    let store = match (
-        ops.intercepting,
-        ops.engine.get().is_some(),
-        ops.metrics.store_open.get(),
-    ) {
-        (false, _, _) => "not used",
-        (true, false, _) => "recovering",
-        (true, true, 1) => "ok",
-        (true, true, _) => "closed",
+    let store = match (ops.intercepting, ops.engine.get()) {
+        (false, _) => "not used",
+        (true, None) => "recovering",
+        (true, Some((retry, _))) => match retry.ready.get() {
+            crate::retry::Ready::Recovering => "recovering",
+            crate::retry::Ready::NoLease => "no lease",
+            crate::retry::Ready::Failed => "closed",
+            crate::retry::Ready::Ready if ops.metrics.store_open.get() == 1 => "ok",
+            crate::retry::Ready::Ready => "closed",
+        },
     };
-    let address = ops.upstream.clone();
-    let upstream = match tokio::time::timeout(
-        UPSTREAM_CHECK_TIMEOUT,
-        tokio::net::TcpStream::connect(address),
-    )
-    .await
-    {
-        Ok(Ok(_)) => "ok".to_string(),
-        Ok(Err(e)) => format!("unreachable: {e}"),
-        Err(_) => "unreachable: connect timed out".to_string(),
-    };
+    let nodes = ops.upstream_check().await;
+    let upstream = nodes.summary();
     let draining = ops.draining.load(Ordering::Relaxed);
     let ready = upstream == "ok" && matches!(store, "ok" | "not used") && !draining;
     let code = if ready {
@@ -151,7 +148,63 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let body =
+    let mut body =
         json!({ "ready": ready, "upstream": upstream, "store": store, "draining": draining });
+    if nodes.0.len() > 1 {
+        body["nodes"] = nodes.to_json();
+    }
     (code, Json(body)).into_response()
+}
+
+/// What each broker node answered: `ok` or `unreachable: why`.
+#[derive(Clone, Debug)]
+struct Nodes(Vec<(String, String)>);
+
+impl Nodes {
+    /// `ok` when a node answers (nackd fails over to it), else the first error.
+    fn summary(&self) -> String {
+        match self.0.iter().find(|(_, r)| r == "ok") {
+            Some(_) => "ok".into(),
+            None => self.0.first().map_or_else(String::new, |(_, r)| r.clone()),
+        }
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let map: serde_json::Map<String, serde_json::Value> = self
+            .0
+            .iter()
+            .map(|(node, r)| (node.clone(), serde_json::Value::String(r.clone())))
+            .collect();
+        serde_json::Value::Object(map)
+    }
+}
+
+impl Ops {
+    /// Whether a TCP connect to each broker node succeeds, checked at most
+    /// once per [`UPSTREAM_CHECK_TTL`]; concurrent requests wait for one check.
+    async fn upstream_check(&self) -> Nodes {
+        let mut last = self.upstream_check.lock().await;
+        if let Some((at, result)) = last.as_ref() {
+            if at.elapsed() < UPSTREAM_CHECK_TTL {
+                return result.clone();
+            }
+        }
+        let mut checks = tokio::task::JoinSet::new();
+        for (i, node) in self.nodes.iter().cloned().enumerate() {
+            checks.spawn(async move {
+                let connect = tokio::net::TcpStream::connect(node.clone());
+                let answer = match tokio::time::timeout(UPSTREAM_CHECK_TIMEOUT, connect).await {
+                    Ok(Ok(_)) => "ok".to_string(),
+                    Ok(Err(e)) => format!("unreachable: {e}"),
+                    Err(_) => "unreachable: connect timed out".to_string(),
+                };
+                (i, node, answer)
+            });
+        }
+        let mut answers: Vec<(usize, String, String)> = checks.join_all().await;
+        answers.sort();
+        let result = Nodes(answers.into_iter().map(|(_, n, a)| (n, a)).collect());
+        *last = Some((Instant::now(), result.clone()));
+        result
+    }
 }

@@ -161,7 +161,7 @@ fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
 
 /// The message's AMQP headers as plain JSON values.
 fn headers_json(held: &Held) -> Value {
-    let Ok(header) = crate::content::decode_header(&held.header) else {
+    let Ok(header) = crate::protocol::content::decode_header(&held.header) else {
         return Value::Null;
     };
     match header.properties.headers() {

@@ -45,8 +45,11 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
             "returned": m.returned.get(),
             "exhausted_reject": m.exhausted_reject.get(),
             "exhausted_dead_letter": m.exhausted_dead_letter.get(),
+            "gone_dropped": m.gone_dropped.get(),
+            "gone_dead_lettered": m.gone_dead_lettered.get(),
         },
         "passed": passed,
+        "policy_exchanges_missing": m.exchanges_missing.get(),
         "engine": engine,
         "recent": m.recent.newest_first(),
     });

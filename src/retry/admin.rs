@@ -5,8 +5,9 @@
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-use super::{Engine, RetryHandle};
-use crate::store::{Held, Loc};
+use super::engine::Engine;
+use super::RetryHandle;
+use crate::store::{Held, Loc, Reader};
 
 /// Which held messages a command is about.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,6 +49,8 @@ pub struct Listed {
     pub publishing: bool,
     /// Goes to its `on_exhausted` exchange, not back to the queue.
     pub dead_letter: bool,
+    /// Why its last republish was set aside (the broker's reply), if it was.
+    pub blocked: Option<String>,
     #[serde(skip)]
     loc: Loc,
 }
@@ -63,6 +66,36 @@ pub struct QueueStatus {
     pub held: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// Of those, set aside (their last republish failed).
+    pub blocked: u64,
+    /// Since when the queue is gone (ms since the Unix epoch), if it is.
+    pub gone_since_ms: Option<u64>,
+}
+
+/// Held messages set aside for one reason.
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockedStatus {
+    /// The kind (`no_exchange`, `queue_gone`, ...), as in the metrics.
+    pub reason: &'static str,
+    /// The broker's reply, or nackd's words.
+    pub reply: String,
+    /// Messages set aside for it now.
+    pub count: u64,
+}
+
+/// An exchange that refuses every publish, probed one message at a time.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExchangeStatus {
+    /// Virtual host.
+    pub vhost: String,
+    /// Exchange.
+    pub exchange: String,
+    /// The broker's reply.
+    pub reply: String,
+    /// Refusing since (ms since the Unix epoch).
+    pub since_ms: u64,
+    /// Next probe (ms since the Unix epoch).
+    pub next_try_ms: u64,
 }
 
 /// How many held messages fall due in one interval from now.
@@ -89,8 +122,15 @@ pub struct Status {
     pub queues: Vec<QueueStatus>,
     /// Due times, bucketed.
     pub due: Vec<DueBucket>,
-    /// `due` was computed on a sample and scaled (very large stores).
+    /// Always `false`: the chart is kept exactly (to the minute for
+    /// messages parked more than an hour ahead). Kept for old pages.
     pub sampled: bool,
+    /// Set-aside messages by reason, most first.
+    pub blocked: Vec<BlockedStatus>,
+    /// Exchanges refusing publishes.
+    pub blocked_exchanges: Vec<ExchangeStatus>,
+    /// Bytes of due messages read from the store and not yet settled.
+    pub pending_bytes: u64,
 }
 
 /// Upper ends of the due buckets, in seconds from now.
@@ -108,15 +148,13 @@ const DUE_EDGES: [(&str, u64); 12] = [
     ("6h", 21600),
     ("24h", 86400),
 ];
-/// Entries looked at for the due chart; beyond, a sample is scaled up.
-const DUE_SAMPLE: usize = 200_000;
 
 pub(super) enum Command {
     List {
         vhost: Option<String>,
         queue: Option<String>,
         limit: usize,
-        reply: oneshot::Sender<(Vec<Listed>, usize)>,
+        reply: oneshot::Sender<(Vec<Listed>, usize, Reader)>,
     },
     Fire {
         target: Target,
@@ -152,7 +190,7 @@ impl RetryHandle {
         queue: Option<String>,
         limit: usize,
     ) -> Result<(Vec<(Listed, Option<Held>)>, usize), EngineGone> {
-        let (listed, total) = self
+        let (listed, total, reader) = self
             .ask(|reply| Command::List {
                 vhost,
                 queue,
@@ -160,7 +198,6 @@ impl RetryHandle {
                 reply,
             })
             .await?;
-        let reader = self.reader.clone();
         let read = move || {
             listed
                 .into_iter()
@@ -200,13 +237,21 @@ impl Engine {
                 limit,
                 reply,
             } => {
-                let _ = reply.send(self.list(vhost.as_deref(), queue.as_deref(), limit));
+                let (listed, total) = self.list(vhost.as_deref(), queue.as_deref(), limit);
+                let _ = reply.send((listed, total, self.reader.clone()));
             }
             Command::Fire { target, reply } => {
                 let _ = reply.send(self.fire_now(&target));
             }
             Command::Purge { target, reply } => {
-                let ids = self.matching(&target);
+                // A message being republished is not recalled: its confirm
+                // completes it (as the README says), so a purge cannot race
+                // with a delivery the consumer already has.
+                let ids: Vec<u64> = self
+                    .matching(&target)
+                    .into_iter()
+                    .filter(|id| self.ledger.get(*id).is_some_and(|e| !e.inflight))
+                    .collect();
                 ids.iter().for_each(|id| self.forget(*id));
                 let _ = reply.send(ids.len());
             }
@@ -228,7 +273,7 @@ impl Engine {
         let mut ids: Vec<(u64, u64)> = self
             .ledger
             .iter()
-            .filter(|(_, e)| e.queue == queue)
+            .filter(|(_, e)| e.meta.queue == queue)
             .map(|(id, e)| (e.due_ms, id))
             .collect();
         ids.sort_unstable();
@@ -258,7 +303,7 @@ impl Engine {
             .ledger
             .iter()
             .filter(|(_, e)| {
-                let (v, q) = self.ledger.name(e.queue);
+                let (v, q) = self.ledger.name(e.meta.queue);
                 vhost.is_none_or(|want| &**v == want) && queue.is_none_or(|want| &**q == want)
             })
             .map(|(id, e)| (e.due_ms, id))
@@ -270,17 +315,18 @@ impl Engine {
             .into_iter()
             .filter_map(|(_, id)| {
                 let e = self.ledger.get(id)?;
-                let (vhost, queue) = self.ledger.name(e.queue);
+                let (vhost, queue) = self.ledger.name(e.meta.queue);
                 Some(Listed {
                     id,
                     vhost: vhost.to_string(),
                     queue: queue.to_string(),
                     due_ms: e.due_ms,
-                    retry: e.retry,
-                    size: e.size,
+                    retry: e.meta.retry,
+                    size: e.meta.size,
                     attempts: e.attempts,
                     publishing: e.inflight,
-                    dead_letter: e.dead_letter,
+                    dead_letter: e.meta.dead_letter,
+                    blocked: self.ledger.reason(e.blocked()).map(|r| r.reply.clone()),
                     loc: e.loc,
                 })
             })
@@ -288,31 +334,25 @@ impl Engine {
         (listed, total)
     }
 
+    /// The status page's figures, from aggregates the ledger and the
+    /// blocks keep up to date: the cost does not grow with what is held.
     fn status(&self) -> Status {
         let now_ms = self.clock.now_ms();
         let mut queues: Vec<QueueStatus> = self
             .ledger
             .totals()
-            .map(|(_, vhost, queue, held, bytes)| QueueStatus {
+            .map(|(q, vhost, queue, held, bytes)| QueueStatus {
                 vhost: vhost.to_string(),
                 queue: queue.to_string(),
                 held,
                 bytes,
+                blocked: self.ledger.blocked_count(q),
+                gone_since_ms: self.gone.get(&q).map(|b| b.since_ms),
             })
             .collect();
         queues.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.queue.cmp(&b.queue)));
-        let mut counts = [0u64; DUE_EDGES.len() + 1];
-        for (_, e) in self.ledger.iter().take(DUE_SAMPLE) {
-            let in_s = e.due_ms.saturating_sub(now_ms).div_ceil(1000);
-            counts[DUE_EDGES.partition_point(|(_, edge)| *edge < in_s)] += 1;
-        }
-        let sampled = self.ledger.len() > DUE_SAMPLE;
-        if sampled {
-            let scale = self.ledger.len() as f64 / DUE_SAMPLE as f64;
-            counts
-                .iter_mut()
-                .for_each(|c| *c = (*c as f64 * scale).round() as u64);
-        }
+        let edges: Vec<u64> = DUE_EDGES.iter().map(|(_, e)| *e).collect();
+        let counts = self.ledger.due_chart(now_ms, &edges);
         let labels = DUE_EDGES
             .iter()
             .map(|(l, e)| (*l, Some(*e)))
@@ -325,13 +365,37 @@ impl Engine {
                 count,
             })
             .collect();
+        let blocked = self
+            .ledger
+            .blocked_reasons()
+            .into_iter()
+            .map(|(r, count)| BlockedStatus {
+                reason: r.kind.label(),
+                reply: r.reply.clone(),
+                count,
+            })
+            .collect();
+        let blocked_exchanges = self
+            .lanes
+            .iter()
+            .map(|((v, exchange), b)| ExchangeStatus {
+                vhost: self.ledger.vhosts()[*v as usize].to_string(),
+                exchange: exchange.to_string(),
+                reply: self.reason_text(b.reason),
+                since_ms: b.since_ms,
+                next_try_ms: b.until_ms,
+            })
+            .collect();
         Status {
             now_ms,
-            held: queues.iter().map(|q| q.held).sum(),
+            held: self.ledger.len() as u64,
             bytes: queues.iter().map(|q| q.bytes).sum(),
             queues,
             due,
-            sampled,
+            sampled: false,
+            blocked,
+            blocked_exchanges,
+            pending_bytes: self.vhosts.iter().map(|v| v.pending_bytes).sum(),
         }
     }
 }

@@ -3,29 +3,38 @@
 //! `nackd_held_bytes`.
 //!
 //! Queue names are interned: an entry carries a `u32`, so a held message
-//! costs a few dozen bytes of RAM whatever its queue name.
+//! costs a few dozen bytes of RAM whatever its queue name. Why a message
+//! was set aside is interned too (a `u16` per entry).
+//!
+//! Everything the status page shows is kept here incrementally, on every
+//! insert, removal and set-aside: per-queue totals, set-aside counts by
+//! reason, and due times counted per second (per minute for messages
+//! parked more than an hour ahead). A status request reads these
+//! aggregates; it never walks the entries.
+//!
+//! The ledger also keeps the engine's side of the store protocol. Each held
+//! message has one current record in the store, and only the ledger knows
+//! which; so it says, exactly once for every record the store was told
+//! about, what became of it: deleted with the current record ([`StoreOp::Del`]),
+//! or superseded ([`StoreOp::Release`], and a re-route's `replaces`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::metrics::{Metrics, QueueLabels};
-use crate::store::Loc;
+use crate::metrics::{BlockReason, Metrics, QueueLabels};
+use crate::store::{HeldMeta, Loc};
 
 /// One held message.
 #[derive(Clone, Copy, Debug)]
 pub struct Entry {
-    /// Its put record.
+    /// Its current put record.
     pub loc: Loc,
     /// When it is due, in ms since the Unix epoch.
     pub due_ms: u64,
-    /// Interned `(vhost, queue)`.
-    pub queue: u32,
-    /// Header + body bytes.
-    pub size: u32,
-    /// Retry number in its headers.
-    pub retry: u32,
+    /// Queue, size, retry number, route.
+    pub meta: HeldMeta,
     /// Matches the wheel entry that may fire it; older ones are stale.
     pub token: u32,
     /// Failed publish attempts (nack, return, read error).
@@ -34,49 +43,96 @@ pub struct Entry {
     pub inflight: bool,
     /// Fired early by an operator: its lateness means nothing.
     pub forced: bool,
-    /// It goes to an `on_exhausted` exchange, not back to its queue.
-    pub dead_letter: bool,
+    /// A put superseding `loc` (a re-route) is being written.
+    pub rewriting: bool,
+    /// Why its last republish was set aside ([`Ledger::reason`]; 0: never).
+    blocked: u16,
+    /// Counted in the due chart by the minute, not the second.
+    coarse: bool,
 }
 
 impl Entry {
     /// A fresh entry.
-    pub fn new(
-        loc: Loc,
-        due_ms: u64,
-        queue: u32,
-        size: u32,
-        retry: u32,
-        dead_letter: bool,
-    ) -> Self {
+    pub fn new(loc: Loc, due_ms: u64, meta: HeldMeta) -> Self {
         Self {
             loc,
             due_ms,
-            queue,
-            size,
-            retry,
+            meta,
             token: 0,
             attempts: 0,
             inflight: false,
             forced: false,
-            dead_letter,
+            rewriting: false,
+            blocked: 0,
+            coarse: false,
         }
     }
+
+    /// Why its last republish was set aside: an id for [`Ledger::reason`], 0 if never.
+    pub fn blocked(&self) -> u16 {
+        self.blocked
+    }
+}
+
+/// Why messages were set aside: the kind and the broker's reply.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Reason {
+    /// The kind (the metrics label).
+    pub kind: BlockReason,
+    /// `404 NOT_FOUND - no exchange 'x' in vhost '/'`, or nackd's own words.
+    pub reply: String,
+    /// The exchange refusing every publish (`exchange_wide`), if that is the cause.
+    pub exchange: Option<Arc<str>>,
+}
+
+/// Messages parked further ahead than this are charted by the minute.
+const FINE_HORIZON_MS: u64 = 3_600_000;
+/// Most distinct reasons kept; beyond, one per kind stands for the rest.
+const MAX_REASONS: usize = 4096;
+
+/// What the store must be told about a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreOp {
+    /// A delete record for the message whose current record is `loc`.
+    Del {
+        /// Message id.
+        id: u64,
+        /// Its current record.
+        loc: Loc,
+    },
+    /// A durable record of the same message supersedes `loc`.
+    Release {
+        /// The superseded record.
+        loc: Loc,
+    },
 }
 
 /// Totals of one queue, with the handles of its exported series.
 struct QueueStat {
     vhost: Arc<str>,
+    vhost_index: u32,
     queue: Arc<str>,
     count: u64,
     bytes: u64,
+    blocked: u64,
     series: Option<(Gauge, Gauge)>,
 }
 
 /// Held messages by store id, and per-queue totals.
 pub struct Ledger {
     entries: HashMap<u64, Entry>,
+    /// Messages completed while a superseding put of theirs was being
+    /// written, with their record before it: whichever record is current
+    /// once the put is answered gets the delete.
+    orphans: HashMap<u64, Loc>,
     queues: Vec<QueueStat>,
     names: HashMap<(Arc<str>, Arc<str>), u32>,
+    vhosts: Vec<Arc<str>>,
+    reasons: Vec<(Reason, u64)>,
+    reason_ids: HashMap<Reason, u16>,
+    due: DueCounts,
+    /// The engine's clock at its last [`Ledger::tick`].
+    now_ms: u64,
     metrics: Arc<Metrics>,
 }
 
@@ -85,10 +141,23 @@ impl Ledger {
     pub fn new(metrics: Arc<Metrics>, capacity: usize) -> Self {
         Self {
             entries: HashMap::with_capacity(capacity),
+            orphans: HashMap::new(),
             queues: Vec::new(),
             names: HashMap::new(),
+            vhosts: Vec::new(),
+            reasons: Vec::new(),
+            reason_ids: HashMap::new(),
+            due: DueCounts::default(),
+            now_ms: 0,
             metrics,
         }
+    }
+
+    /// The engine's clock moved: messages parked later than an hour from
+    /// now are charted by the minute.
+    pub fn tick(&mut self, now_ms: u64) {
+        self.now_ms = now_ms;
+        self.due.advance(now_ms);
     }
 
     /// The interned id of `(vhost, queue)`.
@@ -97,11 +166,20 @@ impl Ledger {
             return *id;
         }
         let id = self.queues.len() as u32;
+        let vhost_index = match self.vhosts.iter().position(|v| v == vhost) {
+            Some(i) => i as u32,
+            None => {
+                self.vhosts.push(vhost.clone());
+                (self.vhosts.len() - 1) as u32
+            }
+        };
         self.queues.push(QueueStat {
             vhost: vhost.clone(),
+            vhost_index,
             queue: queue.clone(),
             count: 0,
             bytes: 0,
+            blocked: 0,
             series: None,
         });
         self.names.insert((vhost.clone(), queue.clone()), id);
@@ -114,6 +192,88 @@ impl Ledger {
         (&q.vhost, &q.queue)
     }
 
+    /// The index of a queue's vhost (see [`Ledger::vhosts`]).
+    pub fn vhost_of(&self, queue: u32) -> u32 {
+        self.queues[queue as usize].vhost_index
+    }
+
+    /// Every vhost a queue was interned for, by index.
+    pub fn vhosts(&self) -> &[Arc<str>] {
+        &self.vhosts
+    }
+
+    /// Messages held for a queue.
+    pub fn count(&self, queue: u32) -> u64 {
+        self.queues[queue as usize].count
+    }
+
+    /// The id of a reason, interned (never 0).
+    pub fn intern_reason(&mut self, reason: Reason) -> u16 {
+        if let Some(id) = self.reason_ids.get(&reason) {
+            return *id;
+        }
+        let reason = if self.reasons.len() >= MAX_REASONS {
+            Reason {
+                kind: reason.kind,
+                reply: format!("{} (one of many replies)", reason.kind.label()),
+                exchange: reason.exchange,
+            }
+        } else {
+            reason
+        };
+        if let Some(id) = self.reason_ids.get(&reason) {
+            return *id;
+        }
+        self.reasons.push((reason.clone(), 0));
+        let id = self.reasons.len() as u16;
+        self.reason_ids.insert(reason, id);
+        id
+    }
+
+    /// A reason by id (`None` for 0).
+    pub fn reason(&self, id: u16) -> Option<&Reason> {
+        self.reasons
+            .get(usize::from(id).checked_sub(1)?)
+            .map(|(r, _)| r)
+    }
+
+    /// Records why a held message was set aside (replacing the reason before).
+    pub fn set_blocked(&mut self, id: u64, reason: u16) {
+        let Some(entry) = self.entries.get(&id).copied() else {
+            return;
+        };
+        if entry.blocked == reason {
+            return;
+        }
+        self.count_blocked(&entry, -1);
+        self.entries.get_mut(&id).expect("checked above").blocked = reason;
+        let entry = Entry {
+            blocked: reason,
+            ..entry
+        };
+        self.count_blocked(&entry, 1);
+    }
+
+    /// Set-aside messages by reason, most first: `(reason, count)`.
+    pub fn blocked_reasons(&self) -> Vec<(&Reason, u64)> {
+        let mut out: Vec<(&Reason, u64)> = self
+            .reasons
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| (r, *n))
+            .collect();
+        out.sort_by_key(|b| std::cmp::Reverse(b.1));
+        out
+    }
+
+    /// How many held messages fall due in each interval ending at `edges`
+    /// seconds from `now_ms` (the first counts what is due already; one more
+    /// bucket counts the rest). Costs the number of distinct due seconds in
+    /// the last edge, not the number of messages.
+    pub fn due_chart(&self, now_ms: u64, edges: &[u64]) -> Vec<u64> {
+        self.due.chart(now_ms, edges, self.entries.len() as u64)
+    }
+
     /// The interned id of `(vhost, queue)` if a message of it was ever held.
     pub fn find(&self, vhost: &str, queue: &str) -> Option<u32> {
         self.names
@@ -122,7 +282,8 @@ impl Ledger {
     }
 
     /// Adds (or replaces) a held message.
-    pub fn insert(&mut self, id: u64, entry: Entry) {
+    pub fn insert(&mut self, id: u64, mut entry: Entry) {
+        entry.coarse = entry.due_ms > self.now_ms + FINE_HORIZON_MS;
         if let Some(old) = self.entries.insert(id, entry) {
             self.account(&old, -1);
         }
@@ -156,7 +317,59 @@ impl Ledger {
         self.entries.len()
     }
 
-    /// `(vhost, queue, count, bytes)` of every queue holding something.
+    /// Completes a message: it leaves the book now. Returns its entry and
+    /// the delete for the store, which waits (`None`) while a re-route of
+    /// it is being written.
+    pub fn complete(&mut self, id: u64) -> Option<(Entry, Option<StoreOp>)> {
+        let entry = self.remove(id)?;
+        if entry.rewriting {
+            self.orphans.insert(id, entry.loc);
+            return Some((entry, None));
+        }
+        Some((entry, Some(StoreOp::Del { id, loc: entry.loc })))
+    }
+
+    /// A put superseding `id`'s record starts (a re-route); returns the
+    /// record it supersedes, or `None` if one is already being written.
+    pub fn start_rewrite(&mut self, id: u64) -> Option<Loc> {
+        let entry = self.entries.get_mut(&id).filter(|e| !e.rewriting)?;
+        entry.rewriting = true;
+        Some(entry.loc)
+    }
+
+    /// A re-route's put was answered. Returns the delete to send if the
+    /// message was completed meanwhile (for whichever record is current
+    /// now), and whether it is still held.
+    pub fn rewritten(&mut self, id: u64, result: Result<Loc, ()>) -> (Option<StoreOp>, bool) {
+        if let Some(old) = self.orphans.remove(&id) {
+            let loc = result.unwrap_or(old);
+            return (Some(StoreOp::Del { id, loc }), false);
+        }
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return (None, false);
+        };
+        entry.rewriting = false;
+        if let Ok(loc) = result {
+            entry.loc = loc;
+        }
+        (None, true)
+    }
+
+    /// Compaction copied a record of `id` forward (`from` → `to`): the copy
+    /// becomes current if it copies the current record; otherwise (the
+    /// message was completed, its delete following the copy; or it is being
+    /// re-routed, which supersedes the original) the copy is stale.
+    pub fn relocated(&mut self, id: u64, from: Loc, to: Loc) -> StoreOp {
+        match self.entries.get_mut(&id).filter(|e| !e.rewriting) {
+            Some(entry) if entry.loc == from => {
+                entry.loc = to;
+                StoreOp::Release { loc: from }
+            }
+            _ => StoreOp::Release { loc: to },
+        }
+    }
+
+    /// `(queue, vhost, queue name, count, bytes)` of every queue holding something.
     pub fn totals(&self) -> impl Iterator<Item = (u32, &Arc<str>, &Arc<str>, u64, u64)> {
         self.queues
             .iter()
@@ -165,17 +378,42 @@ impl Ledger {
             .map(|(i, q)| (i as u32, &q.vhost, &q.queue, q.count, q.bytes))
     }
 
+    /// Set-aside messages of a queue.
+    pub fn blocked_count(&self, queue: u32) -> u64 {
+        self.queues[queue as usize].blocked
+    }
+
+    fn count_blocked(&mut self, entry: &Entry, sign: i64) {
+        if entry.blocked == 0 {
+            return;
+        }
+        let q = &mut self.queues[entry.meta.queue as usize];
+        let (reason, n) = &mut self.reasons[usize::from(entry.blocked) - 1];
+        let gauge = self.metrics.blocked_now(reason.kind);
+        if sign > 0 {
+            q.blocked += 1;
+            *n += 1;
+            gauge.inc();
+        } else {
+            q.blocked -= 1;
+            *n -= 1;
+            gauge.dec();
+        }
+    }
+
     /// Moves a queue's totals and its two gauges. A queue that holds nothing
     /// any more drops its series, so short-lived queues do not pile up.
     fn account(&mut self, entry: &Entry, sign: i64) {
+        self.due.add(entry.due_ms, entry.coarse, sign);
+        self.count_blocked(entry, sign);
         let metrics = &self.metrics;
-        let q = &mut self.queues[entry.queue as usize];
+        let q = &mut self.queues[entry.meta.queue as usize];
         if sign > 0 {
             q.count += 1;
-            q.bytes += u64::from(entry.size);
+            q.bytes += u64::from(entry.meta.size);
         } else {
             q.count -= 1;
-            q.bytes -= u64::from(entry.size);
+            q.bytes -= u64::from(entry.meta.size);
         }
         let labels = || QueueLabels {
             vhost: q.vhost.to_string(),
@@ -207,57 +445,8 @@ impl Ledger {
     }
 }
 
+mod due;
 #[cfg(test)]
-mod tests {
-    use super::*;
+mod tests;
 
-    fn loc() -> Loc {
-        Loc {
-            segment: 1,
-            offset: 0,
-            len: 10,
-        }
-    }
-
-    #[test]
-    fn per_queue_series_follow_the_held_messages_and_leave_at_zero() {
-        let metrics = Metrics::new();
-        let mut ledger = Ledger::new(metrics.clone(), 4);
-        let (vhost, a, b) = (Arc::from("/"), Arc::from("a"), Arc::from("b"));
-        let (qa, qb) = (ledger.intern(&vhost, &a), ledger.intern(&vhost, &b));
-        assert_eq!(ledger.intern(&vhost, &a), qa, "interned once");
-        ledger.insert(1, Entry::new(loc(), 10, qa, 100, 1, false));
-        ledger.insert(2, Entry::new(loc(), 20, qa, 50, 1, false));
-        ledger.insert(3, Entry::new(loc(), 30, qb, 7, 2, false));
-        let labels = |q: &str| QueueLabels {
-            vhost: "/".into(),
-            queue: q.into(),
-        };
-        assert_eq!(metrics.held.get_or_create(&labels("a")).get(), 2);
-        assert_eq!(metrics.held_bytes.get_or_create(&labels("a")).get(), 150);
-        ledger.insert(2, Entry::new(loc(), 25, qa, 50, 1, true)); // a re-route replaces
-        assert_eq!(metrics.held.get_or_create(&labels("a")).get(), 2);
-        ledger.remove(3);
-        assert!(
-            metrics.held.get(&labels("b")).is_none(),
-            "an empty queue drops its series"
-        );
-        assert!(!metrics.encode().contains("queue=\"b\""));
-        ledger.insert(4, Entry::new(loc(), 40, qb, 9, 1, false));
-        assert_eq!(
-            metrics.held_bytes.get_or_create(&labels("b")).get(),
-            9,
-            "and gets it back"
-        );
-        let totals: Vec<_> = ledger
-            .totals()
-            .map(|(_, _, q, n, bytes)| (q.to_string(), n, bytes))
-            .collect();
-        assert_eq!(
-            totals,
-            vec![("a".to_string(), 2, 150), ("b".to_string(), 1, 9)]
-        );
-        assert_eq!(ledger.find("/", "b"), Some(qb));
-        assert_eq!(ledger.len(), 3);
-    }
-}
+use due::DueCounts;

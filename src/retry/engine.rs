@@ -1,0 +1,546 @@
+//! The engine task: parks claimed messages, fires them when due, completes
+//! them on the broker's confirm, and keeps the store's bookkeeping exact
+//! whatever order re-routes, purges, cancels and compaction come in.
+//!
+//! Each held message has one current record in the store (`Entry::loc`).
+//! The engine is the only one who knows which, so it tells the writer
+//! exactly once what becomes of every record it was told about: deleted
+//! (`Del`, with the current record), superseded (a re-route's `replaces`,
+//! or a compaction copy adopted or discarded: `Release`).
+//!
+//! - `fire`: what is due goes to its vhost's republisher, read from the
+//!   store only as far as `republish.max_pending_bytes` allows.
+//! - `outcome`: what the broker said, and what is set aside.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use super::blocks::{Backoff, Blocks};
+use super::ledger::{Entry, Ledger, StoreOp};
+use super::republish::{Report, Republisher};
+use super::wheel::Wheel;
+use super::{Clock, Command, Options, Park, Parked};
+use crate::metrics::{Metrics, VhostLabels};
+use crate::net::Connector;
+use crate::store::{
+    self, Held, HeldMeta, Loc, Log, Reader, Recovered, Relocation, StoreError, WriteOp, Written,
+};
+
+mod fire;
+mod link;
+mod outcome;
+
+/// Why a put was made: to answer a session, to adopt another instance's
+/// message, or to re-route a message.
+pub(super) enum PutCtx {
+    Park {
+        key: super::ClaimKey,
+        reply: mpsc::UnboundedSender<Parked>,
+        meta: HeldMeta,
+    },
+    Adopt {
+        reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
+        meta: HeldMeta,
+    },
+    Reroute,
+}
+
+/// A wheel entry: store id and the schedule token it was inserted with.
+type Slot = (u64, u32);
+
+/// Waits between two probes of an exchange that refuses publishes.
+const LANE_BACKOFF: Backoff = Backoff {
+    first_ms: 1000,
+    max_ms: 30_000,
+};
+
+/// Why [`Engine::run`] returned.
+pub(super) enum Exit {
+    /// The command channel closed: nackd is stopping.
+    Stopped,
+    /// The replica found the local store stale: here it is, committed,
+    /// to be rebuilt.
+    Stale(Log),
+}
+
+/// What the engine keeps per vhost: its wheel and its republisher.
+pub(super) struct Vhost {
+    name: Arc<str>,
+    /// Held messages of the vhost by due time.
+    wheel: Wheel<Slot>,
+    /// Taken out of the wheel (due), waiting for room in the republisher:
+    /// `ready[next..]`. One vector, refilled in place from the wheel.
+    ready: Vec<Slot>,
+    next: usize,
+    republisher: Option<Republisher>,
+    /// Handed to the republisher and not reported yet: count and bytes.
+    outstanding: usize,
+    pub(super) pending_bytes: u64,
+    pending_gauge: Gauge,
+}
+
+/// A message handed to a republisher, until its report.
+pub(super) struct Handed {
+    vhost: u32,
+    size: u64,
+    queue: u32,
+    /// Published to its queue (exchange `""`), not to an exchange.
+    queue_route: bool,
+    exchange: Arc<str>,
+}
+
+pub(super) struct Engine {
+    writer: std::sync::mpsc::Sender<WriteOp<PutCtx>>,
+    /// The store thread, joined when the engine stops (the log comes back).
+    store: Option<store::Writer<PutCtx>>,
+    events: mpsc::UnboundedReceiver<store::Event<PutCtx>>,
+    reports: mpsc::UnboundedReceiver<Report>,
+    /// The replica and the parks waiting on it, when there is one.
+    pub(super) link: Option<link::Link>,
+    ready: Arc<super::Readiness>,
+    pub(super) reader: Reader,
+    pub(super) ledger: Ledger,
+    pub(super) clock: Clock,
+    pub(super) vhosts: Vec<Vhost>,
+    connector: Connector,
+    pub(super) options: Options,
+    reports_tx: mpsc::UnboundedSender<Report>,
+    next_id: u64,
+    metrics: Arc<Metrics>,
+    handed: HashMap<u64, Handed>,
+    /// Exchanges (of a vhost) that refuse every publish.
+    pub(super) lanes: Blocks<(u32, Arc<str>)>,
+    /// Queues that are gone.
+    pub(super) gone: Blocks<u32>,
+    default_exchange: Arc<str>,
+    /// The last pass stopped on its budget: run again at once.
+    more: bool,
+}
+
+impl Engine {
+    /// An engine over an opened log and what its recovery found; its store
+    /// thread starts now.
+    pub(super) fn new(
+        log: Log,
+        recovered: Recovered,
+        connector: Connector,
+        options: Options,
+        metrics: Arc<Metrics>,
+        replica: Option<crate::replica::Replica>,
+        ready: Arc<super::Readiness>,
+    ) -> Self {
+        let (reports_tx, reports) = mpsc::unbounded_channel();
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let clock = Clock::start();
+        let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
+        let reader = log.reader();
+        let writer = store::spawn_writer(log, events_tx, metrics.clone());
+        let mut engine = Self {
+            reader,
+            writer: writer.tx.clone(),
+            store: Some(writer),
+            events,
+            reports,
+            link: replica.map(link::Link::new),
+            ready,
+            ledger: Ledger::new(metrics.clone(), recovered.held.len()),
+            clock,
+            vhosts: Vec::new(),
+            connector,
+            options,
+            reports_tx,
+            next_id: recovered.next_id,
+            metrics,
+            handed: HashMap::new(),
+            lanes: Blocks::new(LANE_BACKOFF),
+            gone: Blocks::new(Backoff {
+                first_ms: probe_ms,
+                max_ms: probe_ms,
+            }),
+            default_exchange: Arc::from(""),
+            more: false,
+        };
+        engine.load(recovered);
+        engine
+    }
+
+    /// Schedules what recovery found, oldest first: overdue messages fire
+    /// in due order.
+    fn load(&mut self, recovered: Recovered) {
+        let queues: Vec<u32> = recovered
+            .queues
+            .iter()
+            .map(|(vhost, queue)| self.ledger.intern(vhost, queue))
+            .collect();
+        self.ledger.tick(self.clock.now_ms());
+        for ((id, due, loc), mut meta) in recovered.held.into_iter().zip(recovered.meta) {
+            meta.queue = queues[meta.queue as usize];
+            self.ledger.insert(id, Entry::new(loc, due, meta));
+            let v = self.ledger.vhost_of(meta.queue);
+            self.vhost(v).wheel.insert(due, (id, 0));
+        }
+    }
+
+    /// Runs until nackd stops or the replica finds the store stale.
+    pub(super) async fn run(
+        mut self,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+        adopts: &mut mpsc::Receiver<crate::replica::Adopt>,
+    ) -> Exit {
+        self.on_lease();
+        let exit = loop {
+            let wake = match self.may_fire() {
+                true => self.next_wake().map(|ms| self.clock.instant_at(ms)),
+                false => None,
+            };
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(Command::Park(park)) => self.park(park),
+                    Some(Command::Cancel(id)) => self.forget(id),
+                    Some(Command::Admin(command)) => self.on_admin(command),
+                    None => break Exit::Stopped,
+                },
+                Some(event) = self.events.recv() => match event {
+                    store::Event::Written(w) => self.on_written(w),
+                    store::Event::Relocated(copies) => copies.into_iter().for_each(|c| self.on_relocated(c)),
+                },
+                Some(report) = self.reports.recv() => self.on_report(report),
+                Some(adopt) = adopts.recv(), if self.link.is_some() => self.on_adopt(adopt),
+                event = link::event(&mut self.link) => match event {
+                    link::Event::Answer(answer) => self.on_replicated(answer),
+                    link::Event::Lease => self.on_lease(),
+                    link::Event::Stale => break Exit::Stale(self.stop_store()),
+                },
+                _ = sleep_until(wake), if wake.is_some() => {}
+            }
+            if self.may_fire() {
+                self.fire();
+            }
+        };
+        if matches!(exit, Exit::Stopped) {
+            self.stop_store();
+        }
+        exit
+    }
+
+    /// Whether due messages may fire: always, or only while the replica's
+    /// lease is held.
+    fn may_fire(&self) -> bool {
+        self.link.as_ref().is_none_or(link::Link::active)
+    }
+
+    /// The lease came or went: sessions may claim (or not) from now on.
+    fn on_lease(&mut self) {
+        let ready = match self.may_fire() {
+            true => super::Ready::Ready,
+            false => super::Ready::NoLease,
+        };
+        self.ready.set(ready);
+    }
+
+    /// Ends the store thread once everything sent to it is committed, and
+    /// takes the log back.
+    fn stop_store(&mut self) -> Log {
+        let (dead, _) = std::sync::mpsc::channel();
+        self.writer = dead;
+        let writer = self.store.take().expect("the store thread runs");
+        writer.join().expect("the store thread ended cleanly")
+    }
+
+    /// The engine's state for vhost `v` (created on first use).
+    pub(super) fn vhost(&mut self, v: u32) -> &mut Vhost {
+        while self.vhosts.len() <= v as usize {
+            let name = self.ledger.vhosts()[self.vhosts.len()].clone();
+            let labels = VhostLabels {
+                vhost: name.to_string(),
+            };
+            self.vhosts.push(Vhost {
+                pending_gauge: self
+                    .metrics
+                    .republish_pending_bytes
+                    .get_or_create_owned(&labels),
+                name,
+                wheel: Wheel::new(self.clock.now_ms()),
+                ready: Vec::new(),
+                next: 0,
+                republisher: None,
+                outstanding: 0,
+                pending_bytes: 0,
+            });
+        }
+        &mut self.vhosts[v as usize]
+    }
+
+    fn tell_store(&self, op: StoreOp) {
+        self.write(match op {
+            StoreOp::Del { id, loc } => WriteOp::Del { id, loc },
+            StoreOp::Release { loc } => WriteOp::Release { loc },
+        });
+    }
+
+    fn write(&self, op: WriteOp<PutCtx>) {
+        if let Err(std::sync::mpsc::SendError(op)) = self.writer.send(op) {
+            if let WriteOp::Put {
+                ctx: PutCtx::Park { key, reply, .. },
+                ..
+            } = op
+            {
+                let result = Err(StoreError::Io("store thread is gone".into()));
+                let _ = reply.send(Parked { key, result });
+            }
+        }
+    }
+
+    fn park(&mut self, park: Park) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let held = Held {
+            id,
+            vhost: park.vhost,
+            queue: park.queue,
+            // Rounded up: the clock reads whole ms, so the part of the current
+            // ms already gone would otherwise make the delay up to 1 ms short.
+            due_ms: self.clock.now_ms() + 1 + park.delay.as_millis() as u64,
+            retry: park.retry,
+            route: park.route,
+            on_return: park.on_return,
+            header: park.header,
+            body: park.body,
+        };
+        let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
+        let ctx = PutCtx::Park {
+            key: park.key,
+            reply: park.reply,
+            meta,
+        };
+        self.put_new(held, ctx);
+    }
+
+    /// Writes a new message to the store, and to the replica when there is
+    /// one; it is held once both have it.
+    pub(super) fn put_new(&mut self, held: Held, ctx: PutCtx) {
+        if let Some(link) = &mut self.link {
+            link.append(&held);
+        }
+        self.write(WriteOp::Put {
+            held,
+            replaces: None,
+            ctx,
+        });
+    }
+
+    fn on_written(&mut self, w: Written<PutCtx>) {
+        if matches!(w.ctx, PutCtx::Reroute) {
+            return self.on_rerouted(w.id, w.result);
+        }
+        let Some(link) = &mut self.link else {
+            return self.parked(w, Ok(()));
+        };
+        if let Some((w, replicated)) = link.written(w) {
+            self.parked(w, replicated);
+        } // else the replica has not answered yet
+    }
+
+    /// A new message's store answer, with the replica's (`Ok` without one).
+    pub(super) fn parked(&mut self, w: Written<PutCtx>, replicated: Result<(), String>) {
+        let w = match (w.result, replicated) {
+            (Ok(loc), Ok(())) => Written {
+                result: Ok(loc),
+                ..w
+            },
+            (Ok(loc), Err(e)) => {
+                // Stored here but not in the replica: not held at all.
+                self.tell_store(StoreOp::Del { id: w.id, loc });
+                let result = Err(StoreError::Io(format!("replica: {e}")));
+                Written { result, ..w }
+            }
+            (Err(e), replicated) => {
+                if let (Ok(()), Some(link)) = (replicated, &self.link) {
+                    link.replica.done(w.id);
+                }
+                Written {
+                    result: Err(e),
+                    ..w
+                }
+            }
+        };
+        match (w.ctx, w.result) {
+            (PutCtx::Park { key, reply, meta }, Ok(loc)) => {
+                self.ledger.tick(self.clock.now_ms());
+                self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
+                let parked = Parked {
+                    key,
+                    result: Ok(w.id),
+                };
+                if reply.send(parked).is_err() {
+                    // The session is gone and never acked the delivery: the
+                    // broker has it back and redelivers it. Holding it too
+                    // would deliver it twice.
+                    debug!(
+                        id = w.id,
+                        "parked for a session that is gone: completing it"
+                    );
+                    return self.forget(w.id);
+                }
+                self.schedule(w.id, w.due_ms);
+            }
+            (PutCtx::Park { key, reply, .. }, Err(e)) => {
+                let _ = reply.send(Parked {
+                    key,
+                    result: Err(e),
+                });
+            }
+            (PutCtx::Adopt { reply, meta }, Ok(loc)) => {
+                self.ledger.tick(self.clock.now_ms());
+                self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
+                self.schedule(w.id, w.due_ms);
+                let _ = reply.send(Ok(w.id));
+            }
+            (PutCtx::Adopt { reply, .. }, Err(e)) => {
+                let _ = reply.send(Err(e.to_string()));
+            }
+            (PutCtx::Reroute, result) => self.on_rerouted(w.id, result),
+        }
+    }
+
+    fn on_rerouted(&mut self, id: u64, result: Result<Loc, StoreError>) {
+        let (op, held) = self
+            .ledger
+            .rewritten(id, result.as_ref().map(|l| *l).map_err(|_| ()));
+        op.into_iter().for_each(|op| self.tell_store(op));
+        if !held {
+            return;
+        }
+        match result {
+            Ok(_) => {
+                let entry = self.ledger.get_mut(id).expect("still held");
+                entry.meta.dead_letter = true;
+                entry.inflight = false;
+                // The return was a failed attempt: its lateness was observed already.
+                entry.attempts = entry.attempts.saturating_add(1);
+                self.schedule(id, self.clock.now_ms());
+            }
+            Err(e) => self.set_aside(
+                id,
+                crate::metrics::BlockReason::Store,
+                format!("cannot store the re-route ({e})"),
+            ),
+        }
+    }
+
+    fn on_relocated(&mut self, copy: Relocation) {
+        let op = self.ledger.relocated(copy.id, copy.from, copy.to);
+        self.tell_store(op);
+    }
+
+    /// (Re)arms the wheel for `id`; wheel entries armed before are stale.
+    pub(super) fn schedule(&mut self, id: u64, at_ms: u64) {
+        let Some(entry) = self.ledger.get_mut(id) else {
+            return;
+        };
+        entry.token = entry.token.wrapping_add(1);
+        let (token, queue) = (entry.token, entry.meta.queue);
+        let v = self.ledger.vhost_of(queue);
+        self.vhost(v).wheel.insert(at_ms, (id, token));
+    }
+
+    /// Completes a message: it leaves the ledger now and the store with a
+    /// delete record (once a re-route being written has its answer).
+    pub(super) fn forget(&mut self, id: u64) {
+        let Some((entry, op)) = self.ledger.complete(id) else {
+            return;
+        };
+        if let Some(op) = op {
+            self.tell_store(op);
+        }
+        if let Some(link) = &self.link {
+            link.replica.done(id);
+        }
+        let queue = entry.meta.queue;
+        if self.ledger.count(queue) == 0 {
+            self.queue_emptied(queue);
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::{ClaimKey, RetryHandle};
+    use crate::store::Options;
+    use crate::store::Route;
+    use bytes::Bytes;
+    use std::time::Duration;
+
+    fn park(reply: mpsc::UnboundedSender<Parked>, tag: u64) -> Park {
+        Park {
+            key: ClaimKey {
+                channel: 1,
+                epoch: 1,
+                tag,
+            },
+            reply,
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            delay: Duration::from_secs(3600),
+            retry: 1,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::from_static(b"h"),
+            body: Bytes::from_static(b"body"),
+        }
+    }
+
+    /// Issue 12, item 6: a session that ended before its message was
+    /// stored never acked it, so the broker redelivers it: nackd must not
+    /// hold it too.
+    #[tokio::test]
+    async fn a_park_for_a_session_that_is_gone_is_completed() {
+        let dir = tempfile::tempdir().unwrap();
+        let upstream = crate::config::Upstream {
+            address: Some("127.0.0.1:9".into()),
+            ..Default::default()
+        };
+        let handle: RetryHandle = crate::retry::start(crate::retry::Start {
+            dir: dir.path().to_owned(),
+            store: Options::default(),
+            replica: None,
+            connector: Connector::new(&upstream).unwrap(),
+            options: crate::retry::Options::new(&Default::default(), "guest".into()),
+            metrics: Metrics::new(),
+        });
+        let (gone, dropped) = mpsc::unbounded_channel();
+        drop(dropped);
+        assert!(handle.park(park(gone, 1)));
+        let (alive, mut answers) = mpsc::unbounded_channel();
+        assert!(handle.park(park(alive, 2)));
+        let answer = answers.recv().await.unwrap();
+        assert!(answer.result.is_ok());
+        let (listed, total) = handle.list(None, None, 10).await.unwrap();
+        assert_eq!(
+            total, 1,
+            "only the session that is still there has one held"
+        );
+        assert_eq!(listed[0].0.id, answer.result.unwrap());
+        // And its delete reaches the disk: a restart does not bring it back.
+        for _ in 0..500 {
+            if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the orphan is still on disk");
+    }
+}

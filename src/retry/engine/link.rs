@@ -1,0 +1,152 @@
+//! The engine's side of the replica: a new message is held once both the
+//! store and the replica stream have it (the session acks upstream only
+//! then); completions go to the stream in batches; and the lease says
+//! whether the engine may fire at all.
+
+use std::collections::HashMap;
+
+use tokio::sync::{mpsc, watch};
+
+use super::{Engine, PutCtx};
+use crate::replica::{Adopt, Record, Replica, State};
+use crate::store::{Held, Written};
+
+type Answer = (u64, Result<(), String>);
+
+/// A new message's two answers, whichever comes first.
+#[derive(Default)]
+struct Pending {
+    written: Option<Written<PutCtx>>,
+    replicated: Option<Result<(), String>>,
+}
+
+pub(in crate::retry) struct Link {
+    pub(in crate::retry) replica: Replica,
+    state: watch::Receiver<State>,
+    tx: mpsc::UnboundedSender<Answer>,
+    rx: mpsc::UnboundedReceiver<Answer>,
+    pending: HashMap<u64, Pending>,
+}
+
+impl Link {
+    pub(super) fn new(replica: Replica) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut state = replica.state();
+        state.mark_unchanged();
+        Self {
+            replica,
+            state,
+            tx,
+            rx,
+            pending: HashMap::new(),
+        }
+    }
+
+    /// Whether the lease is held and the local store agrees with the stream.
+    pub(super) fn active(&self) -> bool {
+        *self.state.borrow() == State::Active
+    }
+
+    /// Appends a new message to the stream; its answer comes to the engine.
+    pub(super) fn append(&mut self, held: &Held) {
+        let id = held.id;
+        self.pending.insert(id, Pending::default());
+        let appended = self.replica.append(Record::put(held, false));
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let result = appended.await.map_err(|e| e.to_string());
+            let _ = tx.send((id, result));
+        });
+    }
+
+    /// Appends a new version of a held message (a re-route). Not waited
+    /// for: should it be lost, a rebuild has the previous version, which
+    /// is returned and re-routed again.
+    pub(super) fn append_version(&self, held: &Held) {
+        tokio::spawn(self.replica.append(Record::put(held, false)));
+    }
+
+    /// The store's answer; both answers once the replica's came too.
+    pub(super) fn written(
+        &mut self,
+        w: Written<PutCtx>,
+    ) -> Option<(Written<PutCtx>, Result<(), String>)> {
+        let Some(pending) = self.pending.get_mut(&w.id) else {
+            return Some((w, Err("not sent to the replica".into())));
+        };
+        match pending.replicated.take() {
+            Some(replicated) => {
+                self.pending.remove(&w.id);
+                Some((w, replicated))
+            }
+            None => {
+                pending.written = Some(w);
+                None
+            }
+        }
+    }
+
+    /// The replica's answer; both answers once the store's came too.
+    fn replicated(
+        &mut self,
+        (id, result): Answer,
+    ) -> Option<(Written<PutCtx>, Result<(), String>)> {
+        let pending = self.pending.get_mut(&id)?;
+        match pending.written.take() {
+            Some(w) => {
+                self.pending.remove(&id);
+                Some((w, result))
+            }
+            None => {
+                pending.replicated = Some(result);
+                None
+            }
+        }
+    }
+}
+
+/// What the replica has for the engine.
+pub(super) enum Event {
+    /// A replica answer to a new message.
+    Answer(Answer),
+    /// The lease came or went.
+    Lease,
+    /// The local store went stale: the engine must stop, the store be rebuilt.
+    Stale,
+}
+
+/// The next replica event (never, without a replica).
+pub(super) async fn event(link: &mut Option<Link>) -> Event {
+    let Some(link) = link else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        Some(answer) = link.rx.recv() => Event::Answer(answer),
+        Ok(()) = link.state.changed() => match *link.state.borrow() {
+            State::Stale => Event::Stale,
+            _ => Event::Lease,
+        },
+    }
+}
+
+impl Engine {
+    pub(super) fn on_replicated(&mut self, answer: Answer) {
+        let both = self.link.as_mut().and_then(|l| l.replicated(answer));
+        if let Some((w, replicated)) = both {
+            self.parked(w, replicated);
+        }
+    }
+
+    /// Another instance's message to hold under a new id of ours.
+    pub(super) fn on_adopt(&mut self, adopt: Adopt) {
+        match adopt {
+            Adopt::Park { mut held, reply } => {
+                held.id = self.next_id;
+                self.next_id += 1;
+                let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
+                self.put_new(held, PutCtx::Adopt { reply, meta });
+            }
+            Adopt::Complete(id) => self.forget(id),
+        }
+    }
+}

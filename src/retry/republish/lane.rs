@@ -1,0 +1,513 @@
+//! A lane: the channel that publishes to one exchange, as a state machine
+//! that owns no socket. The task feeds it the frames of its channel and
+//! writes what it appends to `out`; it answers with reports.
+//!
+//! Rules:
+//!
+//! - A fresh channel is put in confirm mode, then (for a named exchange)
+//!   checks the exchange with a passive declare, then publishes one message
+//!   at a time until one is confirmed; after that up to `confirm_window`.
+//! - A channel error while opening, or a 404 / 403 on a publish, concerns
+//!   the exchange: every message of the lane is set aside, `exchange_wide`.
+//! - Any other channel error concerns one message. If one publish was
+//!   unconfirmed, it is the one: set aside. If several were, the broker does
+//!   not say which: they go back to the front of the lane, to be sent again
+//!   one at a time, and the culprit is found alone.
+//! - A publish returned by the broker (matched exactly, see `returned`)
+//!   is reported returned when its confirm arrives.
+//! - A message whose `user_id` is not the republisher's user is refused by
+//!   the broker unless that user has the `impersonator` tag. The first one
+//!   on a connection goes alone (the lane drained first, nothing after it
+//!   until its answer), which tells which it is; later ones are then sent,
+//!   or set aside unsent.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use amq_protocol::protocol::{basic, channel, confirm, exchange, AMQPClass};
+use bytes::BytesMut;
+
+use super::precheck::{foreign_user_id, precheck};
+use super::returned::{self, Match, Returning};
+use super::{Outcome, Publish, Report, SetAside};
+use crate::metrics::BlockReason;
+use crate::protocol::frame::{Frame, FrameType};
+use crate::protocol::method;
+
+/// Where a lane's channel is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum State {
+    /// No channel.
+    Closed,
+    /// `channel.open`, then `confirm.select`, then `exchange.declare` sent.
+    Opening(u16, Step),
+    /// Publishing.
+    Open(u16),
+}
+
+/// What a channel being opened waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Step {
+    /// `channel.open-ok`.
+    Open,
+    /// `confirm.select-ok`.
+    Select,
+    /// `exchange.declare-ok` of the passive declare.
+    Declare,
+}
+
+/// What the lane needs from the connection to publish.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Limits<'a> {
+    /// Publishes awaiting a confirm once the channel is proven.
+    pub window: usize,
+    /// Negotiated `frame_max`.
+    pub frame_max: u32,
+    /// The republisher's user.
+    pub username: &'a str,
+    /// Whether the broker takes another user's `user_id` from it.
+    pub impersonation: Impersonation,
+}
+
+/// Whether the broker lets the republisher's user publish a `user_id`
+/// other than its own (RabbitMQ: the `impersonator` tag).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Impersonation {
+    /// Not learnt yet on this connection.
+    #[default]
+    Unknown,
+    /// A publish with another `user_id` was confirmed.
+    Allowed,
+    /// One was refused (406).
+    Refused,
+}
+
+/// The broker closed the lane's channel.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Closed {
+    /// The channel, now free once `channel.close-ok` is written.
+    pub channel: u16,
+    /// `404 NOT_FOUND - ...`.
+    pub reply: String,
+    /// Messages set aside.
+    pub set_aside: usize,
+    /// Messages to be sent again, one at a time.
+    pub again: usize,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    seq: u64,
+    publish: Publish,
+    returned: Option<Returned>,
+}
+
+#[derive(Debug)]
+enum Returned {
+    Exactly(String),
+    Maybe(String),
+}
+
+/// One exchange's channel.
+#[derive(Debug)]
+pub(super) struct Lane {
+    exchange: Arc<str>,
+    state: State,
+    /// Delivery tag of the last publish on this channel.
+    seq: u64,
+    /// A publish on this channel was confirmed: the full window applies.
+    proven: bool,
+    pending: VecDeque<Publish>,
+    inflight: VecDeque<Inflight>,
+    returning: Option<Returning>,
+    /// A publish sent alone to learn [`Impersonation`]: nothing goes
+    /// after it until its answer.
+    alone: Option<u64>,
+    /// What that answer taught, for the connection to take.
+    learned: Option<Impersonation>,
+}
+
+impl Lane {
+    /// A lane with no channel yet.
+    pub fn new(exchange: Arc<str>) -> Self {
+        Self {
+            exchange,
+            state: State::Closed,
+            seq: 0,
+            proven: false,
+            pending: VecDeque::new(),
+            inflight: VecDeque::new(),
+            returning: None,
+            alone: None,
+            learned: None,
+        }
+    }
+
+    /// What the lane learnt about [`Impersonation`], once.
+    pub fn take_learned(&mut self) -> Option<Impersonation> {
+        self.learned.take()
+    }
+
+    /// Queues a message.
+    pub fn push(&mut self, p: Publish) {
+        self.pending.push_back(p);
+    }
+
+    /// Where its channel is.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// Publishes waiting and in flight.
+    pub fn len(&self) -> (usize, usize) {
+        (self.pending.len(), self.inflight.len())
+    }
+
+    /// It has messages to send and no channel.
+    pub fn wants_channel(&self) -> bool {
+        self.state == State::Closed && !self.pending.is_empty()
+    }
+
+    /// Opens `channel` for this lane.
+    pub fn open(&mut self, channel: u16, out: &mut BytesMut) {
+        debug_assert_eq!(self.state, State::Closed);
+        let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+        out.extend_from_slice(&method::encode(channel, &open));
+        self.state = State::Opening(channel, Step::Open);
+        self.seq = 0;
+        self.proven = false;
+    }
+
+    /// Writes the next publish if the window allows; `false` when nothing
+    /// more can go now. A message that cannot be published at all is set
+    /// aside instead (and counts as progress).
+    pub fn publish_next(
+        &mut self,
+        limits: Limits<'_>,
+        out: &mut BytesMut,
+        reports: &mut Vec<Report>,
+    ) -> bool {
+        let State::Open(channel) = self.state else {
+            return false;
+        };
+        let window = if self.proven { limits.window } else { 1 };
+        if self.alone.is_some() || self.inflight.len() >= window.max(1) {
+            return false;
+        }
+        let Some(p) = self.pending.pop_front() else {
+            return false;
+        };
+        if let Err(set_aside) = precheck(&p, limits) {
+            reports.push(Report {
+                id: p.id,
+                outcome: Outcome::SetAside(set_aside),
+            });
+            return true;
+        }
+        let alone = match (foreign_user_id(&p, limits.username), limits.impersonation) {
+            (None, _) | (Some(_), Impersonation::Allowed) => false,
+            (Some(user), Impersonation::Refused) => {
+                let reply = format!(
+                    "its user_id property {user:?} is not the republisher's user {:?}, and the broker refuses that from it (406 PRECONDITION_FAILED)",
+                    limits.username
+                );
+                reports.push(Report {
+                    id: p.id,
+                    outcome: Outcome::SetAside(SetAside {
+                        reason: BlockReason::UserId,
+                        reply,
+                        exchange_wide: false,
+                    }),
+                });
+                return true;
+            }
+            (Some(_), Impersonation::Unknown) if !self.inflight.is_empty() => {
+                // It goes alone: wait until the lane is drained.
+                self.pending.push_front(p);
+                return false;
+            }
+            (Some(_), Impersonation::Unknown) => true,
+        };
+        out.extend_from_slice(&method::publish(
+            channel,
+            p.exchange(),
+            p.routing_key(),
+            true,
+            &p.header,
+            &p.body,
+            limits.frame_max,
+        ));
+        self.seq += 1;
+        if alone {
+            self.alone = Some(self.seq);
+        }
+        self.inflight.push_back(Inflight {
+            seq: self.seq,
+            publish: p,
+            returned: None,
+        });
+        true
+    }
+
+    /// A method frame on the lane's channel. `Some` when the broker closed
+    /// the channel (`channel.close-ok` is already in `out`).
+    pub fn on_method(
+        &mut self,
+        class: AMQPClass,
+        out: &mut BytesMut,
+        reports: &mut Vec<Report>,
+    ) -> Option<Closed> {
+        let ch = match self.state {
+            State::Closed => return None,
+            State::Opening(ch, _) | State::Open(ch) => ch,
+        };
+        match (self.state, class) {
+            (_, AMQPClass::Channel(channel::AMQPMethod::Close(c))) => {
+                let close_ok =
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+                out.extend_from_slice(&method::encode(ch, &close_ok));
+                return Some(self.closed(ch, c.reply_code, c.reply_text.as_str(), reports));
+            }
+            (State::Opening(_, Step::Open), AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {
+                let select = AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                    nowait: false,
+                }));
+                out.extend_from_slice(&method::encode(ch, &select));
+                self.state = State::Opening(ch, Step::Select);
+            }
+            (
+                State::Opening(_, Step::Select),
+                AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_)),
+            ) => {
+                if self.exchange.is_empty() {
+                    self.state = State::Open(ch);
+                } else {
+                    let declare =
+                        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                            exchange: self.exchange.as_ref().into(),
+                            passive: true,
+                            ..Default::default()
+                        }));
+                    out.extend_from_slice(&method::encode(ch, &declare));
+                    self.state = State::Opening(ch, Step::Declare);
+                }
+            }
+            (
+                State::Opening(_, Step::Declare),
+                AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)),
+            ) => self.state = State::Open(ch),
+            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Ack(a))) => {
+                self.settle(a.delivery_tag, a.multiple, true, reports)
+            }
+            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Nack(n))) => {
+                self.settle(n.delivery_tag, n.multiple, false, reports)
+            }
+            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Return(r))) => {
+                let limit = self
+                    .inflight
+                    .iter()
+                    .map(|f| f.publish.body.len() as u64)
+                    .max()
+                    .unwrap_or(0);
+                self.returning = Some(Returning::new(
+                    r.reply_code,
+                    r.reply_text.as_str(),
+                    r.exchange.as_str(),
+                    r.routing_key.as_str(),
+                    limit,
+                ));
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// A content frame on the lane's channel: the message of a return.
+    pub fn on_content(&mut self, frame: &Frame) {
+        let Some(ret) = self.returning.as_mut() else {
+            return;
+        };
+        let done = match frame.kind {
+            FrameType::Header if !ret.has_header() => ret.on_header(frame.payload()),
+            FrameType::Body if ret.has_header() => ret.on_body(frame.payload_slice()),
+            _ => false,
+        };
+        if done {
+            let ret = self.returning.take().expect("a return is arriving");
+            self.returned(ret);
+        }
+    }
+
+    fn returned(&mut self, ret: Returning) {
+        let candidates = self
+            .inflight
+            .iter()
+            .map(|f| (&f.publish, f.returned.is_some()));
+        match returned::find(&ret, candidates) {
+            Match::Exact(i) => self.inflight[i].returned = Some(Returned::Exactly(ret.reply)),
+            Match::Unsure(alike) => {
+                tracing::warn!(
+                    exchange = %self.exchange,
+                    candidates = alike.len(),
+                    "a returned message matches no publish in flight exactly: each alike is kept to be safe"
+                );
+                for i in alike {
+                    self.inflight[i].returned = Some(Returned::Maybe(ret.reply.clone()));
+                }
+            }
+        }
+    }
+
+    fn settle(&mut self, tag: u64, multiple: bool, ack: bool, reports: &mut Vec<Report>) {
+        let mut settled = Vec::new();
+        if multiple {
+            while self.inflight.front().is_some_and(|f| f.seq <= tag) {
+                settled.extend(self.inflight.pop_front());
+            }
+        } else if let Some(pos) = self.inflight.iter().position(|f| f.seq == tag) {
+            settled.extend(self.inflight.remove(pos));
+        }
+        for f in settled {
+            if self.alone == Some(f.seq) {
+                self.alone = None;
+                if ack {
+                    self.learned = Some(Impersonation::Allowed);
+                }
+            }
+            let outcome = match (ack, f.returned) {
+                (false, _) => Outcome::Nacked,
+                (true, None) => {
+                    self.proven = true;
+                    Outcome::Confirmed
+                }
+                (true, Some(r)) => {
+                    self.proven = true;
+                    returned_outcome(r)
+                }
+            };
+            reports.push(Report {
+                id: f.publish.id,
+                outcome,
+            });
+        }
+    }
+
+    /// The broker closed the channel: decides what becomes of each message.
+    fn closed(&mut self, channel: u16, code: u16, text: &str, reports: &mut Vec<Report>) -> Closed {
+        let reply = format!("{code} {text}");
+        let was_open = matches!(self.state, State::Open(_));
+        let alone = self.alone.take();
+        self.state = State::Closed;
+        self.returning = None;
+        self.proven = false;
+        let mut reason = match code {
+            404 => BlockReason::NoExchange,
+            403 => BlockReason::AccessRefused,
+            406 => BlockReason::PreconditionFailed,
+            _ => BlockReason::ChannelError,
+        };
+        let unanswered = self
+            .inflight
+            .iter()
+            .filter(|f| f.returned.is_none())
+            .count();
+        if alone.is_some() && unanswered == 1 && code == 406 && text.contains("user_id") {
+            // The publish sent alone with another user's user_id was refused.
+            reason = BlockReason::UserId;
+            self.learned = Some(Impersonation::Refused);
+        }
+        // Refused while opening, for a missing exchange or access, or with
+        // nothing of ours to blame: it concerns the exchange, and a new
+        // channel comes only after its backoff.
+        let exchange_wide = !was_open
+            || unanswered == 0
+            || matches!(reason, BlockReason::NoExchange | BlockReason::AccessRefused);
+        let mut suspects = Vec::new();
+        for f in self.inflight.drain(..) {
+            match f.returned {
+                // Handled by the broker and not routed: no doubt about it.
+                Some(r) => reports.push(Report {
+                    id: f.publish.id,
+                    outcome: returned_outcome(r),
+                }),
+                None => suspects.push(f.publish),
+            }
+        }
+        let set_aside = SetAside {
+            reason,
+            reply: reply.clone(),
+            exchange_wide,
+        };
+        let mut report = |p: Publish| {
+            reports.push(Report {
+                id: p.id,
+                outcome: Outcome::SetAside(set_aside.clone()),
+            })
+        };
+        let (mut aside, mut again) = (0, 0);
+        if exchange_wide {
+            aside = suspects.len() + self.pending.len();
+            suspects.into_iter().for_each(&mut report);
+            self.pending.drain(..).for_each(&mut report);
+        } else if suspects.len() == 1 {
+            aside = 1;
+            suspects.into_iter().for_each(&mut report);
+        } else {
+            again = suspects.len();
+            for p in suspects.into_iter().rev() {
+                self.pending.push_front(p);
+            }
+        }
+        Closed {
+            channel,
+            reply,
+            set_aside: aside,
+            again,
+        }
+    }
+
+    /// Sets every pending message aside without sending it.
+    pub fn set_aside_pending(&mut self, aside: &SetAside, reports: &mut Vec<Report>) {
+        for p in self.pending.drain(..) {
+            reports.push(Report {
+                id: p.id,
+                outcome: Outcome::SetAside(aside.clone()),
+            });
+        }
+    }
+
+    /// The connection is gone: unconfirmed publishes go back to the front,
+    /// to be sent again on the next connection (a returned one is settled:
+    /// the broker did not route it).
+    pub fn disconnected(&mut self, reports: &mut Vec<Report>) {
+        self.alone = None;
+        self.state = State::Closed;
+        self.returning = None;
+        self.proven = false;
+        self.seq = 0;
+        let mut again = Vec::new();
+        for f in self.inflight.drain(..) {
+            match f.returned {
+                Some(r) => reports.push(Report {
+                    id: f.publish.id,
+                    outcome: returned_outcome(r),
+                }),
+                None => again.push(f.publish),
+            }
+        }
+        for p in again.into_iter().rev() {
+            self.pending.push_front(p);
+        }
+    }
+}
+
+fn returned_outcome(r: Returned) -> Outcome {
+    match r {
+        Returned::Exactly(reply) => Outcome::Returned { reply },
+        Returned::Maybe(reply) => Outcome::SetAside(SetAside {
+            reason: BlockReason::NoRoute,
+            reply: format!("{reply} (possibly: the return matched no publish exactly)"),
+            exchange_wide: false,
+        }),
+    }
+}

@@ -1,0 +1,186 @@
+//! The retry engine's life, on its own thread: recover the store (clients
+//! are served meanwhile; their nacks pass through), line it up with the
+//! replica when there is one, run the engine, and start again from the
+//! store when the replica says the local copy went stale.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tracing::{error, info, info_span, Instrument};
+
+use super::engine::{Engine, Exit};
+use super::{Command, Options};
+use crate::metrics::{Metrics, PassReason};
+use crate::net::Connector;
+use crate::replica::{self, Adopt, Replica};
+use crate::store::{self, Log};
+
+/// Where interception stands, as sessions and `/readyz` see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Ready {
+    /// The store is being recovered (or rebuilt from the replica).
+    Recovering = 0,
+    /// Claims are parked and due messages fire.
+    Ready = 1,
+    /// The replica's lease is not held: a standby, or the broker was lost.
+    NoLease = 2,
+    /// The store could not be opened: nackd is a plain proxy.
+    Failed = 3,
+}
+
+/// Shared view of [`Ready`].
+#[derive(Debug)]
+pub struct Readiness(AtomicU8);
+
+impl Readiness {
+    fn new() -> Arc<Self> {
+        Arc::new(Self(AtomicU8::new(Ready::Recovering as u8)))
+    }
+
+    /// Where interception stands now.
+    pub fn get(&self) -> Ready {
+        match self.0.load(Ordering::Acquire) {
+            1 => Ready::Ready,
+            2 => Ready::NoLease,
+            3 => Ready::Failed,
+            _ => Ready::Recovering,
+        }
+    }
+
+    pub(super) fn set(&self, ready: Ready) {
+        self.0.store(ready as u8, Ordering::Release);
+    }
+
+    /// Whether a nack may be claimed now, else why it passes through.
+    pub fn may_claim(&self) -> Result<(), PassReason> {
+        match self.get() {
+            Ready::Ready => Ok(()),
+            Ready::Recovering => Err(PassReason::Recovering),
+            Ready::NoLease => Err(PassReason::NoLease),
+            Ready::Failed => Err(PassReason::StoreUnavailable),
+        }
+    }
+}
+
+/// What the engine thread needs to start.
+pub struct Start {
+    /// `store.path`.
+    pub dir: PathBuf,
+    /// How the store is sized.
+    pub store: store::Options,
+    /// `[replica]`, resolved, when there is one.
+    pub replica: Option<replica::Config>,
+    /// The broker.
+    pub connector: Connector,
+    /// `[republish]`.
+    pub options: Options,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Starts the engine's thread; returns where interception stands.
+pub(super) fn spawn(start: Start, commands: mpsc::UnboundedReceiver<Command>) -> Arc<Readiness> {
+    let ready = Readiness::new();
+    let shared = ready.clone();
+    // The engine and its republishers get a thread of their own, so that
+    // timers fire and republishes go out on time however busy the session
+    // workers are, and sessions never queue behind republishing.
+    std::thread::Builder::new()
+        .name("nackd-retry".into())
+        .spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("the retry engine's runtime")
+                .block_on(supervise(start, commands, shared).instrument(info_span!("engine")));
+        })
+        .expect("spawn the retry engine's thread");
+    ready
+}
+
+async fn supervise(
+    start: Start,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    ready: Arc<Readiness>,
+) {
+    let Some((mut log, mut recovered)) = open(&start).await else {
+        ready.set(Ready::Failed);
+        return drain(commands).await;
+    };
+    let (adopt_tx, mut adopts) = mpsc::channel::<Adopt>(256);
+    let replica = start
+        .replica
+        .clone()
+        .map(|config| Replica::spawn(config, start.metrics.clone(), adopt_tx));
+    loop {
+        if let Some(replica) = &replica {
+            ready.set(Ready::NoLease);
+            match replica.sync(log).await {
+                Ok(synced) => (log, recovered) = (synced.log, synced.recovered),
+                Err(e) => {
+                    error!(error = %e, "replica sync failed: not intercepting");
+                    ready.set(Ready::Failed);
+                    return drain(commands).await;
+                }
+            }
+        }
+        info!(held = recovered.held.len(), "store ready: intercepting");
+        let engine = Engine::new(
+            log,
+            recovered,
+            start.connector.clone(),
+            start.options.clone(),
+            start.metrics.clone(),
+            replica.clone(),
+            ready.clone(),
+        );
+        match engine.run(&mut commands, &mut adopts).await {
+            Exit::Stopped => return,
+            Exit::Stale(back) => {
+                ready.set(Ready::Recovering);
+                log = back;
+                recovered = Default::default();
+            }
+        }
+    }
+}
+
+/// Opens and recovers the store, off the runtime (it reads every segment).
+async fn open(start: &Start) -> Option<(Log, store::Recovered)> {
+    let (dir, options) = (start.dir.clone(), start.store);
+    let opened = tokio::task::spawn_blocking(move || Log::open(&dir, options)).await;
+    match opened {
+        Ok(Ok((log, recovered))) => {
+            start
+                .metrics
+                .store_damaged_bytes
+                .inc_by(recovered.damaged_bytes());
+            Some((log, recovered))
+        }
+        Ok(Err(e)) => {
+            error!(path = %start.dir.display(), error = %e, "cannot open the store: not intercepting");
+            None
+        }
+        Err(e) => {
+            error!(error = %e, "store recovery failed: not intercepting");
+            None
+        }
+    }
+}
+
+/// Without a store, answers what comes until nackd stops: parks are
+/// refused (their nacks pass through), admin calls get nothing.
+async fn drain(mut commands: mpsc::UnboundedReceiver<Command>) {
+    while let Some(command) = commands.recv().await {
+        if let Command::Park(park) = command {
+            let result = Err(store::StoreError::Io("the store is not open".into()));
+            let _ = park.reply.send(super::Parked {
+                key: park.key,
+                result,
+            });
+        }
+    }
+}
