@@ -4,6 +4,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +13,8 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use tracing::debug;
 
 use crate::config;
 
@@ -74,59 +77,102 @@ pub fn acceptor(tls: &config::ServerTls) -> Result<TlsAcceptor, TlsError> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// How nackd reaches the broker.
+/// How nackd reaches the broker: one node, or the nodes of a cluster.
+///
+/// Each connection starts at the next node in turn (round-robin, shared by
+/// every clone) and tries the others when one refuses or times out, so
+/// sessions spread over the cluster and a node that is down costs one
+/// failed connect, not a failed session.
 #[derive(Clone)]
 pub struct Connector {
-    address: String,
+    nodes: Arc<[Node]>,
+    next: Arc<AtomicUsize>,
     timeout: Duration,
-    tls: Option<(TlsConnector, ServerName<'static>)>,
+    tls: Option<TlsConnector>,
+}
+
+/// One broker node.
+struct Node {
+    address: String,
+    server_name: Option<ServerName<'static>>,
 }
 
 impl Connector {
     /// Builds the connector for `[upstream]`.
     pub fn new(upstream: &config::Upstream) -> Result<Self, TlsError> {
-        let tls = match &upstream.tls {
-            None => None,
-            Some(tls) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for cert in certs(&tls.ca)? {
-                    roots.add(cert)?;
-                }
-                let config = rustls::ClientConfig::builder_with_provider(provider())
-                    .with_safe_default_protocol_versions()?
-                    .with_root_certificates(roots)
-                    .with_no_client_auth();
-                let host = upstream.address.rsplit_once(':').map_or("", |(h, _)| h);
-                let name = tls
-                    .server_name
-                    .clone()
-                    .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
-                let server_name =
-                    ServerName::try_from(name.clone()).map_err(|_| TlsError::ServerName(name))?;
-                Some((TlsConnector::from(Arc::new(config)), server_name))
-            }
-        };
+        let tls = upstream.tls.as_ref().map(client_tls).transpose()?;
+        let nodes = upstream
+            .nodes()
+            .into_iter()
+            .map(|address| {
+                let server_name = match &upstream.tls {
+                    None => None,
+                    Some(tls) => Some(server_name(&address, tls)?),
+                };
+                Ok(Node {
+                    address,
+                    server_name,
+                })
+            })
+            .collect::<Result<Vec<_>, TlsError>>()?;
         Ok(Self {
-            address: upstream.address.clone(),
+            nodes: nodes.into(),
+            next: Arc::default(),
             timeout: upstream.connect_timeout,
             tls,
         })
     }
 
-    /// The configured `host:port`.
-    pub fn address(&self) -> &str {
-        &self.address
+    /// The configured nodes, comma-separated (for logs).
+    pub fn address(&self) -> String {
+        self.addresses().collect::<Vec<_>>().join(",")
     }
 
-    /// Opens one connection to the broker (TCP, then TLS when configured).
+    /// The configured `host:port` of every node.
+    pub fn addresses(&self) -> impl Iterator<Item = &str> {
+        self.nodes.iter().map(|n| n.address.as_str())
+    }
+
+    /// Opens one connection to the broker: the next node in turn, else the
+    /// others; the error of the last node tried if none answers.
     pub async fn connect(&self) -> io::Result<(Io, SocketAddr)> {
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut last = None;
+        for i in 0..self.nodes.len() {
+            let node = &self.nodes[(first + i) % self.nodes.len()];
+            match self.connect_node(node).await {
+                Ok(pair) => return Ok(pair),
+                Err(e) => {
+                    if self.nodes.len() > 1 {
+                        debug!(node = node.address, error = %e, "broker node does not answer; trying the next");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no upstream node configured")))
+    }
+
+    /// Connects to each node in turn: whether it answers (TCP and TLS).
+    pub async fn probe(&self) -> Vec<(String, io::Result<()>)> {
+        let mut out = Vec::new();
+        for node in self.nodes.iter() {
+            let answer = self.connect_node(node).await.map(|_| ());
+            out.push((node.address.clone(), answer));
+        }
+        out
+    }
+
+    async fn connect_node(&self, node: &Node) -> io::Result<(Io, SocketAddr)> {
         let connect = async {
-            let tcp = TcpStream::connect(&self.address).await?;
+            let tcp = TcpStream::connect(&node.address).await?;
             tcp.set_nodelay(true)?;
             let peer = tcp.peer_addr()?;
-            let io: Io = match &self.tls {
-                None => Box::new(tcp),
-                Some((connector, name)) => Box::new(connector.connect(name.clone(), tcp).await?),
+            let io: Io = match (&self.tls, &node.server_name) {
+                (Some(connector), Some(name)) => {
+                    Box::new(connector.connect(name.clone(), tcp).await?)
+                }
+                _ => Box::new(tcp),
             };
             Ok((io, peer))
         };
@@ -134,4 +180,26 @@ impl Connector {
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))?
     }
+}
+
+fn client_tls(tls: &config::ClientTls) -> Result<TlsConnector, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in certs(&tls.ca)? {
+        roots.add(cert)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
+/// `upstream.tls.server_name`, or the host of `address`.
+fn server_name(address: &str, tls: &config::ClientTls) -> Result<ServerName<'static>, TlsError> {
+    let host = address.rsplit_once(':').map_or("", |(h, _)| h);
+    let name = tls
+        .server_name
+        .clone()
+        .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
+    ServerName::try_from(name.clone()).map_err(|_| TlsError::ServerName(name))
 }

@@ -12,47 +12,87 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
+use crate::config::policy::Policies;
 use crate::config::Config;
-use crate::intercept::Budget;
 use crate::metrics::{Metrics, Open};
 use crate::net::{self, Connector, Io, TlsError};
 use crate::ops::{self, Ops};
-use crate::policy::Policies;
-use crate::reload::{LivePolicies, Reloader};
-use crate::republish::Credentials;
+use crate::reload::{ExchangeCheck, LivePolicies, Reloader};
 use crate::retry;
+use crate::session::capture::Budget;
 use crate::session::{self, Interception};
-use crate::store::Log;
 
-/// Recovers the store and starts the retry engine for the configured policies.
+/// Starts the retry engine for the configured policies. The store is
+/// recovered (and the replica synced) on the engine's thread while clients
+/// are already served: their nacks pass through until it is ready.
 async fn interception(
     config: &Config,
     connector: &Connector,
     live: &LivePolicies,
     metrics: &Arc<Metrics>,
-) -> Result<Interception, StartError> {
-    let login = Credentials {
-        username: config.republish.username.clone(),
-        password: config
-            .republish
-            .password()
-            .map_err(StartError::Credentials)?,
-    };
-    let (path, max_bytes) = (
-        config.store.path.clone(),
-        config.store.max_bytes.map(|b| b as u64),
+) -> Result<(Interception, ExchangeCheck), StartError> {
+    let password = config
+        .republish
+        .password()
+        .map_err(StartError::Credentials)?;
+    let retry_options = retry::Options::new(&config.republish, password.clone());
+    let check = ExchangeCheck::new(
+        connector.clone(),
+        retry_options.republish.login.clone(),
+        metrics.clone(),
     );
-    let opened = tokio::task::spawn_blocking(move || Log::open(&path, max_bytes))
-        .await
-        .map_err(|e| StartError::Store(format!("store recovery failed: {e}")))?;
-    let (log, recovered) = opened.map_err(|e| {
-        StartError::Store(format!("store.path {}: {e}", config.store.path.display()))
-    })?;
-    Ok(Interception {
+    let start = retry::Start {
+        dir: config.store.path.clone(),
+        store: crate::store::Options {
+            max_bytes: config.store.max_bytes.map(|b| b as u64),
+            segment_bytes: config.store.segment_bytes,
+        },
+        replica: replica_config(config, password)?,
+        connector: connector.clone(),
+        options: retry_options,
+        metrics: metrics.clone(),
+    };
+    let interception = Interception {
         policies: live.subscribe(),
         budget: Budget::new(config.limits.capture_budget),
-        retry: retry::spawn(log, recovered, connector.clone(), login, metrics.clone()),
-    })
+        retry: retry::start(start),
+    };
+    Ok((interception, check))
+}
+
+/// `[replica]`, resolved against `[upstream]` and `[republish]`.
+fn replica_config(
+    config: &Config,
+    password: String,
+) -> Result<Option<crate::replica::Config>, StartError> {
+    let Some(r) = &config.replica else {
+        return Ok(None);
+    };
+    let tls_ca = match &config.upstream.tls {
+        None => None,
+        Some(tls) => Some(std::fs::read_to_string(&tls.ca).map_err(|e| {
+            StartError::Tls(TlsError::Pem {
+                path: tls.ca.display().to_string(),
+                reason: e.to_string(),
+            })
+        })?),
+    };
+    Ok(Some(crate::replica::Config {
+        instance: r.instance(),
+        target: crate::replica::Target {
+            nodes: config.upstream.nodes(),
+            vhost: r.vhost.clone(),
+            username: config.republish.username.clone(),
+            password,
+            heartbeat: r.heartbeat,
+            cluster_size: r.cluster_size,
+            tls_ca,
+        },
+        store_dir: config.store.path.clone(),
+        done_every: r.completions_every,
+        adopt_after: r.adopt_after,
+        generation_slack: r.generation_slack,
+    }))
 }
 
 /// Why nackd cannot start serving.
@@ -121,7 +161,7 @@ impl Proxy {
         let intercepting = !config.policies.is_empty();
         let ops = Ops::new(
             metrics.clone(),
-            connector.address().to_string(),
+            connector.addresses().map(str::to_string).collect(),
             admin_token,
             intercepting,
         );
@@ -136,11 +176,15 @@ impl Proxy {
         let ops_stop = CancellationToken::new();
         tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
+        let mut reloader = Reloader::new(live.clone(), metrics.clone());
         let interception = match &live {
             None => None,
-            Some(live) => Some(Arc::new(
-                interception(config, &connector, live, &metrics).await?,
-            )),
+            Some(live) => {
+                let (i, check) = interception(config, &connector, live, &metrics).await?;
+                check.spawn(config);
+                reloader = reloader.with_check(check);
+                Some(Arc::new(i))
+            }
         };
         if let Some(i) = &interception {
             ops.attach(i.retry.clone(), i.budget.clone());
@@ -149,7 +193,7 @@ impl Proxy {
             listener,
             acceptor,
             interception,
-            reloader: Reloader::new(live, metrics.clone()),
+            reloader,
             metrics,
             ops,
             ops_addr,

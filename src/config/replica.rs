@@ -1,0 +1,88 @@
+//! `[replica]`: held messages mirrored in a stream of the broker cluster
+//! (off unless the section is there).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// `[replica]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replica {
+    /// This instance's id (default: the host name). Two processes with the
+    /// same id are one holder and a standby.
+    pub instance: Option<String>,
+    /// Virtual host of the streams and the lease.
+    #[serde(default = "default_vhost")]
+    pub vhost: String,
+    /// An instance whose lease stays free this long is adopted by another.
+    #[serde(default = "default_adopt_after", with = "humantime_serde")]
+    pub adopt_after: Duration,
+    /// Heartbeat of the replica connection: a holder that loses the broker
+    /// stops acting after about one interval, the broker frees its lease
+    /// after about two.
+    #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// Completed messages are written to the stream at least this often.
+    #[serde(default = "default_completions_every", with = "humantime_serde")]
+    pub completions_every: Duration,
+    /// Replicas of each stream (`x-initial-cluster-size`); the broker's default when absent.
+    pub cluster_size: Option<u32>,
+    /// A replica stream is replaced by one holding only the live messages
+    /// once it holds more than twice their bytes plus this much.
+    #[serde(default = "default_generation_slack")]
+    pub generation_slack: u64,
+}
+
+fn default_generation_slack() -> u64 {
+    64 * 1024 * 1024
+}
+
+fn default_vhost() -> String {
+    "/".into()
+}
+
+fn default_adopt_after() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_heartbeat() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_completions_every() -> Duration {
+    Duration::from_millis(200)
+}
+
+impl Replica {
+    /// The instance id to use.
+    pub fn instance(&self) -> String {
+        self.instance
+            .clone()
+            .unwrap_or_else(crate::replica::hostname)
+    }
+
+    pub(super) fn check(&self) -> Result<(), (String, String)> {
+        let id = self.instance();
+        let allowed = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+        if id.is_empty() || id.len() > 128 || !id.chars().all(allowed) {
+            return Err((
+                "replica.instance".into(),
+                format!("{id:?}: use 1 to 128 of A-Z a-z 0-9 - _ ."),
+            ));
+        }
+        if self.heartbeat < Duration::from_secs(1) {
+            return Err(("replica.heartbeat".into(), "must be at least 1s".into()));
+        }
+        if self.adopt_after < self.heartbeat * 3 {
+            return Err((
+                "replica.adopt_after".into(),
+                "must be at least three heartbeats".into(),
+            ));
+        }
+        if self.cluster_size == Some(0) {
+            return Err(("replica.cluster_size".into(), "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,181 @@
+//! The replica: every held message is also in a RabbitMQ stream owned by
+//! this instance's id, replicated by the broker cluster, so losing a nackd
+//! host (or its disk) loses nothing. The local store stays the fast path;
+//! the stream is what survives the host.
+//!
+//! - One holder per id: a process acts for an id (intercepts, fires,
+//!   writes its stream) only while it holds the id's lease, an exclusive
+//!   queue `nackd.lease.<id>` declared on the connection that writes the
+//!   stream. A second process with the same id waits as a standby; the
+//!   broker hands it the lease when the holder's connection dies.
+//! - Each acquisition writes a new epoch to the id's directory stream
+//!   `nackd.<id>`. The local store remembers the epoch it last held
+//!   (`replica.state`); a newer epoch means another holder acted in
+//!   between: the local copy is stale and is rebuilt from the stream.
+//! - The held set lives in a generation stream `nackd.<id>.g<N>` (puts,
+//!   and completed ids in batches); the directory names the current one.
+//! - An id whose lease stays free for `adopt_after` is adopted by one live
+//!   instance: it takes the lease, parks every message of it under its own
+//!   id (same due times and retry counts), marks the directory adopted and
+//!   deletes the generation stream.
+//!
+//! - [`record`]: what the streams hold, and how a generation is folded.
+//! - [`client`]: the connection (lapin): streams, lease, probes.
+//! - `local`: the local store's last agreement with the cluster.
+//! - `task`: the connection's life: lease, sync, appends, completions.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+mod adopt;
+pub mod client;
+mod compact;
+mod local;
+pub mod record;
+mod task;
+
+pub use adopt::Adopt;
+pub use client::{ClientError, Target};
+pub use local::Synced;
+pub use record::{Fold, Record, Step};
+pub use task::SyncOutcome;
+
+/// `[replica]`, resolved.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This instance's id.
+    pub instance: String,
+    /// How to reach the cluster.
+    pub target: Target,
+    /// The local store's directory (where `replica.state` lives).
+    pub store_dir: PathBuf,
+    /// Completed ids are written at least this often.
+    pub done_every: Duration,
+    /// An id whose lease stays free this long is adopted.
+    pub adopt_after: Duration,
+    /// A generation is replaced once it holds more than twice the live
+    /// bytes plus this much.
+    pub generation_slack: u64,
+}
+
+impl Config {
+    /// `nackd.lease.<id>`
+    pub fn lease(instance: &str) -> String {
+        format!("nackd.lease.{instance}")
+    }
+
+    /// `nackd.<id>`
+    pub fn directory(instance: &str) -> String {
+        format!("nackd.{instance}")
+    }
+
+    /// `nackd.<id>.g<n>`
+    pub fn generation(instance: &str, n: u64) -> String {
+        format!("nackd.{instance}.g{n}")
+    }
+
+    /// The stream every instance registers in.
+    pub const REGISTRY: &'static str = "nackd.instances";
+}
+
+/// Where the replica stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Connecting to the cluster.
+    Connecting,
+    /// Connected; another process holds the lease.
+    Standby,
+    /// The lease is held; the local store is being checked or rebuilt.
+    Syncing,
+    /// The lease is held and the local store agrees with the stream:
+    /// intercept and fire.
+    Active,
+    /// The lease was held again after it was lost, and another holder
+    /// acted in between: the local store must be rebuilt ([`Replica::sync`]).
+    Stale,
+}
+
+/// Why a replica write failed.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("replica: {0}")]
+pub struct ReplicaError(pub String);
+
+/// Handle to the replica task.
+#[derive(Clone)]
+pub struct Replica {
+    tx: mpsc::UnboundedSender<task::Command>,
+    state: watch::Receiver<State>,
+    /// This instance's id.
+    pub instance: String,
+}
+
+impl Replica {
+    /// Starts the task: it connects, registers the id, and waits for the
+    /// lease; [`Replica::sync`] then lines the local store up with it.
+    /// Adopted messages are handed to `adopt` (the retry engine).
+    pub fn spawn(
+        config: Config,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+        adopt: mpsc::Sender<Adopt>,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (state_tx, state) = watch::channel(State::Connecting);
+        let instance = config.instance.clone();
+        tokio::spawn(task::run(config, rx, state_tx, metrics, adopt));
+        Self {
+            tx,
+            state,
+            instance,
+        }
+    }
+
+    /// Where the replica stands, as it changes.
+    pub fn state(&self) -> watch::Receiver<State> {
+        self.state.clone()
+    }
+
+    /// Waits for the lease, then makes the local store agree with the
+    /// stream: keeps it if this store was the last holder's, else wipes it
+    /// and rebuilds it from the stream (or seeds a new stream from it).
+    pub async fn sync(&self, log: crate::store::Log) -> Result<SyncOutcome, ReplicaError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(task::Command::Sync { log, reply })
+            .map_err(|_| ReplicaError("the replica task is gone".into()))?;
+        answer
+            .await
+            .map_err(|_| ReplicaError("the replica task is gone".into()))?
+    }
+
+    /// Appends a held message to the stream; resolves once the broker
+    /// confirmed it (replicated).
+    pub fn append(
+        &self,
+        record: Record,
+    ) -> impl std::future::Future<Output = Result<(), ReplicaError>> + Send + 'static {
+        let (reply, answer) = oneshot::channel();
+        let sent = self.tx.send(task::Command::Append { record, reply });
+        async move {
+            sent.map_err(|_| ReplicaError("the replica task is gone".into()))?;
+            answer
+                .await
+                .map_err(|_| ReplicaError("the replica task is gone".into()))?
+        }
+    }
+
+    /// Records a completed message (written in batches).
+    pub fn done(&self, id: u64) {
+        let _ = self.tx.send(task::Command::Done(id));
+    }
+}
+
+/// This host's name (the default instance id), from the kernel.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "nackd".into())
+}

@@ -1,0 +1,219 @@
+//! Adoption: an instance whose lease stays free for `adopt_after` (its
+//! host is gone, or it was scaled away) has its held messages taken over
+//! by one live instance, which parks each under its own id with the same
+//! due time and retry count, then marks the old directory adopted and
+//! deletes the old generation stream.
+//!
+//! Exactly one instance adopts: it must first take the other's lease (an
+//! exclusive queue), which the broker gives to one connection only. The
+//! other instance, should it come back during the adoption, waits for that
+//! lease like any standby, then finds the directory adopted and discards
+//! its local copy.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{info, warn};
+
+use super::client::{Client, ClientError};
+use super::record::{Fold, Record, Step};
+use super::{Config, State};
+use crate::store::Held;
+
+/// What an adoption asks of the retry engine.
+pub enum Adopt {
+    /// Park this message (another instance's) under a new id of ours,
+    /// in the local store and our stream; answer with the new id.
+    Park {
+        /// The message, as the other instance held it.
+        held: Held,
+        /// The new id once durable on both.
+        reply: oneshot::Sender<Result<u64, String>>,
+    },
+    /// Complete a message parked by [`Adopt::Park`] (its owner had
+    /// completed it after all: its completion came later in the stream).
+    Complete(u64),
+}
+
+/// Looks at the other instances every `adopt_after / 4` (1 to 15 s)
+/// while this one is active, on a connection of its own.
+pub(super) async fn run(
+    config: Config,
+    state: watch::Receiver<State>,
+    engine: mpsc::Sender<Adopt>,
+) {
+    let every = (config.adopt_after / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
+    let mut tick = tokio::time::interval(every);
+    let mut watch = Watch::default();
+    let mut client: Option<Client> = None;
+    let name = format!("nackd adoption {}", config.instance);
+    loop {
+        tick.tick().await;
+        if engine.is_closed() {
+            return;
+        }
+        if *state.borrow() != State::Active {
+            continue;
+        }
+        if client.as_ref().is_none_or(|c| !c.alive()) {
+            client = Client::connect(&config.target, fastrand::usize(..), &name)
+                .await
+                .ok();
+        }
+        let Some(c) = &client else { continue };
+        if let Err(e) = watch.round(c, &config, &engine).await {
+            warn!(error = %e, "adoption check failed; trying again later");
+            client = None;
+        }
+    }
+}
+
+/// Which other instances' leases have been free, and since when.
+#[derive(Default)]
+pub(super) struct Watch {
+    free_since: HashMap<String, Instant>,
+    settled: HashSet<String>,
+    /// Messages parked so far by an adoption that failed part way: their
+    /// id there → ours. A retry skips them instead of parking them twice.
+    progress: HashMap<String, HashMap<u64, u64>>,
+}
+
+impl Watch {
+    /// Looks at every registered instance; adopts those free long enough.
+    pub async fn round(
+        &mut self,
+        client: &Client,
+        config: &Config,
+        engine: &mpsc::Sender<Adopt>,
+    ) -> Result<(), ClientError> {
+        for name in registered(client).await? {
+            if name == config.instance || self.settled.contains(&name) {
+                continue;
+            }
+            if client.exists(&Config::lease(&name)).await? {
+                self.free_since.remove(&name);
+                continue;
+            }
+            let since = *self
+                .free_since
+                .entry(name.clone())
+                .or_insert_with(Instant::now);
+            if since.elapsed() < config.adopt_after {
+                continue;
+            }
+            let progress = self.progress.entry(name.clone()).or_default();
+            if adopt(client, config, &name, engine, progress).await? {
+                self.settled.insert(name.clone());
+                self.progress.remove(&name);
+            }
+            self.free_since.remove(&name);
+        }
+        Ok(())
+    }
+}
+
+/// Instance ids in the registry.
+async fn registered(client: &Client) -> Result<Vec<String>, ClientError> {
+    client.declare_stream(Config::REGISTRY).await?;
+    let mut names: Vec<String> = client
+        .read_all(Config::REGISTRY)
+        .await?
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Instance { name } => Some(name),
+            _ => None,
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+/// Adopts `name`'s held messages; `true` when nothing is left to adopt.
+async fn adopt(
+    client: &Client,
+    config: &Config,
+    name: &str,
+    engine: &mpsc::Sender<Adopt>,
+    ours: &mut HashMap<u64, u64>,
+) -> Result<bool, ClientError> {
+    let lease = Config::lease(name);
+    if !client.try_lease(&lease).await? {
+        return Ok(false); // another instance adopts it, or it came back
+    }
+    let directory = Config::directory(name);
+    let mut generation = None;
+    let mut adopted = false;
+    if client.exists(&directory).await? {
+        for record in client.read_all(&directory).await? {
+            match record {
+                Record::Generation(n) => (generation, adopted) = (Some(n), false),
+                Record::Adopted { .. } => adopted = true,
+                _ => {}
+            }
+        }
+    }
+    if let (Some(g), false) = (generation, adopted) {
+        let count = take_over(client, name, g, engine, ours).await?;
+        let by = Record::Adopted {
+            by: config.instance.clone(),
+        };
+        client.append_confirmed(&directory, &by).await?;
+        client.delete(&Config::generation(name, g)).await?;
+        info!(
+            from = name,
+            messages = count,
+            "adopted the held messages of an instance whose lease was free"
+        );
+    }
+    client.delete(&lease).await?;
+    Ok(true)
+}
+
+/// Parks every message of `name`'s generation `g` under our own ids.
+async fn take_over(
+    client: &Client,
+    name: &str,
+    g: u64,
+    engine: &mpsc::Sender<Adopt>,
+    ours: &mut HashMap<u64, u64>,
+) -> Result<usize, ClientError> {
+    let mut reader = client.read(&Config::generation(name, g)).await?;
+    let mut fold = Fold::default();
+    let already: HashSet<u64> = ours.keys().copied().collect();
+    while let Some(record) = reader.next().await? {
+        for step in fold.apply(record) {
+            match step {
+                Step::Put(held) if already.contains(&held.id) => {}
+                Step::Put(held) => {
+                    let theirs = held.id;
+                    let (reply, answer) = oneshot::channel();
+                    let gone = || ClientError::Unreachable("the retry engine is gone".into());
+                    engine
+                        .send(Adopt::Park { held, reply })
+                        .await
+                        .map_err(|_| gone())?;
+                    match answer.await.map_err(|_| gone())? {
+                        Ok(id) => {
+                            if let Some(older) = ours.insert(theirs, id) {
+                                // A later put of the same message: the newer copy wins.
+                                let _ = engine.send(Adopt::Complete(older)).await;
+                            }
+                        }
+                        Err(e) => {
+                            warn!(from = name, error = e, "cannot park an adopted message");
+                            return Err(ClientError::Unreachable(e));
+                        }
+                    }
+                }
+                Step::Drop(theirs) => {
+                    if let Some(id) = ours.remove(&theirs) {
+                        let _ = engine.send(Adopt::Complete(id)).await;
+                    }
+                }
+            }
+        }
+    }
+    Ok(ours.len())
+}

@@ -1,0 +1,81 @@
+//! What the local store last agreed with the cluster on: the instance it
+//! belongs to, the generation stream it mirrors, and the lease epoch it
+//! held. A process that takes the lease and finds a newer epoch in the
+//! directory knows another holder acted in between: its local copy is
+//! stale and is rebuilt from the stream.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+const FILE: &str = "replica.state";
+
+/// The local store's last agreement with the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Synced {
+    /// The instance id.
+    pub instance: String,
+    /// The generation stream it mirrors.
+    pub generation: u64,
+    /// The lease epoch it held.
+    pub epoch: u64,
+}
+
+fn path(dir: &Path) -> PathBuf {
+    dir.join(FILE)
+}
+
+/// The state saved in `dir`, if any (unreadable counts as none: stale).
+pub fn load(dir: &Path) -> Option<Synced> {
+    let text = std::fs::read_to_string(path(dir)).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != "nackd-replica 1" {
+        return None;
+    }
+    let mut field = |name: &str| {
+        lines
+            .next()?
+            .strip_prefix(name)?
+            .strip_prefix(' ')
+            .map(str::to_string)
+    };
+    Some(Synced {
+        instance: field("instance")?,
+        generation: field("generation")?.parse().ok()?,
+        epoch: field("epoch")?.parse().ok()?,
+    })
+}
+
+/// Saves `state` durably (write, fsync, rename, fsync the directory).
+pub fn save(dir: &Path, state: &Synced) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!("{FILE}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    write!(
+        f,
+        "nackd-replica 1\ninstance {}\ngeneration {}\nepoch {}\n",
+        state.instance, state.generation, state.epoch
+    )?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path(dir))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_state_reads_back_and_garbage_reads_as_none() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(load(dir.path()), None);
+        let s = Synced {
+            instance: "host-a".into(),
+            generation: 3,
+            epoch: 12,
+        };
+        save(dir.path(), &s).unwrap();
+        assert_eq!(load(dir.path()), Some(s));
+        std::fs::write(dir.path().join(FILE), "nackd-replica 1\ninstance x\n").unwrap();
+        assert_eq!(load(dir.path()), None);
+    }
+}

@@ -1,0 +1,362 @@
+//! What nackd writes to its streams, one record per AMQP message body.
+//!
+//! ```text
+//! generation stream  nackd.<instance>.g<N>
+//!   put    = 1 copy:u8 record            (a hold-log put record, checksummed)
+//!   done   = 2 n:u32 id:u64 * n          (completed ids)
+//!   marker = 4 nonce:u128                (read-to-end marker)
+//! directory stream   nackd.<instance>
+//!   generation = 16 n:u64                (the generation to read)
+//!   epoch      = 17 n:u64 holder:str16   (a lease acquisition)
+//!   adopted    = 18 by:str16             (another instance took everything)
+//!   marker     = 4 nonce:u128
+//! registry stream    nackd.instances
+//!   instance   = 32 name:str16           (an instance id that may hold messages)
+//!   marker     = 4 nonce:u128
+//! ```
+//!
+//! Folding a generation is order-independent for completions: ids are
+//! never reused, so an id completed anywhere in the stream is dead, even
+//! if a copy of its put comes later (compaction copies are written while
+//! new records keep coming). Among puts of one id, a put that is not a
+//! copy beats a copy, else the later one wins.
+
+use bytes::{Buf, BufMut, Bytes};
+
+use crate::store::record::{self as store_record, View};
+use crate::store::Held;
+
+const PUT: u8 = 1;
+const DONE: u8 = 2;
+const MARKER: u8 = 4;
+const GENERATION: u8 = 16;
+const EPOCH: u8 = 17;
+const ADOPTED: u8 = 18;
+const INSTANCE: u8 = 32;
+
+/// Most ids in one done record.
+pub const DONE_MAX: usize = 8192;
+
+/// A record of a generation stream or of the directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A held message (`copy`: written by compaction, not by a park).
+    Put {
+        /// A compaction copy.
+        copy: bool,
+        /// The hold-log put record, prefix included.
+        record: Bytes,
+    },
+    /// Completed messages.
+    Done(Vec<u64>),
+    /// The end of what a reader must read.
+    Marker(u128),
+    /// The generation stream that holds the held set.
+    Generation(u64),
+    /// A lease acquisition.
+    Epoch {
+        /// Its number.
+        n: u64,
+        /// Who took it (process and host, for logs).
+        holder: String,
+    },
+    /// Every held message was adopted by another instance.
+    Adopted {
+        /// The adopting instance.
+        by: String,
+    },
+    /// An instance id that may hold messages (registry).
+    Instance {
+        /// Its id.
+        name: String,
+    },
+}
+
+/// Why a stream message is not a record nackd wrote.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("not a nackd replica record")]
+pub struct Malformed;
+
+impl Record {
+    /// A put of `held`.
+    pub fn put(held: &Held, copy: bool) -> Self {
+        Self::Put {
+            copy,
+            record: Bytes::from(store_record::encode_put(held)),
+        }
+    }
+
+    /// The message body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self {
+            Self::Put { copy, record } => {
+                out.put_u8(PUT);
+                out.put_u8(u8::from(*copy));
+                out.put_slice(record);
+            }
+            Self::Done(ids) => {
+                out.put_u8(DONE);
+                out.put_u32(ids.len() as u32);
+                ids.iter().for_each(|id| out.put_u64(*id));
+            }
+            Self::Marker(nonce) => {
+                out.put_u8(MARKER);
+                out.put_u128(*nonce);
+            }
+            Self::Generation(n) => {
+                out.put_u8(GENERATION);
+                out.put_u64(*n);
+            }
+            Self::Epoch { n, holder } => {
+                out.put_u8(EPOCH);
+                out.put_u64(*n);
+                put_str16(&mut out, holder);
+            }
+            Self::Adopted { by } => {
+                out.put_u8(ADOPTED);
+                put_str16(&mut out, by);
+            }
+            Self::Instance { name } => {
+                out.put_u8(INSTANCE);
+                put_str16(&mut out, name);
+            }
+        }
+        out
+    }
+
+    /// Reads a message body.
+    pub fn decode(body: &[u8]) -> Result<Self, Malformed> {
+        let mut b = body;
+        let kind = take_u8(&mut b)?;
+        let record = match kind {
+            PUT => {
+                let copy = take_u8(&mut b)? != 0;
+                let (view, len) = store_record::at(b).map_err(|_| Malformed)?;
+                if !matches!(view, View::Put(_)) || len != b.len() {
+                    return Err(Malformed);
+                }
+                let record = Bytes::copy_from_slice(b);
+                b = &[];
+                Self::Put { copy, record }
+            }
+            DONE => {
+                let n = take_u32(&mut b)? as usize;
+                if b.remaining() != n * 8 {
+                    return Err(Malformed);
+                }
+                Self::Done((0..n).map(|_| b.get_u64()).collect())
+            }
+            MARKER if b.remaining() == 16 => Self::Marker(b.get_u128()),
+            GENERATION if b.remaining() == 8 => Self::Generation(b.get_u64()),
+            EPOCH => {
+                let n = take_u64(&mut b)?;
+                Self::Epoch {
+                    n,
+                    holder: take_str16(&mut b)?,
+                }
+            }
+            ADOPTED => Self::Adopted {
+                by: take_str16(&mut b)?,
+            },
+            INSTANCE => Self::Instance {
+                name: take_str16(&mut b)?,
+            },
+            _ => return Err(Malformed),
+        };
+        if !b.is_empty() {
+            return Err(Malformed);
+        }
+        Ok(record)
+    }
+
+    /// The message a put record holds.
+    pub fn held(record: &[u8]) -> Option<Held> {
+        match store_record::at(record) {
+            Ok((View::Put(p), _)) => Some(p.to_held()),
+            _ => None,
+        }
+    }
+}
+
+/// What reading a generation asks of the store, record by record.
+#[derive(Debug)]
+pub enum Step {
+    /// Hold this message (a later put of the same id supersedes an earlier one).
+    Put(Held),
+    /// Forget this message (held by an earlier step).
+    Drop(u64),
+}
+
+/// Reads a generation stream record by record, keeping only ids (never
+/// bodies): the store the steps are applied to holds the messages.
+#[derive(Debug, Default)]
+pub struct Fold {
+    done: std::collections::HashSet<u64>,
+    /// Ids held so far, and whether their put was a compaction copy.
+    live: std::collections::HashMap<u64, bool>,
+    /// Highest id seen in a put or a completion.
+    max_id: u64,
+}
+
+impl Fold {
+    /// The steps `record` calls for.
+    pub fn apply(&mut self, record: Record) -> Vec<Step> {
+        match record {
+            Record::Put { copy, record } => {
+                let Some(held) = Record::held(&record) else {
+                    return Vec::new();
+                };
+                let id = held.id;
+                self.max_id = self.max_id.max(id);
+                let beaten = copy && self.live.get(&id) == Some(&false);
+                if self.done.contains(&id) || beaten {
+                    return Vec::new();
+                }
+                self.live.insert(id, copy);
+                vec![Step::Put(held)]
+            }
+            Record::Done(ids) => ids
+                .into_iter()
+                .filter_map(|id| {
+                    self.max_id = self.max_id.max(id);
+                    self.done.insert(id);
+                    self.live.remove(&id).map(|_| Step::Drop(id))
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Ids held after every record so far.
+    pub fn held(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The first id no record so far used: a store rebuilt from the stream
+    /// must not hand out an id a completion in it already names.
+    pub fn next_id(&self) -> u64 {
+        self.max_id + 1
+    }
+}
+
+fn put_str16(out: &mut Vec<u8>, s: &str) {
+    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    out.put_u16(bytes.len() as u16);
+    out.put_slice(bytes);
+}
+
+fn take_u8(b: &mut &[u8]) -> Result<u8, Malformed> {
+    (b.remaining() >= 1).then(|| b.get_u8()).ok_or(Malformed)
+}
+
+fn take_u32(b: &mut &[u8]) -> Result<u32, Malformed> {
+    (b.remaining() >= 4).then(|| b.get_u32()).ok_or(Malformed)
+}
+
+fn take_u64(b: &mut &[u8]) -> Result<u64, Malformed> {
+    (b.remaining() >= 8).then(|| b.get_u64()).ok_or(Malformed)
+}
+
+fn take_str16(b: &mut &[u8]) -> Result<String, Malformed> {
+    let len = b
+        .remaining()
+        .ge(&2)
+        .then(|| b.get_u16() as usize)
+        .ok_or(Malformed)?;
+    if b.remaining() < len {
+        return Err(Malformed);
+    }
+    let s = std::str::from_utf8(&b[..len]).map_err(|_| Malformed)?;
+    let s = s.to_string();
+    b.advance(len);
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Route;
+    use std::sync::Arc;
+
+    fn held(id: u64) -> Held {
+        Held {
+            id,
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            due_ms: 77,
+            retry: 2,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::from_static(b"hdr"),
+            body: Bytes::from_static(b"body"),
+        }
+    }
+
+    #[test]
+    fn every_record_round_trips_and_garbage_is_refused() {
+        let records = [
+            Record::put(&held(9), true),
+            Record::Done(vec![1, 2, u64::MAX]),
+            Record::Marker(u128::MAX - 3),
+            Record::Generation(4),
+            Record::Epoch {
+                n: 7,
+                holder: "pid 1 on host".into(),
+            },
+            Record::Adopted { by: "b".into() },
+            Record::Instance {
+                name: "host-a".into(),
+            },
+        ];
+        for r in records {
+            let wire = r.encode();
+            assert_eq!(Record::decode(&wire), Ok(r.clone()));
+            assert_eq!(Record::decode(&wire[..wire.len() - 1]), Err(Malformed));
+        }
+        let Record::Put { record, .. } = Record::put(&held(9), false) else {
+            unreachable!()
+        };
+        assert_eq!(Record::held(&record).unwrap().id, 9);
+        assert_eq!(Record::decode(b""), Err(Malformed));
+        assert_eq!(Record::decode(b"\x04short"), Err(Malformed));
+        assert_eq!(Record::decode(b"\x63junk"), Err(Malformed));
+    }
+
+    fn put(id: u64, retry: u32, copy: bool) -> Record {
+        let mut h = held(id);
+        h.retry = retry;
+        Record::put(&h, copy)
+    }
+
+    #[test]
+    fn a_completion_anywhere_kills_the_id_and_copies_never_beat_parks() {
+        let mut fold = Fold::default();
+        let steps: Vec<Step> = [
+            put(1, 1, false),
+            Record::Done(vec![2]), // completed before its copy arrives
+            put(2, 1, true),
+            put(3, 1, false),
+            put(3, 2, false), // a re-route: the later put
+            put(3, 1, true),  // an older compaction copy comes after it
+            put(1, 1, true),
+            Record::Done(vec![1]),
+        ]
+        .into_iter()
+        .flat_map(|r| fold.apply(r))
+        .collect();
+        let kinds: Vec<(char, u64, u32)> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Put(h) => ('p', h.id, h.retry),
+                Step::Drop(id) => ('d', *id, 0),
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![('p', 1, 1), ('p', 3, 1), ('p', 3, 2), ('d', 1, 0)]
+        );
+        assert_eq!(fold.held(), 1);
+        assert_eq!(fold.next_id(), 4, "completed ids count too");
+    }
+}

@@ -1,0 +1,426 @@
+//! nackd on a 3-node RabbitMQ cluster (scripts/cluster), with its replica:
+//! no nackd host and no broker node is a single point of failure. Real
+//! nackd processes, real nodes stopped and killed, real lapin clients.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::cluster::cluster;
+use common::ops::{get, scrape};
+use common::process::Process;
+use common::*;
+use futures_lite::StreamExt;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection};
+
+/// A nackd config in front of the whole cluster, with a replica.
+fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> PathBuf {
+    let nodes: Vec<String> = cluster()
+        .addrs()
+        .iter()
+        .map(|a| format!("\"{a}\""))
+        .collect();
+    let path = dir.join(format!("{instance}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[upstream]\naddresses = [{}]\n[store]\npath = \"{}\"\n\
+             [replica]\ninstance = \"{instance}\"\nheartbeat = \"1s\"\nadopt_after = \"5s\"\ncluster_size = 3\n{extra}\n\
+             [[policy]]\nqueues = [\"{queue}\"]\ndelays = [\"{delay}\"]\n",
+            nodes.join(", "),
+            dir.join(format!("{instance}.store")).display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args
+}
+
+/// Declares quorum queue `q` and publishes `n` numbered messages, confirmed.
+async fn publish(q: &str, n: u32) {
+    publish_range(q, 0..n).await
+}
+
+/// Publishes messages numbered `ids` to quorum queue `q`, confirmed.
+async fn publish_range(q: &str, ids: std::ops::Range<u32>) {
+    let conn = cluster().connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(q.into(), durable, quorum()).await.unwrap();
+    for i in ids {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                &i.to_be_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+    let _ = conn.close(200, "".into()).await;
+}
+
+async fn delete(q: &str) {
+    let conn = cluster().connect(2).await;
+    let ch = conn.create_channel().await.unwrap();
+    let _ = ch
+        .queue_delete(q.into(), QueueDeleteOptions::default())
+        .await;
+}
+
+/// Messages ready in `q`, as the broker counts them.
+async fn ready(q: &str) -> u32 {
+    let conn = cluster().connect(2).await;
+    let ch = conn.create_channel().await.unwrap();
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let queue = ch
+        .queue_declare(q.into(), passive, FieldTable::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "".into()).await;
+    queue.message_count()
+}
+
+fn id_of(data: &[u8]) -> u32 {
+    u32::from_be_bytes(data[..4].try_into().unwrap())
+}
+
+async fn consumer(conn: &Connection, q: &str, prefetch: u16) -> (Channel, lapin::Consumer) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let c = ch
+        .basic_consume(
+            q.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    (ch, c)
+}
+
+/// Nacks every message of `q` once through `nackd`, recording when; waits
+/// until nackd holds all `n`.
+async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
+    let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+    let (ch, mut c) = consumer(&conn, q, 500).await;
+    let mut nacked = HashMap::new();
+    while nacked.len() < n as usize {
+        let d = next(&mut c, Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|| panic!("{} of {n} delivered", nacked.len()));
+        assert_eq!(retry_count(&d), 0, "a retry came back while parking");
+        nacked.insert(id_of(&d.data), Instant::now());
+        d.nack(BasicNackOptions::default()).await.unwrap();
+    }
+    let _ = ch.close(200, "".into()).await;
+    let _ = conn.close(200, "".into()).await;
+    let held = [("vhost", "/"), ("queue", q)];
+    common::ops::until(nackd.metrics, "all held", |s| {
+        s.get("nackd_held_messages", &held) == f64::from(n)
+            && s.get("nackd_nacks_intercepted_total", &[]) == f64::from(n)
+    })
+    .await;
+    // nackd acked every one upstream: the broker has none of them left.
+    wait_for(
+        Duration::from_secs(10),
+        "the queue empty",
+        || ready(q),
+        |n| *n == 0,
+    )
+    .await;
+    nacked
+}
+
+/// Consumes the retries of `q` through `addr` until every id of `nacked`
+/// came back once, acking each; none may come before `delay` after its nack.
+async fn all_back(
+    addr: std::net::SocketAddr,
+    q: &str,
+    nacked: &HashMap<u32, Instant>,
+    delay: Duration,
+    limit: Duration,
+) {
+    let conn = connect(&format!("amqp://guest:guest@{addr}/%2f")).await;
+    let (_ch, mut c) = consumer(&conn, q, 500).await;
+    let mut back: HashMap<u32, u32> = HashMap::new();
+    let began = Instant::now();
+    while back.len() < nacked.len() {
+        assert!(
+            began.elapsed() < limit,
+            "{} of {} came back",
+            back.len(),
+            nacked.len()
+        );
+        let Some(d) = next(&mut c, Duration::from_secs(5)).await else {
+            continue;
+        };
+        let id = id_of(&d.data);
+        let at = Instant::now();
+        assert_eq!(retry_count(&d), 1, "message {id}");
+        let since = at - nacked[&id];
+        assert!(
+            since >= delay,
+            "message {id} came back after {since:?}: early"
+        );
+        *back.entry(id).or_default() += 1;
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert!(
+        next(&mut c, Duration::from_secs(2)).await.is_none(),
+        "a message came back twice"
+    );
+    assert!(back.values().all(|n| *n == 1));
+    let _ = conn.close(200, "".into()).await;
+}
+
+/// Issue 13: SIGKILL nackd and delete its store directory while it holds
+/// thousands of messages; started again with the same id on an empty
+/// directory, it rebuilds them from its stream: all come back, once, none
+/// early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_lost_with_its_disk_loses_nothing() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, id) = (unique("cluster-lost"), unique("host"));
+    let delay = Duration::from_secs(20);
+    let cfg = config(dir.path(), &id, &q, "20s", "");
+    publish(&q, 2000).await;
+    let nackd = Process::start(&cfg);
+    let nacked = park_all(&nackd, &q, 2000).await;
+    nackd.kill9();
+    std::fs::remove_dir_all(dir.path().join(format!("{id}.store"))).unwrap();
+    let nackd = Process::start(&cfg);
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(s.get("nackd_replica_rebuilt_messages_total", &[]), 2000.0);
+    all_back(nackd.addr, &q, &nacked, delay, Duration::from_secs(60)).await;
+    drop(nackd);
+    delete(&q).await;
+}
+
+/// Issue 13: an instance killed for good has its messages adopted by a
+/// live one after `adopt_after`, due times and retry counts kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_gone_for_good_is_adopted() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, gone, live) = (unique("cluster-adopt"), unique("gone"), unique("live"));
+    publish(&q, 300).await;
+    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
+    let a = Process::start(&config(dir.path(), &gone, &q, "8s", ""));
+    let nacked = park_all(&a, &q, 300).await;
+    a.kill9();
+    // Held for 8 s: B adopts them 5 s after A's lease is free, and they
+    // still fall due at their own time.
+    all_back(
+        b.addr,
+        &q,
+        &nacked,
+        Duration::from_secs(8),
+        Duration::from_secs(60),
+    )
+    .await;
+    let s = scrape(b.metrics).await;
+    assert_eq!(s.get("nackd_retries_confirmed_total", &[]), 300.0);
+    assert_eq!(s.sum("nackd_held_messages"), 0.0);
+    drop(b);
+    delete(&q).await;
+}
+
+/// Issue 13: two processes with one id: only the lease holder intercepts
+/// and fires; the standby takes over within seconds of its death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_with_the_same_id_takes_over_within_seconds() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, id) = (unique("cluster-standby"), unique("pair"));
+    publish(&q, 100).await;
+    let a_dir = tempfile::tempdir().unwrap();
+    let b_dir = tempfile::tempdir().unwrap();
+    let a = Process::start(&config(a_dir.path(), &id, &q, "4s", ""));
+    let b = Process::start_listening(&config(b_dir.path(), &id, &q, "4s", ""));
+    let r = get(b.metrics, "/readyz").await;
+    assert!(r.body.contains("\"store\":\"no lease\""), "{}", r.body);
+    let first = park_all(&a, &q, 100).await;
+    all_back(
+        a.addr,
+        &q,
+        &first,
+        Duration::from_secs(4),
+        Duration::from_secs(30),
+    )
+    .await;
+    let s = scrape(b.metrics).await;
+    assert_eq!(
+        s.get("nackd_retries_published_total", &[]),
+        0.0,
+        "the standby fired"
+    );
+    assert_eq!(s.sum("nackd_held_messages"), 0.0);
+    // A second batch is held when the holder dies.
+    publish_range(&q, 100..200).await;
+    let second = park_all(&a, &q, 100).await;
+    a.kill9();
+    let died = Instant::now();
+    common::ops::wait_intercepting(b.metrics).await;
+    let took = died.elapsed();
+    assert!(took < Duration::from_secs(15), "took over after {took:?}");
+    all_back(
+        b.addr,
+        &q,
+        &second,
+        Duration::from_secs(4),
+        Duration::from_secs(30),
+    )
+    .await;
+    drop(b);
+    delete(&q).await;
+    let _ = dir;
+}
+
+/// Issue 13: one broker node stops while messages are held and traffic
+/// flows: nothing is lost, clients reconnect through nackd to the live
+/// nodes, nackd's own connections move, and the retries still come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_node_stopped_under_traffic_loses_nothing() {
+    let cluster = cluster();
+    let _only_me = cluster.exclusive().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, id) = (unique("cluster-node"), unique("node"));
+    let n = 400u32;
+    publish(&q, n).await;
+    let nackd = Process::start(&config(dir.path(), &id, &q, "2s", ""));
+    let acked: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
+    let stop = Arc::new(Mutex::new(false));
+    let worker = tokio::spawn(consume_forever(
+        nackd.addr,
+        q.clone(),
+        acked.clone(),
+        stop.clone(),
+    ));
+    // Some held, some retried: then node 1 goes away.
+    wait_for(
+        Duration::from_secs(60),
+        "a third acked",
+        || async { acked.lock().unwrap().len() },
+        |n| *n >= 130,
+    )
+    .await;
+    cluster.stop_node(1).await;
+    wait_for(
+        Duration::from_secs(120),
+        "all acked",
+        || async { acked.lock().unwrap().len() },
+        |k| *k as u32 >= n,
+    )
+    .await;
+    *stop.lock().unwrap() = true;
+    let _ = tokio::time::timeout(Duration::from_secs(15), worker).await;
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(s.sum("nackd_held_messages"), 0.0);
+    assert!(
+        s.get("nackd_republisher_connected", &[("vhost", "/")]) == 1.0,
+        "the republisher is connected to a live node"
+    );
+    cluster.start_node(1).await;
+    drop(nackd);
+    delete(&q).await;
+}
+
+/// Consumes through nackd, reconnecting whenever the connection goes:
+/// nacks each first delivery (requeue: a nack that passes through while
+/// nackd has no lease must not drop the message), acks each retry.
+async fn consume_forever(
+    addr: std::net::SocketAddr,
+    q: String,
+    acked: Arc<Mutex<HashMap<u32, u32>>>,
+    stop: Arc<Mutex<bool>>,
+) {
+    let bounded = |d: u64| Duration::from_secs(d);
+    while !*stop.lock().unwrap() {
+        let uri = format!("amqp://guest:guest@{addr}/%2f");
+        let Ok(Ok(conn)) = tokio::time::timeout(
+            bounded(5),
+            lapin::Connection::connect(&uri, lapin::ConnectionProperties::default()),
+        )
+        .await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let Ok(Ok((_ch, mut c))) = tokio::time::timeout(bounded(5), async {
+            let ch = conn.create_channel().await?;
+            ch.basic_qos(50, BasicQosOptions::default()).await?;
+            let c = ch
+                .basic_consume(
+                    q.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>((ch, c))
+        })
+        .await
+        else {
+            continue;
+        };
+        while !*stop.lock().unwrap() {
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(500), c.next()).await else {
+                continue;
+            };
+            let Some(Ok(d)) = next else { break };
+            let id = id_of(&d.data);
+            let settled = match retry_count(&d) {
+                0 => {
+                    let requeue = BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    };
+                    tokio::time::timeout(bounded(5), d.nack(requeue)).await
+                }
+                _ => {
+                    let r =
+                        tokio::time::timeout(bounded(5), d.ack(BasicAckOptions::default())).await;
+                    if matches!(r, Ok(Ok(_))) {
+                        *acked.lock().unwrap().entry(id).or_default() += 1;
+                    }
+                    r
+                }
+            };
+            if !matches!(settled, Ok(Ok(_))) {
+                break;
+            }
+        }
+    }
+}

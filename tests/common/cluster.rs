@@ -1,0 +1,156 @@
+//! A local 3-node RabbitMQ cluster (`scripts/cluster`) for tests of
+//! replication and upstream failover, beside the default broker on 5672.
+//!
+//! [`cluster`] starts it (or reuses it) once per test binary and leaves it
+//! running, so the next binary finds it up in a second or two; run
+//! `scripts/cluster stop` to free its ~400 MB. The script serialises itself
+//! with a file lock, so binaries and threads never start it twice.
+//!
+//! Tests in one binary run in parallel threads: a test that stops a node
+//! holds [`Cluster::exclusive`], one that needs all three nodes up holds
+//! [`Cluster::steady`], and the two never overlap.
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use lapin::Connection;
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+pub const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster");
+
+/// The three nodes, numbered 1..=3 like ha1..ha3 in `scripts/cluster`.
+pub struct Cluster {
+    addrs: Vec<String>,
+    /// Readers: tests that need every node; writer: a test that stops one.
+    nodes: RwLock<()>,
+}
+
+/// The cluster, started on first use in this test binary; panics (with the
+/// script's stderr) when it cannot be had: tests never skip.
+pub fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+    // A failure is kept too, so parallel tests do not each retry a start
+    // that takes half a minute and fails again.
+    let got = CLUSTER.get_or_init(|| {
+        let addrs = run(&["start"])?;
+        let addrs: Vec<String> = addrs.lines().map(str::to_owned).collect();
+        if addrs.len() != 3 {
+            return Err(format!("scripts/cluster start printed {addrs:?}"));
+        }
+        Ok(Cluster {
+            addrs,
+            nodes: RwLock::const_new(()),
+        })
+    });
+    match got {
+        Ok(c) => c,
+        Err(e) => panic!("no RabbitMQ cluster for this test: {e}"),
+    }
+}
+
+/// Runs `scripts/cluster ARGS`; its stdout, or an error with its stderr.
+fn run(args: &[&str]) -> Result<String, String> {
+    let start = Instant::now();
+    let out = Command::new(SCRIPT)
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run {SCRIPT}: {e}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprint!("{stderr}");
+    if !out.status.success() {
+        return Err(format!(
+            "`scripts/cluster {}` failed ({}) after {:?}:\n{stderr}",
+            args.join(" "),
+            out.status,
+            start.elapsed()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `run` off the async runtime: a node takes seconds to stop or start, and
+/// the nackd under test must keep running meanwhile.
+async fn run_async(args: Vec<String>) {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run(&args).unwrap_or_else(|e| panic!("{e}"));
+    })
+    .await
+    .unwrap();
+}
+
+fn port_open(addr: &str) -> bool {
+    std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(1)).is_ok()
+}
+
+impl Cluster {
+    /// Node `n`'s AMQP address, `127.0.0.1:568n`.
+    pub fn addr(&self, n: usize) -> &str {
+        assert!((1..=3).contains(&n), "nodes are 1, 2 and 3, not {n}");
+        &self.addrs[n - 1]
+    }
+
+    /// All three addresses, node 1 first (e.g. nackd's upstream list).
+    pub fn addrs(&self) -> &[String] {
+        &self.addrs
+    }
+
+    /// AMQP URI of node `n` as guest, vhost "/".
+    pub fn uri(&self, n: usize) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr(n))
+    }
+
+    /// A lapin connection straight to node `n`.
+    pub async fn connect(&self, n: usize) -> Connection {
+        super::connect(&self.uri(n)).await
+    }
+
+    /// Held by a test that needs all three nodes up (they are when it
+    /// returns).
+    pub async fn steady(&self) -> RwLockReadGuard<'_, ()> {
+        let guard = self.nodes.read().await;
+        self.all_up().await;
+        guard
+    }
+
+    /// Held by a test that stops or kills nodes; no other cluster test of
+    /// this binary runs meanwhile. All three nodes are up when it returns.
+    /// (Do not also take [`Cluster::steady`]: that would wait for ever.)
+    pub async fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
+        let guard = self.nodes.write().await;
+        self.all_up().await;
+        guard
+    }
+
+    /// Brings back a node an earlier (failed) test left down.
+    async fn all_up(&self) {
+        if !self.addrs.iter().all(|a| port_open(a)) {
+            // Several readers may get here at once; the script's lock
+            // serialises them and the later ones find the cluster healthy.
+            run_async(vec!["start".into()]).await;
+        }
+    }
+
+    /// Stops node `n` gracefully (its VM exits; clients see the
+    /// connection closed, then refused). Hold [`Cluster::exclusive`].
+    pub async fn stop_node(&self, n: usize) {
+        run_async(vec!["stop-node".into(), self.number(n)]).await;
+    }
+
+    /// SIGKILLs node `n`'s VM: a crash, no goodbye to clients or peers.
+    pub async fn kill_node(&self, n: usize) {
+        run_async(vec!["kill-node".into(), self.number(n)]).await;
+    }
+
+    /// Starts node `n` again and waits until it is back in the cluster.
+    pub async fn start_node(&self, n: usize) {
+        run_async(vec!["start-node".into(), self.number(n)]).await;
+    }
+
+    fn number(&self, n: usize) -> String {
+        self.addr(n); // checks the range
+        n.to_string()
+    }
+}
