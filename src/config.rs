@@ -9,6 +9,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub mod policy;
+mod replica;
+pub use replica::Replica;
+
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -57,6 +61,8 @@ pub struct Config {
     /// Threads.
     #[serde(default)]
     pub runtime: Runtime,
+    /// Held messages mirrored in the broker cluster (off when absent).
+    pub replica: Option<Replica>,
     /// Retry policies, first match wins.
     #[serde(default, rename = "policy")]
     pub policies: Vec<PolicyConfig>,
@@ -101,8 +107,11 @@ pub struct ServerTls {
 #[serde(deny_unknown_fields)]
 pub struct Upstream {
     /// `host:port` of the broker (a name is resolved at each connect).
-    #[serde(default = "default_upstream")]
-    pub address: String,
+    pub address: Option<String>,
+    /// Or the nodes of a cluster: connections go to the next one in turn
+    /// and fail over to the others.
+    #[serde(default)]
+    pub addresses: Vec<String>,
     /// Connect to the broker over TLS.
     pub tls: Option<ClientTls>,
     /// Give up connecting to the broker after this long.
@@ -121,10 +130,47 @@ fn default_connect_timeout() -> Duration {
 impl Default for Upstream {
     fn default() -> Self {
         Self {
-            address: default_upstream(),
+            address: None,
+            addresses: Vec::new(),
             tls: None,
             connect_timeout: default_connect_timeout(),
         }
+    }
+}
+
+impl Upstream {
+    /// The broker nodes, in the order connections try them.
+    pub fn nodes(&self) -> Vec<String> {
+        match (&self.address, self.addresses.is_empty()) {
+            (_, false) => self.addresses.clone(),
+            (Some(one), true) => vec![one.clone()],
+            (None, true) => vec![default_upstream()],
+        }
+    }
+
+    /// One node only (the `--upstream` override).
+    pub fn set_single(&mut self, address: String) {
+        self.address = Some(address);
+        self.addresses.clear();
+    }
+
+    fn check(&self) -> Result<(), (String, String)> {
+        if self.address.is_some() && !self.addresses.is_empty() {
+            return Err((
+                "upstream.addresses".into(),
+                "set address or addresses, not both".into(),
+            ));
+        }
+        let key = |i| match self.addresses.is_empty() {
+            true => "upstream.address".to_string(),
+            false => format!("upstream.addresses[{i}]"),
+        };
+        for (i, node) in self.nodes().iter().enumerate() {
+            if !node.contains(':') {
+                return Err((key(i), "expected host:port".into()));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -138,7 +184,8 @@ pub struct ClientTls {
     pub server_name: Option<String>,
 }
 
-/// `[republish]`
+/// `[republish]`: nackd's own connections, one per vhost, that republish
+/// due messages.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Republish {
@@ -149,11 +196,41 @@ pub struct Republish {
     pub password: Option<String>,
     /// Or the name of an environment variable holding it.
     pub password_env: Option<String>,
+    /// Heartbeat interval asked for on nackd's own connections (`0s`: none).
+    #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// Publishes awaiting the broker's confirm, per destination exchange.
+    #[serde(default = "default_confirm_window")]
+    pub confirm_window: u32,
+    /// Bytes of due messages read from the store and not yet confirmed, per
+    /// vhost: what a due backlog of any size costs in RAM.
+    #[serde(default = "default_max_pending_bytes")]
+    pub max_pending_bytes: u64,
+    /// What becomes of held messages whose queue is gone.
+    #[serde(default)]
+    pub queue_gone: QueueGone,
 }
 
 fn default_guest() -> String {
     "guest".into()
 }
+
+fn default_heartbeat() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn default_confirm_window() -> u32 {
+    1000
+}
+
+fn default_max_pending_bytes() -> u64 {
+    16 * 1024 * 1024
+}
+
+/// Longest `republish.heartbeat` (the protocol carries whole seconds in 16 bits).
+pub const MAX_HEARTBEAT: Duration = Duration::from_secs(u16::MAX as u64);
+/// Smallest `republish.max_pending_bytes`.
+pub const MIN_PENDING_BYTES: u64 = 64 * 1024;
 
 impl Default for Republish {
     fn default() -> Self {
@@ -161,6 +238,105 @@ impl Default for Republish {
             username: default_guest(),
             password: None,
             password_env: None,
+            heartbeat: default_heartbeat(),
+            confirm_window: default_confirm_window(),
+            max_pending_bytes: default_max_pending_bytes(),
+            queue_gone: QueueGone::default(),
+        }
+    }
+}
+
+/// `[republish.queue_gone]`: held messages of a queue that no longer exists
+/// (deleted, auto-deleted, exclusive to a connection that closed) whose
+/// policy has no `on_exhausted` exchange to send them to.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct QueueGone {
+    /// What to do once the queue has been gone for `after`.
+    #[serde(default)]
+    pub action: GoneAction,
+    /// How long a queue must have been gone before `action` applies.
+    #[serde(default = "default_gone_after", with = "humantime_serde")]
+    pub after: Duration,
+    /// One held message of a gone queue is tried this often, to notice it is back.
+    #[serde(default = "default_probe_interval", with = "humantime_serde")]
+    pub probe_interval: Duration,
+    /// Exchange of `action = "dead-letter"`.
+    pub exchange: Option<String>,
+    /// Its routing key (default: the queue's name).
+    pub routing_key: Option<String>,
+}
+
+fn default_gone_after() -> Duration {
+    Duration::from_secs(3600)
+}
+
+fn default_probe_interval() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl Default for QueueGone {
+    fn default() -> Self {
+        Self {
+            action: GoneAction::default(),
+            after: default_gone_after(),
+            probe_interval: default_probe_interval(),
+            exchange: None,
+            routing_key: None,
+        }
+    }
+}
+
+/// `republish.queue_gone.action`
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum GoneAction {
+    /// Keep the messages (held, listed as blocked) until the queue is back.
+    #[default]
+    Keep,
+    /// Forget them (a delete record in the store): they are lost on purpose.
+    Drop,
+    /// Send them to `exchange` (with `routing_key`).
+    DeadLetter,
+}
+
+impl Republish {
+    fn check(&self) -> Result<(), (String, String)> {
+        let err = |key: &str, reason: &str| Err((format!("republish.{key}"), reason.to_string()));
+        if self.password.is_some() && self.password_env.is_some() {
+            return err("password_env", "set password or password_env, not both");
+        }
+        if self.heartbeat > MAX_HEARTBEAT || self.heartbeat.subsec_nanos() != 0 {
+            return err(
+                "heartbeat",
+                "must be whole seconds, at most 65535s (\"0s\" turns heartbeats off)",
+            );
+        }
+        if !(1..=65535).contains(&self.confirm_window) {
+            return err("confirm_window", "must be between 1 and 65535");
+        }
+        if self.max_pending_bytes < MIN_PENDING_BYTES {
+            return err("max_pending_bytes", "must be at least 65536");
+        }
+        let gone = &self.queue_gone;
+        if gone.after < Duration::from_secs(1) || gone.after > crate::config::policy::MAX_DELAY {
+            return err("queue_gone.after", "must be between 1s and 365 days");
+        }
+        if gone.probe_interval < Duration::from_secs(1)
+            || gone.probe_interval > Duration::from_secs(3600)
+        {
+            return err("queue_gone.probe_interval", "must be between 1s and 1h");
+        }
+        match (gone.action, &gone.exchange) {
+            (GoneAction::DeadLetter, None) => err(
+                "queue_gone.exchange",
+                "required with action = \"dead-letter\"",
+            ),
+            (GoneAction::Keep | GoneAction::Drop, Some(_)) => err(
+                "queue_gone.exchange",
+                "only used with action = \"dead-letter\"",
+            ),
+            _ => Ok(()),
         }
     }
 }
@@ -174,7 +350,17 @@ pub struct Store {
     pub path: PathBuf,
     /// Bytes of held messages beyond which nackd stops intercepting.
     pub max_bytes: Option<usize>,
+    /// Size at which a segment file is closed and the next one started.
+    #[serde(default = "default_segment_bytes")]
+    pub segment_bytes: u64,
 }
+
+fn default_segment_bytes() -> u64 {
+    crate::store::SEGMENT_BYTES
+}
+
+/// Smallest and largest `store.segment_bytes` (locations are 32-bit offsets).
+pub const SEGMENT_BYTES_RANGE: std::ops::RangeInclusive<u64> = 64 * 1024..=1024 * 1024 * 1024;
 
 fn default_store() -> PathBuf {
     "data".into()
@@ -185,6 +371,7 @@ impl Default for Store {
         Self {
             path: default_store(),
             max_bytes: None,
+            segment_bytes: default_segment_bytes(),
         }
     }
 }
@@ -344,7 +531,7 @@ impl Default for Limits {
     }
 }
 
-/// One `[[policy]]` table, as written. Checked by [`crate::policy`].
+/// One `[[policy]]` table, as written. Checked by [`crate::config::policy`].
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
@@ -506,10 +693,13 @@ impl Config {
         if self.limits.max_connections == 0 {
             return Err(("limits.max_connections".into(), "must be at least 1".into()));
         }
-        if self.limits.max_frame < crate::frame::FRAME_MIN_SIZE {
+        if self.limits.max_frame < crate::protocol::frame::FRAME_MIN_SIZE {
             return Err((
                 "limits.max_frame".into(),
-                format!("must be at least {}", crate::frame::FRAME_MIN_SIZE),
+                format!(
+                    "must be at least {}",
+                    crate::protocol::frame::FRAME_MIN_SIZE
+                ),
             ));
         }
         if !(1..=MAX_WORKER_THREADS).contains(&self.runtime.worker_threads) {
@@ -518,8 +708,30 @@ impl Config {
                 format!("must be between 1 and {MAX_WORKER_THREADS}"),
             ));
         }
-        if !self.upstream.address.contains(':') {
-            return Err(("upstream.address".into(), "expected host:port".into()));
+        if !SEGMENT_BYTES_RANGE.contains(&self.store.segment_bytes) {
+            return Err((
+                "store.segment_bytes".into(),
+                format!(
+                    "must be between {} and {}",
+                    SEGMENT_BYTES_RANGE.start(),
+                    SEGMENT_BYTES_RANGE.end()
+                ),
+            ));
+        }
+        self.upstream.check()?;
+        if let Some(replica) = &self.replica {
+            replica.check()?;
+            if self
+                .upstream
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.server_name.is_some())
+            {
+                return Err((
+                    "replica".into(),
+                    "needs upstream.tls without server_name: the replica connection verifies each node's host name".into(),
+                ));
+            }
         }
         if let (Some(_), Some(_)) = (&self.metrics.admin_token, &self.metrics.admin_token_env) {
             return Err((
@@ -530,14 +742,9 @@ impl Config {
         if let Some(token) = &self.metrics.admin_token {
             check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
         }
-        if let (Some(_), Some(_)) = (&self.republish.password, &self.republish.password_env) {
-            return Err((
-                "republish.password_env".into(),
-                "set password or password_env, not both".into(),
-            ));
-        }
+        self.republish.check()?;
         for (i, policy) in self.policies.iter().enumerate() {
-            crate::policy::check(policy)
+            crate::config::policy::check(policy)
                 .map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
         }
         Ok(())

@@ -10,35 +10,25 @@
 //!   and encodes the frames nackd emits itself.
 //! - [`content`]: content headers (basic properties) and field tables.
 //! - [`reply`]: AMQP reply codes.
-//! - [`fuzzing`]: fuzz targets over the frame layer, shared by `fuzz/` and the
-//!   property tests.
+//! - `fuzzing` (feature `fuzzing`): fuzz targets over the frame layer,
+//!   shared by `fuzz/` and the property tests; not in the product.
 //! - [`metrics`]: the Prometheus metrics every part updates.
-//! - `bench` (feature `bench`): the scenarios of the `nackd-bench` command.
 //! - [`ops`]: the operations listener: `/metrics`, health, status page, admin API.
 //! - [`reload`]: `[[policy]]` hot reload on SIGHUP.
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
-#[cfg(feature = "bench")]
-pub mod bench;
-pub mod channel;
 pub mod config;
-pub mod content;
-pub mod frame;
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
-pub mod headers;
-pub mod intercept;
-pub mod method;
 pub mod metrics;
 pub mod net;
 pub mod ops;
-pub mod policy;
+pub mod protocol;
 pub mod reload;
-pub mod reply;
-pub mod republish;
+pub mod replica;
 pub mod retry;
 pub mod sched;
 pub mod server;
 pub mod session;
 pub mod store;
-pub mod wheel;

@@ -5,15 +5,23 @@
 //! set and drops its per-queue cache. A message already captured or held
 //! keeps the policy (and the due time) it was taken with. An invalid file
 //! changes nothing: the error names the key, the old policies stay.
+//!
+//! At startup and after each reload, [`ExchangeCheck`] declares every
+//! exchange the policies send exhausted messages to (passively, on a
+//! connection of its own) and warns, naming the policy, about each one the
+//! broker does not have.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use tokio::sync::watch;
+use tracing::{info, warn};
 
-use crate::config::{Config, ConfigError};
+use crate::config::policy::Policies;
+use crate::config::{Config, ConfigError, GoneAction, OnExhausted};
 use crate::metrics::Metrics;
-use crate::policy::Policies;
+use crate::net::Connector;
+use crate::retry::republish::{check_exchanges, Credentials, ExchangeToCheck};
 
 /// The policies in force, shared by every session.
 #[derive(Debug)]
@@ -56,12 +64,23 @@ pub enum ReloadError {
 pub struct Reloader {
     live: Option<Arc<LivePolicies>>,
     metrics: Arc<Metrics>,
+    check: Option<ExchangeCheck>,
 }
 
 impl Reloader {
     /// A reloader for `live` (`None`: the proxy intercepts nothing).
     pub fn new(live: Option<Arc<LivePolicies>>, metrics: Arc<Metrics>) -> Self {
-        Self { live, metrics }
+        Self {
+            live,
+            metrics,
+            check: None,
+        }
+    }
+
+    /// Checks the exchanges of each reloaded file with `check`.
+    pub fn with_check(mut self, check: ExchangeCheck) -> Self {
+        self.check = Some(check);
+        self
     }
 
     /// Reads `path` and puts its `[[policy]]` tables in force; returns how
@@ -82,6 +101,114 @@ impl Reloader {
             None if config.policies.is_empty() => {}
             None => return Err(ReloadError::NotIntercepting),
         }
+        if let Some(check) = &self.check {
+            check.spawn(&config);
+        }
         Ok(config.policies.len())
     }
+}
+
+/// Checks, in the background, that the exchanges a configuration sends
+/// messages to exist: `on_exhausted` of each policy, and
+/// `republish.queue_gone.exchange`. Each missing one is a warning naming
+/// the setting, and counts in `nackd_policy_exchanges_missing`.
+#[derive(Clone)]
+pub struct ExchangeCheck {
+    connector: Connector,
+    login: Credentials,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for ExchangeCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExchangeCheck")
+            .field("upstream", &self.connector.address())
+            .field("user", &self.login.username)
+            .finish()
+    }
+}
+
+impl ExchangeCheck {
+    /// A check through `connector`, logged in as the republisher.
+    pub fn new(connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> Self {
+        Self {
+            connector,
+            login,
+            metrics,
+        }
+    }
+
+    /// Starts checking the exchanges `config` names (needs a tokio runtime;
+    /// does nothing outside one).
+    pub fn spawn(&self, config: &Config) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let targets = exchanges_named(config);
+        let queues: Vec<String> = config
+            .policies
+            .iter()
+            .map(|p| format!("{:?}", p.queues))
+            .collect();
+        let this = self.clone();
+        runtime.spawn(async move {
+            let missing = check_exchanges(&this.connector, &this.login, &targets).await;
+            let unchecked = missing.iter().filter(|m| m.reply.starts_with("cannot check")).count();
+            this.metrics
+                .exchanges_missing
+                .set((missing.len() - unchecked) as i64);
+            for m in &missing {
+                let c = &m.checked;
+                let of = policy_index(&c.key)
+                    .and_then(|i| queues.get(i))
+                    .map_or(String::new(), |q| format!(" (queues {q})"));
+                if m.reply.starts_with("cannot check") {
+                    warn!(setting = %c.key, vhost = %c.vhost, exchange = %c.exchange, reply = %m.reply, "{}{of}: could not check that exchange {:?} exists: {}", c.key, c.exchange, m.reply);
+                    continue;
+                }
+                warn!(
+                    setting = %c.key, vhost = %c.vhost, exchange = %c.exchange, reply = %m.reply,
+                    "{}{of}: exchange {:?} does not exist in vhost {:?} ({}): the messages it should take are set aside (kept) until it does",
+                    c.key, c.exchange, c.vhost, m.reply
+                );
+            }
+            if missing.is_empty() && !targets.is_empty() {
+                info!(exchanges = targets.len(), "every on_exhausted exchange exists");
+            }
+        });
+    }
+}
+
+/// `policy[3].on_exhausted` → 3.
+fn policy_index(key: &str) -> Option<usize> {
+    key.strip_prefix("policy[")?.split(']').next()?.parse().ok()
+}
+
+/// Every exchange a configuration sends messages to, with the setting that names it.
+pub fn exchanges_named(config: &Config) -> Vec<ExchangeToCheck> {
+    let mut out: Vec<ExchangeToCheck> = config
+        .policies
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| match &p.on_exhausted {
+            OnExhausted::DeadLetter { exchange, .. } => Some(ExchangeToCheck {
+                key: format!("policy[{i}].on_exhausted"),
+                vhost: p.vhost.clone(),
+                exchange: exchange.clone(),
+            }),
+            OnExhausted::Reject => None,
+        })
+        .collect();
+    let gone = &config.republish.queue_gone;
+    if let (GoneAction::DeadLetter, Some(exchange)) = (gone.action, &gone.exchange) {
+        let mut vhosts: Vec<&str> = config.policies.iter().map(|p| p.vhost.as_str()).collect();
+        vhosts.sort_unstable();
+        vhosts.dedup();
+        out.extend(vhosts.into_iter().map(|vhost| ExchangeToCheck {
+            key: "republish.queue_gone.exchange".into(),
+            vhost: vhost.to_string(),
+            exchange: exchange.clone(),
+        }));
+    }
+    out
 }

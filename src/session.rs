@@ -9,31 +9,34 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
+use amq_protocol::protocol::{basic, channel as amqp_channel, connection, AMQPClass};
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Span};
 
-use crate::channel::Channels;
-use crate::frame::{self, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader};
-use crate::method::{self, ids, MethodId};
 use crate::metrics::{Metrics, Open};
 use crate::net::{Connector, Io};
-use crate::reply::ReplyCode;
+use crate::protocol::frame::{self, Frame, FrameDecoder, FrameError, FrameType, ProtocolHeader};
+use crate::protocol::method::{self, ids, MethodId};
+use crate::protocol::reply::ReplyCode;
+use crate::session::channel::Channels;
 
+pub mod capture;
+pub mod channel;
 mod client;
 mod close;
 mod frames;
 mod intercepting;
 mod lifecycle;
+pub mod settle;
 mod upstream;
 use close::{Close, Origin};
 use intercepting::Intercepting;
 pub use intercepting::Interception;
 
-use crate::intercept::Settle;
 use crate::retry::Parked;
+use settle::Settle;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 

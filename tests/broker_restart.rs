@@ -9,6 +9,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::ops::scrape;
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -26,6 +27,37 @@ fn rabbitmqctl(args: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `(ready, unacked)` of `q` as the broker has them (AMQP's passive declare
+/// tells only the ready ones).
+fn broker_counts(q: &str) -> Option<(u64, u64)> {
+    let out = Command::new("rabbitmqctl")
+        .args([
+            "list_queues",
+            "-s",
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .expect("rabbitmqctl runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|line| {
+            let mut f = line.split('\t');
+            if f.next()? != q {
+                return None;
+            }
+            Some((
+                f.next()?.trim().parse().ok()?,
+                f.next()?.trim().parse().ok()?,
+            ))
+        })
+}
+
+/// How long the 20 messages are held: they must not fall due before
+/// `rabbitmqctl stop_app` is done, however slow a loaded machine makes it.
+const DELAY: Duration = Duration::from_secs(10);
 
 async fn count(q: &str) -> Option<u32> {
     let conn = lapin::Connection::connect(
@@ -53,9 +85,10 @@ async fn count(q: &str) -> Option<u32> {
 
 #[tokio::test]
 async fn held_messages_survive_a_broker_restart() {
-    let q = unique("restart");
+    let (warm, q) = (unique("restart-warm-up"), unique("restart"));
     let nackd = start(&format!(
-        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n"
+        "[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"{}s\"]\n",
+        DELAY.as_secs()
     ))
     .await;
     let conn = nackd.connect().await;
@@ -63,12 +96,14 @@ async fn held_messages_survive_a_broker_restart() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    declare_durable(&ch, &warm).await;
     declare_durable(&ch, &q).await;
     let persistent = BasicProperties::default().with_delivery_mode(2);
-    // Warm-up: one retry makes the republisher connect before the restart.
+    // Warm-up: one retry (on a queue of its own, same vhost) makes the
+    // republisher connect before the restart.
     ch.basic_publish(
         "".into(),
-        q.as_str().into(),
+        warm.as_str().into(),
         BasicPublishOptions::default(),
         b"warm-up",
         persistent.clone(),
@@ -77,20 +112,21 @@ async fn held_messages_survive_a_broker_restart() {
     .unwrap()
     .await
     .unwrap();
-    let mut consumer = consume(&ch, &q, Some(100)).await;
-    let d = consumer.next().await.unwrap().unwrap();
+    let mut warm_c = consume(&conn.create_channel().await.unwrap(), &warm, Some(10)).await;
+    let d = next(&mut warm_c, Duration::from_secs(10))
+        .await
+        .expect("the warm-up");
     d.nack(BasicNackOptions {
         requeue: false,
         multiple: false,
     })
     .await
     .unwrap();
-    let d = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+    let d = next(&mut warm_c, Duration::from_secs(10))
         .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+        .expect("the warm-up's retry");
     d.ack(BasicAckOptions::default()).await.unwrap();
+    let mut consumer = consume(&ch, &q, Some(100)).await;
 
     for i in 0..20u8 {
         ch.basic_publish(
@@ -118,11 +154,38 @@ async fn held_messages_survive_a_broker_restart() {
         .await
         .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(count(&q).await, Some(0), "all 20 held by nackd");
+    // All 20 held: stored by nackd, and their acks processed by the broker.
+    // A message still unacked when the broker stops would come back from
+    // the broker and from nackd.
+    let held = [("vhost", "/"), ("queue", q.as_str())];
+    common::ops::until(
+        nackd.metrics,
+        "20 held, 21 intercepted (warm-up too)",
+        |s| {
+            s.get("nackd_held_messages", &held) == 20.0
+                && s.get("nackd_nacks_intercepted_total", &[]) == 21.0
+        },
+    )
+    .await;
+    // Every one is due by DELAY from now on (they are all parked already).
+    let all_due = Instant::now() + DELAY;
+    wait_for(
+        Duration::from_secs(30),
+        "the broker to have the 20 acks (0 ready, 0 unacked)",
+        || async { broker_counts(&q) },
+        |counts| *counts == Some((0, 0)),
+    )
+    .await;
 
     rabbitmqctl(&["stop_app"]);
-    tokio::time::sleep(Duration::from_secs(2)).await; // they fall due while the broker is down
+    // They fall due while the broker is down: none may have gone out before.
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(
+        s.get("nackd_retries_published_total", &[]),
+        1.0,
+        "only the warm-up was republished before the broker stopped: {s:?}"
+    );
+    tokio::time::sleep_until((all_due + Duration::from_secs(1)).into()).await;
     rabbitmqctl(&["start_app"]);
     rabbitmqctl(&["await_startup"]);
 
@@ -159,6 +222,9 @@ async fn held_messages_survive_a_broker_restart() {
         "every held message, once"
     );
     ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    ch.queue_delete(warm.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
 }

@@ -66,6 +66,28 @@ fn a_bad_config_stops_startup_with_the_key() {
 }
 
 #[test]
+fn text_logs_into_a_pipe_or_file_carry_no_colour_escapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(&dir, "bad.toml", "[upstream]\nconect_timeout = \"1s\"\n");
+    let out = Command::new(NACKD)
+        .arg("--config")
+        .arg(&bad)
+        .args(["--log-format", "text"])
+        // NO_COLOR would hide the colour this test looks for.
+        .env_remove("NO_COLOR")
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("ERROR") && stderr.contains("conect_timeout"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("\x1b["), "ANSI escapes: {stderr:?}");
+}
+
+#[test]
 fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
     common::require_broker();
     let dir = tempfile::tempdir().unwrap();
@@ -103,6 +125,7 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
         assert!(conn.status().connected());
         conn.close(200, "bye".into()).await.unwrap();
     });
+    common::process::wait_for_handler(child.id(), 15); // SIGTERM
     let pid = child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])
@@ -184,7 +207,7 @@ fn runtime_section_sets_session_threads_and_their_scheduling() {
                 && threads.contains(&("nackd-retry".to_string(), SCHED_OTHER))
         };
         let mut threads = thread_policies(nackd.child.id());
-        while !wanted(&threads) && began.elapsed() < Duration::from_secs(5) {
+        while !wanted(&threads) && began.elapsed() < Duration::from_secs(15) {
             std::thread::sleep(Duration::from_millis(20));
             threads = thread_policies(nackd.child.id());
         }

@@ -7,10 +7,10 @@ use std::sync::LazyLock;
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::BytesMut;
-use nackd::content;
-use nackd::frame::{FrameDecoder, FrameType, HANDSHAKE_FRAME_MAX};
 use nackd::fuzzing::{self, FrameSpec};
-use nackd::method::{self, MethodId};
+use nackd::protocol::content;
+use nackd::protocol::frame::{FrameDecoder, FrameType, HANDSHAKE_FRAME_MAX};
+use nackd::protocol::method::{self, MethodId};
 use proptest::prelude::*;
 
 /// Every file of `fuzz/corpus/<target>` as (name, bytes), sorted by name.

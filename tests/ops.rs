@@ -28,31 +28,22 @@ fn nack() -> BasicNackOptions {
     }
 }
 
-/// Polls `/metrics` until `f` holds.
+/// Polls `/metrics` until `f` holds (15 s, then panics with the last scrape).
 async fn until(
     nackd: &Nackd,
     what: &str,
     f: impl Fn(&common::ops::Scrape) -> bool,
 ) -> common::ops::Scrape {
-    let start = Instant::now();
-    loop {
-        let s = scrape(nackd.metrics).await;
-        if f(&s) {
-            return s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "timed out waiting for {what}: {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::ops::until(nackd.metrics, what, f).await
 }
 
 #[tokio::test]
 async fn metrics_move_exactly_as_the_traffic_did() {
     let (q, plain) = (unique("metrics"), unique("metrics-plain"));
+    // 3 s: long enough that nothing falls due before the scrape that checks
+    // nothing was republished yet, even on a loaded machine with a slow fsync.
     let nackd = start(&format!(
-        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1500ms\"]\n"
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"3s\"]\n"
     ))
     .await;
     let before = scrape(nackd.metrics).await;
@@ -91,11 +82,15 @@ async fn metrics_move_exactly_as_the_traffic_did() {
         next_in_10s(&mut plain_c).await.nack(nack()).await.unwrap();
     }
     let held = [("vhost", "/"), ("queue", q.as_str())];
-    let s = until(&nackd, "5 held", |s| {
+    // The engine counts a message held when its put is durable; the session
+    // counts the nack intercepted a moment later, when it sends the ack; the
+    // plain nacks are counted as they pass. Wait for all three.
+    let s = until(&nackd, "5 held, 5 intercepted, 2 passed", |s| {
         s.get("nackd_held_messages", &held) == 5.0
+            && s.get("nackd_nacks_intercepted_total", &[]) == 5.0
+            && s.sum("nackd_nacks_passed_total") == 2.0
     })
     .await;
-    assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 5.0);
     let bytes = s.get("nackd_held_bytes", &held);
     assert!(
         bytes > 500.0 && bytes < 500.0 + 5.0 * 1000.0,
@@ -115,26 +110,22 @@ async fn metrics_move_exactly_as_the_traffic_did() {
         assert_eq!(retry_count(&d), 1);
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let s = until(&nackd, "5 confirmed", |s| {
+    // The consumer can have the retries before the engine has their
+    // confirms: wait for the confirms and the ledger together.
+    let s = until(&nackd, "5 confirmed, 0 held", |s| {
         s.get("nackd_retries_confirmed_total", &[]) == 5.0
+            && s.get("nackd_held_messages", &held) == 0.0
     })
     .await;
-    let s = if s.get("nackd_held_messages", &held) == 0.0 {
-        s
-    } else {
-        until(&nackd, "0 held", |s| {
-            s.get("nackd_held_messages", &held) == 0.0
-        })
-        .await
-    };
     assert_eq!(s.get("nackd_retries_published_total", &[]), 5.0);
     assert_eq!(s.get("nackd_retries_returned_total", &[]), 0.0);
     assert_eq!(s.get("nackd_redelivery_lateness_seconds_count", &[]), 5.0);
-    assert!(
-        s.get(
-            "nackd_redelivery_lateness_seconds_bucket",
-            &[("le", "0.025")]
-        ) >= 4.0,
+    // On time: lateness is due time to republish, not nack to republish (that
+    // would be 3 s or more). A loaded 2-core machine can be late by tens of
+    // ms, so the bound is 1 s, a third of the delay, for every one of them.
+    assert_eq!(
+        s.get("nackd_redelivery_lateness_seconds_bucket", &[("le", "1.0")]),
+        5.0,
         "republished on time: {s:?}"
     );
     assert_eq!(
@@ -146,11 +137,11 @@ async fn metrics_move_exactly_as_the_traffic_did() {
     assert_eq!(s.get("nackd_republisher_connections", &[]), 1.0);
     assert_eq!(s.sum("nackd_exhausted_total"), 0.0);
     conn.close(200, "".into()).await.unwrap();
-    let s = until(&nackd, "the client gone", |s| {
+    until(&nackd, "the client and its upstream gone", |s| {
         s.get("nackd_client_connections", &[]) == 0.0
+            && s.get("nackd_upstream_connections", &[]) == 0.0
     })
     .await;
-    assert_eq!(s.get("nackd_upstream_connections", &[]), 0.0);
     nackd.stop().await;
 }
 
@@ -176,7 +167,7 @@ fn handshake_frames() -> Vec<Vec<u8>> {
     ];
     methods
         .iter()
-        .map(|m| nackd::method::encode(0, m).to_vec())
+        .map(|m| nackd::protocol::method::encode(0, m).to_vec())
         .collect()
 }
 
@@ -184,21 +175,15 @@ fn handshake_frames() -> Vec<Vec<u8>> {
 async fn frames_and_bytes_are_counted_per_direction_exactly() {
     let nackd = start("").await;
     let client = common::raw::RawClient::open(nackd.addr, 131072, 0).await;
-    let s = until(&nackd, "the handshake counted", |s| {
+    // start-ok, tune-ok, open (the protocol header is not a frame); start, tune, open-ok.
+    let sent = nackd::protocol::frame::PROTOCOL_HEADER.len()
+        + handshake_frames().iter().map(Vec::len).sum::<usize>();
+    let s = until(&nackd, "the handshake counted both ways", |s| {
         s.get("nackd_frames_total", &[("direction", "to_client")]) == 3.0
+            && s.get("nackd_frames_total", &[("direction", "to_upstream")]) == 3.0
+            && s.get("nackd_proxied_bytes_total", &[("direction", "to_upstream")]) == sent as f64
     })
     .await;
-    // start-ok, tune-ok, open (the protocol header is not a frame); start, tune, open-ok.
-    assert_eq!(
-        s.get("nackd_frames_total", &[("direction", "to_upstream")]),
-        3.0
-    );
-    let sent = nackd::frame::PROTOCOL_HEADER.len()
-        + handshake_frames().iter().map(Vec::len).sum::<usize>();
-    assert_eq!(
-        s.get("nackd_proxied_bytes_total", &[("direction", "to_upstream")]),
-        sent as f64
-    );
     assert!(s.get("nackd_proxied_bytes_total", &[("direction", "to_client")]) > 100.0);
     drop(client);
     nackd.stop().await;
@@ -335,8 +320,9 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     let d = next_in_10s(&mut c).await;
     let took = asked.elapsed();
     assert_eq!(&*d.data, b"fire-me");
+    // Now, not after its 1 h delay: seconds of margin for a loaded machine.
     assert!(
-        took < Duration::from_millis(100),
+        took < Duration::from_secs(5),
         "fire-now delivered after {took:?}"
     );
     d.ack(BasicAckOptions::default()).await.unwrap();
@@ -357,10 +343,15 @@ async fn admin_api_needs_its_token_fires_now_and_purges_from_the_store() {
     )
     .await;
     assert_eq!(missing.status, 404, "{}", missing.body);
+    // The purge's delete record, and fire-me's once its confirm is in, are
+    // written by the store thread: wait for the disk to show both.
     let store = nackd.store.as_ref().unwrap().path().to_owned();
-    eventually(Duration::from_secs(5), "the purge on disk", || {
-        nackd::store::inspect::held(&store).unwrap().is_empty()
-    })
+    wait_for(
+        Duration::from_secs(15),
+        "nothing held on disk",
+        || async { nackd::store::inspect::held(&store).unwrap() },
+        |held| held.is_empty(),
+    )
     .await;
     let listed = json(
         nackd.metrics,

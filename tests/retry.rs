@@ -106,7 +106,10 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
         unique("webhook-queue"),
         unique("notifications"),
     );
-    let nackd = start(&policy(&[&email], "\"50ms\", \"100ms\", \"200ms\"", "")).await;
+    // The first delay is 1 s: "later", published right after the first nack,
+    // must be in the queue (confirmed) before that retry falls due, which a
+    // 50 ms delay did not guarantee on a loaded machine.
+    let nackd = start(&policy(&[&email], "\"1s\", \"100ms\", \"200ms\"", "")).await;
     let conn = nackd.connect().await;
     let setup = conn.create_channel().await.unwrap();
     setup
@@ -153,7 +156,7 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
         .expect("webhook delivery");
     w.ack(BasicAckOptions::default()).await.unwrap();
 
-    let delays = [50u64, 100, 200];
+    let delays = [1000u64, 100, 200];
     let mut order = Vec::new();
     let first = next(&mut email_c, Duration::from_secs(5))
         .await
@@ -171,7 +174,7 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
     publish(&setup, "", &email, b"later", BasicProperties::default()).await;
     let mut retries = 0;
     while retries < 3 || order.last() != Some(&"later".to_string()) && order.len() < 5 {
-        let d = next(&mut email_c, Duration::from_secs(5))
+        let d = next(&mut email_c, Duration::from_secs(10))
             .await
             .expect("a delivery");
         let body = String::from_utf8(d.data.clone()).unwrap();
@@ -188,7 +191,7 @@ async fn notification_use_case_email_retried_three_times_webhook_once() {
             "retry {retries} came after {waited:?}, before its {delay:?} delay"
         );
         assert!(
-            waited < delay + Duration::from_secs(2),
+            waited < delay + Duration::from_secs(5),
             "retry {retries} far too late: {waited:?}"
         );
         assert_eq!(retry_count(&d), Some(retries as i64));
@@ -270,10 +273,13 @@ async fn dead_letter_queue(ch: &Channel, x: &str, kind: ExchangeKind, q: &str, k
     .unwrap();
 }
 
-async fn nack_until_gone(consumer: &mut Consumer, reject: bool) -> usize {
-    let mut seen = 0;
-    while let Some(d) = next(consumer, Duration::from_secs(3)).await {
-        seen += 1;
+/// Nacks (or rejects) `n` deliveries, each allowed 10 s to come: the wait
+/// ends on what is expected, not on a silence a slow retry can outlast.
+async fn nack_n(consumer: &mut Consumer, reject: bool, n: usize) {
+    for i in 0..n {
+        let d = next(consumer, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("delivery {} of {n} in 10 s", i + 1));
         if reject {
             d.reject(BasicRejectOptions { requeue: false })
                 .await
@@ -287,7 +293,34 @@ async fn nack_until_gone(consumer: &mut Consumer, reject: bool) -> usize {
             .unwrap();
         }
     }
-    seen
+}
+
+/// Polls `q` (no-ack basic.get) until a message is there: dead-lettering
+/// and republishing happen on other connections than the caller's.
+async fn get_eventually(ch: &Channel, q: &str, what: &str) -> Delivery {
+    let got = wait_for(
+        Duration::from_secs(15),
+        what,
+        || async {
+            ch.basic_get(q.into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+        },
+        Option::is_some,
+    )
+    .await;
+    got.unwrap().delivery
+}
+
+/// Polls the message count of `q` until it is `n`.
+async fn count_eventually(ch: &Channel, q: &str, n: u32, what: &str) {
+    wait_for(
+        Duration::from_secs(15),
+        what,
+        || message_count(ch, q),
+        |count| *count == n,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -315,14 +348,16 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     // basic.reject this time: 1 delivery + 2 retries, then the queue's DLX.
-    assert_eq!(nack_until_gone(&mut consumer, true).await, 3);
-    let dead = ch
-        .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-        .expect("in the DLX queue");
-    assert_eq!(dead.delivery.data, b"doomed");
-    assert_eq!(retry_count(&dead.delivery), Some(2));
+    nack_n(&mut consumer, true, 3).await;
+    let dead = get_eventually(&ch, &dlq, "the message in the DLX queue").await;
+    assert_eq!(dead.data, b"doomed");
+    assert_eq!(retry_count(&dead), Some(2));
+    assert!(
+        next(&mut consumer, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "no fourth delivery"
+    );
     assert_eq!(message_count(&ch, &q).await, 0);
     delete(&ch, &[&q, &dlq]).await;
 }
@@ -350,21 +385,19 @@ async fn exhausted_schedule_goes_to_the_configured_dead_letter_exchange() {
     publish(&ch, "", &q, b"to the dlx", BasicProperties::default()).await;
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
-    assert_eq!(nack_until_gone(&mut consumer, false).await, 2);
-    let mut dead = None;
-    for _ in 0..100 {
-        dead = ch
-            .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+    nack_n(&mut consumer, false, 2).await;
+    let dead = get_eventually(
+        &ch,
+        &dlq,
+        "the message in the configured dead-letter exchange's queue",
+    )
+    .await;
+    assert!(
+        next(&mut consumer, Duration::from_millis(500))
             .await
-            .unwrap();
-        if dead.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let dead = dead
-        .expect("in the configured dead-letter exchange's queue")
-        .delivery;
+            .is_none(),
+        "no third delivery"
+    );
     assert_eq!(dead.data, b"to the dlx");
     assert_eq!(retry_count(&dead), Some(1));
     assert_eq!(x_death_count(&dead, &q), Some(2), "two rejections recorded");
@@ -387,7 +420,8 @@ async fn get(ch: &Channel, q: &str) -> Delivery {
 #[tokio::test]
 async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right_thing() {
     let (a, b) = (unique("mixed-held"), unique("mixed-plain"));
-    let nackd = start(&policy(&[&a], "\"300ms\"", "")).await;
+    // 2 s: the check that a2..a4 are held (not back yet) runs well before it.
+    let nackd = start(&policy(&[&a], "\"2s\"", "")).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let setup = conn.create_channel().await.unwrap();
@@ -433,12 +467,8 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     )
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        message_count(&setup, &b).await,
-        1,
-        "b3 back in the plain queue at once"
-    );
+    // `setup` is another channel: the broker requeues b3 when it gets to it.
+    count_eventually(&setup, &b, 1, "b3 back in the plain queue at once").await;
     assert_eq!(
         message_count(&setup, &a).await,
         0,
@@ -448,12 +478,7 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     assert_eq!(b3.data, b"b3");
     assert!(b3.redelivered);
     b3.ack(BasicAckOptions::default()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(
-        message_count(&setup, &a).await,
-        3,
-        "a2, a3, a4 are back after the delay"
-    );
+    count_eventually(&setup, &a, 3, "a2, a3, a4 back after the delay").await;
     let mut back = Vec::new();
     for _ in 0..3 {
         let d = get(&setup, &a).await;
@@ -464,9 +489,22 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
     back.sort();
     assert_eq!(back, vec!["a2", "a3", "a4"]);
     assert_eq!(message_count(&setup, &b).await, 0);
+    // A settle the broker refused closes `ch`, asynchronously: a round trip
+    // on `ch` after all of its settles (the client's and nackd's acks of the
+    // held ones, sent before they could be republished) shows it is open.
+    let alive = ch
+        .queue_declare(
+            b.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
     assert!(
-        ch.status().connected(),
-        "no settle was refused by the broker"
+        alive.is_ok() && ch.status().connected(),
+        "no settle was refused by the broker: {alive:?}"
     );
     delete(&setup, &[&a, &b]).await;
 }
@@ -474,7 +512,8 @@ async fn multiple_settles_over_intercepted_and_plain_queues_do_exactly_the_right
 #[tokio::test]
 async fn requeue_pass_leaves_requeue_true_nacks_to_the_broker() {
     let q = unique("pass");
-    let nackd = start(&policy(&[&q], "\"50ms\"", "requeue = \"pass\"")).await;
+    // 1 s: the check that the requeue=false nack is held runs well before it.
+    let nackd = start(&policy(&[&q], "\"1s\"", "requeue = \"pass\"")).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -504,10 +543,8 @@ async fn requeue_pass_leaves_requeue_true_nacks_to_the_broker() {
         0,
         "requeue=false is still delayed"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let retried = get(&ch, &q).await;
+    let retried = get_eventually(&ch, &q, "the retry").await;
     assert_eq!(retry_count(&retried), Some(1));
-    retried.ack(BasicAckOptions::default()).await.unwrap();
     delete(&ch, &[&q]).await;
 }
 
@@ -530,7 +567,7 @@ async fn quorum_queues_work_too() {
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     for n in 0..3 {
-        let d = next(&mut consumer, Duration::from_secs(5))
+        let d = next(&mut consumer, Duration::from_secs(10))
             .await
             .expect("delivery");
         assert_eq!(retry_count(&d), if n == 0 { None } else { Some(n) });
@@ -616,8 +653,7 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
         })
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let retried = get(&ch, &q).await;
+    let retried = get_eventually(&ch, &q, "the retry").await;
     assert!(retried.data == body, "body intact");
     let (before, after) = (&first.properties, &retried.properties);
     let mut after_headers = after.headers().clone().unwrap();
@@ -664,7 +700,6 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
         header(&retried, "x-retry-delay-ms"),
         Some(&AMQPValue::LongLongInt(40))
     );
-    retried.ack(BasicAckOptions::default()).await.unwrap();
     delete(&ch, &[&q]).await;
 }
 
@@ -703,11 +738,21 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
     let other = conn.create_channel().await.unwrap();
     let mut consumer = consume(&other, &q, Some(10)).await;
     let mut seen = std::collections::HashMap::<u8, Vec<Option<i64>>>::new();
-    while let Some(d) = next(&mut consumer, Duration::from_millis(800)).await {
+    // Until every message came (the retries after their delay, however slow
+    // the machine), then as long as more keep coming: a duplicate would.
+    loop {
+        let within = if seen.len() < 20 {
+            Duration::from_secs(10)
+        } else {
+            Duration::from_millis(800)
+        };
+        let Some(d) = next(&mut consumer, within).await else {
+            break;
+        };
         seen.entry(d.data[0]).or_default().push(retry_count(&d));
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_eq!(seen.len(), 20, "every message arrives");
+    assert_eq!(seen.len(), 20, "every message arrives: {seen:?}");
     for (body, counts) in &seen {
         let want = if *body < 10 {
             vec![Some(1)]

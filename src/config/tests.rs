@@ -11,7 +11,7 @@ fn shipped_example_parses() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/nackd.toml");
     let config = Config::load(&path).unwrap();
     assert_eq!(config.listen.address, "127.0.0.1:5673".parse().unwrap());
-    assert_eq!(config.upstream.address, "127.0.0.1:5672");
+    assert_eq!(config.upstream.nodes(), vec!["127.0.0.1:5672".to_string()]);
     assert!(!config.policies.is_empty());
 }
 
@@ -128,4 +128,66 @@ fn admin_token_keys_are_checked_and_named() {
         "metrics.admin_token_env: NACKD_TEST_TOKEN_UNSET_1 is not set"
     );
     assert_eq!(Config::default().metrics.admin_token().unwrap(), None);
+}
+
+#[test]
+fn republish_keys_have_defaults_and_are_checked_by_name() {
+    let c = Config::parse("", Path::new("x")).unwrap();
+    assert_eq!(c.republish.heartbeat, Duration::from_secs(10));
+    assert_eq!(c.republish.confirm_window, 1000);
+    assert_eq!(c.republish.max_pending_bytes, 16 * 1024 * 1024);
+    assert_eq!(c.republish.queue_gone.action, GoneAction::Keep);
+    assert_eq!(
+        c.republish.queue_gone.probe_interval,
+        Duration::from_secs(30)
+    );
+    let c = Config::parse(
+        "[republish]\nheartbeat = \"0s\"\n[republish.queue_gone]\naction = \"dead-letter\"\nafter = \"1d\"\nexchange = \"lost\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(c.republish.heartbeat, Duration::ZERO);
+    assert_eq!(c.republish.queue_gone.action, GoneAction::DeadLetter);
+    for (text, key) in [
+        (
+            "[republish]\nheartbeat = \"1500ms\"\n",
+            "republish.heartbeat",
+        ),
+        ("[republish]\nheartbeat = \"1d\"\n", "republish.heartbeat"),
+        (
+            "[republish]\nconfirm_window = 0\n",
+            "republish.confirm_window",
+        ),
+        (
+            "[republish]\nmax_pending_bytes = 1000\n",
+            "republish.max_pending_bytes",
+        ),
+        (
+            "[republish.queue_gone]\nafter = \"0s\"\n",
+            "republish.queue_gone.after",
+        ),
+        (
+            "[republish.queue_gone]\nprobe_interval = \"2h\"\n",
+            "republish.queue_gone.probe_interval",
+        ),
+        (
+            "[republish.queue_gone]\naction = \"dead-letter\"\n",
+            "republish.queue_gone.exchange",
+        ),
+        (
+            "[republish.queue_gone]\nexchange = \"x\"\n",
+            "republish.queue_gone.exchange",
+        ),
+        (
+            "[republish.queue_gone]\naction = \"forget\"\n",
+            "republish.queue_gone.action",
+        ),
+        (
+            "[republish]\npassword = \"a\"\npassword_env = \"B\"\n",
+            "republish.password_env",
+        ),
+    ] {
+        let e = err(text);
+        assert!(e.contains(key), "{text:?}: {e}");
+    }
 }

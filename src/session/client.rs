@@ -80,7 +80,7 @@ impl Session {
                     false,
                 );
             }
-            AMQPClass::Channel(channel::AMQPMethod::Close(_))
+            AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_))
             | AMQPClass::Basic(
                 basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
             ) if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() => {
@@ -91,7 +91,7 @@ impl Session {
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
                 return self.close.client_close_ok() == Some(Origin::Broker);
             }
-            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => {
+            AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
                 self.channels.remove(channel_id);
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_client_method(class),

@@ -4,7 +4,7 @@
 //! and `upstream.rs`.
 
 use super::*;
-use crate::channel::ContentState;
+use crate::session::channel::ContentState;
 
 /// A side of the pair, by who sent the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,16 +8,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, warn};
 
+use super::capture::{Budget, Capturing};
+use super::settle::{self, Settle};
 use super::Session;
-use crate::channel::Delivery;
+use crate::config::policy::{Policies, Policy, Step};
 use crate::config::OnExhausted;
-use crate::frame::{Frame, FrameType};
-use crate::headers::{self, Retry};
-use crate::intercept::{self, Budget, Capturing, Settle};
-use crate::method;
 use crate::metrics::{Event, EventKind, PassReason};
-use crate::policy::{Policies, Policy, Step};
+use crate::protocol::frame::{Frame, FrameType};
+use crate::protocol::headers::{self, Retry};
+use crate::protocol::method;
 use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
+use crate::session::channel::Delivery;
 use crate::store::Route;
 
 /// What sessions share to intercept nacks.
@@ -127,7 +128,7 @@ impl Session {
         let payload = frame.payload_slice();
         match frame.kind {
             FrameType::Header => {
-                let size = crate::content::body_size(payload).unwrap_or(0);
+                let size = crate::protocol::content::body_size(payload).unwrap_or(0);
                 if !capturing.header(payload, size, &budget) {
                     let tag = capturing.tag;
                     channel.capturing = None;
@@ -219,7 +220,7 @@ impl Session {
             self.emit_upstream(&method::reject(channel_id, t, false));
         }
         let lowest_held = self.channels.get(channel_id).pending.keys().next().copied();
-        for f in intercept::settle_frames(channel_id, settle, &forward, lowest_held, multiple) {
+        for f in settle::settle_frames(channel_id, settle, &forward, lowest_held, multiple) {
             self.emit_upstream(&f);
         }
         false
@@ -276,6 +277,9 @@ impl Session {
         let Some(state) = self.intercepting.as_ref() else {
             return Claim::Pass(PassReason::NotConfigured);
         };
+        if let Err(reason) = state.shared.retry.ready.may_claim() {
+            return Claim::Pass(reason);
+        }
         let policy = captured.policy.clone();
         if !policy.wants(settle.requeue()) {
             return Claim::Pass(PassReason::RequeuePass);

@@ -49,10 +49,10 @@ impl Session {
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
                 return self.close.upstream_close_ok() == Some(Origin::Client);
             }
-            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => {
+            AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
                 self.channels.remove(channel_id);
             }
-            AMQPClass::Channel(channel::AMQPMethod::Close(_)) if channel_id != 0 => {
+            AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) if channel_id != 0 => {
                 self.channels.get(channel_id).closing = true;
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {

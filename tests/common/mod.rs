@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 pub use amqp::*;
 
 pub mod amqp;
+pub mod cluster;
 pub mod ops;
 pub mod process;
 pub mod raw;
@@ -102,6 +103,8 @@ pub async fn start_with(mut config: Config) -> Nackd {
     let (addr, metrics, reloader) = (proxy.local_addr(), proxy.metrics_addr(), proxy.reloader());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(proxy.run(shutdown.clone()));
+    // nackd listens at once; its store is recovered meanwhile.
+    ops::wait_intercepting(metrics).await;
     Nackd {
         addr,
         metrics,
@@ -143,6 +146,34 @@ pub async fn eventually<F: FnMut() -> bool>(limit: Duration, what: &str, mut f: 
     let start = std::time::Instant::now();
     while !f() {
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `probe` until `done` holds for what it saw, and returns that; after
+/// `limit` panics with `what` and the last value seen. Every state a test
+/// asserts that another task or thread updates (a metric, the store, the
+/// broker's queue) is waited for this way, all of it in one `done`.
+pub async fn wait_for<T, F>(
+    limit: Duration,
+    what: &str,
+    mut probe: impl FnMut() -> F,
+    done: impl Fn(&T) -> bool,
+) -> T
+where
+    T: std::fmt::Debug,
+    F: std::future::Future<Output = T>,
+{
+    let start = std::time::Instant::now();
+    loop {
+        let seen = probe().await;
+        if done(&seen) {
+            return seen;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}; last seen: {seen:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -3,19 +3,105 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::time::Duration;
 
-use nackd::ops::client::{self, HttpResponse};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+/// A response of the operations listener.
+#[derive(Clone, Debug)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Body, as text.
+    pub body: String,
+}
 
 /// `GET path` (no token).
 pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
     call(addr, "GET", path, None).await
 }
 
-/// Any call, with an optional bearer token.
+/// Whether `/readyz` says interception is past its start: the store is
+/// recovered (and the replica lease held), or there is no store at all.
+fn intercepting(r: &HttpResponse) -> bool {
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+    !matches!(v["store"].as_str(), Some("recovering" | "no lease") | None)
+}
+
+/// Waits (60 s at most) until nackd at `addr` intercepts: it listens before
+/// its store is recovered, and passes nacks through until then.
+pub async fn wait_intercepting(addr: SocketAddr) {
+    let start = std::time::Instant::now();
+    loop {
+        let r = get(addr, "/readyz").await;
+        if intercepting(&r) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "nackd never started intercepting: {}",
+            r.body
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_intercepting`], for code outside a runtime.
+pub fn wait_intercepting_blocking(addr: SocketAddr, limit: Duration) {
+    let start = std::time::Instant::now();
+    loop {
+        let r = blocking_call(addr, "GET", "/readyz", None);
+        if intercepting(&r) {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "nackd never started intercepting: {}",
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Any call, with an optional bearer token. nackd runs in the test's own
+/// runtime, so the (blocking) call goes to a blocking thread.
 pub async fn call(addr: SocketAddr, method: &str, path: &str, token: Option<&str>) -> HttpResponse {
-    client::request(&addr.to_string(), method, path, token)
+    let (method, path, token) = (
+        method.to_string(),
+        path.to_string(),
+        token.map(str::to_string),
+    );
+    tokio::task::spawn_blocking(move || blocking_call(addr, &method, &path, token.as_deref()))
         .await
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+        .expect("HTTP call")
+}
+
+fn blocking_call(addr: SocketAddr, method: &str, path: &str, token: Option<&str>) -> HttpResponse {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(30)))
+        .http_status_as_error(false)
+        .proxy(None)
+        .build()
+        .into();
+    let mut request = ureq::http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    if let Some(token) = token {
+        request = request.header("Authorization", format!("Bearer {token}"));
+    }
+    let request = request.body(()).expect("a valid request");
+    let mut response = agent
+        .run(request)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let body = (response.body_mut().with_config())
+        .limit(u64::MAX)
+        .lossy_utf8(true)
+        .read_to_string()
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    HttpResponse {
+        status: response.status().as_u16(),
+        body,
+    }
 }
 
 /// The JSON body of a call that must answer 200.
@@ -31,9 +117,17 @@ pub async fn json(
         .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {}", r.body))
 }
 
+/// Query values keep letters, digits and `-_.~`; all else is %-encoded
+/// (vhost `/` included).
+const QUERY_VALUE: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// `?queue=Q` (encoded) for the admin API.
 pub fn query(queue: &str) -> String {
-    client::query(&[("queue", queue)])
+    format!("?queue={}", utf8_percent_encode(queue, QUERY_VALUE))
 }
 
 type Labels = BTreeMap<String, String>;
@@ -66,6 +160,14 @@ impl Scrape {
     pub fn has(&self, name: &str) -> bool {
         self.0.contains_key(name)
     }
+}
+
+/// Scrapes `/metrics` until `f` holds for one scrape and returns it; panics
+/// with `what` and that last scrape after 15 s. Metrics are updated by
+/// different threads (sessions, the retry engine, the store writer): wait
+/// for every value a test asserts in the same `f`.
+pub async fn until(addr: SocketAddr, what: &str, f: impl Fn(&Scrape) -> bool) -> Scrape {
+    super::wait_for(std::time::Duration::from_secs(15), what, || scrape(addr), f).await
 }
 
 /// Scrapes `/metrics` and parses the text format.

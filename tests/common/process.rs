@@ -10,6 +10,29 @@ use std::time::Duration;
 
 pub const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
 
+/// Waits until process `pid` catches signal `signum` (SigCgt in
+/// /proc/PID/status). nackd installs its SIGTERM/SIGINT/SIGHUP handlers in a
+/// task that can run after it logged "listening"; a signal sent before
+/// that gets the default action, which for these three ends the process.
+pub fn wait_for_handler(pid: u32, signum: u32) {
+    let began = std::time::Instant::now();
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok());
+        if caught.is_some_and(|mask| mask & (1 << (signum - 1)) != 0) {
+            return;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(15),
+            "process {pid} has no handler for signal {signum} after 15 s: SigCgt {caught:x?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// A running nackd binary, the address it listens on and its metrics address.
 pub struct Process {
     pub child: Child,
@@ -19,9 +42,18 @@ pub struct Process {
 
 impl Process {
     /// Starts `nackd --config FILE --listen 127.0.0.1:0 --metrics 127.0.0.1:0
-    /// --log-format json` and waits for its "listening" line. Its log keeps
-    /// draining in a thread.
+    /// --log-format json`, waits for its "listening" line, then until it
+    /// intercepts (its store recovered, its replica lease held). Its log
+    /// keeps draining in a thread.
     pub fn start(config: &Path) -> Self {
+        let process = Self::start_listening(config);
+        super::ops::wait_intercepting_blocking(process.metrics, Duration::from_secs(120));
+        process
+    }
+
+    /// Like [`Process::start`], but only until it listens: it may still be
+    /// recovering its store (or waiting for its lease).
+    pub fn start_listening(config: &Path) -> Self {
         let mut child = Command::new(NACKD)
             .arg("--config")
             .arg(config)
