@@ -48,6 +48,11 @@ const READ_CHUNK: usize = 64 * 1024;
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Time held messages get to be stored and acked before a close goes on.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time the broker gets to apply nackd's acks before a close, recover or
+/// disconnect that it held back goes on. RabbitMQ applies a quorum queue's
+/// settles at low priority: a channel that closes right after its acks can
+/// have them overtaken by its own death, and the messages requeued.
+const ACK_GRACE: Duration = Duration::from_millis(100);
 
 /// Limits a session applies.
 #[derive(Clone, Copy, Debug)]
@@ -142,6 +147,10 @@ struct Session {
     holding: bool,
     held: BytesMut,
     deferred_close: Option<&'static str>,
+    /// When nackd last acked a held message upstream.
+    acked_at: Option<Instant>,
+    /// When the frames held back may go on (see [`ACK_GRACE`]).
+    release_at: Option<Instant>,
     metrics: Arc<Metrics>,
 }
 
@@ -171,6 +180,8 @@ impl Session {
             holding: false,
             held: BytesMut::new(),
             deferred_close: None,
+            acked_at: None,
+            release_at: None,
             metrics,
         }
     }
@@ -214,9 +225,14 @@ impl Session {
                     Err(e) => self.on_upstream_gone(Some(e)),
                 },
                 Some(parked) = recv(&mut self.parked_rx) => self.on_parked(parked),
+                _ = sleep_until(self.release_at), if self.release_at.is_some() => {
+                    self.release_at = None;
+                    self.release_if_settled();
+                }
                 _ = tick.tick() => self.on_tick(Instant::now()),
             }
         }
+        self.cancel_unanswered();
         self.drain(&mut client_rd, &mut client_wr, &mut upstream_wr)
             .await;
         info!(reason = self.close.reason(), "connection closed");
@@ -270,6 +286,12 @@ async fn write_or_flush(wr: &mut WriteHalf<Io>, buf: &mut BytesMut) -> std::io::
     }
     wr.write_buf(buf).await?;
     Ok(false)
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at.into()).await;
+    }
 }
 
 async fn recv(rx: &mut Option<mpsc::UnboundedReceiver<Parked>>) -> Option<Parked> {

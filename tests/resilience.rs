@@ -323,3 +323,70 @@ async fn after_close_ok_the_client_closes_its_socket_first() {
         "nackd closed the socket before the client did: {early:?}"
     );
 }
+
+/// Nacking thousands of messages and closing at once (channel, then
+/// connection) must not lose a single upstream ack: every close waits until
+/// nackd has acked what it holds, so the broker requeues none of them.
+#[tokio::test]
+async fn closing_right_after_a_burst_of_nacks_loses_no_ack() {
+    const N: u32 = 2000;
+    let q = unique("close-burst");
+    let nackd = start(&format!(
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"10m\"]\n"
+    ))
+    .await;
+    let direct = direct().await;
+    let dch = direct.create_channel().await.unwrap();
+    dch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut quorum = FieldTable::default();
+    quorum.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    dch.queue_declare(q.as_str().into(), durable, quorum)
+        .await
+        .unwrap();
+    for i in 0..N {
+        publish(&dch, &q, &i.to_be_bytes()).await;
+    }
+    for close_connection_only in [false, true] {
+        let conn = nackd.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let mut c = consume(&ch, &q, Some(500)).await;
+        for _ in 0..N / 2 {
+            let d = next(&mut c, Duration::from_secs(20)).await.expect("delivery");
+            d.nack(BasicNackOptions::default()).await.unwrap();
+        }
+        if !close_connection_only {
+            let _ = ch.close(200, "".into()).await;
+        }
+        let _ = conn.close(200, "".into()).await;
+    }
+    let held = [("vhost", "/"), ("queue", q.as_str())];
+    common::ops::until(nackd.metrics, "all held", |s| {
+        s.get("nackd_held_messages", &held) == f64::from(N)
+    })
+    .await;
+    // Every one was acked upstream: none is back in the queue.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let left = dch
+        .queue_declare(q.as_str().into(), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(left, 0, "the broker requeued messages nackd holds");
+    dch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    nackd.stop().await;
+}

@@ -39,6 +39,14 @@ impl Close {
         self.since.get_or_insert_with(Instant::now);
     }
 
+    /// Restarts the close timeout, if closing has begun (a close that was
+    /// held back goes on now).
+    pub fn restart(&mut self) {
+        if self.since.is_some() {
+            self.since = Some(Instant::now());
+        }
+    }
+
     /// Whether closing has begun.
     pub fn started(&self) -> bool {
         self.since.is_some()

@@ -4,13 +4,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, warn};
 
 use super::capture::{Budget, Capturing};
 use super::settle::{self, Settle};
-use super::Session;
+use super::{Session, ACK_GRACE};
 use crate::config::policy::{Policies, Policy, Step};
 use crate::config::OnExhausted;
 use crate::metrics::{Event, EventKind, PassReason};
@@ -367,6 +367,7 @@ impl Session {
                     "held; acking upstream"
                 );
                 self.metrics.intercepted.inc();
+                self.acked_at = Some(Instant::now());
                 let ack = method::ack(key.channel, key.tag, false);
                 let channel = self.channels.get(key.channel);
                 if channel.publishing.in_flight() {
@@ -419,20 +420,45 @@ impl Session {
             );
         }
         self.holding = true;
+        self.close.settling = true;
     }
 
+    /// Lets held-back frames and a deferred close go on once every claim is
+    /// answered and the broker had [`ACK_GRACE`] to apply nackd's acks.
     pub(super) fn release_if_settled(&mut self) {
-        if self.channels.pending() > 0 {
+        if self.channels.pending() > 0 || !(self.holding || self.deferred_close.is_some()) {
             return;
         }
+        let now = Instant::now();
+        if let Some(at) = self.acked_at.map(|t| t + ACK_GRACE).filter(|at| *at > now) {
+            self.release_at = Some(at);
+            return;
+        }
+        self.close.settling = false;
+        // The close handshake's own timeout runs from here.
+        self.close.restart();
         if self.holding {
             self.holding = false;
             let held = std::mem::take(&mut self.held);
             self.to_upstream.extend_from_slice(&held);
         }
         if let Some(why) = self.deferred_close.take() {
-            self.close.settling = false;
             self.close_upstream(why);
+        }
+    }
+
+    /// The session ends: claims the store answers from now on, or answered
+    /// without being acked, are the broker's again (it requeues them).
+    pub(super) fn cancel_unanswered(&mut self) {
+        let Some(rx) = self.parked_rx.as_mut() else {
+            return;
+        };
+        rx.close();
+        while let Ok(parked) = rx.try_recv() {
+            if let (Ok(id), Some(state)) = (parked.result, &self.intercepting) {
+                debug!(id, "session ended before the ack: cancelling the hold");
+                state.shared.retry.cancel(id);
+            }
         }
     }
 }
