@@ -47,6 +47,8 @@ pub use task::SyncOutcome;
 pub struct Config {
     /// This instance's id.
     pub instance: String,
+    /// The group whose instances adopt each other.
+    pub group: String,
     /// How to reach the cluster.
     pub target: Target,
     /// The local store's directory (where `replica.state` lives).
@@ -76,8 +78,11 @@ impl Config {
         format!("nackd.{instance}.g{n}")
     }
 
-    /// The stream every instance registers in.
-    pub const REGISTRY: &'static str = "nackd.instances";
+    /// The stream every instance of the group registers in:
+    /// `nackd.instances.<group>`.
+    pub fn registry(&self) -> String {
+        format!("nackd.instances.{}", self.group)
+    }
 }
 
 /// Where the replica stands.

@@ -79,6 +79,7 @@ fn replica_config(
     };
     Ok(Some(crate::replica::Config {
         instance: r.instance(),
+        group: r.group.clone(),
         target: crate::replica::Target {
             nodes: config.upstream.nodes(),
             vhost: r.vhost.clone(),

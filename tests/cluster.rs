@@ -30,7 +30,7 @@ fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> 
         &path,
         format!(
             "[upstream]\naddresses = [{}]\n[store]\npath = \"{}\"\n\
-             [replica]\ninstance = \"{instance}\"\nheartbeat = \"1s\"\nadopt_after = \"5s\"\ncluster_size = 3\n{extra}\n\
+             [replica]\ninstance = \"{instance}\"\ngroup = \"{queue}\"\nheartbeat = \"1s\"\nadopt_after = \"5s\"\ncluster_size = 3\n{extra}\n\
              [[policy]]\nqueues = [\"{queue}\"]\ndelays = [\"{delay}\"]\n",
             nodes.join(", "),
             dir.join(format!("{instance}.store")).display()
@@ -269,8 +269,14 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     let b_dir = tempfile::tempdir().unwrap();
     let a = Process::start(&config(a_dir.path(), &id, &q, "4s", ""));
     let b = Process::start_listening(&config(b_dir.path(), &id, &q, "4s", ""));
-    let r = get(b.metrics, "/readyz").await;
-    assert!(r.body.contains("\"store\":\"no lease\""), "{}", r.body);
+    // B recovers its (empty) store, then waits for the lease A holds.
+    wait_for(
+        Duration::from_secs(30),
+        "the standby waiting for the lease",
+        || async { get(b.metrics, "/readyz").await.body },
+        |body| body.contains("\"store\":\"no lease\""),
+    )
+    .await;
     let first = park_all(&a, &q, 100).await;
     all_back(
         a.addr,

@@ -34,6 +34,7 @@ fn config(instance: &str, dir: &std::path::Path) -> Config {
 fn config_with_slack(instance: &str, dir: &std::path::Path, slack: u64) -> Config {
     Config {
         instance: instance.into(),
+        group: instance.into(),
         target: target(),
         store_dir: dir.to_owned(),
         done_every: Duration::from_millis(50),

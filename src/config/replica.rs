@@ -12,6 +12,11 @@ pub struct Replica {
     /// This instance's id (default: the host name). Two processes with the
     /// same id are one holder and a standby.
     pub instance: Option<String>,
+    /// Instances of one group adopt each other's messages, and only those:
+    /// separate deployments on one cluster (environments, teams, policies)
+    /// use separate groups.
+    #[serde(default = "default_group")]
+    pub group: String,
     /// Virtual host of the streams and the lease.
     #[serde(default = "default_vhost")]
     pub vhost: String,
@@ -36,6 +41,10 @@ pub struct Replica {
 
 fn default_generation_slack() -> u64 {
     64 * 1024 * 1024
+}
+
+fn default_group() -> String {
+    "default".into()
 }
 
 fn default_vhost() -> String {
@@ -69,6 +78,12 @@ impl Replica {
             return Err((
                 "replica.instance".into(),
                 format!("{id:?}: use 1 to 128 of A-Z a-z 0-9 - _ ."),
+            ));
+        }
+        if self.group.is_empty() || self.group.len() > 128 || !self.group.chars().all(allowed) {
+            return Err((
+                "replica.group".into(),
+                format!("{:?}: use 1 to 128 of A-Z a-z 0-9 - _ .", self.group),
             ));
         }
         if self.heartbeat < Duration::from_secs(1) {

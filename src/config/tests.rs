@@ -191,3 +191,17 @@ fn republish_keys_have_defaults_and_are_checked_by_name() {
         assert!(e.contains(key), "{text:?}: {e}");
     }
 }
+
+#[test]
+fn replica_keys_have_defaults_and_are_checked_by_name() {
+    let config = Config::parse("[replica]\ninstance = \"a\"\n", Path::new("x")).unwrap();
+    let replica = config.replica.unwrap();
+    assert_eq!(replica.group, "default");
+    assert_eq!(replica.adopt_after, Duration::from_secs(60));
+    let e = err("[replica]\ninstance = \"a\"\ngroup = \"prod eu\"\n");
+    assert!(e.contains("replica.group"), "{e}");
+    let e = err("[replica]\ninstance = \"a b\"\n");
+    assert!(e.contains("replica.instance"), "{e}");
+    let e = err("[replica]\ninstance = \"a\"\nheartbeat = \"5s\"\nadopt_after = \"10s\"\n");
+    assert!(e.contains("replica.adopt_after"), "{e}");
+}

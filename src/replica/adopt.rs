@@ -87,7 +87,7 @@ impl Watch {
         config: &Config,
         engine: &mpsc::Sender<Adopt>,
     ) -> Result<(), ClientError> {
-        for name in registered(client).await? {
+        for name in registered(client, &config.registry()).await? {
             if name == config.instance || self.settled.contains(&name) {
                 continue;
             }
@@ -114,10 +114,10 @@ impl Watch {
 }
 
 /// Instance ids in the registry.
-async fn registered(client: &Client) -> Result<Vec<String>, ClientError> {
-    client.declare_stream(Config::REGISTRY).await?;
+async fn registered(client: &Client, registry: &str) -> Result<Vec<String>, ClientError> {
+    client.declare_stream(registry).await?;
     let mut names: Vec<String> = client
-        .read_all(Config::REGISTRY)
+        .read_all(registry)
         .await?
         .into_iter()
         .filter_map(|r| match r {

@@ -434,11 +434,9 @@ impl Task {
                     let name = Record::Instance {
                         name: self.config.instance.clone(),
                     };
-                    let done = client.declare_stream(Config::REGISTRY).await.is_ok()
-                        && client
-                            .append_confirmed(Config::REGISTRY, &name)
-                            .await
-                            .is_ok();
+                    let registry = self.config.registry();
+                    let done = client.declare_stream(&registry).await.is_ok()
+                        && client.append_confirmed(&registry, &name).await.is_ok();
                     client.close().await;
                     if done {
                         return;
