@@ -766,3 +766,92 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
     }
     delete(&other, &[&q]).await;
 }
+
+/// Issue 12, item 5: `queue.declare("")` and `basic.consume("")` pipelined
+/// on one channel. The broker consumes from the new server-named queue; a
+/// nack from that consumer is held for that queue, not for the queue
+/// declared before it.
+#[tokio::test]
+async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
+    use amq_protocol::protocol::{basic, channel, queue, AMQPClass};
+    use common::raw::RawClient;
+    use nackd::protocol::frame::FrameType;
+    use nackd::protocol::method;
+
+    let nackd = start("[[policy]]\nqueues = [\"amq.gen-*\"]\ndelays = [\"10m\"]\n").await;
+    let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
+    let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+    raw.send(&method::encode(1, &open)).await;
+    assert!(matches!(
+        raw.method().await,
+        Some(AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
+    ));
+    let declare = method::encode(
+        1,
+        &AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: true,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    );
+    let declared = |m: Option<AMQPClass>| match m {
+        Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok))) => ok.queue.to_string(),
+        other => panic!("expected declare-ok, got {other:?}"),
+    };
+    raw.send(&declare).await;
+    let first = declared(raw.method().await);
+    let consume = method::encode(
+        1,
+        &AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: "".into(),
+            consumer_tag: "c".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    );
+    // Both frames in one write: nackd sees the consume before the broker
+    // has named the second queue.
+    raw.send(&[declare, consume].concat()).await;
+    let second = declared(raw.method().await);
+    assert!(matches!(
+        raw.method().await,
+        Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_)))
+    ));
+    assert_ne!(first, second);
+    let direct = direct().await;
+    let dch = direct.create_channel().await.unwrap();
+    publish(
+        &dch,
+        "",
+        &second,
+        b"for the second queue",
+        BasicProperties::default(),
+    )
+    .await;
+    let tag = match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
+        other => panic!("expected a delivery, got {other:?}"),
+    };
+    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    raw.send(&method::nack(1, tag, false, false)).await;
+    let s = common::ops::until(nackd.metrics, "the nack held", |s| {
+        s.sum("nackd_held_messages") == 1.0
+    })
+    .await;
+    let held = |q: &str| s.get("nackd_held_messages", &[("vhost", "/"), ("queue", q)]);
+    assert_eq!(
+        held(&second),
+        1.0,
+        "held for the queue the broker consumed from"
+    );
+    assert_eq!(held(&first), 0.0);
+    drop(raw);
+    nackd.stop().await;
+}

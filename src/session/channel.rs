@@ -21,6 +21,9 @@ pub struct Consumer {
     pub queue: Arc<str>,
     /// Deliveries are acked by the broker on send.
     pub no_ack: bool,
+    /// The empty name means the queue of this declare (counted on the
+    /// channel), whose `declare-ok` has not named it yet.
+    after_declare: Option<u64>,
 }
 
 /// A delivery the client still has to ack, nack or reject.
@@ -107,6 +110,12 @@ pub struct Channel {
     pending_gets: VecDeque<Consumer>,
     /// Last queue declared on the channel (an empty queue name means it).
     last_queue: Option<Arc<str>>,
+    /// `queue.declare`s sent that the broker answers (not nowait).
+    declares_sent: u64,
+    /// `declare-ok`s received.
+    declares_answered: u64,
+    /// `declares_sent` when the last nowait declare named its queue.
+    named_nowait_at: Option<u64>,
     /// `tx.select` was sent: nothing on this channel is intercepted.
     pub tx: bool,
     /// `confirm.select` was sent.
@@ -124,6 +133,9 @@ pub struct Channel {
     pub pending: BTreeMap<u64, Settle>,
     /// Acks to send once the client's publish in flight on this channel ends.
     pub deferred: Vec<Bytes>,
+    /// The publish in flight began while client frames were held back: all
+    /// of its frames wait behind the hold, none has gone upstream yet.
+    pub publish_held: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
     pub closing: bool,
     /// Log span of this channel (a child of the connection's span).
@@ -131,24 +143,57 @@ pub struct Channel {
 }
 
 impl Channel {
-    fn resolve(&self, queue: &str) -> Arc<str> {
-        match (queue.is_empty(), &self.last_queue) {
-            (true, Some(last)) => last.clone(),
-            _ => Arc::from(queue),
+    /// The consumer of `queue` as the broker will resolve it: an empty
+    /// name is the channel's last declared queue, which may be one whose
+    /// `declare-ok` is still on its way (pipelined frames).
+    fn consumer_of(&self, queue: &str, no_ack: bool) -> Consumer {
+        let awaited = self.declares_answered < self.declares_sent
+            && self
+                .named_nowait_at
+                .is_none_or(|at| at < self.declares_sent);
+        let (queue, after_declare) = match (queue.is_empty(), &self.last_queue) {
+            (true, _) if awaited => (Arc::from(""), Some(self.declares_sent)),
+            (true, Some(last)) => (last.clone(), None),
+            _ => (Arc::from(queue), None),
+        };
+        Consumer {
+            queue,
+            no_ack,
+            after_declare,
+        }
+    }
+
+    /// A `declare-ok` names the queue of declare number `n`.
+    fn on_declare_ok(&mut self, name: &str) {
+        self.declares_answered += 1;
+        let n = self.declares_answered;
+        let name: Arc<str> = Arc::from(name);
+        if self.named_nowait_at.is_none_or(|at| at < n) {
+            self.last_queue = Some(name.clone());
+        }
+        let waiting = self
+            .pending_consumes
+            .iter_mut()
+            .chain(self.pending_gets.iter_mut())
+            .chain(self.consumers.values_mut());
+        for consumer in waiting.filter(|c| c.after_declare == Some(n)) {
+            consumer.queue = name.clone();
+            consumer.after_declare = None;
         }
     }
 
     /// Observes a method the client sends on this channel.
     pub fn on_client_method(&mut self, class: &AMQPClass) {
         match class {
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if !d.nowait => {
+                self.declares_sent += 1;
+            }
             AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if !d.queue.as_str().is_empty() => {
                 self.last_queue = Some(Arc::from(d.queue.as_str()));
+                self.named_nowait_at = Some(self.declares_sent);
             }
             AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
-                let consumer = Consumer {
-                    queue: self.resolve(c.queue.as_str()),
-                    no_ack: c.no_ack,
-                };
+                let consumer = self.consumer_of(c.queue.as_str(), c.no_ack);
                 if c.nowait {
                     self.consumers.insert(c.consumer_tag.to_string(), consumer);
                 } else {
@@ -159,11 +204,8 @@ impl Channel {
                 self.consumers.remove(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
-                let queue = self.resolve(g.queue.as_str());
-                self.pending_gets.push_back(Consumer {
-                    queue,
-                    no_ack: g.no_ack,
-                });
+                let get = self.consumer_of(g.queue.as_str(), g.no_ack);
+                self.pending_gets.push_back(get);
             }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
                 self.take_covered(a.delivery_tag, a.multiple);
@@ -189,7 +231,7 @@ impl Channel {
     pub fn on_broker_method(&mut self, class: &AMQPClass) {
         match class {
             AMQPClass::Queue(queue::AMQPMethod::DeclareOk(d)) => {
-                self.last_queue = Some(Arc::from(d.queue.as_str()));
+                self.on_declare_ok(d.queue.as_str())
             }
             AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => {
                 if let Some(consumer) = self.pending_consumes.pop_front() {
@@ -318,6 +360,13 @@ impl Channels {
     /// Claimed tags waiting for the store, over all channels.
     pub fn pending(&self) -> usize {
         self.open.values().map(|c| c.pending.len()).sum()
+    }
+
+    /// The frames held back went upstream: no publish waits behind them.
+    pub fn release_held(&mut self) {
+        for c in self.open.values_mut() {
+            c.publish_held = false;
+        }
     }
 
     /// Looks at a channel without creating it.

@@ -21,20 +21,39 @@ impl Session {
                 return Ok(());
             }
         }
-        // An ack that waited for this publish to end goes right after it.
-        if matches!(frame.kind, FrameType::Header | FrameType::Body) {
-            let channel = self.channels.get(frame.channel);
-            if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
-                let deferred = std::mem::take(&mut channel.deferred);
-                self.emit_upstream(&frame.raw);
-                for ack in deferred {
-                    self.to_upstream.extend_from_slice(&ack);
+        match frame.kind {
+            FrameType::Method if frame.channel != 0 => {
+                let holding = self.holding;
+                let channel = self.channels.get(frame.channel);
+                if channel.publishing.in_flight() {
+                    // A publish begins: where its method goes, its content follows.
+                    channel.publish_held = holding;
                 }
-                return Ok(());
+                self.emit_upstream(&frame.raw);
+            }
+            FrameType::Header | FrameType::Body => self.emit_content(frame.channel, &frame.raw),
+            _ => self.emit_upstream(&frame.raw),
+        }
+        Ok(())
+    }
+
+    /// A content frame of a client publish follows its method: behind the
+    /// hold if the method is there, else straight upstream (a hold begun
+    /// mid-publish must not split a content). An ack that waited for this
+    /// publish to end goes right after its last frame.
+    fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
+        let holding = self.holding;
+        let channel = self.channels.get(channel_id);
+        if holding && channel.publish_held {
+            self.held.extend_from_slice(raw);
+            return;
+        }
+        self.to_upstream.extend_from_slice(raw);
+        if !channel.publishing.in_flight() {
+            for ack in std::mem::take(&mut channel.deferred) {
+                self.to_upstream.extend_from_slice(&ack);
             }
         }
-        self.emit_upstream(&frame.raw);
-        Ok(())
     }
 
     /// Observes a decoded client method; `false` means "do not forward it".

@@ -9,6 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
 use super::capture::{Budget, Capturing};
+use super::close::Origin;
 use super::settle::{self, Settle};
 use super::{Session, ACK_GRACE};
 use crate::config::policy::{Policies, Policy, Step};
@@ -352,7 +353,7 @@ impl Session {
     /// The store answered for a claimed delivery.
     pub(super) fn on_parked(&mut self, parked: Parked) {
         let key = parked.key;
-        let upstream_alive = !self.close.upstream_gone;
+        let upstream_alive = self.upstream_takes_acks();
         let settle = self
             .channels
             .get_epoch(key.channel, key.epoch)
@@ -368,19 +369,12 @@ impl Session {
                 );
                 self.metrics.intercepted.inc();
                 self.acked_at = Some(Instant::now());
-                let ack = method::ack(key.channel, key.tag, false);
-                let channel = self.channels.get(key.channel);
-                if channel.publishing.in_flight() {
-                    channel.deferred.push(ack);
-                } else {
-                    self.to_upstream.extend_from_slice(&ack);
-                }
+                self.send_own(key.channel, method::ack(key.channel, key.tag, false));
             }
             (Some(settle), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: the nack goes to the broker as sent");
                 self.metrics.pass(PassReason::StoreUnavailable, 1);
-                let frame = settle.frame(key.channel, key.tag, false);
-                self.to_upstream.extend_from_slice(&frame);
+                self.send_own(key.channel, settle.frame(key.channel, key.tag, false));
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
@@ -393,6 +387,29 @@ impl Session {
             (None, Err(_)) => self.drop_orphan_pending(key),
         }
         self.release_if_settled();
+    }
+
+    /// Sends a frame of nackd's own on `channel_id`, ahead of the client
+    /// frames held back, but never inside a client content that has begun
+    /// going upstream: then it waits for that content's last frame.
+    fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes) {
+        let holding = self.holding;
+        let channel = self.channels.get(channel_id);
+        let content_open = channel.publishing.in_flight() && !(holding && channel.publish_held);
+        if content_open {
+            channel.deferred.push(frame);
+        } else {
+            self.to_upstream.extend_from_slice(&frame);
+        }
+    }
+
+    /// Whether an ack written now still reaches a broker that applies it:
+    /// not once the connection is gone, the broker closes it, or nackd's or
+    /// the client's `connection.close` went upstream.
+    fn upstream_takes_acks(&self) -> bool {
+        let close_sent = self.close.awaiting_upstream().is_some() && !self.holding;
+        let broker_closes = self.close.awaiting_client() == Some(Origin::Broker);
+        !self.close.upstream_gone && !close_sent && !broker_closes
     }
 
     fn drop_orphan_pending(&mut self, key: ClaimKey) {
@@ -439,6 +456,7 @@ impl Session {
         self.close.restart();
         if self.holding {
             self.holding = false;
+            self.channels.release_held();
             let held = std::mem::take(&mut self.held);
             self.to_upstream.extend_from_slice(&held);
         }

@@ -108,7 +108,13 @@ impl Session {
             ReplyCode::ConnectionForced,
             "CONNECTION_FORCED - nackd is shutting down",
         );
-        self.close_upstream("shutting down");
+        if self.channels.pending() > 0 {
+            // Ack what nackd holds before the broker sees the session end.
+            self.close.settling = true;
+            self.deferred_close = Some("shutting down");
+        } else {
+            self.close_upstream("shutting down");
+        }
     }
 
     pub(super) fn on_tick(&mut self, now: Instant) {

@@ -243,3 +243,61 @@ fn content_out_of_order_is_unexpected_frame() {
         .advance(&Frame::new(FrameType::Body, 1, &[0; 4]), None)
         .is_err());
 }
+
+fn declare(queue: &str, nowait: bool) -> AMQPClass {
+    AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+        queue: queue.into(),
+        passive: false,
+        durable: false,
+        exclusive: false,
+        auto_delete: false,
+        nowait,
+        arguments: FieldTable::default(),
+    }))
+}
+
+fn declare_ok(queue: &str) -> AMQPClass {
+    AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+        queue: queue.into(),
+        message_count: 0,
+        consumer_count: 0,
+    }))
+}
+
+/// Issue 12, item 5: `queue.declare("")` and `basic.consume("")` sent
+/// back to back: the consumer's queue is the new server-named one, not
+/// the one declared before.
+#[test]
+fn pipelined_declare_and_consume_resolve_as_the_broker_does() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&declare("", false));
+    ch.on_broker_method(&declare_ok("amq.gen-first"));
+    ch.on_client_method(&declare("", false));
+    ch.on_client_method(&consume("", "c", false, false));
+    ch.on_client_method(&consume("", "n", false, true));
+    ch.on_broker_method(&declare_ok("amq.gen-second"));
+    ch.on_broker_method(&consume_ok("c"));
+    assert_eq!(&*ch.consumer("c").unwrap().queue, "amq.gen-second");
+    assert_eq!(&*ch.consumer("n").unwrap().queue, "amq.gen-second");
+    // Not pipelined: the last declared queue, as before.
+    ch.on_client_method(&consume("", "later", false, false));
+    ch.on_broker_method(&consume_ok("later"));
+    assert_eq!(&*ch.consumer("later").unwrap().queue, "amq.gen-second");
+}
+
+#[test]
+fn a_nowait_declare_after_a_pending_one_is_the_last_declared() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&declare("", false));
+    ch.on_client_method(&declare("named", true));
+    ch.on_client_method(&consume("", "c", false, false));
+    ch.on_broker_method(&declare_ok("amq.gen-x"));
+    ch.on_broker_method(&consume_ok("c"));
+    assert_eq!(&*ch.consumer("c").unwrap().queue, "named");
+    // A declare named in the frame, answered later, resolves to its name.
+    ch.on_client_method(&declare("orders", false));
+    ch.on_client_method(&consume("", "d", false, false));
+    ch.on_broker_method(&declare_ok("orders"));
+    ch.on_broker_method(&consume_ok("d"));
+    assert_eq!(&*ch.consumer("d").unwrap().queue, "orders");
+}
