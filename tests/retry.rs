@@ -855,3 +855,88 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
     drop(raw);
     nackd.stop().await;
 }
+
+/// Issue 12, item 4: the store refuses a claimed nack while the client's
+/// publish on the same channel is half sent. nackd's fallback nack waits
+/// for the publish's last frame: the broker sees no frame inside the
+/// content (it would close the connection with 505) and requeues the
+/// message as the client asked.
+#[tokio::test]
+async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
+    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use common::raw::RawClient;
+    use nackd::protocol::content::encode_header;
+    use nackd::protocol::frame::FrameType;
+    use nackd::protocol::method::{self, put_frame};
+
+    let q = unique("refused-mid-publish");
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start(&format!(
+        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"10m\"]\n",
+        store.path().display()
+    ))
+    .await;
+    let direct = direct().await;
+    let dch = direct.create_channel().await.unwrap();
+    declare_durable(&dch, &q).await;
+    let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
+    raw.send(&method::encode(
+        1,
+        &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ))
+    .await;
+    raw.method().await.expect("open-ok");
+    let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+        queue: q.as_str().into(),
+        consumer_tag: "c".into(),
+        no_local: false,
+        no_ack: false,
+        exclusive: false,
+        nowait: false,
+        arguments: FieldTable::default(),
+    }));
+    raw.send(&method::encode(1, &consume)).await;
+    raw.method().await.expect("consume-ok");
+    publish(&dch, "", &q, b"refused", BasicProperties::default()).await;
+    let tag = match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
+        other => panic!("expected a delivery, got {other:?}"),
+    };
+    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    // The nack, then a publish on the same channel: method and header now,
+    // the body only after the store has refused the nack.
+    let mut bytes = bytes::BytesMut::new();
+    bytes.extend_from_slice(&method::nack(1, tag, false, true));
+    let sink = unique("refused-sink");
+    let publish_method = AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+        exchange: "".into(),
+        routing_key: sink.as_str().into(),
+        mandatory: false,
+        immediate: false,
+    }));
+    bytes.extend_from_slice(&method::encode(1, &publish_method));
+    let header = encode_header(60, 5, &Default::default());
+    put_frame(&mut bytes, FrameType::Header, 1, &header);
+    raw.send(&bytes).await;
+    common::ops::until(nackd.metrics, "the store refusing the nack", |s| {
+        s.get(
+            "nackd_nacks_passed_total",
+            &[("reason", "store_unavailable")],
+        ) == 1.0
+    })
+    .await;
+    let mut body = bytes::BytesMut::new();
+    put_frame(&mut body, FrameType::Body, 1, b"hello");
+    raw.send(&body).await;
+    // The connection lives on, and the broker requeued the refused message
+    // to this very consumer.
+    match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => assert!(d.redelivered),
+        other => panic!("expected the redelivery, got {other:?}"),
+    }
+    drop(raw);
+    dch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    nackd.stop().await;
+}
