@@ -132,6 +132,9 @@ async fn consumer(conn: &Connection, q: &str, prefetch: u16) -> (Channel, lapin:
 /// Nacks every message of `q` once through `nackd`, recording when; waits
 /// until nackd holds all `n`.
 async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
+    let before = scrape(nackd.metrics)
+        .await
+        .get("nackd_nacks_intercepted_total", &[]);
     let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
     let (ch, mut c) = consumer(&conn, q, 500).await;
     let mut nacked = HashMap::new();
@@ -148,7 +151,7 @@ async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
     let held = [("vhost", "/"), ("queue", q)];
     common::ops::until(nackd.metrics, "all held", |s| {
         s.get("nackd_held_messages", &held) == f64::from(n)
-            && s.get("nackd_nacks_intercepted_total", &[]) == f64::from(n)
+            && s.get("nackd_nacks_intercepted_total", &[]) == before + f64::from(n)
     })
     .await;
     // nackd acked every one upstream: the broker has none of them left.
@@ -267,8 +270,8 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     publish(&q, 100).await;
     let a_dir = tempfile::tempdir().unwrap();
     let b_dir = tempfile::tempdir().unwrap();
-    let a = Process::start(&config(a_dir.path(), &id, &q, "4s", ""));
-    let b = Process::start_listening(&config(b_dir.path(), &id, &q, "4s", ""));
+    let a = Process::start(&config(a_dir.path(), &id, &q, "10s", ""));
+    let b = Process::start_listening(&config(b_dir.path(), &id, &q, "10s", ""));
     // B recovers its (empty) store, then waits for the lease A holds.
     wait_for(
         Duration::from_secs(30),
@@ -282,7 +285,7 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
         a.addr,
         &q,
         &first,
-        Duration::from_secs(4),
+        Duration::from_secs(10),
         Duration::from_secs(30),
     )
     .await;
@@ -305,7 +308,7 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
         b.addr,
         &q,
         &second,
-        Duration::from_secs(4),
+        Duration::from_secs(10),
         Duration::from_secs(30),
     )
     .await;

@@ -360,7 +360,9 @@ async fn closing_right_after_a_burst_of_nacks_loses_no_ack() {
         let ch = conn.create_channel().await.unwrap();
         let mut c = consume(&ch, &q, Some(500)).await;
         for _ in 0..N / 2 {
-            let d = next(&mut c, Duration::from_secs(20)).await.expect("delivery");
+            let d = next(&mut c, Duration::from_secs(20))
+                .await
+                .expect("delivery");
             d.nack(BasicNackOptions::default()).await.unwrap();
         }
         if !close_connection_only {

@@ -940,3 +940,90 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
         .unwrap();
     nackd.stop().await;
 }
+
+/// Issue 12, item 6: a client that settles a claimed tag a second time
+/// (nack, then ack) before nackd has stored it. The broker gets the second
+/// settle as sent; nackd sends no ack of its own (the broker would close
+/// the channel with 406 for it) and keeps no copy (the client's ack ended
+/// the message).
+#[tokio::test]
+async fn a_second_settle_of_a_claimed_tag_goes_to_the_broker_alone() {
+    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use common::raw::RawClient;
+    use nackd::protocol::frame::FrameType;
+    use nackd::protocol::method;
+
+    let q = unique("settled-twice");
+    let nackd = start(&format!(
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"10m\"]\n"
+    ))
+    .await;
+    let direct = direct().await;
+    let dch = direct.create_channel().await.unwrap();
+    declare_durable(&dch, &q).await;
+    let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
+    raw.send(&method::encode(
+        1,
+        &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ))
+    .await;
+    raw.method().await.expect("open-ok");
+    let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+        queue: q.as_str().into(),
+        consumer_tag: "c".into(),
+        no_local: false,
+        no_ack: false,
+        exclusive: false,
+        nowait: false,
+        arguments: FieldTable::default(),
+    }));
+    raw.send(&method::encode(1, &consume)).await;
+    raw.method().await.expect("consume-ok");
+    publish(&dch, "", &q, b"twice", BasicProperties::default()).await;
+    let tag = match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
+        other => panic!("expected a delivery, got {other:?}"),
+    };
+    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    raw.send(
+        &[
+            method::nack(1, tag, false, true),
+            method::ack(1, tag, false),
+        ]
+        .concat(),
+    )
+    .await;
+    // The claim was stored, then cancelled: written, and nothing live.
+    let s = common::ops::until(nackd.metrics, "the claim stored and cancelled", |s| {
+        s.sum("nackd_held_messages") == 0.0
+            && s.get("nackd_store_live_bytes", &[]) == 0.0
+            && s.get("nackd_store_bytes", &[]) > 0.0
+    })
+    .await;
+    assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 0.0);
+    // The channel is still open: a round trip on it gets its answer.
+    let qos = AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+        prefetch_count: 10,
+        global: false,
+    }));
+    raw.send(&method::encode(1, &qos)).await;
+    match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::QosOk(_))) => {}
+        other => panic!("expected qos-ok, got {other:?}"),
+    }
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let left = dch
+        .queue_declare(q.as_str().into(), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(left, 0, "the client's ack ended the message");
+    drop(raw);
+    dch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    nackd.stop().await;
+}

@@ -1,7 +1,7 @@
 //! What nackd tracks per AMQP channel: consumers and their queues, pending
 //! `basic.get`s, tx mode, content in flight, and outstanding deliveries.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
@@ -131,6 +131,9 @@ pub struct Channel {
     pub capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
     pub pending: BTreeMap<u64, Settle>,
+    /// Claimed tags the client settled a second time: that settle went to
+    /// the broker, so nackd neither acks them nor keeps their copy.
+    pub settled_again: BTreeSet<u64>,
     /// Acks to send once the client's publish in flight on this channel ends.
     pub deferred: Vec<Bytes>,
     /// The publish in flight began while client frames were held back: all

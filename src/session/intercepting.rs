@@ -171,7 +171,13 @@ impl Session {
     ) -> bool {
         let intercepting = self.intercepting.is_some();
         let channel = self.channels.get(channel_id);
-        if !intercepting || channel.tx || (!multiple && channel.pending.contains_key(&tag)) {
+        let again = intercepting && !multiple && channel.pending.contains_key(&tag);
+        if again {
+            // A second settle of a claimed tag: the broker gets it as sent
+            // and nackd steps back (no ack of its own, no held copy).
+            channel.settled_again.insert(tag);
+        }
+        if !intercepting || channel.tx || again {
             // Not ours (or a second settle of a held tag: the broker answers it).
             let reason = match (intercepting, channel.tx) {
                 (false, _) => PassReason::NotConfigured,
@@ -358,7 +364,10 @@ impl Session {
             .channels
             .get_epoch(key.channel, key.epoch)
             .filter(|c| !c.closing && upstream_alive)
-            .and_then(|c| c.pending.remove(&key.tag));
+            .and_then(|c| {
+                let settle = c.pending.remove(&key.tag);
+                settle.filter(|_| !c.settled_again.remove(&key.tag))
+            });
         match (settle, parked.result) {
             (Some(_), Ok(id)) => {
                 debug!(
@@ -415,6 +424,7 @@ impl Session {
     fn drop_orphan_pending(&mut self, key: ClaimKey) {
         if let Some(c) = self.channels.get_epoch(key.channel, key.epoch) {
             c.pending.remove(&key.tag);
+            c.settled_again.remove(&key.tag);
         }
     }
 
