@@ -38,6 +38,8 @@ pub struct ClaimKey {
     pub epoch: u64,
     /// Delivery tag.
     pub tag: u64,
+    /// The claim's number in its session (claims are numbered in order).
+    pub seq: u64,
 }
 
 /// A claimed message to park.
@@ -158,4 +160,45 @@ pub fn start(start: Start) -> RetryHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let ready = supervisor::spawn(start, rx);
     RetryHandle { tx, ready }
+}
+
+/// A retry handle without an engine, for the session's unit tests: the
+/// test plays the engine and answers each park itself.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// What the session sent to the "engine".
+    pub struct Engine {
+        rx: mpsc::UnboundedReceiver<Command>,
+        /// Ids the session cancelled.
+        pub cancelled: Vec<u64>,
+    }
+
+    /// A handle whose interception is ready, and its engine side.
+    pub fn handle() -> (RetryHandle, Engine) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ready = supervisor::Readiness::new();
+        ready.set(supervisor::Ready::Ready);
+        let engine = Engine {
+            rx,
+            cancelled: Vec::new(),
+        };
+        (RetryHandle { tx, ready }, engine)
+    }
+
+    impl Engine {
+        /// The parks asked since the last call (cancels are recorded).
+        pub fn parks(&mut self) -> Vec<Park> {
+            let mut parks = Vec::new();
+            while let Ok(command) = self.rx.try_recv() {
+                match command {
+                    Command::Park(p) => parks.push(p),
+                    Command::Cancel(id) => self.cancelled.push(id),
+                    Command::Admin(_) => {}
+                }
+            }
+            parks
+        }
+    }
 }

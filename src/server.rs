@@ -294,7 +294,7 @@ impl Proxy {
                 "grace period over; closing the remaining sessions"
             );
             force.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(5), sessions.wait()).await;
+            let _ = tokio::time::timeout(session::FORCED_END, sessions.wait()).await;
         }
         info!("stopped");
     }

@@ -490,6 +490,7 @@ mod tests {
                 channel: 1,
                 epoch: 1,
                 tag,
+                seq: tag,
             },
             reply,
             vhost: Arc::from("/"),

@@ -36,7 +36,7 @@ pub enum Ready {
 pub struct Readiness(AtomicU8);
 
 impl Readiness {
-    fn new() -> Arc<Self> {
+    pub(super) fn new() -> Arc<Self> {
         Arc::new(Self(AtomicU8::new(Ready::Recovering as u8)))
     }
 

@@ -135,7 +135,7 @@ pub struct Channel {
     /// the broker, so nackd neither acks them nor keeps their copy.
     pub settled_again: BTreeSet<u64>,
     /// Acks to send once the client's publish in flight on this channel ends.
-    pub deferred: Vec<Bytes>,
+    pub deferred: Vec<(Bytes, Option<u64>)>,
     /// The publish in flight began while client frames were held back: all
     /// of its frames wait behind the hold, none has gone upstream yet.
     pub publish_held: bool,
@@ -363,6 +363,25 @@ impl Channels {
     /// Claimed tags waiting for the store, over all channels.
     pub fn pending(&self) -> usize {
         self.open.values().map(|c| c.pending.len()).sum()
+    }
+
+    /// Takes every claim still waiting for the store: (channel, tag, settle).
+    pub fn take_all_pending(&mut self) -> Vec<(u16, u64, Settle)> {
+        let mut all = Vec::new();
+        for (id, c) in &mut self.open {
+            let pending = std::mem::take(&mut c.pending);
+            all.extend(pending.into_iter().map(|(tag, settle)| (*id, tag, settle)));
+        }
+        all
+    }
+
+    /// Takes every deferred frame; returns the held ids their acks stood for.
+    pub fn take_all_deferred(&mut self) -> Vec<u64> {
+        self.open
+            .values_mut()
+            .flat_map(|c| std::mem::take(&mut c.deferred))
+            .filter_map(|(_, id)| id)
+            .collect()
     }
 
     /// The frames held back went upstream: no publish waits behind them.

@@ -50,8 +50,8 @@ impl Session {
         }
         self.to_upstream.extend_from_slice(raw);
         if !channel.publishing.in_flight() {
-            for ack in std::mem::take(&mut channel.deferred) {
-                self.to_upstream.extend_from_slice(&ack);
+            for (frame, _) in std::mem::take(&mut channel.deferred) {
+                self.to_upstream.extend_from_slice(&frame);
             }
         }
     }
@@ -75,10 +75,10 @@ impl Session {
                     text = c.reply_text.as_str(),
                     "client closes the connection"
                 );
-                if self.channels.pending() > 0 {
+                self.close.expect_upstream_close_ok(Origin::Client);
+                if self.must_wait() {
                     self.hold();
                 }
-                self.close.expect_upstream_close_ok(Origin::Client);
             }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
                 return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
@@ -102,7 +102,7 @@ impl Session {
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_))
             | AMQPClass::Basic(
                 basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
-            ) if channel_id != 0 && !self.channels.get(channel_id).pending.is_empty() => {
+            ) if channel_id != 0 && self.must_wait() => {
                 // The broker would requeue what nackd holds: ack it first.
                 self.hold();
                 self.channels.get(channel_id).on_client_method(class);

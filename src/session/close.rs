@@ -93,7 +93,9 @@ impl Close {
         let Some(since) = self.since else {
             return false;
         };
-        if self.settling && !self.upstream_gone && now.duration_since(since) < SETTLE_TIMEOUT {
+        // The session gives unanswered claims up after SETTLE_TIMEOUT (and
+        // clears `settling`); this bound only backs that up.
+        if self.settling && !self.upstream_gone && now.duration_since(since) < SETTLE_TIMEOUT * 2 {
             return false;
         }
         let client_owes = self.await_client.is_some() && !self.client_gone;

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 use super::capture::{Budget, Capturing};
 use super::close::Origin;
 use super::settle::{self, Settle};
-use super::{Session, ACK_GRACE};
+use super::{Session, ACK_GRACE, SETTLE_TIMEOUT};
 use crate::config::policy::{Policies, Policy, Step};
 use crate::config::OnExhausted;
 use crate::metrics::{Event, EventKind, PassReason};
@@ -337,6 +337,7 @@ impl Session {
                 channel: channel_id,
                 epoch,
                 tag,
+                seq: self.claims + 1,
             },
             reply: state.parked.clone(),
             vhost: state.vhost.clone(),
@@ -349,6 +350,8 @@ impl Session {
             body: captured.body.clone(),
         };
         if state.shared.retry.park(park) {
+            self.claims += 1;
+            self.unanswered.insert(self.claims);
             Claim::Parked
         } else {
             warn!("retry engine is gone: nack passes through");
@@ -359,6 +362,7 @@ impl Session {
     /// The store answered for a claimed delivery.
     pub(super) fn on_parked(&mut self, parked: Parked) {
         let key = parked.key;
+        self.unanswered.remove(&key.seq);
         let upstream_alive = self.upstream_takes_acks();
         let settle = self
             .channels
@@ -377,13 +381,18 @@ impl Session {
                     "held; acking upstream"
                 );
                 self.metrics.intercepted.inc();
-                self.acked_at = Some(Instant::now());
-                self.send_own(key.channel, method::ack(key.channel, key.tag, false));
+                let now = Instant::now();
+                self.acked_at = Some(now);
+                if self.barrier.is_some_and(|b| key.seq <= b) {
+                    self.barrier_acked_at = Some(now);
+                }
+                let ack = method::ack(key.channel, key.tag, false);
+                self.send_own(key.channel, ack, Some(id));
             }
             (Some(settle), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: the nack goes to the broker as sent");
                 self.metrics.pass(PassReason::StoreUnavailable, 1);
-                self.send_own(key.channel, settle.frame(key.channel, key.tag, false));
+                self.send_own(key.channel, settle.frame(key.channel, key.tag, false), None);
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
@@ -401,12 +410,14 @@ impl Session {
     /// Sends a frame of nackd's own on `channel_id`, ahead of the client
     /// frames held back, but never inside a client content that has begun
     /// going upstream: then it waits for that content's last frame.
-    fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes) {
+    /// `held` is the id of the stored copy an ack stands for: if the ack
+    /// never goes, the copy is cancelled (see [`Session::cancel_unanswered`]).
+    fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes, held: Option<u64>) {
         let holding = self.holding;
         let channel = self.channels.get(channel_id);
         let content_open = channel.publishing.in_flight() && !(holding && channel.publish_held);
         if content_open {
-            channel.deferred.push(frame);
+            channel.deferred.push((frame, held));
         } else {
             self.to_upstream.extend_from_slice(&frame);
         }
@@ -415,8 +426,12 @@ impl Session {
     /// Whether an ack written now still reaches a broker that applies it:
     /// not once the connection is gone, the broker closes it, or nackd's or
     /// the client's `connection.close` went upstream.
-    fn upstream_takes_acks(&self) -> bool {
-        let close_sent = self.close.awaiting_upstream().is_some() && !self.holding;
+    pub(super) fn upstream_takes_acks(&self) -> bool {
+        let close_sent = match self.close.awaiting_upstream() {
+            Some(Origin::Client) => !self.holding,
+            Some(_) => true,
+            None => false,
+        };
         let broker_closes = self.close.awaiting_client() == Some(Origin::Broker);
         !self.close.upstream_gone && !close_sent && !broker_closes
     }
@@ -437,8 +452,26 @@ impl Session {
         }
     }
 
-    /// Holds client frames until every pending ack went out (before a
-    /// close or recover that would make the broker requeue held messages).
+    /// Whether a close, recover or disconnect must wait: claims are still
+    /// unanswered, or nackd acked one less than [`ACK_GRACE`] ago.
+    pub(super) fn must_wait(&self) -> bool {
+        let recent = self
+            .acked_at
+            .is_some_and(|t| t + ACK_GRACE > Instant::now());
+        !self.unanswered.is_empty() || recent || self.holding
+    }
+
+    /// What is held back waits for every claim made so far (not for later
+    /// ones: a channel that keeps nacking must not hold a close forever).
+    fn set_barrier(&mut self) {
+        self.barrier = Some(self.claims);
+        self.barrier_acked_at = self.barrier_acked_at.max(self.acked_at);
+        self.hold_since.get_or_insert_with(Instant::now);
+    }
+
+    /// Holds client frames until every claim made so far is answered and
+    /// acked (before a close or recover that would make the broker requeue
+    /// held messages).
     pub(super) fn hold(&mut self) {
         if !self.holding {
             debug!(
@@ -448,19 +481,46 @@ impl Session {
         }
         self.holding = true;
         self.close.settling = true;
+        self.set_barrier();
+        self.release_if_settled();
     }
 
-    /// Lets held-back frames and a deferred close go on once every claim is
-    /// answered and the broker had [`ACK_GRACE`] to apply nackd's acks.
+    /// Closes upstream once held messages are acked (see [`Session::hold`]).
+    pub(super) fn close_upstream_after_acks(&mut self, why: &'static str) {
+        self.close.settling = true;
+        self.deferred_close = Some(why);
+        self.set_barrier();
+        self.release_if_settled();
+    }
+
+    /// Lets held-back frames and a deferred close go on once every claim
+    /// of the barrier is answered and the broker had [`ACK_GRACE`] to apply
+    /// nackd's acks. After [`SETTLE_TIMEOUT`] unanswered claims are given up:
+    /// their nacks go to the broker as the client sent them.
     pub(super) fn release_if_settled(&mut self) {
-        if self.channels.pending() > 0 || !(self.holding || self.deferred_close.is_some()) {
+        if !(self.holding || self.deferred_close.is_some()) {
             return;
         }
         let now = Instant::now();
-        if let Some(at) = self.acked_at.map(|t| t + ACK_GRACE).filter(|at| *at > now) {
+        let barrier = self.barrier.unwrap_or(0);
+        if self.unanswered.range(..=barrier).next().is_some() {
+            if self
+                .hold_since
+                .is_some_and(|t| now.duration_since(t) < SETTLE_TIMEOUT)
+            {
+                return;
+            }
+            self.give_up_claims();
+        }
+        if let Some(at) = self
+            .barrier_acked_at
+            .map(|t| t + ACK_GRACE)
+            .filter(|at| *at > now)
+        {
             self.release_at = Some(at);
             return;
         }
+        (self.barrier, self.barrier_acked_at, self.hold_since) = (None, None, None);
         self.close.settling = false;
         // The close handshake's own timeout runs from here.
         self.close.restart();
@@ -475,6 +535,22 @@ impl Session {
         }
     }
 
+    /// The store did not answer in time: every unanswered claim's nack goes
+    /// to the broker as the client sent it; a later answer cancels the copy.
+    fn give_up_claims(&mut self) {
+        let abandoned = self.channels.take_all_pending();
+        warn!(
+            claims = abandoned.len(),
+            "the store did not answer within the settle timeout: those nacks go to the broker as sent"
+        );
+        self.metrics
+            .pass(PassReason::StoreUnavailable, abandoned.len() as u64);
+        for (channel, tag, settle) in abandoned {
+            self.send_own(channel, settle.frame(channel, tag, false), None);
+        }
+        self.unanswered.clear();
+    }
+
     /// The session ends: claims the store answers from now on, or answered
     /// without being acked, are the broker's again (it requeues them).
     pub(super) fn cancel_unanswered(&mut self) {
@@ -482,9 +558,26 @@ impl Session {
             return;
         };
         rx.close();
+        let mut cancel: Vec<u64> = Vec::new();
         while let Ok(parked) = rx.try_recv() {
-            if let (Ok(id), Some(state)) = (parked.result, &self.intercepting) {
+            cancel.extend(parked.result.ok());
+        }
+        // Acks that waited for a client publish that never ended.
+        cancel.extend(self.channels.take_all_deferred());
+        if let Some(state) = &self.intercepting {
+            for id in cancel {
                 debug!(id, "session ended before the ack: cancelling the hold");
+                state.shared.retry.cancel(id);
+            }
+        }
+    }
+
+    /// The broker closed channel `channel_id`: acks waiting behind a client
+    /// publish there will never be applied; their copies are cancelled.
+    pub(super) fn cancel_deferred(&mut self, channel_id: u16) {
+        let deferred = std::mem::take(&mut self.channels.get(channel_id).deferred);
+        if let Some(state) = &self.intercepting {
+            for id in deferred.into_iter().filter_map(|(_, id)| id) {
                 state.shared.retry.cancel(id);
             }
         }

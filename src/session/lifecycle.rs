@@ -12,7 +12,11 @@ impl Session {
         self.to_client
             .extend_from_slice(&method::connection_close(code, &text, None));
         self.close.expect_client_close_ok(Origin::Nackd);
-        self.close_upstream("client connection failed");
+        if self.must_wait() {
+            self.close_upstream_after_acks("client connection failed");
+        } else {
+            self.close_upstream("client connection failed");
+        }
     }
 
     pub(super) fn on_upstream_fault(&mut self, fault: Fault) {
@@ -40,10 +44,9 @@ impl Session {
             self.to_upstream
                 .extend_from_slice(&method::connection_close_ok());
             self.close.client_close_ok();
-        } else if self.channels.pending() > 0 {
+        } else if self.must_wait() {
             // Ack what nackd holds before the broker sees the client go.
-            self.close.settling = true;
-            self.deferred_close = Some("client socket closed");
+            self.close_upstream_after_acks("client socket closed");
         } else {
             self.close_upstream("client socket closed");
         }
@@ -108,16 +111,17 @@ impl Session {
             ReplyCode::ConnectionForced,
             "CONNECTION_FORCED - nackd is shutting down",
         );
-        if self.channels.pending() > 0 {
+        if self.must_wait() {
             // Ack what nackd holds before the broker sees the session end.
-            self.close.settling = true;
-            self.deferred_close = Some("shutting down");
+            self.close_upstream_after_acks("shutting down");
         } else {
             self.close_upstream("shutting down");
         }
     }
 
     pub(super) fn on_tick(&mut self, now: Instant) {
+        // Held-back frames have a deadline even if the store never answers.
+        self.release_if_settled();
         if !self.open && now >= self.handshake_deadline && !self.close.started() {
             warn!(timeout = ?self.limits.handshake_timeout, "handshake timed out");
             self.close.begin();

@@ -1,0 +1,483 @@
+//! The session as a state machine, without sockets or a broker: frames go
+//! in from either side, the test plays the retry engine, and what nackd
+//! writes upstream is read back frame by frame. The end-to-end tests (in
+//! `tests/`) check the same paths against RabbitMQ.
+
+use std::path::Path;
+
+use amq_protocol::protocol::{basic, channel, AMQPClass};
+use amq_protocol::types::FieldTable;
+
+use super::frames::Peer;
+use super::*;
+use crate::config::policy::Policies;
+use crate::config::Config;
+use crate::protocol::content::encode_header;
+use crate::protocol::method::put_frame;
+use crate::retry::testing;
+use crate::session::capture::Budget;
+use crate::session::intercepting::Interception;
+
+const Q: &str = "jobs";
+
+struct Pair {
+    s: Session,
+    engine: testing::Engine,
+    next_id: u64,
+    _policies: tokio::sync::watch::Sender<Arc<Policies>>,
+}
+
+fn pair() -> Pair {
+    let text = format!("[[policy]]\nqueues = [\"{Q}\"]\ndelays = [\"1m\"]\n");
+    let config = Config::parse(&text, Path::new("t.toml")).unwrap();
+    let (policies, watch) = tokio::sync::watch::channel(Arc::new(Policies::new(&config.policies)));
+    let (retry, engine) = testing::handle();
+    let shared = Arc::new(Interception {
+        policies: watch,
+        budget: Budget::new(1 << 20),
+        retry,
+    });
+    let limits = Limits {
+        max_frame: 131_072,
+        handshake_timeout: Duration::from_secs(10),
+    };
+    let mut s = Session::new(
+        limits,
+        Instant::now() + limits.handshake_timeout,
+        Metrics::new(),
+    );
+    let (tx, rx) = mpsc::unbounded_channel();
+    s.intercepting = Some(Intercepting::new(shared, tx));
+    s.parked_rx = Some(rx);
+    s.open = true;
+    Pair {
+        s,
+        engine,
+        next_id: 100,
+        _policies: policies,
+    }
+}
+
+fn frame_of(channel: u16, class: AMQPClass) -> Vec<u8> {
+    method::encode(channel, &class).to_vec()
+}
+
+fn publish_start(ch: u16, body_len: u64) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        ch,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: "".into(),
+            routing_key: "elsewhere".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    ));
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        ch,
+        &encode_header(60, body_len, &Default::default()),
+    );
+    out.to_vec()
+}
+
+fn body(ch: u16, bytes: &[u8]) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    put_frame(&mut out, FrameType::Body, ch, bytes);
+    out.to_vec()
+}
+
+impl Pair {
+    fn client(&mut self, bytes: &[u8]) {
+        self.s.client_in.extend_from_slice(bytes);
+        self.s.on_bytes(Peer::Client);
+    }
+
+    fn broker(&mut self, bytes: &[u8]) {
+        self.s.upstream_in.extend_from_slice(bytes);
+        self.s.on_bytes(Peer::Upstream);
+    }
+
+    /// Opens channel `ch` with a consumer on the intercepted queue.
+    fn consume(&mut self, ch: u16) {
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+        self.broker(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        ));
+        let tag = format!("c{ch}");
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+                queue: Q.into(),
+                consumer_tag: tag.as_str().into(),
+                no_local: false,
+                no_ack: false,
+                exclusive: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        ));
+        self.broker(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                consumer_tag: tag.as_str().into(),
+            })),
+        ));
+        self.upstream();
+    }
+
+    /// The broker delivers message `tag` on channel `ch`.
+    fn deliver(&mut self, ch: u16, tag: u64) {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: format!("c{ch}").as_str().into(),
+                delivery_tag: tag,
+                redelivered: false,
+                exchange: "".into(),
+                routing_key: Q.into(),
+            })),
+        ));
+        put_frame(
+            &mut out,
+            FrameType::Header,
+            ch,
+            &encode_header(60, 3, &Default::default()),
+        );
+        put_frame(&mut out, FrameType::Body, ch, b"abc");
+        self.broker(&out);
+    }
+
+    fn nack(&mut self, ch: u16, tag: u64) {
+        self.client(&method::nack(ch, tag, false, true));
+    }
+
+    /// The engine stores every park asked so far; returns their ids.
+    fn store(&mut self, ok: bool) -> Vec<u64> {
+        let mut ids = Vec::new();
+        for park in self.engine.parks() {
+            self.next_id += 1;
+            ids.push(self.next_id);
+            let result = match ok {
+                true => Ok(self.next_id),
+                false => Err(crate::store::StoreError::Full("test".into())),
+            };
+            self.s.on_parked(Parked {
+                key: park.key,
+                result,
+            });
+        }
+        ids
+    }
+
+    /// Ids the session cancelled so far.
+    fn cancelled(&mut self) -> Vec<u64> {
+        self.engine.parks();
+        self.engine.cancelled.clone()
+    }
+
+    /// The timer the pump arms for [`ACK_GRACE`] fires.
+    fn grace_passes(&mut self) {
+        let back = |t: &mut Option<Instant>| *t = t.map(|t| t - ACK_GRACE);
+        back(&mut self.s.acked_at);
+        back(&mut self.s.barrier_acked_at);
+        self.s.release_at = None;
+        self.s.release_if_settled();
+    }
+
+    /// What nackd wrote upstream since the last call, one word per frame:
+    /// `ack 3`, `nack 3`, `ack 4+` (multiple), `channel.close 1`, `header 1`.
+    fn upstream(&mut self) -> Vec<String> {
+        let mut buf = std::mem::take(&mut self.s.to_upstream);
+        let decoder = FrameDecoder::default();
+        let mut seen = Vec::new();
+        while let Some(frame) = decoder.decode(&mut buf).unwrap() {
+            seen.push(describe(&frame));
+        }
+        seen
+    }
+}
+
+fn describe(frame: &Frame) -> String {
+    let ch = frame.channel;
+    match frame.kind {
+        FrameType::Header => return format!("header {ch}"),
+        FrameType::Body => return format!("body {ch}"),
+        FrameType::Heartbeat => return "heartbeat".into(),
+        FrameType::Method => {}
+    }
+    let plus = |m: bool| if m { "+" } else { "" };
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+            format!("ack {}{}", a.delivery_tag, plus(a.multiple))
+        }
+        AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
+            format!("nack {}{}", n.delivery_tag, plus(n.multiple))
+        }
+        AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => format!("reject {}", r.delivery_tag),
+        AMQPClass::Basic(basic::AMQPMethod::Publish(_)) => format!("publish {ch}"),
+        AMQPClass::Basic(basic::AMQPMethod::Recover(_)) => format!("recover {ch}"),
+        AMQPClass::Channel(channel::AMQPMethod::Close(_)) => format!("channel.close {ch}"),
+        AMQPClass::Connection(connection::AMQPMethod::Close(_)) => "connection.close".into(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn channel_close(ch: u16) -> Vec<u8> {
+    method::channel_close(ch, ReplyCode::Success, "bye").to_vec()
+}
+
+#[test]
+fn a_claimed_nack_is_acked_only_once_stored() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    assert!(p.upstream().is_empty(), "nothing before the store answers");
+    p.store(true);
+    assert_eq!(p.upstream(), ["ack 1"]);
+    assert_eq!(p.s.metrics.intercepted.get(), 1);
+}
+
+#[test]
+fn settles_around_claimed_tags_never_touch_them() {
+    let mut p = pair();
+    p.consume(1);
+    for tag in 1..=4 {
+        p.deliver(1, tag);
+    }
+    p.nack(1, 2);
+    // ack(≤3, multiple) with 2 claimed: 1 and 3 only.
+    p.client(&method::ack(1, 3, true));
+    assert_eq!(p.upstream(), ["ack 1", "ack 3"]);
+    // nack(≤4, multiple) claims 4 too; reject of a claimed tag goes as sent.
+    p.client(&method::nack(1, 4, true, true));
+    assert!(p.upstream().is_empty());
+    assert_eq!(p.engine.parks().len(), 2);
+}
+
+#[test]
+fn a_channel_close_waits_for_the_ack_and_the_grace() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(1));
+    assert!(p.upstream().is_empty(), "the close waits for the claim");
+    p.store(true);
+    assert_eq!(p.upstream(), ["ack 1"]);
+    assert!(p.s.release_at.is_some(), "the grace timer is armed");
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["channel.close 1"]);
+}
+
+#[test]
+fn a_close_right_after_an_ack_waits_the_grace_too() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.store(true);
+    assert_eq!(p.upstream(), ["ack 1"]);
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
+    ));
+    assert!(
+        p.upstream().is_empty(),
+        "recover waits for the broker to apply the ack"
+    );
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["recover 1"]);
+}
+
+#[test]
+fn a_channel_that_keeps_nacking_does_not_hold_a_close_forever() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(1));
+    for tag in 1..=5 {
+        p.deliver(2, tag);
+        p.nack(2, tag);
+        p.store(true);
+    }
+    p.deliver(2, 6);
+    p.nack(2, 6); // unanswered, and younger than the close
+    p.upstream();
+    p.grace_passes();
+    let sent = p.upstream();
+    assert!(sent.contains(&"channel.close 1".to_string()), "{sent:?}");
+}
+
+#[test]
+fn an_ack_waits_for_the_clients_publish_on_its_channel() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&publish_start(1, 5));
+    assert_eq!(p.upstream(), ["publish 1", "header 1"]);
+    p.store(true);
+    assert!(p.upstream().is_empty(), "no frame inside the content");
+    p.client(&body(1, b"hello"));
+    assert_eq!(p.upstream(), ["body 1", "ack 1"]);
+}
+
+#[test]
+fn a_refused_nack_waits_for_the_clients_publish_too() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&publish_start(1, 5));
+    p.upstream();
+    p.store(false);
+    assert!(p.upstream().is_empty());
+    p.client(&body(1, b"hello"));
+    assert_eq!(p.upstream(), ["body 1", "nack 1"]);
+}
+
+#[test]
+fn a_hold_begun_mid_publish_does_not_split_the_content() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&publish_start(2, 5));
+    p.client(&channel_close(1)); // held: claim 1 is unanswered
+    assert_eq!(p.upstream(), ["publish 2", "header 2"]);
+    p.client(&body(2, b"hello"));
+    assert_eq!(
+        p.upstream(),
+        ["body 2"],
+        "the content goes on past the hold"
+    );
+    p.store(true);
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["ack 1", "channel.close 1"]);
+}
+
+#[test]
+fn a_publish_begun_behind_a_hold_stays_whole_behind_it() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(2)); // held
+    p.client(&publish_start(1, 5));
+    p.store(true);
+    // The publish sits behind the hold whole: the ack goes first.
+    assert_eq!(p.upstream(), ["ack 1"]);
+    p.client(&body(1, b"hello"));
+    assert!(p.upstream().is_empty());
+    p.grace_passes();
+    assert_eq!(
+        p.upstream(),
+        ["channel.close 2", "publish 1", "header 1", "body 1"]
+    );
+}
+
+#[test]
+fn a_store_that_never_answers_gives_the_nack_back_after_the_settle_timeout() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(1));
+    p.s.hold_since = p.s.hold_since.map(|t| t - SETTLE_TIMEOUT);
+    p.s.release_if_settled();
+    assert_eq!(p.upstream(), ["nack 1", "channel.close 1"]);
+    // The store answers late: its copy is cancelled, nothing is acked.
+    let ids = p.store(true);
+    assert!(p.upstream().is_empty());
+    assert_eq!(p.cancelled(), ids);
+}
+
+#[test]
+fn a_session_that_ends_cancels_the_holds_it_could_not_ack() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.deliver(1, 2);
+    p.deliver(1, 3);
+    p.nack(1, 1);
+    p.nack(1, 2);
+    p.nack(1, 3);
+    p.client(&publish_start(1, 5));
+    // 1 and 2 stored while the publish is half sent: their acks wait.
+    let parks = p.engine.parks();
+    let mut deferred = Vec::new();
+    for park in parks.into_iter().take(2) {
+        p.next_id += 1;
+        deferred.push(p.next_id);
+        p.s.on_parked(Parked {
+            key: park.key,
+            result: Ok(p.next_id),
+        });
+    }
+    // The client vanishes mid-publish; the engine answers 3 after that.
+    p.s.on_client_gone(None);
+    p.s.cancel_unanswered();
+    p.engine.parks();
+    assert_eq!(
+        p.engine.cancelled, deferred,
+        "acks never sent: copies cancelled"
+    );
+}
+
+#[test]
+fn a_client_fault_closes_upstream_only_after_the_acks() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(b"\x09garbage-garbage");
+    assert!(
+        p.upstream().is_empty(),
+        "connection.close waits for the claim"
+    );
+    p.store(true);
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["ack 1", "connection.close"]);
+}
+
+#[test]
+fn an_ack_is_not_sent_after_nackds_connection_close() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    // nackd closes upstream for a reason of its own (e.g. the handshake).
+    p.s.close_upstream("test");
+    assert_eq!(p.upstream(), ["connection.close"]);
+    let ids = p.store(true);
+    assert!(
+        p.upstream().is_empty(),
+        "an ack after close would be dropped"
+    );
+    assert_eq!(p.cancelled(), ids);
+}
+
+#[test]
+fn a_second_settle_of_a_claimed_tag_is_the_brokers_alone() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&method::ack(1, 1, false));
+    assert_eq!(p.upstream(), ["ack 1"], "the client's own ack, as sent");
+    let ids = p.store(true);
+    assert!(p.upstream().is_empty(), "no second ack from nackd");
+    assert_eq!(p.cancelled(), ids);
+}
