@@ -77,6 +77,11 @@ pub(super) struct Watch {
     /// Messages parked so far by an adoption that failed part way: their
     /// id there → ours. A retry skips them instead of parking them twice.
     progress: HashMap<String, HashMap<u64, u64>>,
+    /// Every instance name seen in the registry (its records age out).
+    known: std::collections::BTreeSet<String>,
+    /// When the registry was last read, and this instance last registered.
+    read_at: Option<Instant>,
+    registered_at: Option<Instant>,
 }
 
 impl Watch {
@@ -87,12 +92,36 @@ impl Watch {
         config: &Config,
         engine: &mpsc::Sender<Adopt>,
     ) -> Result<(), ClientError> {
-        for name in registered(client, &config.registry()).await? {
-            if name == config.instance || self.settled.contains(&name) {
+        let registry = config.registry();
+        if self
+            .read_at
+            .is_none_or(|t| t.elapsed() >= config.adopt_after / 2)
+        {
+            // Each read appends a marker: read every half adopt_after.
+            self.known.extend(registered(client, &registry).await?);
+            self.read_at = Some(Instant::now());
+        }
+        if self
+            .registered_at
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(86_400))
+        {
+            let me = Record::Instance {
+                name: config.instance.clone(),
+            };
+            client.append_confirmed(&registry, &me).await?;
+            self.registered_at = Some(Instant::now());
+        }
+        for name in self.known.clone() {
+            if name == config.instance {
                 continue;
             }
             if client.exists(&Config::lease(&name)).await? {
+                // Alive (again): once it is gone again it is adopted again.
                 self.free_since.remove(&name);
+                self.settled.remove(&name);
+                continue;
+            }
+            if self.settled.contains(&name) {
                 continue;
             }
             let since = *self
@@ -115,7 +144,7 @@ impl Watch {
 
 /// Instance ids in the registry.
 async fn registered(client: &Client, registry: &str) -> Result<Vec<String>, ClientError> {
-    client.declare_stream(registry).await?;
+    client.declare_registry(registry).await?;
     let mut names: Vec<String> = client
         .read_all(registry)
         .await?
@@ -155,7 +184,18 @@ async fn adopt(
         }
     }
     if let (Some(g), false) = (generation, adopted) {
-        let count = take_over(client, name, g, engine, ours).await?;
+        let count = match take_over(client, name, g, engine, ours).await {
+            Ok(count) => count,
+            Err(e) => {
+                // The owner may come back before the next try and keep all
+                // of its messages: what was parked here so far goes. Its
+                // stream still has every one of them.
+                for id in std::mem::take(ours).into_values() {
+                    let _ = engine.send(Adopt::Complete(id)).await;
+                }
+                return Err(e);
+            }
+        };
         let by = Record::Adopted {
             by: config.instance.clone(),
         };

@@ -150,7 +150,27 @@ impl Client {
 
     /// Declares a stream (idempotent).
     pub async fn declare_stream(&self, name: &str) -> Result<(), ClientError> {
+        self.declare_stream_with(name, FieldTable::default()).await
+    }
+
+    /// Declares the registry stream: it holds instance names only, so the
+    /// broker's retention may age it (7 days in small segments); live
+    /// instances register again every day.
+    pub async fn declare_registry(&self, name: &str) -> Result<(), ClientError> {
         let mut args = FieldTable::default();
+        args.insert("x-max-age".into(), AMQPValue::LongString("7D".into()));
+        args.insert(
+            "x-stream-max-segment-size-bytes".into(),
+            AMQPValue::LongInt(256 * 1024),
+        );
+        self.declare_stream_with(name, args).await
+    }
+
+    async fn declare_stream_with(
+        &self,
+        name: &str,
+        mut args: FieldTable,
+    ) -> Result<(), ClientError> {
         args.insert(
             "x-queue-type".into(),
             AMQPValue::LongString("stream".into()),

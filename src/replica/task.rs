@@ -435,7 +435,7 @@ impl Task {
                         name: self.config.instance.clone(),
                     };
                     let registry = self.config.registry();
-                    let done = client.declare_stream(&registry).await.is_ok()
+                    let done = client.declare_registry(&registry).await.is_ok()
                         && client.append_confirmed(&registry, &name).await.is_ok();
                     client.close().await;
                     if done {
