@@ -5,16 +5,37 @@
 //!
 //! # Layout
 //!
-//! - [`frame`]: cuts the byte stream into frames (nom), checks sizes on the header.
-//! - [`method`]: decodes the few methods nackd must understand (amq-protocol)
-//!   and encodes the frames nackd emits itself.
-//! - [`content`]: content headers (basic properties) and field tables.
-//! - [`reply`]: AMQP reply codes.
-//! - `fuzzing` (feature `fuzzing`): fuzz targets over the frame layer,
-//!   shared by `fuzz/` and the property tests; not in the product.
-//! - [`metrics`]: the Prometheus metrics every part updates.
-//! - [`ops`]: the operations listener: `/metrics`, health, status page, admin API.
-//! - [`reload`]: `[[policy]]` hot reload on SIGHUP.
+//! One directory per part of the architecture; a nack passes through them
+//! in this order (README, "Follow a nack").
+//!
+//! - [`protocol`]: the wire, pure and fuzzed: `frame` (cutting the byte
+//!   stream, nom), `method` (the few methods nackd decodes, the frames it
+//!   emits), `content` (properties, byte-exact header splicing), `headers`
+//!   (the retry headers nackd writes), `reply` (reply codes).
+//! - [`session`]: one client/broker pair. `session.rs` is the pump
+//!   (sockets, `select!`, backpressure); the state it drives is split by
+//!   direction and concern: `client` and `upstream` (frames from each
+//!   side), `channel` (per-channel tracking: consumers, deliveries, claims),
+//!   `capture` (deliveries kept in case they are nacked), `intercepting`
+//!   (claim, park, ack, and the barriers of close and recover), `settle`
+//!   (rewriting settles around claimed tags), `close` and `lifecycle` (the
+//!   closing handshake, faults, timers). `session/tests.rs` drives it
+//!   without sockets.
+//! - [`retry`]: the engine thread (`retry/engine.rs`, with `fire`,
+//!   `outcome` and `link` to the replica), its `ledger` of held messages,
+//!   the `wheel` (hierarchical timing wheel), `republish` (a connection per
+//!   vhost, a lane per exchange), `blocks` (set-aside messages), `admin`
+//!   (operator commands) and `supervisor` (recovery and readiness).
+//! - [`store`]: the hold log (`log`, `segment`, `record`, `writer`,
+//!   `recover`, `scan`, `inspect`).
+//! - [`replica`]: the copy in a stream of the broker cluster, the lease,
+//!   rebuild and adoption.
+//! - [`config`] (with `policy` and `replica`), [`net`] (TLS, the upstream
+//!   connector), [`server`] (listener, limits, shutdown), [`metrics`],
+//!   [`ops`] (`/metrics`, health, status page, admin API), [`reload`]
+//!   (SIGHUP), [`sched`] (`runtime.scheduling`).
+//! - `fuzzing` (feature `fuzzing`): the fuzz targets' code, shared by
+//!   `fuzz/` and the property tests; not in the product.
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
