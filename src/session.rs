@@ -37,6 +37,7 @@ pub use intercepting::Interception;
 
 use crate::retry::Parked;
 use settle::Settle;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -48,6 +49,10 @@ const READ_CHUNK: usize = 64 * 1024;
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Time held messages get to be stored and acked before a close goes on.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a forced session takes to end: its claims answered or given
+/// up, the close handshake, the last writes.
+pub const FORCED_END: Duration =
+    Duration::from_secs(SETTLE_TIMEOUT.as_secs() + CLOSE_TIMEOUT.as_secs() + 3);
 /// Time the broker gets to apply nackd's acks before a close, recover or
 /// disconnect that it held back goes on. RabbitMQ applies a quorum queue's
 /// settles at low priority: a channel that closes right after its acks can
@@ -149,6 +154,16 @@ struct Session {
     deferred_close: Option<&'static str>,
     /// When nackd last acked a held message upstream.
     acked_at: Option<Instant>,
+    /// Claims made (the number of the last one).
+    claims: u64,
+    /// Numbers of the claims the store has not answered yet.
+    unanswered: BTreeSet<u64>,
+    /// Held-back frames wait for the claims up to this number.
+    barrier: Option<u64>,
+    /// When the last claim of the barrier was acked.
+    barrier_acked_at: Option<Instant>,
+    /// When frames began to be held back (for the settle timeout).
+    hold_since: Option<Instant>,
     /// When the frames held back may go on (see [`ACK_GRACE`]).
     release_at: Option<Instant>,
     metrics: Arc<Metrics>,
@@ -181,6 +196,11 @@ impl Session {
             held: BytesMut::new(),
             deferred_close: None,
             acked_at: None,
+            claims: 0,
+            unanswered: BTreeSet::new(),
+            barrier: None,
+            barrier_acked_at: None,
+            hold_since: None,
             release_at: None,
             metrics,
         }
@@ -317,3 +337,6 @@ pub fn span(client: SocketAddr) -> Span {
         user = tracing::field::Empty,
     )
 }
+
+#[cfg(test)]
+mod tests;

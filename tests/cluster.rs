@@ -260,6 +260,50 @@ async fn an_instance_gone_for_good_is_adopted() {
     delete(&q).await;
 }
 
+/// An instance adopted once, back again and then gone again, is adopted
+/// again: every message of both of its lives comes back, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, gone, live) = (unique("cluster-readopt"), unique("gone"), unique("live"));
+    publish(&q, 50).await;
+    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
+    let a_config = config(dir.path(), &gone, &q, "8s", "");
+    let a = Process::start(&a_config);
+    let first = park_all(&a, &q, 50).await;
+    a.kill9();
+    all_back(
+        b.addr,
+        &q,
+        &first,
+        Duration::from_secs(8),
+        Duration::from_secs(60),
+    )
+    .await;
+    // Back on its old store, which was adopted: it starts empty.
+    let a = Process::start(&a_config);
+    let s = scrape(a.metrics).await;
+    assert_eq!(
+        s.sum("nackd_held_messages"),
+        0.0,
+        "its adopted copy is discarded"
+    );
+    publish_range(&q, 50..100).await;
+    let second = park_all(&a, &q, 50).await;
+    a.kill9();
+    all_back(
+        b.addr,
+        &q,
+        &second,
+        Duration::from_secs(8),
+        Duration::from_secs(60),
+    )
+    .await;
+    drop(b);
+    delete(&q).await;
+}
+
 /// Issue 13: two processes with one id: only the lease holder intercepts
 /// and fires; the standby takes over within seconds of its death.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
