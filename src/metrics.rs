@@ -65,11 +65,14 @@ pub enum PassReason {
     Recovering,
     /// The replica's lease is not held (a standby, or the broker was lost).
     NoLease,
+    /// The channel or connection is closing (a close, recover or
+    /// `tx.select` of the client waits to go upstream, or a close went).
+    Closing,
 }
 
 impl PassReason {
     /// Every reason, in label order.
-    pub const ALL: [PassReason; 9] = [
+    pub const ALL: [PassReason; 10] = [
         Self::NotConfigured,
         Self::OverBudget,
         Self::StoreUnavailable,
@@ -79,6 +82,7 @@ impl PassReason {
         Self::UnknownTag,
         Self::Recovering,
         Self::NoLease,
+        Self::Closing,
     ];
 
     /// The `reason` label value.
@@ -93,6 +97,7 @@ impl PassReason {
             Self::UnknownTag => "unknown_tag",
             Self::Recovering => "recovering",
             Self::NoLease => "no_lease",
+            Self::Closing => "closing",
         }
     }
 }

@@ -37,7 +37,7 @@ pub use intercepting::Interception;
 
 use crate::retry::Parked;
 use settle::Settle;
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -156,14 +156,12 @@ struct Session {
     acked_at: Option<Instant>,
     /// Claims made (the number of the last one).
     claims: u64,
-    /// Numbers of the claims the store has not answered yet.
-    unanswered: BTreeSet<u64>,
+    /// The claims the store has not answered yet: number → when made.
+    unanswered: BTreeMap<u64, Instant>,
     /// Held-back frames wait for the claims up to this number.
     barrier: Option<u64>,
     /// When the last claim of the barrier was acked.
     barrier_acked_at: Option<Instant>,
-    /// When frames began to be held back (for the settle timeout).
-    hold_since: Option<Instant>,
     /// When the frames held back may go on (see [`ACK_GRACE`]).
     release_at: Option<Instant>,
     metrics: Arc<Metrics>,
@@ -197,10 +195,9 @@ impl Session {
             deferred_close: None,
             acked_at: None,
             claims: 0,
-            unanswered: BTreeSet::new(),
+            unanswered: BTreeMap::new(),
             barrier: None,
             barrier_acked_at: None,
-            hold_since: None,
             release_at: None,
             metrics,
         }

@@ -100,6 +100,16 @@ impl ContentState {
     }
 }
 
+/// A claimed tag waiting for the store.
+#[derive(Clone, Copy, Debug)]
+pub struct Claimed {
+    /// How the client settled it (what goes to the broker if nackd cannot
+    /// hold it).
+    pub settle: Settle,
+    /// The claim's number in its session.
+    pub seq: u64,
+}
+
 /// One channel of one client connection.
 #[derive(Debug, Default)]
 pub struct Channel {
@@ -130,7 +140,12 @@ pub struct Channel {
     /// The delivery whose content is being captured.
     pub capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
-    pub pending: BTreeMap<u64, Settle>,
+    pub pending: BTreeMap<u64, Claimed>,
+    /// Number of the last claim made on this channel.
+    pub last_claim: u64,
+    /// A close, recover or `tx.select` of the client on this channel waits
+    /// behind the hold: no new claim is made here.
+    pub barrier_held: bool,
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
     pub settled_again: BTreeSet<u64>,
@@ -365,14 +380,24 @@ impl Channels {
         self.open.values().map(|c| c.pending.len()).sum()
     }
 
-    /// Takes every claim still waiting for the store: (channel, tag, settle).
-    pub fn take_all_pending(&mut self) -> Vec<(u16, u64, Settle)> {
-        let mut all = Vec::new();
+    /// Takes the claims numbered in `seqs`: (channel, tag, settle, settled
+    /// again by the client).
+    pub fn take_claims(&mut self, seqs: &BTreeSet<u64>) -> Vec<(u16, u64, Settle, bool)> {
+        let mut taken = Vec::new();
         for (id, c) in &mut self.open {
-            let pending = std::mem::take(&mut c.pending);
-            all.extend(pending.into_iter().map(|(tag, settle)| (*id, tag, settle)));
+            let tags: Vec<u64> = c
+                .pending
+                .iter()
+                .filter(|(_, claimed)| seqs.contains(&claimed.seq))
+                .map(|(tag, _)| *tag)
+                .collect();
+            for tag in tags {
+                let claimed = c.pending.remove(&tag).expect("listed above");
+                let again = c.settled_again.contains(&tag);
+                taken.push((*id, tag, claimed.settle, again));
+            }
         }
-        all
+        taken
     }
 
     /// Takes every deferred frame; returns the held ids their acks stood for.
@@ -388,6 +413,7 @@ impl Channels {
     pub fn release_held(&mut self) {
         for c in self.open.values_mut() {
             c.publish_held = false;
+            c.barrier_held = false;
         }
     }
 

@@ -2,6 +2,7 @@
 
 use super::frames::Peer;
 use super::*;
+use amq_protocol::protocol::tx;
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
@@ -16,12 +17,24 @@ impl Session {
                 max: self.channel_max,
             });
         }
+        // Once nackd closed upstream the broker ignores the rest: only the
+        // client's close-ok still matters.
+        let upstream_closed = self.close.awaiting_upstream() == Some(Origin::Nackd);
         if let Some(class) = self.inspect(Peer::Client, &frame)? {
-            if !self.on_client_method(frame.channel, &class) {
+            let close_ok = matches!(
+                class,
+                AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))
+            );
+            if (upstream_closed && !close_ok) || !self.on_client_method(frame.channel, &class) {
                 return Ok(());
             }
         }
+        if upstream_closed {
+            return Ok(());
+        }
         match frame.kind {
+            // Heartbeats mean nothing in order: never held back.
+            FrameType::Heartbeat => self.to_upstream.extend_from_slice(&frame.raw),
             FrameType::Method if frame.channel != 0 => {
                 let holding = self.holding;
                 let channel = self.channels.get(frame.channel);
@@ -49,9 +62,15 @@ impl Session {
             return;
         }
         self.to_upstream.extend_from_slice(raw);
-        if !channel.publishing.in_flight() {
+        if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
             for (frame, _) in std::mem::take(&mut channel.deferred) {
                 self.to_upstream.extend_from_slice(&frame);
+            }
+            // The broker's time to apply these acks runs from now.
+            let now = Instant::now();
+            self.acked_at = Some(now);
+            if self.barrier.is_some() {
+                self.barrier_acked_at = Some(now);
             }
         }
     }
@@ -75,8 +94,11 @@ impl Session {
                     text = c.reply_text.as_str(),
                     "client closes the connection"
                 );
+                // Asked before the close is recorded: once it is, and not
+                // held, acks no longer count.
+                let wait = self.must_wait();
                 self.close.expect_upstream_close_ok(Origin::Client);
-                if self.must_wait() {
+                if wait {
                     self.hold();
                 }
             }
@@ -102,9 +124,13 @@ impl Session {
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_))
             | AMQPClass::Basic(
                 basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
-            ) if channel_id != 0 && self.must_wait() => {
-                // The broker would requeue what nackd holds: ack it first.
-                self.hold();
+            )
+            | AMQPClass::Tx(tx::AMQPMethod::Select(_))
+                if channel_id != 0 && self.must_wait() =>
+            {
+                // The broker would requeue what nackd holds (or make its ack
+                // part of a transaction): ack it first.
+                self.hold_channel(channel_id);
                 self.channels.get(channel_id).on_client_method(class);
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {

@@ -31,6 +31,8 @@ pub struct Close {
     pub forced: bool,
     /// Claimed messages are still being stored: their acks must go out first.
     pub settling: bool,
+    /// The broker sent `connection.close`: it applies nothing more.
+    pub broker_closed: bool,
 }
 
 impl Close {

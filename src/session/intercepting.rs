@@ -19,8 +19,9 @@ use crate::protocol::frame::{Frame, FrameType};
 use crate::protocol::headers::{self, Retry};
 use crate::protocol::method;
 use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
-use crate::session::channel::Delivery;
+use crate::session::channel::{Claimed, Delivery};
 use crate::store::Route;
+use std::collections::BTreeSet;
 
 /// What sessions share to intercept nacks.
 pub struct Interception {
@@ -210,7 +211,10 @@ impl Session {
                         ?settle,
                         "claimed for a delayed retry; storing before the ack"
                     );
-                    self.channels.get(channel_id).pending.insert(t, settle);
+                    let seq = self.claims;
+                    let channel = self.channels.get(channel_id);
+                    channel.pending.insert(t, Claimed { settle, seq });
+                    channel.last_claim = seq;
                 }
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
                 Claim::Pass(reason) => {
@@ -287,6 +291,14 @@ impl Session {
         if let Err(reason) = state.shared.retry.ready.may_claim() {
             return Claim::Pass(reason);
         }
+        let closing = self
+            .channels
+            .peek(channel_id)
+            .is_some_and(|c| c.barrier_held);
+        if closing || !self.upstream_takes_acks() {
+            // An ack would come after the close (or recover) the client sent.
+            return Claim::Pass(PassReason::Closing);
+        }
         let policy = captured.policy.clone();
         if !policy.wants(settle.requeue()) {
             return Claim::Pass(PassReason::RequeuePass);
@@ -351,7 +363,7 @@ impl Session {
         };
         if state.shared.retry.park(park) {
             self.claims += 1;
-            self.unanswered.insert(self.claims);
+            self.unanswered.insert(self.claims, Instant::now());
             Claim::Parked
         } else {
             warn!("retry engine is gone: nack passes through");
@@ -369,8 +381,10 @@ impl Session {
             .get_epoch(key.channel, key.epoch)
             .filter(|c| !c.closing && upstream_alive)
             .and_then(|c| {
-                let settle = c.pending.remove(&key.tag);
-                settle.filter(|_| !c.settled_again.remove(&key.tag))
+                let claimed = c.pending.remove(&key.tag);
+                claimed
+                    .map(|c| c.settle)
+                    .filter(|_| !c.settled_again.remove(&key.tag))
             });
         match (settle, parked.result) {
             (Some(_), Ok(id)) => {
@@ -432,7 +446,7 @@ impl Session {
             Some(_) => true,
             None => false,
         };
-        let broker_closes = self.close.awaiting_client() == Some(Origin::Broker);
+        let broker_closes = self.close.broker_closed;
         !self.close.upstream_gone && !close_sent && !broker_closes
     }
 
@@ -453,26 +467,40 @@ impl Session {
     }
 
     /// Whether a close, recover or disconnect must wait: claims are still
-    /// unanswered, or nackd acked one less than [`ACK_GRACE`] ago.
+    /// unanswered, or nackd acked one less than [`ACK_GRACE`] ago (and the
+    /// broker still takes acks).
     pub(super) fn must_wait(&self) -> bool {
         let recent = self
             .acked_at
             .is_some_and(|t| t + ACK_GRACE > Instant::now());
-        !self.unanswered.is_empty() || recent || self.holding
+        self.upstream_takes_acks() && (!self.unanswered.is_empty() || recent || self.holding)
     }
 
-    /// What is held back waits for every claim made so far (not for later
-    /// ones: a channel that keeps nacking must not hold a close forever).
-    fn set_barrier(&mut self) {
-        self.barrier = Some(self.claims);
+    /// Held-back frames wait for the claims up to `barrier` (made before
+    /// them: a channel that keeps nacking must not hold a close forever).
+    fn set_barrier(&mut self, barrier: u64) {
+        self.barrier = Some(self.barrier.unwrap_or(0).max(barrier));
         self.barrier_acked_at = self.barrier_acked_at.max(self.acked_at);
-        self.hold_since.get_or_insert_with(Instant::now);
     }
 
-    /// Holds client frames until every claim made so far is answered and
-    /// acked (before a close or recover that would make the broker requeue
+    /// Holds client frames until the claims made so far are answered and
+    /// acked (before a connection close that would make the broker requeue
     /// held messages).
     pub(super) fn hold(&mut self) {
+        let all = self.claims;
+        self.hold_behind(all);
+    }
+
+    /// Like [`Session::hold`] for a close, recover or `tx.select` of one
+    /// channel: it waits for that channel's claims (and the older ones).
+    pub(super) fn hold_channel(&mut self, channel_id: u16) {
+        let channel = self.channels.get(channel_id);
+        channel.barrier_held = true;
+        let last = channel.last_claim;
+        self.hold_behind(last);
+    }
+
+    fn hold_behind(&mut self, barrier: u64) {
         if !self.holding {
             debug!(
                 pending = self.channels.pending(),
@@ -481,7 +509,7 @@ impl Session {
         }
         self.holding = true;
         self.close.settling = true;
-        self.set_barrier();
+        self.set_barrier(barrier);
         self.release_if_settled();
     }
 
@@ -489,38 +517,42 @@ impl Session {
     pub(super) fn close_upstream_after_acks(&mut self, why: &'static str) {
         self.close.settling = true;
         self.deferred_close = Some(why);
-        self.set_barrier();
+        let all = self.claims;
+        self.set_barrier(all);
         self.release_if_settled();
     }
 
     /// Lets held-back frames and a deferred close go on once every claim
     /// of the barrier is answered and the broker had [`ACK_GRACE`] to apply
-    /// nackd's acks. After [`SETTLE_TIMEOUT`] unanswered claims are given up:
-    /// their nacks go to the broker as the client sent them.
+    /// nackd's acks (at once if the broker takes no more acks). A claim
+    /// unanswered for [`SETTLE_TIMEOUT`] is given up: its nack goes to the
+    /// broker as the client sent it.
     pub(super) fn release_if_settled(&mut self) {
         if !(self.holding || self.deferred_close.is_some()) {
             return;
         }
         let now = Instant::now();
-        let barrier = self.barrier.unwrap_or(0);
-        if self.unanswered.range(..=barrier).next().is_some() {
-            if self
-                .hold_since
-                .is_some_and(|t| now.duration_since(t) < SETTLE_TIMEOUT)
-            {
+        if self.upstream_takes_acks() {
+            let barrier = self.barrier.unwrap_or(0);
+            let expired: BTreeSet<u64> = self
+                .unanswered
+                .range(..=barrier)
+                .filter(|(_, at)| now.duration_since(**at) >= SETTLE_TIMEOUT)
+                .map(|(seq, _)| *seq)
+                .collect();
+            if !expired.is_empty() {
+                self.give_up_claims(&expired);
+            }
+            if self.unanswered.range(..=barrier).next().is_some() {
                 return;
             }
-            self.give_up_claims();
+            let grace = self.barrier_acked_at.map(|t| t + ACK_GRACE);
+            if let Some(at) = grace.filter(|at| *at > now) {
+                self.release_at = Some(at);
+                return;
+            }
         }
-        if let Some(at) = self
-            .barrier_acked_at
-            .map(|t| t + ACK_GRACE)
-            .filter(|at| *at > now)
-        {
-            self.release_at = Some(at);
-            return;
-        }
-        (self.barrier, self.barrier_acked_at, self.hold_since) = (None, None, None);
+        (self.barrier, self.barrier_acked_at) = (None, None);
         self.close.settling = false;
         // The close handshake's own timeout runs from here.
         self.close.restart();
@@ -535,20 +567,24 @@ impl Session {
         }
     }
 
-    /// The store did not answer in time: every unanswered claim's nack goes
-    /// to the broker as the client sent it; a later answer cancels the copy.
-    fn give_up_claims(&mut self) {
-        let abandoned = self.channels.take_all_pending();
+    /// The store did not answer these claims in time: their nacks go to
+    /// the broker as the client sent them (unless the client settled them
+    /// again itself); a later answer cancels the copy.
+    fn give_up_claims(&mut self, seqs: &BTreeSet<u64>) {
+        let taken = self.channels.take_claims(seqs);
         warn!(
-            claims = abandoned.len(),
+            claims = taken.len(),
             "the store did not answer within the settle timeout: those nacks go to the broker as sent"
         );
-        self.metrics
-            .pass(PassReason::StoreUnavailable, abandoned.len() as u64);
-        for (channel, tag, settle) in abandoned {
-            self.send_own(channel, settle.frame(channel, tag, false), None);
+        for (channel, tag, settle, again) in taken {
+            if !again {
+                self.metrics.pass(PassReason::StoreUnavailable, 1);
+                self.send_own(channel, settle.frame(channel, tag, false), None);
+            }
         }
-        self.unanswered.clear();
+        for seq in seqs {
+            self.unanswered.remove(seq);
+        }
     }
 
     /// The session ends: claims the store answers from now on, or answered

@@ -12,6 +12,7 @@ use super::frames::Peer;
 use super::*;
 use crate::config::policy::Policies;
 use crate::config::Config;
+use crate::metrics::PassReason;
 use crate::protocol::content::encode_header;
 use crate::protocol::method::put_frame;
 use crate::retry::testing;
@@ -174,6 +175,13 @@ impl Pair {
             });
         }
         ids
+    }
+
+    /// Every unanswered claim was made `by` earlier.
+    fn claims_age(&mut self, by: Duration) {
+        for at in self.s.unanswered.values_mut() {
+            *at -= by;
+        }
     }
 
     /// Ids the session cancelled so far.
@@ -373,18 +381,34 @@ fn a_publish_begun_behind_a_hold_stays_whole_behind_it() {
     p.consume(1);
     p.consume(2);
     p.deliver(1, 1);
-    p.nack(1, 1);
+    p.nack(1, 1); // claim on channel 1
+    p.deliver(2, 5);
+    p.nack(2, 5); // claim on channel 2
     p.client(&channel_close(2)); // held
     p.client(&publish_start(1, 5));
-    p.store(true);
+    let parks = p.engine.parks();
+    p.s.on_parked(Parked {
+        key: parks[0].key,
+        result: Ok(1),
+    });
     // The publish sits behind the hold whole: the ack goes first.
     assert_eq!(p.upstream(), ["ack 1"]);
     p.client(&body(1, b"hello"));
     assert!(p.upstream().is_empty());
+    p.s.on_parked(Parked {
+        key: parks[1].key,
+        result: Ok(2),
+    });
     p.grace_passes();
     assert_eq!(
         p.upstream(),
-        ["channel.close 2", "publish 1", "header 1", "body 1"]
+        [
+            "ack 5",
+            "channel.close 2",
+            "publish 1",
+            "header 1",
+            "body 1"
+        ]
     );
 }
 
@@ -395,7 +419,7 @@ fn a_store_that_never_answers_gives_the_nack_back_after_the_settle_timeout() {
     p.deliver(1, 1);
     p.nack(1, 1);
     p.client(&channel_close(1));
-    p.s.hold_since = p.s.hold_since.map(|t| t - SETTLE_TIMEOUT);
+    p.claims_age(SETTLE_TIMEOUT);
     p.s.release_if_settled();
     assert_eq!(p.upstream(), ["nack 1", "channel.close 1"]);
     // The store answers late: its copy is cancelled, nothing is acked.
@@ -480,4 +504,189 @@ fn a_second_settle_of_a_claimed_tag_is_the_brokers_alone() {
     let ids = p.store(true);
     assert!(p.upstream().is_empty(), "no second ack from nackd");
     assert_eq!(p.cancelled(), ids);
+}
+
+fn connection_close() -> Vec<u8> {
+    method::connection_close(ReplyCode::ConnectionForced, "node stopping", None).to_vec()
+}
+
+#[test]
+fn no_ack_after_the_brokers_connection_close_even_once_answered() {
+    for client_gone in [false, true] {
+        let mut p = pair();
+        p.consume(1);
+        p.deliver(1, 1);
+        p.nack(1, 1);
+        p.client(&channel_close(1));
+        p.broker(&connection_close());
+        if client_gone {
+            p.s.on_client_gone(None);
+        } else {
+            p.client(&method::connection_close_ok());
+        }
+        p.upstream();
+        let ids = p.store(true);
+        let sent = p.upstream();
+        assert!(!sent.contains(&"ack 1".to_string()), "{sent:?}");
+        assert_eq!(p.cancelled(), ids);
+    }
+}
+
+#[test]
+fn a_close_of_a_channel_without_claims_goes_at_once() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(2));
+    assert_eq!(
+        p.upstream(),
+        ["channel.close 2"],
+        "channel 1's claim is not 2's"
+    );
+}
+
+#[test]
+fn a_claim_is_given_up_only_once_it_is_old() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1); // claim 1
+    p.client(&channel_close(1));
+    p.claims_age(SETTLE_TIMEOUT);
+    p.deliver(2, 5);
+    p.nack(2, 5); // claim 2, new
+    p.client(&channel_close(2)); // held behind claim 2
+    let sent = p.upstream();
+    assert_eq!(sent, ["nack 1"], "only the old claim is given up");
+    let parks = p.engine.parks();
+    p.s.on_parked(Parked {
+        key: parks[1].key,
+        result: Ok(2),
+    });
+    p.grace_passes();
+    assert_eq!(
+        p.upstream(),
+        ["ack 5", "channel.close 1", "channel.close 2"]
+    );
+}
+
+#[test]
+fn the_grace_runs_from_when_a_deferred_ack_goes() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&publish_start(1, 5));
+    p.upstream();
+    p.store(true);
+    // The publish takes longer than the grace to end.
+    p.s.acked_at = p.s.acked_at.map(|t| t - ACK_GRACE);
+    p.client(&body(1, b"hello"));
+    assert_eq!(p.upstream(), ["body 1", "ack 1"]);
+    p.client(&channel_close(1));
+    assert!(p.upstream().is_empty(), "the close waits for the grace");
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["channel.close 1"]);
+}
+
+#[test]
+fn a_give_up_skips_tags_the_client_settled_again() {
+    let mut p = pair();
+    p.consume(1);
+    p.consume(2);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&method::ack(1, 1, false));
+    assert_eq!(p.upstream(), ["ack 1"]);
+    p.client(&channel_close(1));
+    p.claims_age(SETTLE_TIMEOUT);
+    p.s.release_if_settled();
+    assert_eq!(
+        p.upstream(),
+        ["channel.close 1"],
+        "no nack after the client's ack"
+    );
+}
+
+#[test]
+fn heartbeats_are_never_held_back() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&channel_close(1));
+    p.client(&method::heartbeat());
+    assert_eq!(p.upstream(), ["heartbeat"]);
+}
+
+#[test]
+fn nacks_after_a_held_recover_on_their_channel_pass_through() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
+    ));
+    p.deliver(1, 2);
+    p.nack(1, 2);
+    assert_eq!(
+        p.engine.parks().len(),
+        1,
+        "only the nack before the recover is claimed"
+    );
+    assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
+}
+
+#[test]
+fn tx_select_after_a_claim_waits_for_its_ack() {
+    use amq_protocol::protocol::tx;
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&frame_of(
+        1,
+        AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})),
+    ));
+    assert!(p.upstream().is_empty());
+    p.store(true);
+    p.grace_passes();
+    let sent = p.upstream();
+    assert_eq!(
+        sent[0], "ack 1",
+        "the ack goes before the transaction: {sent:?}"
+    );
+}
+
+#[test]
+fn after_nackds_connection_close_client_frames_stop() {
+    let mut p = pair();
+    p.consume(1);
+    p.s.on_force();
+    assert_eq!(p.upstream(), ["connection.close"]);
+    p.client(&channel_close(1));
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    assert_eq!(p.upstream(), Vec::<String>::new());
+    assert!(p.engine.parks().is_empty(), "no claim after the close");
+}
+
+#[test]
+fn a_connection_close_waits_for_the_claims_and_the_grace() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p.client(&method::connection_close(ReplyCode::Success, "bye", None));
+    assert!(p.upstream().is_empty(), "the close waits for the claim");
+    p.store(true);
+    assert_eq!(p.upstream(), ["ack 1"]);
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["connection.close"]);
+    assert!(p.cancelled().is_empty());
 }

@@ -45,6 +45,9 @@ impl Session {
                     "broker closes the connection"
                 );
                 self.close.expect_client_close_ok(Origin::Broker);
+                self.close.broker_closed = true;
+                // Nothing held back can still be acked: let it go.
+                self.release_if_settled();
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
                 return self.close.upstream_close_ok() == Some(Origin::Client);
