@@ -186,7 +186,7 @@ async fn finish(mut targets: Targets, parking: Parking) -> BenchResult<()> {
 
 /// Publishes `--count` messages to RabbitMQ with confirms, `backlog` ahead
 /// of `nacked` at most (all at once without it).
-async fn publish(
+pub(crate) async fn publish(
     ch: lapin::Channel,
     queue: String,
     n: u64,

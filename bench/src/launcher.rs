@@ -70,6 +70,17 @@ impl NackdProcess {
     /// the generated config (e.g. `[[policy]]` tables). The generated part
     /// owns `[listen]`, `[upstream]`, `[store]` and `[metrics]`.
     pub fn start(binary: &Path, upstream: &str, extra: &str) -> Result<Self, LaunchError> {
+        Self::start_nodes(binary, &[upstream.to_string()], extra)
+    }
+
+    /// [`start`](Self::start) in front of several broker nodes
+    /// (`[upstream] addresses`, sessions take them in turn); one node is
+    /// `[upstream] address`, as `start` writes it.
+    pub fn start_nodes(binary: &Path, nodes: &[String], extra: &str) -> Result<Self, LaunchError> {
+        let upstream = match nodes {
+            [one] => format!("address = {one:?}"),
+            _ => format!("addresses = {nodes:?}"),
+        };
         let dir = tempfile::Builder::new()
             .prefix("nackd-bench-")
             .tempdir()
@@ -77,24 +88,18 @@ impl NackdProcess {
         let store = dir.path().join("store");
         let config = dir.path().join("nackd.toml");
         let text = format!(
-            "[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{upstream}\"\n\
+            "[listen]\naddress = \"127.0.0.1:0\"\n[upstream]\n{upstream}\n\
              [store]\npath = {store:?}\n[metrics]\naddress = \"127.0.0.1:0\"\n{extra}\n"
         );
         std::fs::write(&config, text).map_err(io(format!("writing {}", config.display())))?;
         let log_path = dir.path().join("nackd.log");
         let log =
             File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
+        // `--upstream` would replace `addresses` by one node: the config says it.
         let child = Command::new(binary)
             .arg("--config")
             .arg(&config)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                upstream,
-                "--log-format",
-                "json",
-            ])
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -139,6 +144,16 @@ impl NackdProcess {
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Address of its `/metrics`, `/readyz` and admin API (from the
+    /// "listening" log line).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        log_fields(&self.log_path(), "listening")?
+            .get("metrics")?
+            .as_str()?
+            .parse()
+            .ok()
     }
 
     /// The binary that runs.

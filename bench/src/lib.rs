@@ -12,7 +12,8 @@
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
-//! - one file per scenario: [`passthrough`], [`retry`], [`hold`].
+//! - one file per scenario: [`passthrough`], [`retry`], [`hold`],
+//!   [`replica`].
 #![forbid(unsafe_code)]
 
 use std::future::Future;
@@ -27,6 +28,7 @@ pub mod launcher;
 pub mod load;
 pub mod machine;
 pub mod passthrough;
+pub mod replica;
 pub mod retry;
 pub mod stats;
 
@@ -57,6 +59,8 @@ pub enum Scenario {
     Hold(hold::Args),
     /// Park N, then SIGKILL and restart nackd several times: time to serving.
     Restart(hold::RestartArgs),
+    /// Replica off vs on in one run: retry knee, park rate, p99 lateness.
+    Replica(replica::Args),
 }
 
 /// Options every scenario takes.
@@ -311,5 +315,6 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
         Scenario::Retry(args) => retry::run(args).await,
         Scenario::Hold(args) => hold::run(args).await,
         Scenario::Restart(args) => hold::run_restart(args).await,
+        Scenario::Replica(args) => replica::run(args).await,
     }
 }

@@ -212,6 +212,50 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     Ok(())
 }
 
+/// One rate of retries nacked through the nackd at `addr` (messages
+/// published straight to `broker`), as the `nackd` mechanism of `run`
+/// measures it: for `nackd-bench replica`.
+pub(crate) async fn nackd_rate(
+    retries: u64,
+    args: &Args,
+    broker: &str,
+    addr: &str,
+) -> BenchResult<RateFigures> {
+    let o = one_rate(Mechanism::Nackd, retries, args, broker, addr).await?;
+    Ok(RateFigures {
+        p50_ms: o.p(50.0),
+        p99_ms: o.p(99.0),
+        max_ms: o.lateness_us.iter().max().copied().unwrap_or(0) as f64 / 1000.0,
+        early: o.early,
+        deliveries_per_s: o.deliveries as f64 / o.seconds,
+        published: o.published,
+        finished: o.finished,
+    })
+}
+
+/// What one rate of retries through nackd came to.
+#[derive(Clone, Debug)]
+pub(crate) struct RateFigures {
+    /// Lateness percentiles and maximum, in ms.
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// Redeliveries that came before their delay.
+    pub early: usize,
+    /// Deliveries per second at the consumer, first and retried.
+    pub deliveries_per_s: f64,
+    /// Messages published, and those that went through every retry.
+    pub published: u64,
+    pub finished: u64,
+}
+
+impl RateFigures {
+    /// Every message went through its whole schedule.
+    pub fn complete(&self) -> bool {
+        self.finished == self.published
+    }
+}
+
 fn args_with(pairs: &[(&str, AMQPValue)]) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert("x-expires".into(), AMQPValue::LongInt(600_000));
