@@ -279,6 +279,7 @@ impl Client {
             consumer,
             ch,
             count: 0,
+            queued: Default::default(),
         })
     }
 
@@ -340,12 +341,17 @@ pub struct StreamReader {
     consumer: lapin::Consumer,
     ch: Channel,
     count: u64,
+    /// Records of a batch message not returned yet.
+    queued: std::collections::VecDeque<Record>,
 }
 
 impl StreamReader {
     /// The next record, `None` at the marker (the end as of the read's start).
     pub async fn next(&mut self) -> Result<Option<Record>, ClientError> {
         loop {
+            if let Some(record) = self.queued.pop_front() {
+                return Ok(Some(record));
+            }
             let next = tokio::time::timeout(READ_STALL, self.consumer.next()).await;
             let delivery = match next {
                 Err(_) | Ok(None) => return Err(ClientError::Timeout(self.stream.clone())),
@@ -366,7 +372,7 @@ impl StreamReader {
                     return Ok(None);
                 }
                 Ok(Record::Marker(_)) => {}
-                Ok(record) => return Ok(Some(record)),
+                Ok(record) => self.queued.extend(record.flatten()),
                 Err(_) => return Err(ClientError::Malformed(self.stream.clone())),
             }
         }

@@ -28,6 +28,7 @@ use crate::store::Held;
 
 const PUT: u8 = 1;
 const DONE: u8 = 2;
+const PUTS: u8 = 3;
 const MARKER: u8 = 4;
 const GENERATION: u8 = 16;
 const EPOCH: u8 = 17;
@@ -47,6 +48,9 @@ pub enum Record {
         /// The hold-log put record, prefix included.
         record: Bytes,
     },
+    /// Several held messages in one stream message (parks that came
+    /// together): readers see them as one `Put` each, in order.
+    Puts(Vec<Bytes>),
     /// Completed messages.
     Done(Vec<u64>),
     /// The end of what a reader must read.
@@ -95,6 +99,14 @@ impl Record {
                 out.put_u8(u8::from(*copy));
                 out.put_slice(record);
             }
+            Self::Puts(records) => {
+                out.put_u8(PUTS);
+                out.put_u32(records.len() as u32);
+                for record in records {
+                    out.put_u32(record.len() as u32);
+                    out.put_slice(record);
+                }
+            }
             Self::Done(ids) => {
                 out.put_u8(DONE);
                 out.put_u32(ids.len() as u32);
@@ -140,6 +152,24 @@ impl Record {
                 b = &[];
                 Self::Put { copy, record }
             }
+            PUTS => {
+                let n = take_u32(&mut b)? as usize;
+                let mut records = Vec::with_capacity(n.min(4096));
+                for _ in 0..n {
+                    let len = take_u32(&mut b)? as usize;
+                    if b.remaining() < len {
+                        return Err(Malformed);
+                    }
+                    let (one, rest) = b.split_at(len);
+                    match store_record::at(one) {
+                        Ok((View::Put(_), l)) if l == len => {}
+                        _ => return Err(Malformed),
+                    }
+                    records.push(Bytes::copy_from_slice(one));
+                    b = rest;
+                }
+                Self::Puts(records)
+            }
             DONE => {
                 let n = take_u32(&mut b)? as usize;
                 if b.remaining() != n * 8 {
@@ -168,6 +198,21 @@ impl Record {
             return Err(Malformed);
         }
         Ok(record)
+    }
+
+    /// The records a stream message stands for, one by one (a batch of
+    /// puts is several `Put`s).
+    pub fn flatten(self) -> Vec<Record> {
+        match self {
+            Self::Puts(records) => records
+                .into_iter()
+                .map(|record| Self::Put {
+                    copy: false,
+                    record,
+                })
+                .collect(),
+            one => vec![one],
+        }
     }
 
     /// The message a put record holds.
@@ -203,6 +248,11 @@ impl Fold {
     /// The steps `record` calls for.
     pub fn apply(&mut self, record: Record) -> Vec<Step> {
         match record {
+            Record::Puts(_) => record
+                .flatten()
+                .into_iter()
+                .flat_map(|one| self.apply(one))
+                .collect(),
             Record::Put { copy, record } => {
                 let Some(held) = Record::held(&record) else {
                     return Vec::new();
@@ -358,5 +408,33 @@ mod tests {
         );
         assert_eq!(fold.held(), 1);
         assert_eq!(fold.next_id(), 4, "completed ids count too");
+    }
+
+    #[test]
+    fn a_batch_of_puts_is_its_puts_in_order() {
+        let bytes = |r: Record| match r {
+            Record::Put { record, .. } => record,
+            _ => unreachable!(),
+        };
+        let batch = Record::Puts(vec![
+            bytes(put(1, 1, false)),
+            bytes(put(2, 1, false)),
+            bytes(put(1, 2, false)),
+        ]);
+        let wire = batch.encode();
+        assert_eq!(Record::decode(&wire), Ok(batch.clone()));
+        assert_eq!(Record::decode(&wire[..wire.len() - 1]), Err(Malformed));
+        let mut bad = wire.clone();
+        bad[9] ^= 0xff; // inside the first put: its checksum fails
+        assert_eq!(Record::decode(&bad), Err(Malformed));
+        assert_eq!(
+            batch.clone().flatten(),
+            vec![put(1, 1, false), put(2, 1, false), put(1, 2, false)]
+        );
+        let mut fold = Fold::default();
+        let steps = fold.apply(batch);
+        assert_eq!(steps.len(), 3);
+        assert_eq!(fold.held(), 2);
+        assert_eq!(fold.next_id(), 3);
     }
 }

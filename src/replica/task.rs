@@ -7,6 +7,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, info_span, warn, Instrument};
 
@@ -115,6 +117,14 @@ pub(super) async fn run(
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
+                    Some(Command::Append { record: Record::Put { copy: false, record }, reply }) => {
+                        // Parks that came together go in one stream message.
+                        let (batch, next) = gather_puts(record, reply, &mut commands);
+                        task.append_puts(batch).await;
+                        if let Some(command) = next {
+                            task.on_command(command).await;
+                        }
+                    }
                     Some(command) => task.on_command(command).await,
                     None => break,
                 },
@@ -136,6 +146,41 @@ pub(super) async fn run(
     }
     .instrument(span)
     .await
+}
+
+type Reply = oneshot::Sender<Result<(), ReplicaError>>;
+
+/// Most puts in one stream message, and about their most bytes.
+const BATCH_MAX: usize = 256;
+const BATCH_BYTES: usize = 1 << 20;
+
+/// The puts waiting behind `first` (up to a batch), and the first other
+/// command met, to run after them.
+fn gather_puts(
+    first: Bytes,
+    reply: Reply,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+) -> (Vec<(Bytes, Reply)>, Option<Command>) {
+    let mut bytes = first.len();
+    let mut batch = vec![(first, reply)];
+    while batch.len() < BATCH_MAX && bytes < BATCH_BYTES {
+        match commands.try_recv() {
+            Ok(Command::Append {
+                record:
+                    Record::Put {
+                        copy: false,
+                        record,
+                    },
+                reply,
+            }) => {
+                bytes += record.len();
+                batch.push((record, reply));
+            }
+            Ok(other) => return (batch, Some(other)),
+            Err(_) => break,
+        }
+    }
+    (batch, None)
 }
 
 impl Task {
@@ -184,8 +229,32 @@ impl Task {
     /// Appends `record` to every target; `reply` gets the outcome once each
     /// confirmed it.
     async fn append(&mut self, record: Record, reply: oneshot::Sender<Result<(), ReplicaError>>) {
+        self.append_for(record, vec![reply]).await
+    }
+
+    /// Appends a batch of new puts as one message.
+    async fn append_puts(&mut self, batch: Vec<(Bytes, Reply)>) {
+        let (records, replies): (Vec<Bytes>, Vec<Reply>) = batch.into_iter().unzip();
+        let record = match records.len() {
+            1 => Record::Put {
+                copy: false,
+                record: records.into_iter().next().expect("one"),
+            },
+            _ => Record::Puts(records),
+        };
+        self.append_for(record, replies).await
+    }
+
+    /// Appends `record` to every target; each of `replies` gets the
+    /// outcome once each target confirmed it.
+    async fn append_for(&mut self, record: Record, replies: Vec<Reply>) {
+        let reply_all = |replies: Vec<Reply>, result: Result<(), ReplicaError>| {
+            for reply in replies {
+                let _ = reply.send(result.clone());
+            }
+        };
         let (Some(client), true) = (&self.client, self.active()) else {
-            let _ = reply.send(Err(ReplicaError("the lease is not held".into())));
+            reply_all(replies, Err(ReplicaError("the lease is not held".into())));
             return;
         };
         let size = record.encode().len() as u64;
@@ -194,7 +263,7 @@ impl Task {
             match client.append(&stream, &record).await {
                 Ok(confirm) => confirms.push(confirm),
                 Err(e) => {
-                    let _ = reply.send(Err(ReplicaError(e.to_string())));
+                    reply_all(replies, Err(ReplicaError(e.to_string())));
                     return self.lost(&e.to_string());
                 }
             }
@@ -212,7 +281,7 @@ impl Task {
                     Err(e) => Err(ReplicaError(e.to_string())),
                 });
             }
-            let _ = reply.send(result);
+            reply_all(replies, result);
         });
     }
 
