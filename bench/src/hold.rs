@@ -140,17 +140,24 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
     let mut targets = start("restart", &args.park).await?;
     let nackd = started(&mut targets)?;
     let parking = park(&args.park, nackd).await?;
-    let mut listening = Vec::new();
+    let (mut serving, mut intercepting) = (Vec::new(), Vec::new());
     for _ in 0..args.restarts {
-        listening.push(restart_once(nackd, args.park.count).await?);
+        let (served, recovered) = restart_once(nackd, args.park.count).await?;
+        serving.push(served);
+        intercepting.push(recovered);
     }
-    listening.sort();
-    if let Some(median) = listening.get(listening.len() / 2) {
+    serving.sort();
+    intercepting.sort();
+    if let (Some(served), Some(recovered)) = (
+        serving.get(serving.len() / 2),
+        intercepting.get(intercepting.len() / 2),
+    ) {
         println!(
-            "restart     median of {} SIGKILL restarts with {} held: listening after {:.2} s",
-            listening.len(),
+            "restart     median of {} SIGKILL restarts with {} held: clients served after {:.2} s, intercepting after {:.2} s",
+            serving.len(),
             args.park.count,
-            median.as_secs_f64()
+            served.as_secs_f64(),
+            recovered.as_secs_f64()
         );
     }
     finish(targets, parking).await
@@ -333,28 +340,38 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
 }
 
 /// SIGKILLs nackd with `n` held and starts it on the same store; prints
-/// the time to listening (recovery and wheel rebuild come first), to a
-/// first AMQP connection through it, and what its recovery log line says.
-async fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<Duration> {
+/// the time to listening, to a first AMQP connection through it (nackd
+/// serves while it recovers), and to interception (store recovered, every
+/// held message re-scheduled), with what its recovery log line says.
+/// Returns the last two.
+async fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<(Duration, Duration)> {
     let to_listening = nackd.restart()?;
     let began = Instant::now();
     let conn = connect(&nackd.addr().to_string()).await?;
     let to_serving = to_listening + began.elapsed();
     close(&conn).await;
+    let rescheduled = loop {
+        if let Some(held) = nackd.intercepting_held() {
+            break held;
+        }
+        if began.elapsed() > Duration::from_secs(600) {
+            return Err("no \"store ready: intercepting\" line within 600 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let to_intercepting = to_listening + began.elapsed();
     println!(
-        "restart     SIGKILL with {n} held: listening (store recovered, wheel rebuilt) after {:.2} s, first AMQP connection through it after {:.2} s",
+        "restart     SIGKILL with {n} held: listening after {:.2} s, first AMQP connection through it after {:.2} s, intercepting after {:.2} s",
         to_listening.as_secs_f64(),
-        to_serving.as_secs_f64()
+        to_serving.as_secs_f64(),
+        to_intercepting.as_secs_f64()
     );
     println!(
-        "recovered   {} held re-scheduled before listening (nackd's recovery log line), {} in the store; nackd RSS {:.1} MiB",
-        nackd
-            .recovered_held()
-            .map_or("?".to_string(), |h| h.to_string()),
+        "recovered   {rescheduled} held re-scheduled (nackd's \"store ready\" log line), {} in the store; nackd RSS {:.1} MiB",
         held(nackd.binary(), &nackd.store_dir()),
         mib(rss(nackd.pid()))
     );
-    Ok(to_listening)
+    Ok((to_serving, to_intercepting))
 }
 
 /// Consumes the redeliveries of the parked messages through nackd and

@@ -224,10 +224,10 @@ impl NackdProcess {
         Ok(began.elapsed())
     }
 
-    /// `held` of the "store recovered" line in the current log: what the
-    /// recovery put back into the wheel before nackd listened.
-    pub fn recovered_held(&self) -> Option<u64> {
-        log_fields(&self.log_path(), "store recovered")?
+    /// `held` of the "store ready: intercepting" line in the current log:
+    /// what the recovery put back into the wheel; `None` until then.
+    pub fn intercepting_held(&self) -> Option<u64> {
+        log_fields(&self.log_path(), "store ready: intercepting")?
             .get("held")?
             .as_u64()
     }
