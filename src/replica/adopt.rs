@@ -22,6 +22,7 @@ use super::{Config, State};
 use crate::store::Held;
 
 /// What an adoption asks of the retry engine.
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 pub enum Adopt {
     /// Park this message (another instance's) under a new id of ours,
     /// in the local store and our stream; answer with the new id.

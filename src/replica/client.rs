@@ -358,7 +358,7 @@ impl StreamReader {
                 Ok(Some(delivery)) => delivery?,
             };
             self.count += 1;
-            if self.count % u64::from(READ_PREFETCH / 2) == 0 {
+            if self.count.is_multiple_of(u64::from(READ_PREFETCH / 2)) {
                 delivery.ack(BasicAckOptions { multiple: true }).await?;
             }
             match Record::decode(&delivery.data) {

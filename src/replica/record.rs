@@ -225,6 +225,7 @@ impl Record {
 }
 
 /// What reading a generation asks of the store, record by record.
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 #[derive(Debug)]
 pub enum Step {
     /// Hold this message (a later put of the same id supersedes an earlier one).

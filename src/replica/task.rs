@@ -25,6 +25,7 @@ const RETRY: Duration = Duration::from_secs(1);
 /// Steps of a rebuild committed together.
 const REBUILD_BATCH: usize = 512;
 
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 pub(super) enum Command {
     Sync {
         log: Log,
@@ -786,6 +787,7 @@ fn apply(
 
 /// Why a sync attempt failed: the broker (try again, the store is back)
 /// or the local store (give up).
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 enum Failed {
     Broker(Log, ClientError),
     Store(String),
@@ -796,6 +798,7 @@ fn forget_synced(dir: &std::path::Path) {
 }
 
 /// Closes `log` and opens it again: what it holds, as recovery reads it.
+#[allow(clippy::result_large_err)] // the error gives the log back to its owner
 fn reopen(log: Log) -> Result<(Log, Recovered), Failed> {
     let (dir, options) = (log.dir().to_owned(), log.options());
     drop(log);
@@ -803,6 +806,7 @@ fn reopen(log: Log) -> Result<(Log, Recovered), Failed> {
 }
 
 /// Deletes every segment of `log` and opens it empty.
+#[allow(clippy::result_large_err)] // the error gives the log back to its owner
 fn wipe_log(log: Log) -> Result<Log, Failed> {
     let (dir, options) = (log.dir().to_owned(), log.options());
     drop(log);

@@ -60,6 +60,7 @@ const LANE_BACKOFF: Backoff = Backoff {
 };
 
 /// Why [`Engine::run`] returned.
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 pub(super) enum Exit {
     /// The command channel closed: nackd is stopping.
     Stopped,
@@ -284,15 +285,13 @@ impl Engine {
     }
 
     fn write(&self, op: WriteOp<PutCtx>) {
-        if let Err(std::sync::mpsc::SendError(op)) = self.writer.send(op) {
-            if let WriteOp::Put {
-                ctx: PutCtx::Park { key, reply, .. },
-                ..
-            } = op
-            {
-                let result = Err(StoreError::Io("store thread is gone".into()));
-                let _ = reply.send(Parked { key, result });
-            }
+        if let Err(std::sync::mpsc::SendError(WriteOp::Put {
+            ctx: PutCtx::Park { key, reply, .. },
+            ..
+        })) = self.writer.send(op)
+        {
+            let result = Err(StoreError::Io("store thread is gone".into()));
+            let _ = reply.send(Parked { key, result });
         }
     }
 

@@ -24,15 +24,15 @@ impl Session {
     /// Observes a decoded broker method; `false` means "do not forward it".
     pub(super) fn on_upstream_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         match class {
-            AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) => {
-                if tune.frame_max == 0 || tune.frame_max > self.limits.max_frame {
-                    // Offer the client no more than nackd accepts.
-                    let mut capped = tune.clone();
-                    capped.frame_max = self.limits.max_frame;
-                    let tune = AMQPClass::Connection(connection::AMQPMethod::Tune(capped));
-                    self.to_client.extend_from_slice(&method::encode(0, &tune));
-                    return false;
-                }
+            AMQPClass::Connection(connection::AMQPMethod::Tune(tune))
+                if tune.frame_max == 0 || tune.frame_max > self.limits.max_frame =>
+            {
+                // Offer the client no more than nackd accepts.
+                let mut capped = tune.clone();
+                capped.frame_max = self.limits.max_frame;
+                let tune = AMQPClass::Connection(connection::AMQPMethod::Tune(capped));
+                self.to_client.extend_from_slice(&method::encode(0, &tune));
+                return false;
             }
             AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)) => {
                 self.open = true;

@@ -11,6 +11,9 @@
 //! one live record per held message once things settle) and disk use must
 //! stay within its bound.
 
+/// A staged put, its context and its answer so far.
+type PutAnswer = (Held, Ctx, Result<Loc, ()>);
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -74,6 +77,7 @@ enum Ctx {
     Reroute,
 }
 
+#[allow(clippy::large_enum_variant)] // a test's channel message
 enum ToWriter {
     Put(Held, Option<Loc>, Ctx),
     Del(u64, Loc),
@@ -297,7 +301,7 @@ impl World {
 
     /// Stages up to `n` queued operations; returns the puts' answers so
     /// far and the ids of the deletes.
-    fn stage(&mut self, n: u8) -> (Vec<(Held, Ctx, Result<Loc, ()>)>, Vec<u64>) {
+    fn stage(&mut self, n: u8) -> (Vec<PutAnswer>, Vec<u64>) {
         let mut puts = Vec::new();
         let mut dels = Vec::new();
         for _ in 0..n {

@@ -28,6 +28,7 @@ const COMPACT_STEP: u64 = 4 * 1024 * 1024;
 const RETRY_EVERY: Duration = Duration::from_secs(1);
 
 /// An operation for the writer thread.
+#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 pub enum WriteOp<C> {
     /// Store a message; the answer comes back with `ctx`.
     Put {

@@ -28,13 +28,7 @@ fn every_type() -> Vec<(&'static str, u8, Vec<u8>)> {
             [&(inner.len() as u32).to_be_bytes()[..], &inner].concat()
         }),
         ("A", b'A', {
-            let inner = [
-                &[b'L'][..],
-                &9u64.to_be_bytes(),
-                &[b'S'],
-                &long_string(b"x"),
-            ]
-            .concat();
+            let inner = [&b"L"[..], &9u64.to_be_bytes(), b"S", &long_string(b"x")].concat();
             [&(inner.len() as u32).to_be_bytes()[..], &inner].concat()
         }),
         ("x", b'x', long_string(&[0, 1, 2, 0xfe])),
