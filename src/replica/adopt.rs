@@ -80,6 +80,9 @@ pub(super) struct Watch {
     progress: HashMap<String, HashMap<u64, u64>>,
     /// Every instance name seen in the registry (its records age out).
     known: std::collections::BTreeSet<String>,
+    /// Registrations of each name at the last read: an instance registers
+    /// each time it takes its lease, so a new one means it came back.
+    registrations: HashMap<String, usize>,
     /// When the registry was last read, and this instance last registered.
     read_at: Option<Instant>,
     registered_at: Option<Instant>,
@@ -99,7 +102,16 @@ impl Watch {
             .is_none_or(|t| t.elapsed() >= config.adopt_after / 2)
         {
             // Each read appends a marker: read every half adopt_after.
-            self.known.extend(registered(client, &registry).await?);
+            for (name, count) in registered(client, &registry).await? {
+                let before = self.registrations.insert(name.clone(), count);
+                if before.is_some_and(|b| b != count) {
+                    // It started again since: adopted once, it may hold
+                    // messages again (a change from retention costs one
+                    // look at its directory).
+                    self.settled.remove(&name);
+                }
+                self.known.insert(name);
+            }
             self.read_at = Some(Instant::now());
         }
         if self
@@ -143,20 +155,18 @@ impl Watch {
     }
 }
 
-/// Instance ids in the registry.
-async fn registered(client: &Client, registry: &str) -> Result<Vec<String>, ClientError> {
+/// Instance ids in the registry, with how many times each registered.
+async fn registered(
+    client: &Client,
+    registry: &str,
+) -> Result<HashMap<String, usize>, ClientError> {
     client.declare_registry(registry).await?;
-    let mut names: Vec<String> = client
-        .read_all(registry)
-        .await?
-        .into_iter()
-        .filter_map(|r| match r {
-            Record::Instance { name } => Some(name),
-            _ => None,
-        })
-        .collect();
-    names.sort();
-    names.dedup();
+    let mut names: HashMap<String, usize> = HashMap::new();
+    for record in client.read_all(registry).await? {
+        if let Record::Instance { name } = record {
+            *names.entry(name).or_default() += 1;
+        }
+    }
     Ok(names)
 }
 
