@@ -19,7 +19,6 @@ use common::ops::scrape;
 use common::process::Process;
 use common::*;
 use lapin::options::*;
-use lapin::types::FieldTable;
 use nackd::protocol::content::encode_header;
 use nackd::store::{Held, Log, Options, Route};
 
@@ -74,20 +73,6 @@ fn rss(pid: u32) -> (u64, u64) {
 
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / 1048576.0)
-}
-
-async fn message_count(ch: &lapin::Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 #[tokio::test]

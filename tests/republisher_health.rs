@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use common::ops::{get, json, scrape, until};
 use common::*;
 use lapin::options::*;
-use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -111,20 +110,6 @@ async fn nack_all(conn: &Connection, q: &str, bodies: &[&str]) {
     }
     // Closing the channel flushes the upstream acks of what nackd holds.
     ch.close(200, "done".into()).await.unwrap();
-}
-
-async fn message_count(ch: &lapin::Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 /// Issue item 7: a republisher connection that goes silent (the broker's

@@ -377,15 +377,7 @@ async fn closing_right_after_a_burst_of_nacks_loses_no_ack() {
     .await;
     // Every one was acked upstream: none is back in the queue.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let left = dch
-        .queue_declare(q.as_str().into(), passive, FieldTable::default())
-        .await
-        .unwrap()
-        .message_count();
+    let left = message_count(&dch, &q).await;
     assert_eq!(left, 0, "the broker requeued messages nackd holds");
     dch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
         .await

@@ -77,20 +77,6 @@ fn x_death_count(d: &Delivery, queue: &str) -> Option<i64> {
     })
 }
 
-async fn message_count(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
-}
-
 async fn delete(ch: &Channel, names: &[&str]) {
     for n in names {
         let _ = ch
@@ -773,19 +759,13 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
 /// declared before it.
 #[tokio::test]
 async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
-    use amq_protocol::protocol::{basic, channel, queue, AMQPClass};
+    use amq_protocol::protocol::{basic, queue, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::frame::FrameType;
     use nackd::protocol::method;
 
     let nackd = start("[[policy]]\nqueues = [\"amq.gen-*\"]\ndelays = [\"10m\"]\n").await;
     let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
-    let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
-    raw.send(&method::encode(1, &open)).await;
-    assert!(matches!(
-        raw.method().await,
-        Some(AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
-    ));
+    raw.open_channel(1).await;
     let declare = method::encode(
         1,
         &AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
@@ -804,18 +784,7 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
     };
     raw.send(&declare).await;
     let first = declared(raw.method().await);
-    let consume = method::encode(
-        1,
-        &AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-            queue: "".into(),
-            consumer_tag: "c".into(),
-            no_local: false,
-            no_ack: false,
-            exclusive: false,
-            nowait: false,
-            arguments: FieldTable::default(),
-        })),
-    );
+    let consume = RawClient::consume_frame(1, "");
     // Both frames in one write: nackd sees the consume before the broker
     // has named the second queue.
     raw.send(&[declare, consume].concat()).await;
@@ -835,11 +804,7 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
         BasicProperties::default(),
     )
     .await;
-    let tag = match raw.method().await {
-        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
-        other => panic!("expected a delivery, got {other:?}"),
-    };
-    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    let tag = raw.delivery().await;
     raw.send(&method::nack(1, tag, false, false)).await;
     let s = common::ops::until(nackd.metrics, "the nack held", |s| {
         s.sum("nackd_held_messages") == 1.0
@@ -863,7 +828,7 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
 /// message as the client asked.
 #[tokio::test]
 async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
-    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use amq_protocol::protocol::{basic, AMQPClass};
     use common::raw::RawClient;
     use nackd::protocol::content::encode_header;
     use nackd::protocol::frame::FrameType;
@@ -880,29 +845,10 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     let dch = direct.create_channel().await.unwrap();
     declare_durable(&dch, &q).await;
     let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
-    raw.send(&method::encode(
-        1,
-        &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    ))
-    .await;
-    raw.method().await.expect("open-ok");
-    let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-        queue: q.as_str().into(),
-        consumer_tag: "c".into(),
-        no_local: false,
-        no_ack: false,
-        exclusive: false,
-        nowait: false,
-        arguments: FieldTable::default(),
-    }));
-    raw.send(&method::encode(1, &consume)).await;
-    raw.method().await.expect("consume-ok");
+    raw.open_channel(1).await;
+    raw.consume(1, &q).await;
     publish(&dch, "", &q, b"refused", BasicProperties::default()).await;
-    let tag = match raw.method().await {
-        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
-        other => panic!("expected a delivery, got {other:?}"),
-    };
-    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    let tag = raw.delivery().await;
     // The nack, then a publish on the same channel: method and header now,
     // the body only after the store has refused the nack.
     let mut bytes = bytes::BytesMut::new();
@@ -948,9 +894,8 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
 /// the message).
 #[tokio::test]
 async fn a_second_settle_of_a_claimed_tag_goes_to_the_broker_alone() {
-    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use amq_protocol::protocol::{basic, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::frame::FrameType;
     use nackd::protocol::method;
 
     let q = unique("settled-twice");
@@ -962,29 +907,10 @@ async fn a_second_settle_of_a_claimed_tag_goes_to_the_broker_alone() {
     let dch = direct.create_channel().await.unwrap();
     declare_durable(&dch, &q).await;
     let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
-    raw.send(&method::encode(
-        1,
-        &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    ))
-    .await;
-    raw.method().await.expect("open-ok");
-    let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-        queue: q.as_str().into(),
-        consumer_tag: "c".into(),
-        no_local: false,
-        no_ack: false,
-        exclusive: false,
-        nowait: false,
-        arguments: FieldTable::default(),
-    }));
-    raw.send(&method::encode(1, &consume)).await;
-    raw.method().await.expect("consume-ok");
+    raw.open_channel(1).await;
+    raw.consume(1, &q).await;
     publish(&dch, "", &q, b"twice", BasicProperties::default()).await;
-    let tag = match raw.method().await {
-        Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
-        other => panic!("expected a delivery, got {other:?}"),
-    };
-    while raw.frame().await.expect("content").kind != FrameType::Body {}
+    let tag = raw.delivery().await;
     raw.send(
         &[
             method::nack(1, tag, false, true),
@@ -1011,15 +937,7 @@ async fn a_second_settle_of_a_claimed_tag_goes_to_the_broker_alone() {
         Some(AMQPClass::Basic(basic::AMQPMethod::QosOk(_))) => {}
         other => panic!("expected qos-ok, got {other:?}"),
     }
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let left = dch
-        .queue_declare(q.as_str().into(), passive, FieldTable::default())
-        .await
-        .unwrap()
-        .message_count();
+    let left = message_count(&dch, &q).await;
     assert_eq!(left, 0, "the client's ack ended the message");
     drop(raw);
     dch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())

@@ -23,6 +23,21 @@ pub async fn declare_durable(ch: &Channel, q: &str) {
     .unwrap();
 }
 
+/// Messages ready in `q`, as the broker counts them (a passive declare).
+pub async fn message_count(ch: &Channel, q: &str) -> u32 {
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
 /// Publishes `body` to queue `q` (default exchange) and waits for the
 /// confirm, if the channel is in confirm mode.
 pub async fn publish(ch: &Channel, q: &str, body: &[u8]) -> Confirmation {

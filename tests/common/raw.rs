@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use amq_protocol::protocol::{connection, AMQPClass};
+use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use amq_protocol::types::{FieldTable, LongString};
 use bytes::BytesMut;
 use nackd::protocol::frame::{Frame, FrameDecoder, FrameType, PROTOCOL_HEADER};
@@ -70,6 +70,52 @@ impl RawClient {
                 return Some(method::decode_any(&frame.payload()).unwrap());
             }
         }
+    }
+
+    /// Opens channel `ch` and waits for its open-ok.
+    pub async fn open_channel(&mut self, ch: u16) {
+        let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+        self.send(&method::encode(ch, &open)).await;
+        match self.method().await {
+            Some(AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {}
+            other => panic!("expected channel.open-ok, got {other:?}"),
+        }
+    }
+
+    /// A `basic.consume` of `queue` on `ch` with manual acks, tag "c".
+    pub fn consume_frame(ch: u16, queue: &str) -> bytes::Bytes {
+        method::encode(
+            ch,
+            &AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+                queue: queue.into(),
+                consumer_tag: "c".into(),
+                no_local: false,
+                no_ack: false,
+                exclusive: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        )
+    }
+
+    /// Consumes `queue` on `ch` (see [`RawClient::consume_frame`]) and
+    /// waits for the consume-ok.
+    pub async fn consume(&mut self, ch: u16, queue: &str) {
+        self.send(&Self::consume_frame(ch, queue)).await;
+        match self.method().await {
+            Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))) => {}
+            other => panic!("expected consume-ok, got {other:?}"),
+        }
+    }
+
+    /// The next delivery's tag, once its (non-empty) content has been read.
+    pub async fn delivery(&mut self) -> u64 {
+        let tag = match self.method().await {
+            Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => d.delivery_tag,
+            other => panic!("expected a delivery, got {other:?}"),
+        };
+        while self.frame().await.expect("content").kind != FrameType::Body {}
+        tag
     }
 
     /// Reads until the server closes, answering a `connection.close`.
