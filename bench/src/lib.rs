@@ -144,14 +144,8 @@ impl Targets {
                 warn_if_stale(&binary);
                 let mut extra = extra.to_string();
                 if let Some(path) = &common.nackd_config {
-                    let more = std::fs::read_to_string(path)
-                        .map_err(|e| format!("--nackd-config {}: {e}", path.display()))?;
-                    let settings: Vec<&str> = more
-                        .lines()
-                        .map(str::trim)
-                        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                        .collect();
-                    nackd_settings = Some(format!("{} ({})", path.display(), settings.join(" ")));
+                    let (more, settings) = read_nackd_config(path)?;
+                    nackd_settings = Some(settings);
                     extra = format!("{more}\n{extra}");
                 }
                 Some(NackdProcess::start(&binary, &common.broker, &extra)?)
@@ -204,6 +198,20 @@ pub struct Target {
 
 /// `cargo run --bin nackd-bench` rebuilds only itself: say so when the
 /// `nackd` beside it is older, it may not contain the code being measured.
+/// The TOML of `--nackd-config FILE`, and the line the header prints for
+/// it: the file's name and its settings, comments left out.
+pub(crate) fn read_nackd_config(path: &std::path::Path) -> BenchResult<(String, String)> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--nackd-config {}: {e}", path.display()))?;
+    let settings: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let shown = format!("{} ({})", path.display(), settings.join(" "));
+    Ok((text, shown))
+}
+
 fn warn_if_stale(nackd: &std::path::Path) {
     let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let me = std::env::current_exe().ok();

@@ -150,14 +150,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     );
     let mut settings = None;
     if let Some(path) = &common.nackd_config {
-        let more = std::fs::read_to_string(path)
-            .map_err(|e| format!("--nackd-config {}: {e}", path.display()))?;
-        let lines: Vec<&str> = more
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with('#'))
-            .collect();
-        settings = Some(format!("{} ({})", path.display(), lines.join(" ")));
+        let (more, shown) = crate::read_nackd_config(path)?;
+        settings = Some(shown);
         base = format!("{more}\n{base}");
     }
     let mut replica = format!("[replica]\ninstance = \"{instance}\"\ngroup = \"{group}\"\n");
