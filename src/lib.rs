@@ -39,6 +39,7 @@
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
+pub mod clock;
 pub mod config;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

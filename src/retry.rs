@@ -12,11 +12,12 @@
 //! - `admin`: list, fire now, purge, status, for operators.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
+pub use crate::clock::Clock;
 use crate::store::{Route, StoreError};
 
 mod admin;
@@ -46,8 +47,6 @@ pub struct ClaimKey {
 pub struct Park {
     /// Answer goes back with this key.
     pub key: ClaimKey,
-    /// Where the answer goes (the session).
-    pub reply: mpsc::UnboundedSender<Parked>,
     /// Virtual host.
     pub vhost: Arc<str>,
     /// Queue it was nacked on.
@@ -75,8 +74,11 @@ pub struct Parked {
     pub result: Result<u64, StoreError>,
 }
 
+/// Where the engine answers a session's parks.
+pub type ParkReply = mpsc::UnboundedSender<Parked>;
+
 enum Command {
-    Park(Park),
+    Park(Park, ParkReply),
     Cancel(u64),
     Admin(admin::Command),
 }
@@ -90,44 +92,15 @@ pub struct RetryHandle {
 }
 
 impl RetryHandle {
-    /// Asks the engine to park a message; `false` if the engine is gone.
-    pub fn park(&self, park: Park) -> bool {
-        self.tx.send(Command::Park(park)).is_ok()
+    /// Asks the engine to park a message and answer to `reply`; `false`
+    /// if the engine is gone.
+    pub fn park(&self, park: Park, reply: &ParkReply) -> bool {
+        self.tx.send(Command::Park(park, reply.clone())).is_ok()
     }
 
     /// Drops a parked message (its delivery went back to the broker anyway).
     pub fn cancel(&self, id: u64) {
         let _ = self.tx.send(Command::Cancel(id));
-    }
-}
-
-/// Milliseconds since the Unix epoch, read from a monotonic clock.
-#[derive(Clone, Copy, Debug)]
-pub struct Clock {
-    origin: Instant,
-    origin_ms: u64,
-}
-
-impl Clock {
-    /// A clock starting now.
-    pub fn start() -> Self {
-        let since_epoch = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        Self {
-            origin: Instant::now(),
-            origin_ms: since_epoch.as_millis() as u64,
-        }
-    }
-
-    /// Now, in ms since the epoch.
-    pub fn now_ms(&self) -> u64 {
-        self.origin_ms + self.origin.elapsed().as_millis() as u64
-    }
-
-    /// The instant at which `now_ms()` reaches `ms` (rounded up: never early).
-    pub fn instant_at(&self, ms: u64) -> Instant {
-        self.origin + Duration::from_millis(ms.saturating_sub(self.origin_ms))
     }
 }
 
@@ -162,43 +135,17 @@ pub fn start(start: Start) -> RetryHandle {
     RetryHandle { tx, ready }
 }
 
-/// A retry handle without an engine, for the session's unit tests: the
-/// test plays the engine and answers each park itself.
+/// A retry handle without an engine, for the session's unit tests (the
+/// session core never talks to the engine: the test plays it).
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
 
-    /// What the session sent to the "engine".
-    pub struct Engine {
-        rx: mpsc::UnboundedReceiver<Command>,
-        /// Ids the session cancelled.
-        pub cancelled: Vec<u64>,
-    }
-
-    /// A handle whose interception is ready, and its engine side.
-    pub fn handle() -> (RetryHandle, Engine) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    /// A handle whose interception is ready.
+    pub fn ready_handle() -> RetryHandle {
+        let (tx, _) = mpsc::unbounded_channel();
         let ready = supervisor::Readiness::new();
         ready.set(supervisor::Ready::Ready);
-        let engine = Engine {
-            rx,
-            cancelled: Vec::new(),
-        };
-        (RetryHandle { tx, ready }, engine)
-    }
-
-    impl Engine {
-        /// The parks asked since the last call (cancels are recorded).
-        pub fn parks(&mut self) -> Vec<Park> {
-            let mut parks = Vec::new();
-            while let Ok(command) = self.rx.try_recv() {
-                match command {
-                    Command::Park(p) => parks.push(p),
-                    Command::Cancel(id) => self.cancelled.push(id),
-                    Command::Admin(_) => {}
-                }
-            }
-            parks
-        }
+        RetryHandle { tx, ready }
     }
 }

@@ -41,6 +41,8 @@ async fn interception(
         retry_options.republish.login.clone(),
         metrics.clone(),
     );
+    // One clock for the engine and the sessions.
+    let clock = crate::clock::Clock::start();
     let start = retry::Start {
         dir: config.store.path.clone(),
         store: crate::store::Options {
@@ -51,11 +53,13 @@ async fn interception(
         connector: connector.clone(),
         options: retry_options,
         metrics: metrics.clone(),
+        clock,
     };
     let interception = Interception {
         policies: live.subscribe(),
         budget: Budget::new(config.limits.capture_budget),
         retry: retry::start(start),
+        clock,
     };
     Ok((interception, check))
 }

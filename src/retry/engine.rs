@@ -129,15 +129,14 @@ impl Engine {
     pub(super) fn new(
         log: Log,
         recovered: Recovered,
-        connector: Connector,
-        options: Options,
-        metrics: Arc<Metrics>,
+        start: &super::Start,
         replica: Option<crate::replica::Replica>,
         ready: Arc<super::Readiness>,
     ) -> Self {
         let (reports_tx, reports) = mpsc::unbounded_channel();
         let (events_tx, events) = mpsc::unbounded_channel();
-        let clock = Clock::start();
+        let (clock, connector) = (start.clock, start.connector.clone());
+        let (options, metrics) = (start.options.clone(), start.metrics.clone());
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone());
@@ -201,7 +200,7 @@ impl Engine {
             };
             tokio::select! {
                 command = commands.recv() => match command {
-                    Some(Command::Park(park)) => self.park(park),
+                    Some(Command::Park(park, reply)) => self.park(park, reply),
                     Some(Command::Cancel(id)) => self.forget(id),
                     Some(Command::Admin(command)) => self.on_admin(command),
                     None => break Exit::Stopped,
@@ -295,7 +294,7 @@ impl Engine {
         }
     }
 
-    fn park(&mut self, park: Park) {
+    fn park(&mut self, park: Park, reply: mpsc::UnboundedSender<Parked>) {
         let id = self.next_id;
         self.next_id += 1;
         let held = Held {
@@ -314,7 +313,7 @@ impl Engine {
         let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
         let ctx = PutCtx::Park {
             key: park.key,
-            reply: park.reply,
+            reply,
             meta,
         };
         self.put_new(held, ctx);
@@ -483,7 +482,7 @@ mod tests {
     use bytes::Bytes;
     use std::time::Duration;
 
-    fn park(reply: mpsc::UnboundedSender<Parked>, tag: u64) -> Park {
+    fn park(tag: u64) -> Park {
         Park {
             key: ClaimKey {
                 channel: 1,
@@ -491,7 +490,6 @@ mod tests {
                 tag,
                 seq: tag,
             },
-            reply,
             vhost: Arc::from("/"),
             queue: Arc::from("q"),
             delay: Duration::from_secs(3600),
@@ -520,12 +518,13 @@ mod tests {
             connector: Connector::new(&upstream).unwrap(),
             options: crate::retry::Options::new(&Default::default(), "guest".into()),
             metrics: Metrics::new(),
+            clock: crate::clock::Clock::start(),
         });
         let (gone, dropped) = mpsc::unbounded_channel();
         drop(dropped);
-        assert!(handle.park(park(gone, 1)));
+        assert!(handle.park(park(1), &gone));
         let (alive, mut answers) = mpsc::unbounded_channel();
-        assert!(handle.park(park(alive, 2)));
+        assert!(handle.park(park(2), &alive));
         let answer = answers.recv().await.unwrap();
         assert!(answer.result.is_ok());
         let (listed, total) = handle.list(None, None, 10).await.unwrap();

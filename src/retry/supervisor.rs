@@ -79,6 +79,8 @@ pub struct Start {
     pub options: Options,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// nackd's clock (the sessions read the same one).
+    pub clock: crate::clock::Clock,
 }
 
 /// Starts the engine's thread; returns where interception stands.
@@ -128,15 +130,7 @@ async fn supervise(
             }
         }
         info!(held = recovered.held.len(), "store ready: intercepting");
-        let engine = Engine::new(
-            log,
-            recovered,
-            start.connector.clone(),
-            start.options.clone(),
-            start.metrics.clone(),
-            replica.clone(),
-            ready.clone(),
-        );
+        let engine = Engine::new(log, recovered, &start, replica.clone(), ready.clone());
         match engine.run(&mut commands, &mut adopts).await {
             Exit::Stopped => return,
             Exit::Stale(back) => {
@@ -175,9 +169,9 @@ async fn open(start: &Start) -> Option<(Log, store::Recovered)> {
 /// refused (their nacks pass through), admin calls get nothing.
 async fn drain(mut commands: mpsc::UnboundedReceiver<Command>) {
     while let Some(command) = commands.recv().await {
-        if let Command::Park(park) = command {
+        if let Command::Park(park, reply) = command {
             let result = Err(store::StoreError::Io("the store is not open".into()));
-            let _ = park.reply.send(super::Parked {
+            let _ = reply.send(super::Parked {
                 key: park.key,
                 result,
             });

@@ -1,8 +1,18 @@
 //! Frames from the client: tracking, settles, the handshake's tune-ok.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use amq_protocol::protocol::{basic, channel as amqp_channel, connection, tx, AMQPClass};
+use tracing::{debug, Span};
+
+use super::close::Origin;
+use super::core::Session;
 use super::frames::Peer;
-use super::*;
-use amq_protocol::protocol::tx;
+use super::lifecycle::Fault;
+use super::settle::Settle;
+use crate::protocol::frame::{self, Frame, FrameError, FrameType};
+use crate::protocol::method::{self, ids, MethodId};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
@@ -67,7 +77,7 @@ impl Session {
                 self.to_upstream.extend_from_slice(&frame);
             }
             // The broker's time to apply these acks runs from now.
-            let now = Instant::now();
+            let now = self.now;
             self.acked_at = Some(now);
             if self.barrier.is_some() {
                 self.barrier_acked_at = Some(now);
@@ -97,7 +107,8 @@ impl Session {
                 // Asked before the close is recorded: once it is, and not
                 // held, acks no longer count.
                 let wait = self.must_wait();
-                self.close.expect_upstream_close_ok(Origin::Client);
+                self.close
+                    .expect_upstream_close_ok(Origin::Client, self.now);
                 if wait {
                     self.hold();
                 }

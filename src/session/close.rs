@@ -37,15 +37,15 @@ pub struct Close {
 
 impl Close {
     /// Marks the start of closing (the close timeout runs from here).
-    pub fn begin(&mut self) {
-        self.since.get_or_insert_with(Instant::now);
+    pub fn begin(&mut self, now: Instant) {
+        self.since.get_or_insert(now);
     }
 
     /// Restarts the close timeout, if closing has begun (a close that was
     /// held back goes on now).
-    pub fn restart(&mut self) {
+    pub fn restart(&mut self, now: Instant) {
         if self.since.is_some() {
-            self.since = Some(Instant::now());
+            self.since = Some(now);
         }
     }
 
@@ -55,14 +55,14 @@ impl Close {
     }
 
     /// A `connection.close` went to the client; its close-ok is awaited.
-    pub fn expect_client_close_ok(&mut self, origin: Origin) {
-        self.begin();
+    pub fn expect_client_close_ok(&mut self, origin: Origin, now: Instant) {
+        self.begin(now);
         self.await_client = Some(origin);
     }
 
     /// A `connection.close` went to the broker; its close-ok is awaited.
-    pub fn expect_upstream_close_ok(&mut self, origin: Origin) {
-        self.begin();
+    pub fn expect_upstream_close_ok(&mut self, origin: Origin, now: Instant) {
+        self.begin(now);
         self.await_upstream = Some(origin);
     }
 
@@ -132,7 +132,7 @@ mod tests {
         let mut c = Close::default();
         let now = Instant::now();
         assert!(!c.finished(now));
-        c.expect_upstream_close_ok(Origin::Client);
+        c.expect_upstream_close_ok(Origin::Client, now);
         assert!(!c.finished(now));
         assert_eq!(c.upstream_close_ok(), Some(Origin::Client));
         assert!(c.finished(now));
@@ -141,9 +141,9 @@ mod tests {
     #[test]
     fn a_gone_side_owes_nothing_and_timeouts_end_everything() {
         let mut c = Close::default();
-        c.expect_client_close_ok(Origin::Nackd);
-        c.expect_upstream_close_ok(Origin::Nackd);
         let now = Instant::now();
+        c.expect_client_close_ok(Origin::Nackd, now);
+        c.expect_upstream_close_ok(Origin::Nackd, now);
         assert!(!c.finished(now));
         c.client_gone = true;
         assert!(!c.finished(now));

@@ -3,24 +3,32 @@
 //! the methods nackd needs. What differs per direction is in `client.rs`
 //! and `upstream.rs`.
 
-use super::*;
+use amq_protocol::protocol::AMQPClass;
+use bytes::BytesMut;
+use tracing::Span;
+
+use super::core::Session;
+use super::lifecycle::Fault;
+use crate::protocol::frame::{Frame, FrameError, FrameType};
+use crate::protocol::method::{self, MethodId};
 use crate::session::channel::ContentState;
 
 /// A side of the pair, by who sent the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Peer {
+pub enum Peer {
     Client,
     Upstream,
 }
 
 impl Session {
-    /// Handles every whole frame `peer` sent; counts them once per read.
-    pub(super) fn on_bytes(&mut self, peer: Peer) {
+    /// Handles every whole frame `peer` sent in `input`; counts them once
+    /// per read.
+    pub(super) fn on_bytes(&mut self, peer: Peer, input: &mut BytesMut) {
         let mut frames = 0;
         let fault = loop {
             let next = match peer {
-                Peer::Client => self.client_decoder.decode(&mut self.client_in),
-                Peer::Upstream => self.upstream_decoder.decode(&mut self.upstream_in),
+                Peer::Client => self.client_decoder.decode(input),
+                Peer::Upstream => self.upstream_decoder.decode(input),
             };
             let frame = match next {
                 Ok(Some(frame)) => frame,
@@ -40,6 +48,8 @@ impl Session {
             Peer::Client => {
                 self.metrics.frames.to_upstream.inc_by(frames);
                 if let Some(fault) = fault {
+                    // The rest of what the client sent is not read.
+                    input.clear();
                     self.on_client_fault(fault);
                 }
             }

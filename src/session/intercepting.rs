@@ -2,16 +2,17 @@
 //! claim their nacks, ack them upstream once stored, and keep every other
 //! settle meaning what the client meant.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, warn};
 
 use super::capture::{Budget, Capturing};
 use super::close::Origin;
+use super::core::{Effect, Session};
 use super::settle::{self, Settle};
-use super::{Session, ACK_GRACE, SETTLE_TIMEOUT};
+use super::{ACK_GRACE, SETTLE_TIMEOUT};
+use crate::clock::Clock;
 use crate::config::policy::{Policies, Policy, Step};
 use crate::config::OnExhausted;
 use crate::metrics::{Event, EventKind, PassReason};
@@ -21,7 +22,6 @@ use crate::protocol::method;
 use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
 use crate::session::channel::{Claimed, Delivery};
 use crate::store::Route;
-use std::collections::BTreeSet;
 
 /// What sessions share to intercept nacks.
 pub struct Interception {
@@ -29,8 +29,10 @@ pub struct Interception {
     pub policies: tokio::sync::watch::Receiver<Arc<Policies>>,
     /// Bound on captured bytes.
     pub budget: Arc<Budget>,
-    /// The retry engine.
+    /// The retry engine (the pump talks to it; the core reads its readiness).
     pub retry: RetryHandle,
+    /// nackd's clock, for the times written into headers and events.
+    pub clock: Clock,
 }
 
 /// Per-session interception state.
@@ -40,14 +42,10 @@ pub(super) struct Intercepting {
     policies: tokio::sync::watch::Receiver<Arc<Policies>>,
     current: Arc<Policies>,
     cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
-    pub parked: tokio::sync::mpsc::UnboundedSender<Parked>,
 }
 
 impl Intercepting {
-    pub fn new(
-        shared: Arc<Interception>,
-        parked: tokio::sync::mpsc::UnboundedSender<Parked>,
-    ) -> Self {
+    pub fn new(shared: Arc<Interception>) -> Self {
         let mut policies = shared.policies.clone();
         let current = policies.borrow_and_update().clone();
         Self {
@@ -56,7 +54,6 @@ impl Intercepting {
             policies,
             current,
             cache: HashMap::new(),
-            parked,
         }
     }
 
@@ -82,13 +79,6 @@ enum Claim {
     Reject(u32),
     /// Not intercepted after all: forward the client's settle.
     Pass(PassReason),
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs()
 }
 
 impl Session {
@@ -255,14 +245,11 @@ impl Session {
 
     fn on_exhausted_reject(&self, queue: &str, retry: u32) {
         self.metrics.exhausted_reject.inc();
-        let vhost = self
-            .intercepting
-            .as_ref()
-            .map_or_else(String::new, |s| s.vhost.to_string());
-        let at_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as u64;
+        let Some(state) = self.intercepting.as_ref() else {
+            return;
+        };
+        let vhost = state.vhost.to_string();
+        let at_ms = state.shared.clock.ms_at(self.now);
         let (kind, queue) = (EventKind::ExhaustedReject, queue.to_string());
         self.metrics.recent.push(Event {
             at_ms,
@@ -311,7 +298,7 @@ impl Session {
             routing_key: &captured.routing_key,
             count: retry,
             delay_ms: 0,
-            now_secs: now_secs(),
+            now_secs: state.shared.clock.ms_at(self.now) / 1000,
             exhausted: None,
         };
         let dead_letter = match &policy.on_exhausted {
@@ -351,7 +338,6 @@ impl Session {
                 tag,
                 seq: self.claims + 1,
             },
-            reply: state.parked.clone(),
             vhost: state.vhost.clone(),
             queue,
             delay,
@@ -361,14 +347,10 @@ impl Session {
             header,
             body: captured.body.clone(),
         };
-        if state.shared.retry.park(park) {
-            self.claims += 1;
-            self.unanswered.insert(self.claims, Instant::now());
-            Claim::Parked
-        } else {
-            warn!("retry engine is gone: nack passes through");
-            Claim::Pass(PassReason::StoreUnavailable)
-        }
+        self.effects.push_back(Effect::Park(park));
+        self.claims += 1;
+        self.unanswered.insert(self.claims, self.now);
+        Claim::Parked
     }
 
     /// The store answered for a claimed delivery.
@@ -395,7 +377,7 @@ impl Session {
                     "held; acking upstream"
                 );
                 self.metrics.intercepted.inc();
-                let now = Instant::now();
+                let now = self.now;
                 self.acked_at = Some(now);
                 if self.barrier.is_some_and(|b| key.seq <= b) {
                     self.barrier_acked_at = Some(now);
@@ -411,9 +393,7 @@ impl Session {
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
                 // closed): holding it too would deliver it twice.
-                if let Some(state) = &self.intercepting {
-                    state.shared.retry.cancel(id);
-                }
+                self.effects.push_back(Effect::Cancel(id));
                 self.drop_orphan_pending(key);
             }
             (None, Err(_)) => self.drop_orphan_pending(key),
@@ -470,9 +450,7 @@ impl Session {
     /// unanswered, or nackd acked one less than [`ACK_GRACE`] ago (and the
     /// broker still takes acks).
     pub(super) fn must_wait(&self) -> bool {
-        let recent = self
-            .acked_at
-            .is_some_and(|t| t + ACK_GRACE > Instant::now());
+        let recent = self.acked_at.is_some_and(|t| t + ACK_GRACE > self.now);
         self.upstream_takes_acks() && (!self.unanswered.is_empty() || recent || self.holding)
     }
 
@@ -531,7 +509,7 @@ impl Session {
         if !(self.holding || self.deferred_close.is_some()) {
             return;
         }
-        let now = Instant::now();
+        let now = self.now;
         if self.upstream_takes_acks() {
             let barrier = self.barrier.unwrap_or(0);
             let expired: BTreeSet<u64> = self
@@ -555,7 +533,7 @@ impl Session {
         (self.barrier, self.barrier_acked_at) = (None, None);
         self.close.settling = false;
         // The close handshake's own timeout runs from here.
-        self.close.restart();
+        self.close.restart(now);
         if self.holding {
             self.holding = false;
             self.channels.release_held();
@@ -587,35 +565,12 @@ impl Session {
         }
     }
 
-    /// The session ends: claims the store answers from now on, or answered
-    /// without being acked, are the broker's again (it requeues them).
-    pub(super) fn cancel_unanswered(&mut self) {
-        let Some(rx) = self.parked_rx.as_mut() else {
-            return;
-        };
-        rx.close();
-        let mut cancel: Vec<u64> = Vec::new();
-        while let Ok(parked) = rx.try_recv() {
-            cancel.extend(parked.result.ok());
-        }
-        // Acks that waited for a client publish that never ended.
-        cancel.extend(self.channels.take_all_deferred());
-        if let Some(state) = &self.intercepting {
-            for id in cancel {
-                debug!(id, "session ended before the ack: cancelling the hold");
-                state.shared.retry.cancel(id);
-            }
-        }
-    }
-
     /// The broker closed channel `channel_id`: acks waiting behind a client
     /// publish there will never be applied; their copies are cancelled.
     pub(super) fn cancel_deferred(&mut self, channel_id: u16) {
         let deferred = std::mem::take(&mut self.channels.get(channel_id).deferred);
-        if let Some(state) = &self.intercepting {
-            for id in deferred.into_iter().filter_map(|(_, id)| id) {
-                state.shared.retry.cancel(id);
-            }
+        for id in deferred.into_iter().filter_map(|(_, id)| id) {
+            self.effects.push_back(Effect::Cancel(id));
         }
     }
 }

@@ -1,17 +1,28 @@
 //! Ending a pair: protocol faults, dead sockets, shutdown, timers.
 
-use super::*;
+use std::time::Instant;
+
+use tracing::{debug, info, warn};
+
+use super::close::Origin;
+use super::core::Session;
+use super::frames::Peer;
+use crate::protocol::frame::FrameError;
+use crate::protocol::method;
+use crate::protocol::reply::ReplyCode;
+
+/// A protocol fault of either side (closes the connection with its reply code).
+pub(super) type Fault = FrameError;
 
 impl Session {
     pub(super) fn on_client_fault(&mut self, fault: Fault) {
         let code = fault.reply_code();
         warn!(code = code.code(), error = %fault, "closing the client connection: protocol error");
         self.close.client_failed = true;
-        self.client_in.clear();
         let text = format!("{} - {fault}", code.name());
         self.to_client
             .extend_from_slice(&method::connection_close(code, &text, None));
-        self.close.expect_client_close_ok(Origin::Nackd);
+        self.close.expect_client_close_ok(Origin::Nackd, self.now);
         if self.must_wait() {
             self.close_upstream_after_acks("client connection failed");
         } else {
@@ -38,7 +49,7 @@ impl Session {
             (None, false) => info!("client closed the socket without connection.close"),
         }
         self.close.client_gone = true;
-        self.close.begin();
+        self.close.begin(self.now);
         if self.close.awaiting_client() == Some(Origin::Broker) {
             // The broker waits for a close-ok the client will never send.
             self.to_upstream
@@ -60,7 +71,7 @@ impl Session {
             warn!(error = ?error.map(|e| e.to_string()), "upstream connection lost");
         }
         self.close.upstream_gone = true;
-        self.close.begin();
+        self.close.begin(self.now);
         if self.close.upstream_close_ok() == Some(Origin::Client) {
             // The client asked to close: it gets its close-ok.
             self.to_client
@@ -75,7 +86,7 @@ impl Session {
 
     /// Sends `connection.close` to the client (or drops it mid-handshake).
     pub(super) fn close_client(&mut self, code: ReplyCode, text: &str) {
-        self.close.begin();
+        self.close.begin(self.now);
         if self.close.client_gone || self.close.awaiting_client().is_some() {
             return;
         }
@@ -85,12 +96,12 @@ impl Session {
         }
         self.to_client
             .extend_from_slice(&method::connection_close(code, text, None));
-        self.close.expect_client_close_ok(Origin::Nackd);
+        self.close.expect_client_close_ok(Origin::Nackd, self.now);
     }
 
     /// Sends `connection.close` to the broker (or drops it mid-handshake).
     pub(super) fn close_upstream(&mut self, why: &'static str) {
-        self.close.begin();
+        self.close.begin(self.now);
         if self.close.upstream_gone || self.close.awaiting_upstream().is_some() {
             return;
         }
@@ -101,7 +112,7 @@ impl Session {
         let text = format!("nackd: {why}");
         self.to_upstream
             .extend_from_slice(&method::connection_close(ReplyCode::Success, &text, None));
-        self.close.expect_upstream_close_ok(Origin::Nackd);
+        self.close.expect_upstream_close_ok(Origin::Nackd, self.now);
     }
 
     pub(super) fn on_force(&mut self) {
@@ -119,12 +130,13 @@ impl Session {
         }
     }
 
-    pub(super) fn on_tick(&mut self, now: Instant) {
+    pub(super) fn on_tick(&mut self) {
+        let now: Instant = self.now;
         // Held-back frames have a deadline even if the store never answers.
         self.release_if_settled();
         if !self.open && now >= self.handshake_deadline && !self.close.started() {
             warn!(timeout = ?self.limits.handshake_timeout, "handshake timed out");
-            self.close.begin();
+            self.close.begin(self.now);
             self.close.client_gone = true;
             self.close.upstream_gone = true;
             return;
@@ -133,10 +145,10 @@ impl Session {
             return;
         }
         let limit = self.heartbeat * 2;
-        if !self.may_read_client() {
+        if !self.may_read(Peer::Client) {
             self.client_rx = now;
         }
-        if !self.may_read_upstream() {
+        if !self.may_read(Peer::Upstream) {
             self.upstream_rx = now;
         }
         if now.duration_since(self.client_rx) > limit {

@@ -4,26 +4,38 @@
 //! `tests/`) check the same paths against RabbitMQ.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{basic, channel, AMQPClass};
+use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use amq_protocol::types::FieldTable;
+use bytes::BytesMut;
 
+use super::core::{Effect, Session};
 use super::frames::Peer;
-use super::*;
+use super::{Limits, ACK_GRACE, SETTLE_TIMEOUT};
+use crate::clock::Clock;
 use crate::config::policy::Policies;
 use crate::config::Config;
-use crate::metrics::PassReason;
+use crate::metrics::{Metrics, PassReason};
 use crate::protocol::content::encode_header;
-use crate::protocol::method::put_frame;
-use crate::retry::testing;
+use crate::protocol::frame::{Frame, FrameDecoder, FrameType};
+use crate::protocol::method::{self, put_frame};
+use crate::protocol::reply::ReplyCode;
+use crate::retry::{testing, Park, Parked};
 use crate::session::capture::Budget;
 use crate::session::intercepting::Interception;
 
 const Q: &str = "jobs";
 
+/// A session, the time it is at, and the test playing the retry engine.
 struct Pair {
     s: Session,
-    engine: testing::Engine,
+    now: Instant,
+    /// Parks asked and not answered yet.
+    parks: Vec<Park>,
+    /// Ids the session cancelled so far.
+    cancelled: Vec<u64>,
     next_id: u64,
     _policies: tokio::sync::watch::Sender<Arc<Policies>>,
 }
@@ -32,28 +44,30 @@ fn pair() -> Pair {
     let text = format!("[[policy]]\nqueues = [\"{Q}\"]\ndelays = [\"1m\"]\n");
     let config = Config::parse(&text, Path::new("t.toml")).unwrap();
     let (policies, watch) = tokio::sync::watch::channel(Arc::new(Policies::new(&config.policies)));
-    let (retry, engine) = testing::handle();
     let shared = Arc::new(Interception {
         policies: watch,
         budget: Budget::new(1 << 20),
-        retry,
+        retry: testing::ready_handle(),
+        clock: Clock::start(),
     });
     let limits = Limits {
         max_frame: 131_072,
         handshake_timeout: Duration::from_secs(10),
     };
+    let now = Instant::now();
     let mut s = Session::new(
         limits,
-        Instant::now() + limits.handshake_timeout,
+        now + limits.handshake_timeout,
+        now,
         Metrics::new(),
+        Some(&shared),
     );
-    let (tx, rx) = mpsc::unbounded_channel();
-    s.intercepting = Some(Intercepting::new(shared, tx));
-    s.parked_rx = Some(rx);
     s.open = true;
     Pair {
         s,
-        engine,
+        now,
+        parks: Vec::new(),
+        cancelled: Vec::new(),
         next_id: 100,
         _policies: policies,
     }
@@ -91,13 +105,46 @@ fn body(ch: u16, bytes: &[u8]) -> Vec<u8> {
 
 impl Pair {
     fn client(&mut self, bytes: &[u8]) {
-        self.s.client_in.extend_from_slice(bytes);
-        self.s.on_bytes(Peer::Client);
+        self.s
+            .handle_bytes(Peer::Client, &mut BytesMut::from(bytes), self.now);
     }
 
     fn broker(&mut self, bytes: &[u8]) {
-        self.s.upstream_in.extend_from_slice(bytes);
-        self.s.on_bytes(Peer::Upstream);
+        self.s
+            .handle_bytes(Peer::Upstream, &mut BytesMut::from(bytes), self.now);
+    }
+
+    /// What the session asked of the engine since the last call: parks
+    /// are kept to answer, cancels recorded.
+    fn effects(&mut self) {
+        while let Some(effect) = self.s.poll_effect() {
+            match effect {
+                Effect::Park(park) => self.parks.push(park),
+                Effect::Cancel(id) => self.cancelled.push(id),
+            }
+        }
+    }
+
+    /// The parks asked and not answered yet (the test answers them).
+    fn take_parks(&mut self) -> Vec<Park> {
+        self.effects();
+        std::mem::take(&mut self.parks)
+    }
+
+    /// The engine answers the claim `key`.
+    fn answer(&mut self, park: &Park, result: Result<u64, crate::store::StoreError>) {
+        let key = park.key;
+        self.s.handle_parked(Parked { key, result }, self.now);
+    }
+
+    /// Time passes; no timer has fired yet.
+    fn time_passes(&mut self, by: Duration) {
+        self.now += by;
+    }
+
+    /// The pump's timer fires.
+    fn timer_fires(&mut self) {
+        self.s.handle_timeout(self.now);
     }
 
     /// Opens channel `ch` with a consumer on the intercepted queue.
@@ -162,47 +209,34 @@ impl Pair {
     /// The engine stores every park asked so far; returns their ids.
     fn store(&mut self, ok: bool) -> Vec<u64> {
         let mut ids = Vec::new();
-        for park in self.engine.parks() {
+        for park in self.take_parks() {
             self.next_id += 1;
             ids.push(self.next_id);
             let result = match ok {
                 true => Ok(self.next_id),
                 false => Err(crate::store::StoreError::Full("test".into())),
             };
-            self.s.on_parked(Parked {
-                key: park.key,
-                result,
-            });
+            self.answer(&park, result);
         }
         ids
     }
 
-    /// Every unanswered claim was made `by` earlier.
-    fn claims_age(&mut self, by: Duration) {
-        for at in self.s.unanswered.values_mut() {
-            *at -= by;
-        }
-    }
-
     /// Ids the session cancelled so far.
     fn cancelled(&mut self) -> Vec<u64> {
-        self.engine.parks();
-        self.engine.cancelled.clone()
+        self.effects();
+        self.cancelled.clone()
     }
 
-    /// The timer the pump arms for [`ACK_GRACE`] fires.
+    /// [`ACK_GRACE`] passes and the timer the core asked for fires.
     fn grace_passes(&mut self) {
-        let back = |t: &mut Option<Instant>| *t = t.map(|t| t - ACK_GRACE);
-        back(&mut self.s.acked_at);
-        back(&mut self.s.barrier_acked_at);
-        self.s.release_at = None;
-        self.s.release_if_settled();
+        self.time_passes(ACK_GRACE);
+        self.timer_fires();
     }
 
     /// What nackd wrote upstream since the last call, one word per frame:
     /// `ack 3`, `nack 3`, `ack 4+` (multiple), `channel.close 1`, `header 1`.
     fn upstream(&mut self) -> Vec<String> {
-        let mut buf = std::mem::take(&mut self.s.to_upstream);
+        let mut buf = std::mem::take(self.s.transmit().1);
         let decoder = FrameDecoder::default();
         let mut seen = Vec::new();
         while let Some(frame) = decoder.decode(&mut buf).unwrap() {
@@ -267,7 +301,7 @@ fn settles_around_claimed_tags_never_touch_them() {
     // nack(≤4, multiple) claims 4 too; reject of a claimed tag goes as sent.
     p.client(&method::nack(1, 4, true, true));
     assert!(p.upstream().is_empty());
-    assert_eq!(p.engine.parks().len(), 2);
+    assert_eq!(p.take_parks().len(), 2);
 }
 
 #[test]
@@ -280,7 +314,11 @@ fn a_channel_close_waits_for_the_ack_and_the_grace() {
     assert!(p.upstream().is_empty(), "the close waits for the claim");
     p.store(true);
     assert_eq!(p.upstream(), ["ack 1"]);
-    assert!(p.s.release_at.is_some(), "the grace timer is armed");
+    assert_eq!(
+        p.s.poll_timeout(),
+        p.now + ACK_GRACE,
+        "the grace timer is armed"
+    );
     p.grace_passes();
     assert_eq!(p.upstream(), ["channel.close 1"]);
 }
@@ -386,19 +424,13 @@ fn a_publish_begun_behind_a_hold_stays_whole_behind_it() {
     p.nack(2, 5); // claim on channel 2
     p.client(&channel_close(2)); // held
     p.client(&publish_start(1, 5));
-    let parks = p.engine.parks();
-    p.s.on_parked(Parked {
-        key: parks[0].key,
-        result: Ok(1),
-    });
+    let parks = p.take_parks();
+    p.answer(&parks[0], Ok(1));
     // The publish sits behind the hold whole: the ack goes first.
     assert_eq!(p.upstream(), ["ack 1"]);
     p.client(&body(1, b"hello"));
     assert!(p.upstream().is_empty());
-    p.s.on_parked(Parked {
-        key: parks[1].key,
-        result: Ok(2),
-    });
+    p.answer(&parks[1], Ok(2));
     p.grace_passes();
     assert_eq!(
         p.upstream(),
@@ -419,8 +451,8 @@ fn a_store_that_never_answers_gives_the_nack_back_after_the_settle_timeout() {
     p.deliver(1, 1);
     p.nack(1, 1);
     p.client(&channel_close(1));
-    p.claims_age(SETTLE_TIMEOUT);
-    p.s.release_if_settled();
+    p.time_passes(SETTLE_TIMEOUT);
+    p.timer_fires();
     assert_eq!(p.upstream(), ["nack 1", "channel.close 1"]);
     // The store answers late: its copy is cancelled, nothing is acked.
     let ids = p.store(true);
@@ -440,23 +472,26 @@ fn a_session_that_ends_cancels_the_holds_it_could_not_ack() {
     p.nack(1, 3);
     p.client(&publish_start(1, 5));
     // 1 and 2 stored while the publish is half sent: their acks wait.
-    let parks = p.engine.parks();
+    let parks = p.take_parks();
     let mut deferred = Vec::new();
-    for park in parks.into_iter().take(2) {
+    for park in &parks[..2] {
         p.next_id += 1;
         deferred.push(p.next_id);
-        p.s.on_parked(Parked {
-            key: park.key,
-            result: Ok(p.next_id),
-        });
+        p.answer(park, Ok(p.next_id));
     }
     // The client vanishes mid-publish; the engine answers 3 after that.
-    p.s.on_client_gone(None);
-    p.s.cancel_unanswered();
-    p.engine.parks();
+    p.s.handle_gone(Peer::Client, None, p.now);
+    let late = Parked {
+        key: parks[2].key,
+        result: Ok(103),
+    };
+    p.s.end([late]);
+    deferred.push(103);
+    let mut cancelled = p.cancelled();
+    cancelled.sort_unstable();
     assert_eq!(
-        p.engine.cancelled, deferred,
-        "acks never sent: copies cancelled"
+        cancelled, deferred,
+        "acks never sent, and the late answer: copies cancelled"
     );
 }
 
@@ -520,7 +555,7 @@ fn no_ack_after_the_brokers_connection_close_even_once_answered() {
         p.client(&channel_close(1));
         p.broker(&connection_close());
         if client_gone {
-            p.s.on_client_gone(None);
+            p.s.handle_gone(Peer::Client, None, p.now);
         } else {
             p.client(&method::connection_close_ok());
         }
@@ -555,17 +590,14 @@ fn a_claim_is_given_up_only_once_it_is_old() {
     p.deliver(1, 1);
     p.nack(1, 1); // claim 1
     p.client(&channel_close(1));
-    p.claims_age(SETTLE_TIMEOUT);
+    p.time_passes(SETTLE_TIMEOUT);
     p.deliver(2, 5);
     p.nack(2, 5); // claim 2, new
     p.client(&channel_close(2)); // held behind claim 2
     let sent = p.upstream();
     assert_eq!(sent, ["nack 1"], "only the old claim is given up");
-    let parks = p.engine.parks();
-    p.s.on_parked(Parked {
-        key: parks[1].key,
-        result: Ok(2),
-    });
+    let parks = p.take_parks();
+    p.answer(&parks[1], Ok(2));
     p.grace_passes();
     assert_eq!(
         p.upstream(),
@@ -583,7 +615,7 @@ fn the_grace_runs_from_when_a_deferred_ack_goes() {
     p.upstream();
     p.store(true);
     // The publish takes longer than the grace to end.
-    p.s.acked_at = p.s.acked_at.map(|t| t - ACK_GRACE);
+    p.time_passes(ACK_GRACE);
     p.client(&body(1, b"hello"));
     assert_eq!(p.upstream(), ["body 1", "ack 1"]);
     p.client(&channel_close(1));
@@ -602,8 +634,8 @@ fn a_give_up_skips_tags_the_client_settled_again() {
     p.client(&method::ack(1, 1, false));
     assert_eq!(p.upstream(), ["ack 1"]);
     p.client(&channel_close(1));
-    p.claims_age(SETTLE_TIMEOUT);
-    p.s.release_if_settled();
+    p.time_passes(SETTLE_TIMEOUT);
+    p.timer_fires();
     assert_eq!(
         p.upstream(),
         ["channel.close 1"],
@@ -635,7 +667,7 @@ fn nacks_after_a_held_recover_on_their_channel_pass_through() {
     p.deliver(1, 2);
     p.nack(1, 2);
     assert_eq!(
-        p.engine.parks().len(),
+        p.take_parks().len(),
         1,
         "only the nack before the recover is claimed"
     );
@@ -667,13 +699,13 @@ fn tx_select_after_a_claim_waits_for_its_ack() {
 fn after_nackds_connection_close_client_frames_stop() {
     let mut p = pair();
     p.consume(1);
-    p.s.on_force();
+    p.s.handle_force(p.now);
     assert_eq!(p.upstream(), ["connection.close"]);
     p.client(&channel_close(1));
     p.deliver(1, 1);
     p.nack(1, 1);
     assert_eq!(p.upstream(), Vec::<String>::new());
-    assert!(p.engine.parks().is_empty(), "no claim after the close");
+    assert!(p.take_parks().is_empty(), "no claim after the close");
 }
 
 #[test]
@@ -689,4 +721,45 @@ fn a_connection_close_waits_for_the_claims_and_the_grace() {
     p.grace_passes();
     assert_eq!(p.upstream(), ["connection.close"]);
     assert!(p.cancelled().is_empty());
+}
+
+fn tune_ok(heartbeat: u16) -> Vec<u8> {
+    frame_of(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+            channel_max: 0,
+            frame_max: 131_072,
+            heartbeat,
+        })),
+    )
+}
+
+#[test]
+fn a_client_silent_for_two_heartbeats_is_closed_upstream() {
+    let mut p = pair();
+    p.client(&tune_ok(1));
+    p.upstream();
+    for _ in 0..2 {
+        p.time_passes(Duration::from_millis(1_000));
+        p.broker(&method::heartbeat());
+        p.timer_fires();
+    }
+    assert!(p.upstream().is_empty(), "two heartbeats are not missed yet");
+    p.time_passes(Duration::from_millis(500));
+    p.broker(&method::heartbeat());
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["connection.close"]);
+    assert!(!p.s.may_read(Peer::Client), "the client side is gone");
+}
+
+#[test]
+fn a_pair_that_never_opens_ends_at_the_handshake_deadline() {
+    let mut p = pair();
+    p.s.open = false;
+    p.time_passes(Duration::from_secs(9));
+    p.timer_fires();
+    assert!(!p.s.is_finished(p.now));
+    p.time_passes(Duration::from_secs(1));
+    p.timer_fires();
+    assert!(p.s.is_finished(p.now), "both sides dropped at the deadline");
 }

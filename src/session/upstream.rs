@@ -1,7 +1,14 @@
 //! Frames from the broker: tracking, capture of deliveries, tune capping.
 
+use amq_protocol::protocol::{basic, channel as amqp_channel, connection, AMQPClass};
+use tracing::info;
+
+use super::close::Origin;
+use super::core::Session;
 use super::frames::Peer;
-use super::*;
+use super::lifecycle::Fault;
+use crate::protocol::frame::{Frame, FrameType};
+use crate::protocol::method;
 
 impl Session {
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
@@ -44,7 +51,7 @@ impl Session {
                     text = c.reply_text.as_str(),
                     "broker closes the connection"
                 );
-                self.close.expect_client_close_ok(Origin::Broker);
+                self.close.expect_client_close_ok(Origin::Broker, self.now);
                 self.close.broker_closed = true;
                 // Nothing held back can still be acked: let it go.
                 self.release_if_settled();

@@ -1,0 +1,226 @@
+//! The session's state machine: no socket, no clock, no channel to the
+//! engine. Events go in with the time they happened; what to write to
+//! each side, what to ask the engine and when to wake come out.
+//!
+//! The handlers live beside this file, one concern each: `frames` (cutting
+//! and checking frames), `client` and `upstream` (what each side's methods
+//! mean), `intercepting` (claim, park, ack, barriers), `lifecycle` (faults,
+//! sides gone, shutdown, timers). `channel` tracks each channel, `close`
+//! the closing handshake.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+
+use super::channel::Channels;
+use super::close::Close;
+use super::frames::Peer;
+use super::intercepting::{Intercepting, Interception};
+use super::{Limits, HIGH_WATER, TICK};
+use crate::metrics::Metrics;
+use crate::protocol::frame::FrameDecoder;
+use crate::retry::{Park, Parked};
+
+/// What the session asks of the retry engine.
+pub enum Effect {
+    /// Store and hold a claimed message; answer with [`Session::handle_parked`].
+    Park(Park),
+    /// Drop a held message: the broker has the delivery back.
+    Cancel(u64),
+}
+
+/// One client/broker pair, as a state machine.
+pub(crate) struct Session {
+    pub(super) limits: Limits,
+    pub(super) handshake_deadline: Instant,
+    /// The time of the event being handled.
+    pub(super) now: Instant,
+    /// When the core next checks heartbeats and deadlines.
+    next_tick: Instant,
+    pub(super) to_client: BytesMut,
+    pub(super) to_upstream: BytesMut,
+    pub(super) effects: VecDeque<Effect>,
+    pub(super) client_decoder: FrameDecoder,
+    pub(super) upstream_decoder: FrameDecoder,
+    pub(super) channels: Channels,
+    pub(super) channel_max: u16,
+    pub(super) heartbeat: Duration,
+    pub(super) open: bool,
+    pub(super) client_rx: Instant,
+    pub(super) upstream_rx: Instant,
+    pub(super) close: Close,
+    pub(super) intercepting: Option<Intercepting>,
+    /// Client frames are held back behind a barrier (see `intercepting`).
+    pub(super) holding: bool,
+    /// The client frames held back.
+    pub(super) held: BytesMut,
+    pub(super) deferred_close: Option<&'static str>,
+    /// When nackd last acked a held message upstream.
+    pub(super) acked_at: Option<Instant>,
+    /// Claims made (the number of the last one).
+    pub(super) claims: u64,
+    /// The claims the store has not answered yet: number → when made.
+    pub(super) unanswered: BTreeMap<u64, Instant>,
+    /// Held-back frames wait for the claims up to this number.
+    pub(super) barrier: Option<u64>,
+    /// When the last claim of the barrier was acked.
+    pub(super) barrier_acked_at: Option<Instant>,
+    /// When the frames held back may go on (see [`super::ACK_GRACE`]).
+    pub(super) release_at: Option<Instant>,
+    pub(super) metrics: Arc<Metrics>,
+}
+
+impl Session {
+    /// A pair whose client sent its protocol header at `now` (and that has
+    /// until `handshake_deadline` to open); it intercepts with `interception`.
+    pub fn new(
+        limits: Limits,
+        handshake_deadline: Instant,
+        now: Instant,
+        metrics: Arc<Metrics>,
+        interception: Option<&Arc<Interception>>,
+    ) -> Self {
+        Self {
+            limits,
+            handshake_deadline,
+            now,
+            next_tick: now + TICK,
+            to_client: BytesMut::new(),
+            to_upstream: BytesMut::new(),
+            effects: VecDeque::new(),
+            client_decoder: FrameDecoder::default(),
+            upstream_decoder: FrameDecoder::default(),
+            channels: Channels::default(),
+            channel_max: 0,
+            heartbeat: Duration::ZERO,
+            open: false,
+            client_rx: now,
+            upstream_rx: now,
+            close: Close::default(),
+            intercepting: interception.map(|shared| Intercepting::new(shared.clone())),
+            holding: false,
+            held: BytesMut::new(),
+            deferred_close: None,
+            acked_at: None,
+            claims: 0,
+            unanswered: BTreeMap::new(),
+            barrier: None,
+            barrier_acked_at: None,
+            release_at: None,
+            metrics,
+        }
+    }
+
+    /// `peer` sent the bytes in `input`: every whole frame is handled and
+    /// cut out of it (a partial frame stays for the next read).
+    pub fn handle_bytes(&mut self, peer: Peer, input: &mut BytesMut, now: Instant) {
+        self.now = now;
+        match peer {
+            Peer::Client => self.client_rx = now,
+            Peer::Upstream => self.upstream_rx = now,
+        }
+        self.on_bytes(peer, input);
+    }
+
+    /// The engine answered a park.
+    pub fn handle_parked(&mut self, parked: Parked, now: Instant) {
+        self.now = now;
+        self.on_parked(parked);
+    }
+
+    /// `peer`'s socket ended (`None`: at its end of stream, or it went
+    /// silent).
+    pub fn handle_gone(&mut self, peer: Peer, error: Option<std::io::Error>, now: Instant) {
+        self.now = now;
+        match peer {
+            Peer::Client => self.on_client_gone(error),
+            Peer::Upstream => self.on_upstream_gone(error),
+        }
+    }
+
+    /// nackd shuts down: close both sides (after the acks nackd owes).
+    pub fn handle_force(&mut self, now: Instant) {
+        self.now = now;
+        self.on_force();
+    }
+
+    /// The time [`Session::poll_timeout`] gave has come.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.now = now;
+        if self.release_at.is_some_and(|at| at <= now) {
+            self.release_at = None;
+        }
+        if now >= self.next_tick {
+            self.next_tick = now + TICK;
+        }
+        self.on_tick();
+    }
+
+    /// When the core wants [`Session::handle_timeout`] called.
+    pub fn poll_timeout(&self) -> Instant {
+        match self.release_at {
+            Some(at) => at.min(self.next_tick),
+            None => self.next_tick,
+        }
+    }
+
+    /// The next thing to ask of the retry engine.
+    pub fn poll_effect(&mut self) -> Option<Effect> {
+        self.effects.pop_front()
+    }
+
+    /// What to write to the client and to the broker. The caller takes
+    /// bytes from the front as it writes them.
+    pub fn transmit(&mut self) -> (&mut BytesMut, &mut BytesMut) {
+        (&mut self.to_client, &mut self.to_upstream)
+    }
+
+    /// Whether `peer`'s socket is to be read now: it is open, and the
+    /// other side's write buffer is below [`HIGH_WATER`].
+    pub fn may_read(&self, peer: Peer) -> bool {
+        match peer {
+            Peer::Client => {
+                !self.close.client_gone && self.to_upstream.len() + self.held.len() < HIGH_WATER
+            }
+            Peer::Upstream => !self.close.upstream_gone && self.to_client.len() < HIGH_WATER,
+        }
+    }
+
+    /// Whether `peer`'s socket is still open to writes.
+    pub fn may_write(&self, peer: Peer) -> bool {
+        match peer {
+            Peer::Client => !self.close.client_gone,
+            Peer::Upstream => !self.close.upstream_gone,
+        }
+    }
+
+    /// Whether shutdown already asked this session to close.
+    pub fn forced(&self) -> bool {
+        self.close.forced
+    }
+
+    /// Whether the pair is done (both sides closed, or out of time).
+    pub fn is_finished(&self, now: Instant) -> bool {
+        self.close.finished(now)
+    }
+
+    /// The session is over; `late` are the engine's answers that came
+    /// after it. Stored copies nackd never acked are the broker's again
+    /// (it requeues their deliveries): they are cancelled.
+    pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
+        let mut cancel: Vec<u64> = late.into_iter().filter_map(|p| p.result.ok()).collect();
+        // Acks that waited for a client publish that never ended.
+        cancel.extend(self.channels.take_all_deferred());
+        for id in cancel {
+            tracing::debug!(id, "session ended before the ack: cancelling the hold");
+            self.effects.push_back(Effect::Cancel(id));
+        }
+    }
+
+    /// A short word for the log line at the end.
+    pub fn close_reason(&self) -> &'static str {
+        self.close.reason()
+    }
+}
