@@ -53,4 +53,5 @@ pub mod retry;
 pub mod sched;
 pub mod server;
 pub mod session;
+pub mod shutdown;
 pub mod store;

@@ -18,7 +18,9 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use crate::clock::Clock;
+use crate::shutdown::Stopper;
 use crate::store::{Route, StoreError};
+use tokio_util::sync::CancellationToken;
 
 mod admin;
 mod blocks;
@@ -128,11 +130,14 @@ impl Options {
 
 /// Starts the retry engine on a thread of its own: it recovers the store
 /// (and syncs the replica) first, so the handle works at once but claims
-/// wait for [`RetryHandle::ready`].
-pub fn start(start: Start) -> RetryHandle {
+/// wait for [`RetryHandle::ready`]. Stopping it stops firing, then flushes
+/// and joins the store writer.
+pub fn start(start: Start) -> (RetryHandle, Stopper) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let ready = supervisor::spawn(start, rx);
-    RetryHandle { tx, ready }
+    let stop = CancellationToken::new();
+    let (ready, thread) = supervisor::spawn(start, rx, stop.clone());
+    let engine = Stopper::thread("retry engine", stop, thread);
+    (RetryHandle { tx, ready }, engine)
 }
 
 /// A retry handle without an engine, for the session's unit tests (the

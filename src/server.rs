@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
@@ -21,6 +21,7 @@ use crate::reload::{ExchangeCheck, LivePolicies, Reloader};
 use crate::retry;
 use crate::session::capture::Budget;
 use crate::session::{self, Interception};
+use crate::shutdown::Stopper;
 
 /// Starts the retry engine for the configured policies. The store is
 /// recovered (and the replica synced) on the engine's thread while clients
@@ -30,7 +31,7 @@ async fn interception(
     connector: &Connector,
     live: &LivePolicies,
     metrics: &Arc<Metrics>,
-) -> Result<(Interception, ExchangeCheck), StartError> {
+) -> Result<(Interception, ExchangeCheck, Stopper), StartError> {
     let password = config
         .republish
         .password()
@@ -55,13 +56,14 @@ async fn interception(
         metrics: metrics.clone(),
         clock,
     };
+    let (retry, engine) = retry::start(start);
     let interception = Interception {
         policies: live.subscribe(),
         budget: Budget::new(config.limits.capture_budget),
-        retry: retry::start(start),
+        retry,
         clock,
     };
-    Ok((interception, check))
+    Ok((interception, check, engine))
 }
 
 /// `[replica]`, resolved against `[upstream]` and `[republish]`.
@@ -143,8 +145,10 @@ pub struct Proxy {
     ops: Arc<Ops>,
     ops_addr: SocketAddr,
     reloader: Reloader,
-    /// Stops the operations listener when the proxy is done (or never ran).
-    _ops_stop: DropGuard,
+    /// The retry engine's thread, when intercepting.
+    engine: Option<Stopper>,
+    /// The operations listener, stopped last.
+    ops_task: Stopper,
 }
 
 impl Proxy {
@@ -179,16 +183,17 @@ impl Proxy {
             })?;
         let ops_addr = ops_listener.local_addr().unwrap_or(ops_addr);
         let ops_stop = CancellationToken::new();
-        tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
+        let ops_served = tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
+        let ops_task = Stopper::task("operations listener", ops_stop, ops_served);
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
-        let interception = match &live {
-            None => None,
+        let (interception, engine) = match &live {
+            None => (None, None),
             Some(live) => {
-                let (i, check) = interception(config, &connector, live, &metrics).await?;
+                let (i, check, engine) = interception(config, &connector, live, &metrics).await?;
                 check.spawn(config);
                 reloader = reloader.with_check(check);
-                Some(Arc::new(i))
+                (Some(Arc::new(i)), Some(engine))
             }
         };
         if let Some(i) = &interception {
@@ -202,7 +207,8 @@ impl Proxy {
             metrics,
             ops,
             ops_addr,
-            _ops_stop: ops_stop.drop_guard(),
+            engine,
+            ops_task,
             connector,
             limits: session::Limits {
                 max_frame: config.limits.max_frame,
@@ -235,12 +241,12 @@ impl Proxy {
         self.reloader.clone()
     }
 
-    /// Accepts clients until `shutdown`, then gives sessions the grace period
-    /// and closes those still open.
-    pub async fn run(self, shutdown: CancellationToken) {
-        let force = CancellationToken::new();
-        let sessions = TaskTracker::new();
-        let permits = Arc::new(Semaphore::new(self.max_connections));
+    /// Accepts clients until `shutdown`, then stops in order: stop
+    /// accepting, drain the sessions (the grace period, then forced),
+    /// stop the retry engine (no more firing; the store writer flushes
+    /// and is joined), stop the operations listener.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let sessions = Sessions::default();
         info!(
             address = %self.local_addr(),
             tls = self.acceptor.is_some(),
@@ -248,6 +254,7 @@ impl Proxy {
             metrics = %self.ops_addr,
             "listening"
         );
+        let permits = Arc::new(Semaphore::new(self.max_connections));
         loop {
             let (tcp, client) = tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -265,42 +272,80 @@ impl Proxy {
                 warn!(client.addr = %client, max_connections = self.max_connections, "refusing connection: max_connections reached");
                 continue;
             };
-            self.metrics.clients_accepted.inc();
-            let open = Open::track(&self.metrics.clients);
-            let task = accept(
-                tcp,
-                self.acceptor.clone(),
-                self.connector.clone(),
-                self.limits,
-                self.interception.clone(),
-                self.metrics.clone(),
-                force.clone(),
-            );
-            sessions.spawn(
-                async move {
-                    task.await;
-                    drop(open);
-                    drop(permit);
-                }
-                .instrument(session::span(client)),
-            );
+            self.spawn_session(&sessions, tcp, client, permit);
         }
         self.ops.drain();
         drop(self.listener);
-        sessions.close();
-        info!(open = sessions.len(), grace = ?self.grace, "stopped accepting; waiting for sessions");
-        if tokio::time::timeout(self.grace, sessions.wait())
-            .await
-            .is_err()
-        {
-            info!(
-                open = sessions.len(),
-                "grace period over; closing the remaining sessions"
-            );
-            force.cancel();
-            let _ = tokio::time::timeout(session::FORCED_END, sessions.wait()).await;
+        sessions.drain(self.grace).await;
+        if let Some(engine) = self.engine.take() {
+            engine.stop(ENGINE_STOP).await;
         }
+        self.ops_task.stop(Duration::from_secs(1)).await;
         info!("stopped");
+    }
+
+    fn spawn_session(
+        &self,
+        sessions: &Sessions,
+        tcp: TcpStream,
+        client: SocketAddr,
+        permit: OwnedSemaphorePermit,
+    ) {
+        self.metrics.clients_accepted.inc();
+        let open = Open::track(&self.metrics.clients);
+        let task = accept(
+            tcp,
+            self.acceptor.clone(),
+            self.connector.clone(),
+            self.limits,
+            self.interception.clone(),
+            self.metrics.clone(),
+            sessions.force.clone(),
+        );
+        sessions.tracker.spawn(
+            async move {
+                task.await;
+                drop(open);
+                drop(permit);
+            }
+            .instrument(session::span(client)),
+        );
+    }
+}
+
+/// The longest the retry engine gets to stop: its last commit, the store
+/// writer's thread joined.
+const ENGINE_STOP: Duration = Duration::from_secs(10);
+
+/// The sessions, stopped like every other task: a token (`force`) they
+/// watch, and a tracker to wait for them.
+#[derive(Default)]
+struct Sessions {
+    tracker: TaskTracker,
+    force: CancellationToken,
+}
+
+impl Sessions {
+    /// Gives the sessions `grace` to end, then forces the rest to close.
+    async fn drain(&self, grace: Duration) {
+        self.tracker.close();
+        info!(
+            open = self.tracker.len(),
+            ?grace,
+            "stopped accepting; waiting for sessions"
+        );
+        if tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        info!(
+            open = self.tracker.len(),
+            "grace period over; closing the remaining sessions"
+        );
+        self.force.cancel();
+        let _ = tokio::time::timeout(session::FORCED_END, self.tracker.wait()).await;
     }
 }
 

@@ -191,6 +191,7 @@ impl Engine {
         mut self,
         commands: &mut mpsc::UnboundedReceiver<Command>,
         adopts: &mut mpsc::Receiver<crate::replica::Adopt>,
+        stop: &tokio_util::sync::CancellationToken,
     ) -> Exit {
         self.on_lease();
         let exit = loop {
@@ -199,6 +200,7 @@ impl Engine {
                 false => None,
             };
             tokio::select! {
+                _ = stop.cancelled() => break Exit::Stopped,
                 command = commands.recv() => match command {
                     Some(Command::Park(park, reply)) => self.park(park, reply),
                     Some(Command::Cancel(id)) => self.forget(id),
@@ -511,7 +513,7 @@ mod tests {
             address: Some("127.0.0.1:9".into()),
             ..Default::default()
         };
-        let handle: RetryHandle = crate::retry::start(crate::retry::Start {
+        let (handle, _engine): (RetryHandle, _) = crate::retry::start(crate::retry::Start {
             dir: dir.path().to_owned(),
             store: Options::default(),
             replica: None,
@@ -541,5 +543,34 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("the orphan is still on disk");
+    }
+
+    /// Shutdown: stopping the engine ends its thread only once the store
+    /// writer committed and was joined (the store's lock is free again).
+    #[tokio::test]
+    async fn a_stopped_engine_has_released_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let upstream = crate::config::Upstream {
+            address: Some("127.0.0.1:9".into()),
+            ..Default::default()
+        };
+        let (handle, engine): (RetryHandle, _) = crate::retry::start(crate::retry::Start {
+            dir: dir.path().to_owned(),
+            store: Options::default(),
+            replica: None,
+            connector: Connector::new(&upstream).unwrap(),
+            options: crate::retry::Options::new(&Default::default(), "guest".into()),
+            metrics: Metrics::new(),
+            clock: crate::clock::Clock::start(),
+        });
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        assert!(handle.park(park(1), &reply));
+        let id = answers.recv().await.unwrap().result.unwrap();
+        engine.stop(Duration::from_secs(10)).await;
+        let (_log, recovered) =
+            Log::open(dir.path(), Options::default()).expect("the lock was released");
+        let held: Vec<u64> = recovered.held.iter().map(|h| h.0).collect();
+        assert_eq!(held, [id]);
+        assert!(!handle.park(park(2), &reply), "the engine is gone");
     }
 }

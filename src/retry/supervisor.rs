@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tracing::{error, info, info_span, Instrument};
 
 use super::engine::{Engine, Exit};
@@ -83,34 +86,48 @@ pub struct Start {
     pub clock: crate::clock::Clock,
 }
 
-/// Starts the engine's thread; returns where interception stands.
-pub(super) fn spawn(start: Start, commands: mpsc::UnboundedReceiver<Command>) -> Arc<Readiness> {
+/// Starts the engine's thread; returns where interception stands and the
+/// thread, which ends once `stop` is cancelled (the store writer joined).
+pub(super) fn spawn(
+    start: Start,
+    commands: mpsc::UnboundedReceiver<Command>,
+    stop: CancellationToken,
+) -> (Arc<Readiness>, std::thread::JoinHandle<()>) {
     let ready = Readiness::new();
     let shared = ready.clone();
     // The engine and its republishers get a thread of their own, so that
     // timers fire and republishes go out on time however busy the session
     // workers are, and sessions never queue behind republishing.
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("nackd-retry".into())
         .spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
+            let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .expect("the retry engine's runtime")
-                .block_on(supervise(start, commands, shared).instrument(info_span!("engine")));
+                .expect("the retry engine's runtime");
+            let life = supervise(start, commands, shared, stop);
+            runtime.block_on(life.instrument(info_span!("engine")));
+            // The republishers and the replica run on this runtime: they
+            // end with it.
+            runtime.shutdown_timeout(Duration::from_secs(1));
         })
         .expect("spawn the retry engine's thread");
-    ready
+    (ready, thread)
 }
 
 async fn supervise(
     start: Start,
     mut commands: mpsc::UnboundedReceiver<Command>,
     ready: Arc<Readiness>,
+    stop: CancellationToken,
 ) {
-    let Some((mut log, mut recovered)) = open(&start).await else {
+    let opened = tokio::select! {
+        _ = stop.cancelled() => return,
+        opened = open(&start) => opened,
+    };
+    let Some((mut log, mut recovered)) = opened else {
         ready.set(Ready::Failed);
-        return drain(commands).await;
+        return drain(commands, stop).await;
     };
     let (adopt_tx, mut adopts) = mpsc::channel::<Adopt>(256);
     let replica = start
@@ -120,18 +137,22 @@ async fn supervise(
     loop {
         if let Some(replica) = &replica {
             ready.set(Ready::NoLease);
-            match replica.sync(log).await {
+            let synced = tokio::select! {
+                _ = stop.cancelled() => return,
+                synced = replica.sync(log) => synced,
+            };
+            match synced {
                 Ok(synced) => (log, recovered) = (synced.log, synced.recovered),
                 Err(e) => {
                     error!(error = %e, "replica sync failed: not intercepting");
                     ready.set(Ready::Failed);
-                    return drain(commands).await;
+                    return drain(commands, stop).await;
                 }
             }
         }
         info!(held = recovered.held.len(), "store ready: intercepting");
         let engine = Engine::new(log, recovered, &start, replica.clone(), ready.clone());
-        match engine.run(&mut commands, &mut adopts).await {
+        match engine.run(&mut commands, &mut adopts, &stop).await {
             Exit::Stopped => return,
             Exit::Stale(back) => {
                 ready.set(Ready::Recovering);
@@ -167,8 +188,15 @@ async fn open(start: &Start) -> Option<(Log, store::Recovered)> {
 
 /// Without a store, answers what comes until nackd stops: parks are
 /// refused (their nacks pass through), admin calls get nothing.
-async fn drain(mut commands: mpsc::UnboundedReceiver<Command>) {
-    while let Some(command) = commands.recv().await {
+async fn drain(mut commands: mpsc::UnboundedReceiver<Command>, stop: CancellationToken) {
+    loop {
+        let command = tokio::select! {
+            _ = stop.cancelled() => return,
+            command = commands.recv() => match command {
+                Some(command) => command,
+                None => return,
+            },
+        };
         if let Command::Park(park, reply) = command {
             let result = Err(store::StoreError::Io("the store is not open".into()));
             let _ = reply.send(super::Parked {

@@ -1,0 +1,110 @@
+//! One way to stop what runs beside the sessions: every task and thread
+//! gets a [`CancellationToken`], and whoever started it keeps a [`Stopper`]
+//! that cancels the token and waits for the end. The sessions follow the
+//! same pattern with a token (`force`) and a `TaskTracker`.
+//!
+//! The order, in [`crate::server::Proxy::run`]: stop accepting, drain the
+//! sessions, stop the retry engine (it stops firing, then flushes and joins
+//! the store writer), stop the operations listener.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// A task or thread that ends once its token is cancelled.
+pub struct Stopper {
+    name: &'static str,
+    token: CancellationToken,
+    join: Join,
+}
+
+enum Join {
+    Task(tokio::task::JoinHandle<()>),
+    Thread(std::thread::JoinHandle<()>),
+    Done,
+}
+
+impl Stopper {
+    /// A tokio task watching `token`.
+    pub fn task(
+        name: &'static str,
+        token: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    ) -> Self {
+        let join = Join::Task(task);
+        Self { name, token, join }
+    }
+
+    /// A thread watching `token`.
+    pub fn thread(
+        name: &'static str,
+        token: CancellationToken,
+        thread: std::thread::JoinHandle<()>,
+    ) -> Self {
+        let join = Join::Thread(thread);
+        Self { name, token, join }
+    }
+
+    /// Cancels the token and waits at most `limit` for the end.
+    pub async fn stop(mut self, limit: Duration) {
+        self.token.cancel();
+        let ended = match std::mem::replace(&mut self.join, Join::Done) {
+            Join::Task(task) => tokio::time::timeout(limit, async {
+                let _ = task.await;
+            })
+            .await
+            .is_ok(),
+            Join::Thread(thread) => {
+                let joined = tokio::task::spawn_blocking(move || thread.join());
+                tokio::time::timeout(limit, joined).await.is_ok()
+            }
+            Join::Done => true,
+        };
+        match ended {
+            true => debug!(name = self.name, "stopped"),
+            false => warn!(name = self.name, ?limit, "did not stop in time"),
+        }
+    }
+}
+
+impl Drop for Stopper {
+    /// Never stopped (a start that failed half way): it still ends.
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn stop_waits_for_the_thread_to_end() {
+        let token = CancellationToken::new();
+        let ended = Arc::new(AtomicBool::new(false));
+        let (t, e) = (token.clone(), ended.clone());
+        let thread = std::thread::spawn(move || {
+            while !t.is_cancelled() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            e.store(true, Ordering::SeqCst);
+        });
+        Stopper::thread("t", token, thread)
+            .stop(Duration::from_secs(5))
+            .await;
+        assert!(ended.load(Ordering::SeqCst), "joined, not just cancelled");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_stopper_still_cancels() {
+        let token = CancellationToken::new();
+        let task = tokio::spawn(token.clone().cancelled_owned());
+        drop(Stopper::task("t", token.clone(), tokio::spawn(async {})));
+        assert!(token.is_cancelled());
+        task.await.unwrap();
+    }
+}
