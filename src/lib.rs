@@ -12,15 +12,16 @@
 //!   stream, nom), `method` (the few methods nackd decodes, the frames it
 //!   emits), `content` (properties, byte-exact header splicing), `headers`
 //!   (the retry headers nackd writes), `reply` (reply codes).
-//! - [`session`]: one client/broker pair. `session.rs` is the pump
-//!   (sockets, `select!`, backpressure); the state it drives is split by
-//!   direction and concern: `client` and `upstream` (frames from each
-//!   side), `channel` (per-channel tracking: consumers, deliveries, claims),
-//!   `capture` (deliveries kept in case they are nacked), `intercepting`
-//!   (claim, park, ack, and the barriers of close and recover), `settle`
-//!   (rewriting settles around claimed tags), `close` and `lifecycle` (the
-//!   closing handshake, faults, timers). `session/tests.rs` drives it
-//!   without sockets.
+//! - [`session`]: one client/broker pair, split like quinn-proto: a
+//!   state machine without sockets or clock (`core`), driven by `pump`
+//!   (sockets, `select!`, backpressure, the link to the engine). The state
+//!   machine's handlers are split by concern: `client` and `upstream`
+//!   (frames from each side, cut and checked in `frames`), `channel`
+//!   (per-channel tracking: consumers, deliveries, claims), `capture`
+//!   (deliveries kept in case they are nacked), `claim` (claim, park, ack,
+//!   and the barriers of close and recover), `settle` (rewriting settles
+//!   around claimed tags), `close` and `lifecycle` (the closing handshake,
+//!   faults, timers). `session/tests.rs` drives it without sockets.
 //! - [`retry`]: the engine thread (`retry/engine.rs`, with `fire`,
 //!   `outcome` and `link` to the replica), its `ledger` of held messages,
 //!   the `wheel` (hierarchical timing wheel), `republish` (a connection per
@@ -31,7 +32,9 @@
 //! - [`replica`]: the copy in a stream of the broker cluster, the lease,
 //!   rebuild and adoption.
 //! - [`config`] (with `policy` and `replica`), [`net`] (TLS, the upstream
-//!   connector), [`server`] (listener, limits, shutdown), [`metrics`],
+//!   connector), [`server`] (listener, limits, the order of shutdown),
+//!   [`shutdown`] (how each task and thread is stopped and joined),
+//!   [`clock`] (the one clock), [`metrics`],
 //!   [`ops`] (`/metrics`, health, status page, admin API), [`reload`]
 //!   (SIGHUP), [`sched`] (`runtime.scheduling`).
 //! - `fuzzing` (feature `fuzzing`): the fuzz targets' code, shared by

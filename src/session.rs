@@ -23,18 +23,18 @@ use tracing::Span;
 
 pub mod capture;
 pub mod channel;
+mod claim;
 mod client;
 mod close;
 mod core;
 mod frames;
-mod intercepting;
 mod lifecycle;
 mod pump;
 pub mod settle;
 mod upstream;
 
 pub use self::core::Effect;
-pub use intercepting::Interception;
+pub use claim::Interception;
 pub use pump::serve;
 
 /// A side's write buffer above which nackd stops reading the other side.

@@ -144,16 +144,16 @@ pub struct Channel {
     /// Number of the last claim made on this channel.
     pub last_claim: u64,
     /// A close, recover or `tx.select` of the client on this channel waits
-    /// behind the hold: no new claim is made here.
-    pub barrier_held: bool,
+    /// behind the barrier: no new claim is made here.
+    pub barrier_raised: bool,
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
     pub settled_again: BTreeSet<u64>,
     /// Acks to send once the client's publish in flight on this channel ends.
     pub deferred: Vec<(Bytes, Option<u64>)>,
-    /// The publish in flight began while client frames were held back: all
-    /// of its frames wait behind the hold, none has gone upstream yet.
-    pub publish_held: bool,
+    /// The publish in flight began while client frames waited behind a
+    /// barrier: all of its frames wait there, none has gone upstream yet.
+    pub publish_behind_barrier: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
     pub closing: bool,
     /// Log span of this channel (a child of the connection's span).
@@ -325,7 +325,7 @@ impl Channel {
     }
 
     /// Whether a held tag at or below `tag` (any, with `multiple` and 0) waits for the store.
-    pub fn holds_within(&self, tag: u64, multiple: bool) -> bool {
+    pub fn claims_within(&self, tag: u64, multiple: bool) -> bool {
         match (multiple, tag) {
             (true, 0) => !self.pending.is_empty(),
             (true, tag) => self.pending.range(..=tag).next().is_some(),
@@ -409,11 +409,11 @@ impl Channels {
             .collect()
     }
 
-    /// The frames held back went upstream: no publish waits behind them.
-    pub fn release_held(&mut self) {
+    /// The frames behind the barrier went upstream: nothing waits any more.
+    pub fn lower_barriers(&mut self) {
         for c in self.open.values_mut() {
-            c.publish_held = false;
-            c.barrier_held = false;
+            c.publish_behind_barrier = false;
+            c.barrier_raised = false;
         }
     }
 

@@ -46,11 +46,11 @@ impl Session {
             // Heartbeats mean nothing in order: never held back.
             FrameType::Heartbeat => self.to_upstream.extend_from_slice(&frame.raw),
             FrameType::Method if frame.channel != 0 => {
-                let holding = self.holding;
+                let barrier_up = self.barrier_up;
                 let channel = self.channels.get(frame.channel);
                 if channel.publishing.in_flight() {
                     // A publish begins: where its method goes, its content follows.
-                    channel.publish_held = holding;
+                    channel.publish_behind_barrier = barrier_up;
                 }
                 self.emit_upstream(&frame.raw);
             }
@@ -65,10 +65,10 @@ impl Session {
     /// mid-publish must not split a content). An ack that waited for this
     /// publish to end goes right after its last frame.
     fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
-        let holding = self.holding;
+        let barrier_up = self.barrier_up;
         let channel = self.channels.get(channel_id);
-        if holding && channel.publish_held {
-            self.held.extend_from_slice(raw);
+        if barrier_up && channel.publish_behind_barrier {
+            self.behind_barrier.extend_from_slice(raw);
             return;
         }
         self.to_upstream.extend_from_slice(raw);
@@ -88,49 +88,17 @@ impl Session {
     /// Observes a decoded client method; `false` means "do not forward it".
     pub(super) fn on_client_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         match class {
-            AMQPClass::Connection(connection::AMQPMethod::StartOk(ok)) => {
-                Span::current().record("user", tracing::field::display(sasl_user(ok)));
-            }
-            AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune)) => self.on_tune_ok(tune),
-            AMQPClass::Connection(connection::AMQPMethod::Open(open)) => {
-                Span::current().record("vhost", open.virtual_host.as_str());
-                if let Some(state) = self.intercepting.as_mut() {
-                    state.vhost = Arc::from(open.virtual_host.as_str());
-                }
-            }
-            AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
-                debug!(
-                    code = c.reply_code,
-                    text = c.reply_text.as_str(),
-                    "client closes the connection"
-                );
-                // Asked before the close is recorded: once it is, and not
-                // held, acks no longer count.
-                let wait = self.must_wait();
-                self.close
-                    .expect_upstream_close_ok(Origin::Client, self.now);
-                if wait {
-                    self.hold();
-                }
-            }
+            AMQPClass::Connection(method) => return self.on_client_connection_method(method),
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
                 return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
             }
             AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
-                return self.on_settle(
-                    channel_id,
-                    Settle::Nack(n.requeue),
-                    n.delivery_tag,
-                    n.multiple,
-                );
+                let settle = Settle::Nack(n.requeue);
+                return self.on_settle(channel_id, settle, n.delivery_tag, n.multiple);
             }
             AMQPClass::Basic(basic::AMQPMethod::Reject(r)) if channel_id != 0 => {
-                return self.on_settle(
-                    channel_id,
-                    Settle::Reject(r.requeue),
-                    r.delivery_tag,
-                    false,
-                );
+                let settle = Settle::Reject(r.requeue);
+                return self.on_settle(channel_id, settle, r.delivery_tag, false);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_))
             | AMQPClass::Basic(
@@ -141,16 +109,49 @@ impl Session {
             {
                 // The broker would requeue what nackd holds (or make its ack
                 // part of a transaction): ack it first.
-                self.hold_channel(channel_id);
+                self.raise_channel_barrier(channel_id);
                 self.channels.get(channel_id).on_client_method(class);
-            }
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
-                return self.close.client_close_ok() == Some(Origin::Broker);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
                 self.channels.remove(channel_id);
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_client_method(class),
+            _ => {}
+        }
+        true
+    }
+
+    /// A `connection.*` method of the client; `false`: do not forward it.
+    fn on_client_connection_method(&mut self, method: &connection::AMQPMethod) -> bool {
+        match method {
+            connection::AMQPMethod::StartOk(ok) => {
+                Span::current().record("user", tracing::field::display(sasl_user(ok)));
+            }
+            connection::AMQPMethod::TuneOk(tune) => self.on_tune_ok(tune),
+            connection::AMQPMethod::Open(open) => {
+                Span::current().record("vhost", open.virtual_host.as_str());
+                if let Some(state) = self.scope.as_mut() {
+                    state.vhost = Arc::from(open.virtual_host.as_str());
+                }
+            }
+            connection::AMQPMethod::Close(c) => {
+                debug!(
+                    code = c.reply_code,
+                    text = c.reply_text.as_str(),
+                    "client closes the connection"
+                );
+                // Asked before the close is recorded: once it is, and not
+                // behind a barrier, acks no longer count.
+                let wait = self.must_wait();
+                self.close
+                    .expect_upstream_close_ok(Origin::Client, self.now);
+                if wait {
+                    self.raise_barrier();
+                }
+            }
+            connection::AMQPMethod::CloseOk(_) => {
+                return self.close.client_close_ok() == Some(Origin::Broker);
+            }
             _ => {}
         }
         true

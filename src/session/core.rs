@@ -4,7 +4,7 @@
 //!
 //! The handlers live beside this file, one concern each: `frames` (cutting
 //! and checking frames), `client` and `upstream` (what each side's methods
-//! mean), `intercepting` (claim, park, ack, barriers), `lifecycle` (faults,
+//! mean), `claim` (claim, park, ack, barriers), `lifecycle` (faults,
 //! sides gone, shutdown, timers). `channel` tracks each channel, `close`
 //! the closing handshake.
 
@@ -15,15 +15,17 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 use super::channel::Channels;
+use super::claim::{Interception, Scope};
 use super::close::Close;
 use super::frames::Peer;
-use super::intercepting::{Intercepting, Interception};
 use super::{Limits, HIGH_WATER, TICK};
 use crate::metrics::Metrics;
 use crate::protocol::frame::FrameDecoder;
 use crate::retry::{Park, Parked};
 
 /// What the session asks of the retry engine.
+// Each effect is moved once, from the queue to the engine's channel.
+#[allow(clippy::large_enum_variant)]
 pub enum Effect {
     /// Store and hold a claimed message; answer with [`Session::handle_parked`].
     Park(Park),
@@ -51,11 +53,12 @@ pub(crate) struct Session {
     pub(super) client_rx: Instant,
     pub(super) upstream_rx: Instant,
     pub(super) close: Close,
-    pub(super) intercepting: Option<Intercepting>,
-    /// Client frames are held back behind a barrier (see `intercepting`).
-    pub(super) holding: bool,
-    /// The client frames held back.
-    pub(super) held: BytesMut,
+    /// What this session intercepts (none when no policy is configured).
+    pub(super) scope: Option<Scope>,
+    /// Client frames wait behind a barrier (see `claim`).
+    pub(super) barrier_up: bool,
+    /// The client frames waiting behind the barrier.
+    pub(super) behind_barrier: BytesMut,
     pub(super) deferred_close: Option<&'static str>,
     /// When nackd last acked a held message upstream.
     pub(super) acked_at: Option<Instant>,
@@ -99,9 +102,9 @@ impl Session {
             client_rx: now,
             upstream_rx: now,
             close: Close::default(),
-            intercepting: interception.map(|shared| Intercepting::new(shared.clone())),
-            holding: false,
-            held: BytesMut::new(),
+            scope: interception.map(|shared| Scope::new(shared.clone())),
+            barrier_up: false,
+            behind_barrier: BytesMut::new(),
             deferred_close: None,
             acked_at: None,
             claims: 0,
@@ -182,7 +185,8 @@ impl Session {
     pub fn may_read(&self, peer: Peer) -> bool {
         match peer {
             Peer::Client => {
-                !self.close.client_gone && self.to_upstream.len() + self.held.len() < HIGH_WATER
+                !self.close.client_gone
+                    && self.to_upstream.len() + self.behind_barrier.len() < HIGH_WATER
             }
             Peer::Upstream => !self.close.upstream_gone && self.to_client.len() < HIGH_WATER,
         }

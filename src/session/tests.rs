@@ -24,7 +24,7 @@ use crate::protocol::method::{self, put_frame};
 use crate::protocol::reply::ReplyCode;
 use crate::retry::{testing, Park, Parked};
 use crate::session::capture::Budget;
-use crate::session::intercepting::Interception;
+use crate::session::claim::Interception;
 
 const Q: &str = "jobs";
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tracing::{debug, warn};
 
-use super::capture::{Budget, Capturing};
+use super::capture::{Budget, Captured, Capturing};
 use super::close::Origin;
 use super::core::{Effect, Session};
 use super::settle::{self, Settle};
@@ -35,8 +35,9 @@ pub struct Interception {
     pub clock: Clock,
 }
 
-/// Per-session interception state.
-pub(super) struct Intercepting {
+/// What one session intercepts: its vhost, and the policies that apply
+/// to its queues (cached until a reload).
+pub(super) struct Scope {
     pub shared: Arc<Interception>,
     pub vhost: Arc<str>,
     policies: tokio::sync::watch::Receiver<Arc<Policies>>,
@@ -44,7 +45,7 @@ pub(super) struct Intercepting {
     cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
 }
 
-impl Intercepting {
+impl Scope {
     pub fn new(shared: Arc<Interception>) -> Self {
         let mut policies = shared.policies.clone();
         let current = policies.borrow_and_update().clone();
@@ -81,6 +82,54 @@ enum Claim {
     Pass(PassReason),
 }
 
+/// Where a claimed message goes, by its policy and retry number.
+struct Plan {
+    /// How long it is held.
+    delay: std::time::Duration,
+    /// Where it goes when due.
+    route: Route,
+    /// Where it goes if returned as unroutable (`on_exhausted`).
+    dead_letter: Option<Route>,
+    /// The retry count its headers carry.
+    count: u32,
+    /// Why it goes to the dead-letter exchange, when it does.
+    exhausted: Option<&'static str>,
+}
+
+impl Plan {
+    /// The plan for retry number `retry` of a message from `queue`; `None`
+    /// when the schedule is exhausted and the policy rejects.
+    fn of(policy: &Policy, queue: &str, retry: u32) -> Option<Self> {
+        let dead_letter = match &policy.on_exhausted {
+            OnExhausted::Reject => None,
+            OnExhausted::DeadLetter {
+                exchange,
+                routing_key,
+            } => Some(Route::Exchange {
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone().unwrap_or_else(|| queue.to_string()),
+            }),
+        };
+        let (delay, route, count, exhausted) = match (policy.step(retry), &dead_letter) {
+            (Step::Delay(delay), _) => (delay, Route::Queue, retry, None),
+            (Step::Exhausted, None) => return None,
+            (Step::Exhausted, Some(route)) => (
+                std::time::Duration::ZERO,
+                route.clone(),
+                retry - 1,
+                Some("retry schedule exhausted"),
+            ),
+        };
+        Some(Self {
+            delay,
+            route,
+            dead_letter,
+            count,
+            exhausted,
+        })
+    }
+}
+
 impl Session {
     /// A delivery (deliver or get-ok) was tracked: capture it if its queue is intercepted.
     pub(super) fn start_capture(
@@ -90,7 +139,7 @@ impl Session {
         exchange: &str,
         routing_key: &str,
     ) {
-        let Some(state) = self.intercepting.as_mut() else {
+        let Some(state) = self.scope.as_mut() else {
             return;
         };
         let channel = self.channels.get(channel_id);
@@ -109,7 +158,7 @@ impl Session {
 
     /// A content frame from the broker: feed the capture of its channel.
     pub(super) fn capture_content(&mut self, frame: &Frame) {
-        let Some(state) = self.intercepting.as_ref() else {
+        let Some(state) = self.scope.as_ref() else {
             return;
         };
         let budget = state.shared.budget.clone();
@@ -160,7 +209,7 @@ impl Session {
         tag: u64,
         multiple: bool,
     ) -> bool {
-        let intercepting = self.intercepting.is_some();
+        let intercepting = self.scope.is_some();
         let channel = self.channels.get(channel_id);
         let again = intercepting && !multiple && channel.pending.contains_key(&tag);
         if again {
@@ -181,7 +230,7 @@ impl Session {
             }
             return true;
         }
-        let holds = channel.holds_within(tag, multiple);
+        let holds = channel.claims_within(tag, multiple);
         let covered = channel.take_covered(tag, multiple);
         let claimable = settle != Settle::Ack && covered.iter().any(|(_, d)| d.capture.is_some());
         if !holds && !claimable {
@@ -190,22 +239,27 @@ impl Session {
             }
             return true;
         }
+        self.claim_covered(channel_id, settle, covered, multiple);
+        false
+    }
+
+    /// Claims what a settle covers and sends the broker the settle of the
+    /// rest: rejects of exhausted messages first (so a `multiple` frame
+    /// cannot cover their tags), then the client's settle rewritten around
+    /// the claimed tags.
+    fn claim_covered(
+        &mut self,
+        channel_id: u16,
+        settle: Settle,
+        covered: Vec<(u64, Delivery)>,
+        multiple: bool,
+    ) {
         let mut forward = Vec::new();
         let mut rejects = Vec::new();
         for (t, delivery) in covered {
             let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
-                Claim::Parked => {
-                    debug!(
-                        tag = t,
-                        ?settle,
-                        "claimed for a delayed retry; storing before the ack"
-                    );
-                    let seq = self.claims;
-                    let channel = self.channels.get(channel_id);
-                    channel.pending.insert(t, Claimed { settle, seq });
-                    channel.last_claim = seq;
-                }
+                Claim::Parked => self.note_claim(channel_id, t, settle),
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
                 Claim::Pass(reason) => {
                     if settle != Settle::Ack {
@@ -215,7 +269,6 @@ impl Session {
                 }
             }
         }
-        // Rejects first, so a `multiple` frame below cannot cover their tags.
         for (t, queue, retries) in rejects {
             self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
@@ -224,7 +277,19 @@ impl Session {
         for f in settle::settle_frames(channel_id, settle, &forward, lowest_held, multiple) {
             self.emit_upstream(&f);
         }
-        false
+    }
+
+    /// Tag `tag` was claimed: its settle waits for the store's answer.
+    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle) {
+        debug!(
+            tag,
+            ?settle,
+            "claimed for a delayed retry; storing before the ack"
+        );
+        let seq = self.claims;
+        let channel = self.channels.get(channel_id);
+        channel.pending.insert(tag, Claimed { settle, seq });
+        channel.last_claim = seq;
     }
 
     /// Counts the nacks of deliveries forwarded as sent; a settle of tags
@@ -245,7 +310,7 @@ impl Session {
 
     fn on_exhausted_reject(&self, queue: &str, retry: u32) {
         self.metrics.exhausted_reject.inc();
-        let Some(state) = self.intercepting.as_ref() else {
+        let Some(state) = self.scope.as_ref() else {
             return;
         };
         let vhost = state.vhost.to_string();
@@ -260,68 +325,29 @@ impl Session {
         });
     }
 
+    /// Claims one delivery the client nacked: passes it on if nackd may
+    /// not, else parks it (or rejects it, its schedule exhausted).
     fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
-        let not_captured = if delivery.over_budget {
-            PassReason::OverBudget
-        } else {
-            PassReason::NotConfigured
+        let queue = delivery.queue.clone();
+        let captured = match self.claimable(channel_id, delivery, settle) {
+            Ok(captured) => captured,
+            Err(reason) => return Claim::Pass(reason),
         };
-        if settle == Settle::Ack {
-            return Claim::Pass(not_captured);
-        }
-        let Some(captured) = delivery.capture else {
-            return Claim::Pass(not_captured);
+        let retry = headers::retry_count(&captured.header).saturating_add(1);
+        let Some(plan) = Plan::of(&captured.policy, &queue, retry) else {
+            return Claim::Reject(retry - 1);
         };
-        let Some(state) = self.intercepting.as_ref() else {
+        let Some(state) = self.scope.as_ref() else {
             return Claim::Pass(PassReason::NotConfigured);
         };
-        if let Err(reason) = state.shared.retry.ready.may_claim() {
-            return Claim::Pass(reason);
-        }
-        let closing = self
-            .channels
-            .peek(channel_id)
-            .is_some_and(|c| c.barrier_held);
-        if closing || !self.upstream_takes_acks() {
-            // An ack would come after the close (or recover) the client sent.
-            return Claim::Pass(PassReason::Closing);
-        }
-        let policy = captured.policy.clone();
-        if !policy.wants(settle.requeue()) {
-            return Claim::Pass(PassReason::RequeuePass);
-        }
-        let retry = headers::retry_count(&captured.header).saturating_add(1);
-        let queue = delivery.queue.clone();
-        let mut info = Retry {
+        let info = Retry {
             queue: &queue,
             exchange: &captured.exchange,
             routing_key: &captured.routing_key,
-            count: retry,
-            delay_ms: 0,
+            count: plan.count,
+            delay_ms: plan.delay.as_millis() as u64,
             now_secs: state.shared.clock.ms_at(self.now) / 1000,
-            exhausted: None,
-        };
-        let dead_letter = match &policy.on_exhausted {
-            OnExhausted::Reject => None,
-            OnExhausted::DeadLetter {
-                exchange,
-                routing_key,
-            } => Some(Route::Exchange {
-                exchange: exchange.clone(),
-                routing_key: routing_key.clone().unwrap_or_else(|| queue.to_string()),
-            }),
-        };
-        let (delay, route) = match (policy.step(retry), &dead_letter) {
-            (Step::Delay(delay), _) => {
-                info.delay_ms = delay.as_millis() as u64;
-                (delay, Route::Queue)
-            }
-            (Step::Exhausted, None) => return Claim::Reject(retry - 1),
-            (Step::Exhausted, Some(route)) => {
-                info.count = retry - 1;
-                info.exhausted = Some("retry schedule exhausted");
-                (std::time::Duration::ZERO, route.clone())
-            }
+            exhausted: plan.exhausted,
         };
         let header = match headers::rewrite(&captured.header, &info) {
             Ok(h) => bytes::Bytes::from(h),
@@ -330,20 +356,20 @@ impl Session {
                 return Claim::Pass(PassReason::BadHeaders);
             }
         };
-        let epoch = self.channels.get(channel_id).epoch;
+        let key = ClaimKey {
+            channel: channel_id,
+            epoch: self.channels.get(channel_id).epoch,
+            tag,
+            seq: self.claims + 1,
+        };
         let park = Park {
-            key: ClaimKey {
-                channel: channel_id,
-                epoch,
-                tag,
-                seq: self.claims + 1,
-            },
+            key,
             vhost: state.vhost.clone(),
             queue,
-            delay,
+            delay: plan.delay,
             retry,
-            route,
-            on_return: dead_letter,
+            route: plan.route,
+            on_return: plan.dead_letter,
             header,
             body: captured.body.clone(),
         };
@@ -351,6 +377,38 @@ impl Session {
         self.claims += 1;
         self.unanswered.insert(self.claims, self.now);
         Claim::Parked
+    }
+
+    /// The captured message of a delivery nackd may claim now, else why
+    /// its settle passes through.
+    fn claimable(
+        &self,
+        channel_id: u16,
+        delivery: Delivery,
+        settle: Settle,
+    ) -> Result<Captured, PassReason> {
+        let not_captured = match delivery.over_budget {
+            true => PassReason::OverBudget,
+            false => PassReason::NotConfigured,
+        };
+        let captured = match delivery.capture {
+            Some(captured) if settle != Settle::Ack => captured,
+            _ => return Err(not_captured),
+        };
+        let state = self.scope.as_ref().ok_or(PassReason::NotConfigured)?;
+        state.shared.retry.ready.may_claim()?;
+        let closing = self
+            .channels
+            .peek(channel_id)
+            .is_some_and(|c| c.barrier_raised);
+        if closing || !self.upstream_takes_acks() {
+            // An ack would come after the close (or recover) the client sent.
+            return Err(PassReason::Closing);
+        }
+        if !captured.policy.wants(settle.requeue()) {
+            return Err(PassReason::RequeuePass);
+        }
+        Ok(captured)
     }
 
     /// The store answered for a claimed delivery.
@@ -392,7 +450,7 @@ impl Session {
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
-                // closed): holding it too would deliver it twice.
+                // closed): holding its copy too would deliver it twice.
                 self.effects.push_back(Effect::Cancel(id));
                 self.drop_orphan_pending(key);
             }
@@ -405,11 +463,12 @@ impl Session {
     /// frames held back, but never inside a client content that has begun
     /// going upstream: then it waits for that content's last frame.
     /// `held` is the id of the stored copy an ack stands for: if the ack
-    /// never goes, the copy is cancelled (see [`Session::cancel_unanswered`]).
+    /// never goes, the copy is cancelled (see [`Session::end`]).
     fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes, held: Option<u64>) {
-        let holding = self.holding;
+        let barrier_up = self.barrier_up;
         let channel = self.channels.get(channel_id);
-        let content_open = channel.publishing.in_flight() && !(holding && channel.publish_held);
+        let content_open =
+            channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier);
         if content_open {
             channel.deferred.push((frame, held));
         } else {
@@ -422,7 +481,7 @@ impl Session {
     /// the client's `connection.close` went upstream.
     pub(super) fn upstream_takes_acks(&self) -> bool {
         let close_sent = match self.close.awaiting_upstream() {
-            Some(Origin::Client) => !self.holding,
+            Some(Origin::Client) => !self.barrier_up,
             Some(_) => true,
             None => false,
         };
@@ -439,8 +498,8 @@ impl Session {
 
     /// Client frames go upstream, or wait behind a barrier.
     pub(super) fn emit_upstream(&mut self, bytes: &[u8]) {
-        if self.holding {
-            self.held.extend_from_slice(bytes);
+        if self.barrier_up {
+            self.behind_barrier.extend_from_slice(bytes);
         } else {
             self.to_upstream.extend_from_slice(bytes);
         }
@@ -451,7 +510,7 @@ impl Session {
     /// broker still takes acks).
     pub(super) fn must_wait(&self) -> bool {
         let recent = self.acked_at.is_some_and(|t| t + ACK_GRACE > self.now);
-        self.upstream_takes_acks() && (!self.unanswered.is_empty() || recent || self.holding)
+        self.upstream_takes_acks() && (!self.unanswered.is_empty() || recent || self.barrier_up)
     }
 
     /// Held-back frames wait for the claims up to `barrier` (made before
@@ -464,28 +523,28 @@ impl Session {
     /// Holds client frames until the claims made so far are answered and
     /// acked (before a connection close that would make the broker requeue
     /// held messages).
-    pub(super) fn hold(&mut self) {
+    pub(super) fn raise_barrier(&mut self) {
         let all = self.claims;
-        self.hold_behind(all);
+        self.raise_barrier_behind(all);
     }
 
     /// Like [`Session::hold`] for a close, recover or `tx.select` of one
     /// channel: it waits for that channel's claims (and the older ones).
-    pub(super) fn hold_channel(&mut self, channel_id: u16) {
+    pub(super) fn raise_channel_barrier(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        channel.barrier_held = true;
+        channel.barrier_raised = true;
         let last = channel.last_claim;
-        self.hold_behind(last);
+        self.raise_barrier_behind(last);
     }
 
-    fn hold_behind(&mut self, barrier: u64) {
-        if !self.holding {
+    fn raise_barrier_behind(&mut self, barrier: u64) {
+        if !self.barrier_up {
             debug!(
                 pending = self.channels.pending(),
-                "holding client frames until held messages are acked"
+                "client frames wait behind a barrier until the claims are acked"
             );
         }
-        self.holding = true;
+        self.barrier_up = true;
         self.close.settling = true;
         self.set_barrier(barrier);
         self.release_if_settled();
@@ -506,7 +565,7 @@ impl Session {
     /// unanswered for [`SETTLE_TIMEOUT`] is given up: its nack goes to the
     /// broker as the client sent it.
     pub(super) fn release_if_settled(&mut self) {
-        if !(self.holding || self.deferred_close.is_some()) {
+        if !(self.barrier_up || self.deferred_close.is_some()) {
             return;
         }
         let now = self.now;
@@ -534,10 +593,10 @@ impl Session {
         self.close.settling = false;
         // The close handshake's own timeout runs from here.
         self.close.restart(now);
-        if self.holding {
-            self.holding = false;
-            self.channels.release_held();
-            let held = std::mem::take(&mut self.held);
+        if self.barrier_up {
+            self.barrier_up = false;
+            self.channels.lower_barriers();
+            let held = std::mem::take(&mut self.behind_barrier);
             self.to_upstream.extend_from_slice(&held);
         }
         if let Some(why) = self.deferred_close.take() {
