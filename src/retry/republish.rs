@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
+use tracing::{info_span, Instrument};
 
 use crate::metrics::{BlockReason, Metrics};
 use crate::net::Connector;
@@ -172,7 +173,11 @@ impl Republisher {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(task::Task::new(vhost, connector, settings, reports, rx, metrics).run());
+        // A spawned task does not inherit the current span: the vhost is
+        // named here so every line the task logs carries it.
+        let span = info_span!("republish", vhost = %vhost);
+        let task = task::Task::new(vhost, connector, settings, reports, rx, metrics);
+        tokio::spawn(task.run().instrument(span));
         Self { tx }
     }
 
