@@ -99,11 +99,14 @@ pub fn spawn_writer<C: Send + 'static>(
     let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
     let open = Open::track(&metrics.store_open);
     metrics.store_bytes.set(log.bytes() as i64);
+    // A thread does not inherit the current span: made here, it is a child
+    // of the spawner's (the engine's), and entered for the thread's life.
+    let span = info_span!("store_writer", dir = %log.dir().display());
     let thread = std::thread::Builder::new()
         .name("nackd-store".into())
         .spawn(move || {
             let _open = open;
-            let _span = info_span!("store").entered();
+            let _span = span.entered();
             Thread {
                 log,
                 events,
@@ -245,5 +248,50 @@ impl<C> Thread<C> {
                 warn!(error = %e, "store: compaction failed; trying again later");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tracing::span::Id;
+    use tracing::Subscriber;
+    use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+    use tracing_subscriber::registry::LookupSpan;
+
+    use super::*;
+    use crate::store::log::Options;
+
+    /// A span's name and the thread that entered it.
+    type Entry = (&'static str, Option<String>);
+
+    /// Records each span entered.
+    #[derive(Clone, Default)]
+    struct Entered(Arc<Mutex<Vec<Entry>>>);
+
+    impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Entered {
+        fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+            let name = ctx.span(id).map_or("?", |s| s.name());
+            let thread = std::thread::current().name().map(String::from);
+            self.0.lock().unwrap().push((name, thread));
+        }
+    }
+
+    #[test]
+    fn the_writer_thread_runs_in_its_span() {
+        let entered = Entered::default();
+        let subscriber = tracing_subscriber::registry().with(entered.clone());
+        let disk = tempfile::tempdir().unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            let (log, _) = Log::open(disk.path(), Options::default()).unwrap();
+            let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
+            spawn_writer(log, events, Metrics::new()).join().unwrap();
+        });
+        let entered = entered.0.lock().unwrap();
+        assert!(
+            entered.contains(&("store_writer", Some("nackd-store".into()))),
+            "{entered:?}"
+        );
     }
 }
