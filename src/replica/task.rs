@@ -106,12 +106,10 @@ pub(super) async fn run(
         compaction: None,
     };
     // Adoption runs beside the task, on its own connection: it waits on
-    // the engine, which waits on this task for its appends.
-    tokio::spawn(super::adopt::run(
-        task.config.clone(),
-        task.state.subscribe(),
-        adopt,
-    ));
+    // the engine, which waits on this task for its appends. A spawned task
+    // does not inherit a span: its own is made a child of the replica's.
+    let adoption = super::adopt::run(task.config.clone(), task.state.subscribe(), adopt);
+    tokio::spawn(adoption.instrument(info_span!(parent: &span, "adopt")));
     async move {
         let mut flush = tokio::time::interval(task.config.done_every);
         let mut check = tokio::time::interval(RETRY);
