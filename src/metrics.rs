@@ -269,35 +269,65 @@ const FSYNC_BUCKETS: [f64; 13] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
+/// The labelled families whose series [`Metrics`] keeps as handles: the
+/// registry holds the families, the hot paths the handles.
+#[derive(Default)]
+struct Families {
+    frames: Family<Label, Counter>,
+    bytes: Family<Label, Counter>,
+    passed: Family<Label, Counter>,
+    exhausted: Family<Label, Counter>,
+    reloads: Family<Label, Counter>,
+    blocked_total: Family<Label, Counter>,
+    blocked_now: Family<Label, Gauge>,
+    gone: Family<Label, Counter>,
+}
+
+/// The handles of both directions in `f`.
+fn directions(f: &Family<Label, Counter>) -> Directions {
+    Directions {
+        to_upstream: one(f, "direction", "to_upstream"),
+        to_client: one(f, "direction", "to_client"),
+    }
+}
+
+/// The handle of the series of `f` labelled `name="value"`.
+fn one(f: &Family<Label, Counter>, name: &'static str, value: &'static str) -> Counter {
+    f.get_or_create_owned(&[(name, value)])
+}
+
 impl Metrics {
     /// Every metric at zero, registered.
     pub fn new() -> Arc<Self> {
-        let frames = Family::<Label, Counter>::default();
-        let bytes = Family::<Label, Counter>::default();
-        let passed = Family::<Label, Counter>::default();
-        let exhausted = Family::<Label, Counter>::default();
-        let reloads = Family::<Label, Counter>::default();
-        let blocked_total = Family::<Label, Counter>::default();
-        let blocked_now = Family::<Label, Gauge>::default();
-        let gone = Family::<Label, Counter>::default();
-        let one = |f: &Family<Label, Counter>, name, value| f.get_or_create_owned(&[(name, value)]);
-        let directions = |f: &Family<Label, Counter>| Directions {
-            to_upstream: one(f, "direction", "to_upstream"),
-            to_client: one(f, "direction", "to_client"),
-        };
-        let m = Self {
+        let f = Families::default();
+        let m = Self::unregistered(&f);
+        let mut r = Registry::default();
+        m.register_proxy(&mut r, &f);
+        m.register_retries(&mut r, &f);
+        m.register_store(&mut r);
+        m.register_replica(&mut r);
+        m.register_republishers(&mut r);
+        m.register_set_aside(&mut r, &f);
+        m.register_capture_and_reloads(&mut r, &f);
+        Arc::new(Self { registry: r, ..m })
+    }
+
+    /// Every metric at zero, with handles on the series of `f`; the
+    /// registry is still empty.
+    fn unregistered(f: &Families) -> Self {
+        Self {
             registry: Registry::default(),
             clients: Gauge::default(),
             clients_accepted: Counter::default(),
             clients_refused: Counter::default(),
             upstreams: Gauge::default(),
             upstream_failures: Counter::default(),
-            frames: directions(&frames),
-            bytes: directions(&bytes),
+            frames: directions(&f.frames),
+            bytes: directions(&f.bytes),
             intercepted: Counter::default(),
             passed: PassReason::ALL
                 .iter()
-                .map(|r| one(&passed, "reason", r.label()))
+                .map(|r| one(&f.passed, "reason", r.label()))
                 .collect(),
             held: Family::default(),
             held_bytes: Family::default(),
@@ -306,8 +336,8 @@ impl Metrics {
             returned: Counter::default(),
             nacked: Counter::default(),
             rerouted: Counter::default(),
-            exhausted_reject: one(&exhausted, "route", "reject"),
-            exhausted_dead_letter: one(&exhausted, "route", "dead_letter"),
+            exhausted_reject: one(&f.exhausted, "route", "reject"),
+            exhausted_dead_letter: one(&f.exhausted, "route", "dead_letter"),
             lateness: Histogram::new(LATENESS_BUCKETS),
             fsync: Histogram::new(FSYNC_BUCKETS),
             store_bytes: Gauge::default(),
@@ -326,22 +356,25 @@ impl Metrics {
             republish_pending_bytes: Family::default(),
             blocked_total: BlockReason::ALL
                 .iter()
-                .map(|r| one(&blocked_total, "reason", r.label()))
+                .map(|r| one(&f.blocked_total, "reason", r.label()))
                 .collect(),
             blocked_now: BlockReason::ALL
                 .iter()
-                .map(|r| blocked_now.get_or_create_owned(&[("reason", r.label())]))
+                .map(|r| f.blocked_now.get_or_create_owned(&[("reason", r.label())]))
                 .collect(),
             queue_gone: Family::default(),
-            gone_dropped: one(&gone, "action", "drop"),
-            gone_dead_lettered: one(&gone, "action", "dead_letter"),
+            gone_dropped: one(&f.gone, "action", "drop"),
+            gone_dead_lettered: one(&f.gone, "action", "dead_letter"),
             exchanges_missing: Gauge::default(),
             capture_bytes: Gauge::default(),
-            reloads_ok: one(&reloads, "result", "ok"),
-            reloads_failed: one(&reloads, "result", "error"),
+            reloads_ok: one(&f.reloads, "result", "ok"),
+            reloads_failed: one(&f.reloads, "result", "error"),
             recent: Recent::default(),
-        };
-        let mut r = Registry::default();
+        }
+    }
+
+    /// The proxy: connections, frames and bytes, nacks taken over or passed.
+    fn register_proxy(&self, r: &mut Registry, f: &Families) {
         r.register(
             "nackd_build",
             "nackd version",
@@ -350,210 +383,237 @@ impl Metrics {
         r.register(
             "nackd_client_connections",
             "Client connections open",
-            m.clients.clone(),
+            self.clients.clone(),
         );
         r.register(
             "nackd_client_connections_accepted",
             "Client connections accepted",
-            m.clients_accepted.clone(),
+            self.clients_accepted.clone(),
         );
         r.register(
             "nackd_client_connections_refused",
             "Client connections refused at limits.max_connections",
-            m.clients_refused.clone(),
+            self.clients_refused.clone(),
         );
         r.register(
             "nackd_upstream_connections",
             "Broker connections open on behalf of clients",
-            m.upstreams.clone(),
+            self.upstreams.clone(),
         );
         r.register(
             "nackd_upstream_connect_failures",
             "Broker connects that failed",
-            m.upstream_failures.clone(),
+            self.upstream_failures.clone(),
         );
-        r.register("nackd_frames", "Frames proxied, by direction", frames);
+        r.register(
+            "nackd_frames",
+            "Frames proxied, by direction",
+            f.frames.clone(),
+        );
         r.register_with_unit(
             "nackd_proxied",
             "Bytes proxied, by direction",
             Unit::Bytes,
-            bytes,
+            f.bytes.clone(),
         );
         r.register(
             "nackd_nacks_intercepted",
             "Nacks and rejects nackd took over (stored, then acked upstream)",
-            m.intercepted.clone(),
+            self.intercepted.clone(),
         );
         r.register(
             "nackd_nacks_passed",
             "Nacks and rejects forwarded to the broker as sent, by reason",
-            passed,
+            f.passed.clone(),
         );
+    }
+
+    /// The retries: what is held, republished, exhausted, and how late.
+    fn register_retries(&self, r: &mut Registry, f: &Families) {
         r.register(
             "nackd_held_messages",
             "Messages held for a delayed retry",
-            m.held.clone(),
+            self.held.clone(),
         );
         r.register_with_unit(
             "nackd_held",
             "Bytes of messages held for a delayed retry",
             Unit::Bytes,
-            m.held_bytes.clone(),
+            self.held_bytes.clone(),
         );
         r.register(
             "nackd_retries_published",
             "Held messages handed to the republisher when due",
-            m.published.clone(),
+            self.published.clone(),
         );
         r.register(
             "nackd_retries_confirmed",
             "Republishes confirmed by the broker",
-            m.confirmed.clone(),
+            self.confirmed.clone(),
         );
         r.register(
             "nackd_retries_returned",
             "Republishes returned as unroutable",
-            m.returned.clone(),
+            self.returned.clone(),
         );
         r.register(
             "nackd_retries_nacked",
             "Republishes nacked by the broker",
-            m.nacked.clone(),
+            self.nacked.clone(),
         );
         r.register(
             "nackd_retries_rerouted",
             "Returned messages re-routed to their on_exhausted exchange",
-            m.rerouted.clone(),
+            self.rerouted.clone(),
         );
         r.register(
             "nackd_exhausted",
             "Messages whose retry schedule is used up, by route",
-            exhausted,
+            f.exhausted.clone(),
         );
         r.register_with_unit(
             "nackd_redelivery_lateness",
             "Time from due to republish (first attempt)",
             Unit::Seconds,
-            m.lateness.clone(),
+            self.lateness.clone(),
         );
+    }
+
+    /// The store: size, fsyncs, errors, compaction, damage.
+    fn register_store(&self, r: &mut Registry) {
         r.register_with_unit(
             "nackd_store_fsync",
             "Duration of the store's group-commit fsync",
             Unit::Seconds,
-            m.fsync.clone(),
+            self.fsync.clone(),
         );
         r.register_with_unit(
             "nackd_store",
             "Size of the store's segment files",
             Unit::Bytes,
-            m.store_bytes.clone(),
+            self.store_bytes.clone(),
         );
         r.register(
             "nackd_store_open",
             "1 while the store is open and its writer runs",
-            m.store_open.clone(),
+            self.store_open.clone(),
         );
         r.register(
             "nackd_store_errors",
             "Store writes or fsyncs that failed",
-            m.store_errors.clone(),
+            self.store_errors.clone(),
         );
         r.register_with_unit(
             "nackd_store_live",
             "Bytes of the store's live records (disk use stays within about twice this plus a segment)",
             Unit::Bytes,
-            m.store_live_bytes.clone(),
+            self.store_live_bytes.clone(),
         );
         r.register_with_unit(
             "nackd_store_compacted",
             "Bytes the store's compaction copied forward",
             Unit::Bytes,
-            m.store_compacted_bytes.clone(),
+            self.store_compacted_bytes.clone(),
         );
         r.register_with_unit(
             "nackd_store_damaged",
             "Bytes recovery skipped because they did not read back (held messages in them are lost)",
             Unit::Bytes,
-            m.store_damaged_bytes.clone(),
+            self.store_damaged_bytes.clone(),
         );
+    }
+
+    /// The replica: compactions and rebuilds.
+    fn register_replica(&self, r: &mut Registry) {
         r.register(
             "nackd_replica_compactions",
             "Replica generation streams replaced by a compacted one",
-            m.replica_generations.clone(),
+            self.replica_generations.clone(),
         );
         r.register(
             "nackd_replica_rebuilt_messages",
             "Held messages the local store got back from the replica stream",
-            m.replica_rebuilt.clone(),
+            self.replica_rebuilt.clone(),
         );
+    }
+
+    /// The republishers: connections, blocks, pending bytes.
+    fn register_republishers(&self, r: &mut Registry) {
         r.register(
             "nackd_republisher_connections",
             "Republisher connections up (all vhosts)",
-            m.republishers.clone(),
+            self.republishers.clone(),
         );
         r.register(
             "nackd_republisher_connected",
             "1 while the republisher of the vhost is connected",
-            m.republisher_connected.clone(),
+            self.republisher_connected.clone(),
         );
         r.register(
             "nackd_republisher_blocked",
             "1 while the broker blocks the republisher of the vhost",
-            m.republisher_blocked.clone(),
+            self.republisher_blocked.clone(),
         );
         r.register(
             "nackd_republisher_connects",
             "Republisher connections opened, by vhost",
-            m.republisher_connects.clone(),
+            self.republisher_connects.clone(),
         );
         r.register(
             "nackd_republisher_channel_errors",
             "Republisher channels the broker closed with an error (the connection stays)",
-            m.republisher_channel_errors.clone(),
+            self.republisher_channel_errors.clone(),
         );
         r.register_with_unit(
             "nackd_republish_pending",
             "Bytes of due messages read from the store and not yet settled (bounded by republish.max_pending_bytes)",
             Unit::Bytes,
-            m.republish_pending_bytes.clone(),
+            self.republish_pending_bytes.clone(),
         );
+    }
+
+    /// Messages set aside, gone queues, missing exchanges.
+    fn register_set_aside(&self, r: &mut Registry, f: &Families) {
         r.register(
             "nackd_retries_blocked",
             "Republishes set aside (kept, tried again with backoff), by reason",
-            blocked_total,
+            f.blocked_total.clone(),
         );
         r.register(
             "nackd_blocked_messages",
             "Held messages whose last republish was set aside, by reason",
-            blocked_now,
+            f.blocked_now.clone(),
         );
         r.register(
             "nackd_queue_gone",
             "1 while a queue nackd holds messages for does not exist",
-            m.queue_gone.clone(),
+            self.queue_gone.clone(),
         );
         r.register(
             "nackd_gone_queue_messages",
             "Held messages of a gone queue handled by republish.queue_gone, by action",
-            gone,
+            f.gone.clone(),
         );
         r.register(
             "nackd_policy_exchanges_missing",
             "on_exhausted and queue_gone exchanges the last check (startup, reload) did not find",
-            m.exchanges_missing.clone(),
+            self.exchanges_missing.clone(),
         );
+    }
+
+    /// The capture budget in use, and policy reloads.
+    fn register_capture_and_reloads(&self, r: &mut Registry, f: &Families) {
         r.register_with_unit(
             "nackd_capture",
             "Bytes of deliveries captured in case they are nacked",
             Unit::Bytes,
-            m.capture_bytes.clone(),
+            self.capture_bytes.clone(),
         );
         r.register(
             "nackd_policy_reloads",
             "Policy reloads (SIGHUP), by result",
-            reloads,
+            f.reloads.clone(),
         );
-        Arc::new(Self { registry: r, ..m })
     }
 
     /// Counts `n` nacks passed through for `reason`.
