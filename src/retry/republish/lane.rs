@@ -197,37 +197,44 @@ impl Lane {
         let Some(p) = self.pending.pop_front() else {
             return false;
         };
-        if let Err(set_aside) = precheck(&p, limits) {
-            reports.push(Report {
-                id: p.id,
-                outcome: Outcome::SetAside(set_aside),
-            });
-            return true;
-        }
-        let alone = match (foreign_user_id(&p, limits.username), limits.impersonation) {
-            (None, _) | (Some(_), Impersonation::Allowed) => false,
-            (Some(user), Impersonation::Refused) => {
-                let reply = format!(
-                    "its user_id property {user:?} is not the republisher's user {:?}, and the broker refuses that from it (406 PRECONDITION_FAILED)",
-                    limits.username
-                );
+        let alone = match self.admit(&p, limits) {
+            Err(set_aside) => {
                 reports.push(Report {
                     id: p.id,
-                    outcome: Outcome::SetAside(SetAside {
-                        reason: BlockReason::UserId,
-                        reply,
-                        exchange_wide: false,
-                    }),
+                    outcome: Outcome::SetAside(set_aside),
                 });
                 return true;
             }
-            (Some(_), Impersonation::Unknown) if !self.inflight.is_empty() => {
-                // It goes alone: wait until the lane is drained.
+            Ok(Admit::AfterDrain) => {
                 self.pending.push_front(p);
                 return false;
             }
-            (Some(_), Impersonation::Unknown) => true,
+            Ok(Admit::Alone) => true,
+            Ok(Admit::WithOthers) => false,
         };
+        self.send(channel, p, alone, limits.frame_max, out);
+        true
+    }
+
+    /// Whether `p` can be published now, and how; `Err` when it cannot be
+    /// published at all.
+    fn admit(&self, p: &Publish, limits: Limits<'_>) -> Result<Admit, SetAside> {
+        precheck(p, limits)?;
+        Ok(
+            match (foreign_user_id(p, limits.username), limits.impersonation) {
+                (None, _) | (Some(_), Impersonation::Allowed) => Admit::WithOthers,
+                (Some(user), Impersonation::Refused) => {
+                    return Err(user_id_refused(&user, limits.username))
+                }
+                // It goes alone: wait until the lane is drained.
+                (Some(_), Impersonation::Unknown) if !self.inflight.is_empty() => Admit::AfterDrain,
+                (Some(_), Impersonation::Unknown) => Admit::Alone,
+            },
+        )
+    }
+
+    /// Writes `p` on `channel` and keeps it in flight until its confirm.
+    fn send(&mut self, channel: u16, p: Publish, alone: bool, frame_max: u32, out: &mut BytesMut) {
         out.extend_from_slice(&method::publish(
             channel,
             p.exchange(),
@@ -235,7 +242,7 @@ impl Lane {
             true,
             &p.header,
             &p.body,
-            limits.frame_max,
+            frame_max,
         ));
         self.seq += 1;
         if alone {
@@ -246,7 +253,6 @@ impl Lane {
             publish: p,
             returned: None,
         });
-        true
     }
 
     /// A method frame on the lane's channel. `Some` when the broker closed
@@ -261,24 +267,31 @@ impl Lane {
             State::Closed => return None,
             State::Opening(ch, _) | State::Open(ch) => ch,
         };
-        match (self.state, class) {
-            (_, AMQPClass::Channel(channel::AMQPMethod::Close(c))) => {
-                let close_ok =
-                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
-                out.extend_from_slice(&method::encode(ch, &close_ok));
-                return Some(self.closed(ch, c.reply_code, c.reply_text.as_str(), reports));
-            }
-            (State::Opening(_, Step::Open), AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {
+        if let AMQPClass::Channel(channel::AMQPMethod::Close(c)) = class {
+            let close_ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+            out.extend_from_slice(&method::encode(ch, &close_ok));
+            return Some(self.closed(ch, c.reply_code, c.reply_text.as_str(), reports));
+        }
+        match self.state {
+            State::Opening(_, step) => self.on_opening(ch, step, class, out),
+            State::Open(_) => self.on_answer(class, reports),
+            State::Closed => {}
+        }
+        None
+    }
+
+    /// The opening handshake: `channel.open-ok`, then `confirm.select-ok`,
+    /// then (for a named exchange) the passive declare's `declare-ok`.
+    fn on_opening(&mut self, ch: u16, step: Step, class: AMQPClass, out: &mut BytesMut) {
+        match (step, class) {
+            (Step::Open, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {
                 let select = AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
                     nowait: false,
                 }));
                 out.extend_from_slice(&method::encode(ch, &select));
                 self.state = State::Opening(ch, Step::Select);
             }
-            (
-                State::Opening(_, Step::Select),
-                AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_)),
-            ) => {
+            (Step::Select, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {
                 if self.exchange.is_empty() {
                     self.state = State::Open(ch);
                 } else {
@@ -292,17 +305,24 @@ impl Lane {
                     self.state = State::Opening(ch, Step::Declare);
                 }
             }
-            (
-                State::Opening(_, Step::Declare),
-                AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)),
-            ) => self.state = State::Open(ch),
-            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Ack(a))) => {
+            (Step::Declare, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))) => {
+                self.state = State::Open(ch)
+            }
+            _ => {}
+        }
+    }
+
+    /// The broker's answers to publishes on an open channel: confirms,
+    /// nacks, and the start of a return.
+    fn on_answer(&mut self, class: AMQPClass, reports: &mut Vec<Report>) {
+        match class {
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
                 self.settle(a.delivery_tag, a.multiple, true, reports)
             }
-            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Nack(n))) => {
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
                 self.settle(n.delivery_tag, n.multiple, false, reports)
             }
-            (State::Open(_), AMQPClass::Basic(basic::AMQPMethod::Return(r))) => {
+            AMQPClass::Basic(basic::AMQPMethod::Return(r)) => {
                 let limit = self
                     .inflight
                     .iter()
@@ -319,7 +339,6 @@ impl Lane {
             }
             _ => {}
         }
-        None
     }
 
     /// A content frame on the lane's channel: the message of a return.
@@ -400,28 +419,53 @@ impl Lane {
         self.state = State::Closed;
         self.returning = None;
         self.proven = false;
-        let mut reason = match code {
-            404 => BlockReason::NoExchange,
-            403 => BlockReason::AccessRefused,
-            406 => BlockReason::PreconditionFailed,
-            _ => BlockReason::ChannelError,
-        };
         let unanswered = self
             .inflight
             .iter()
             .filter(|f| f.returned.is_none())
             .count();
-        if alone.is_some() && unanswered == 1 && code == 406 && text.contains("user_id") {
-            // The publish sent alone with another user's user_id was refused.
-            reason = BlockReason::UserId;
-            self.learned = Some(Impersonation::Refused);
-        }
+        let reason = self.close_reason(code, text, alone.is_some() && unanswered == 1);
         // Refused while opening, for a missing exchange or access, or with
         // nothing of ours to blame: it concerns the exchange, and a new
         // channel comes only after its backoff.
         let exchange_wide = !was_open
             || unanswered == 0
             || matches!(reason, BlockReason::NoExchange | BlockReason::AccessRefused);
+        let suspects = self.report_returned(reports);
+        let set_aside = SetAside {
+            reason,
+            reply: reply.clone(),
+            exchange_wide,
+        };
+        let (aside, again) = self.blame(suspects, &set_aside, reports);
+        Closed {
+            channel,
+            reply,
+            set_aside: aside,
+            again,
+        }
+    }
+
+    /// Why the broker closed the channel with `code` and `text`. When the
+    /// one publish unanswered is the one sent alone with another user's
+    /// `user_id`, a 406 about it teaches that impersonation is refused.
+    fn close_reason(&mut self, code: u16, text: &str, alone_unanswered: bool) -> BlockReason {
+        if alone_unanswered && code == 406 && text.contains("user_id") {
+            // The publish sent alone with another user's user_id was refused.
+            self.learned = Some(Impersonation::Refused);
+            return BlockReason::UserId;
+        }
+        match code {
+            404 => BlockReason::NoExchange,
+            403 => BlockReason::AccessRefused,
+            406 => BlockReason::PreconditionFailed,
+            _ => BlockReason::ChannelError,
+        }
+    }
+
+    /// Empties the window: reports the publishes the broker returned (no
+    /// doubt about them) and gives back the others, the suspects.
+    fn report_returned(&mut self, reports: &mut Vec<Report>) -> Vec<Publish> {
         let mut suspects = Vec::new();
         for f in self.inflight.drain(..) {
             match f.returned {
@@ -433,36 +477,39 @@ impl Lane {
                 None => suspects.push(f.publish),
             }
         }
-        let set_aside = SetAside {
-            reason,
-            reply: reply.clone(),
-            exchange_wide,
-        };
+        suspects
+    }
+
+    /// Sets aside what a channel error is blamed on: every message of the
+    /// lane when it concerns the exchange, the one suspect when there is
+    /// one; several suspects go back to the front, to be sent again one at
+    /// a time. Returns how many were set aside and how many go again.
+    fn blame(
+        &mut self,
+        suspects: Vec<Publish>,
+        set_aside: &SetAside,
+        reports: &mut Vec<Report>,
+    ) -> (usize, usize) {
         let mut report = |p: Publish| {
             reports.push(Report {
                 id: p.id,
                 outcome: Outcome::SetAside(set_aside.clone()),
             })
         };
-        let (mut aside, mut again) = (0, 0);
-        if exchange_wide {
-            aside = suspects.len() + self.pending.len();
+        if set_aside.exchange_wide {
+            let aside = suspects.len() + self.pending.len();
             suspects.into_iter().for_each(&mut report);
             self.pending.drain(..).for_each(&mut report);
+            (aside, 0)
         } else if suspects.len() == 1 {
-            aside = 1;
             suspects.into_iter().for_each(&mut report);
+            (1, 0)
         } else {
-            again = suspects.len();
+            let again = suspects.len();
             for p in suspects.into_iter().rev() {
                 self.pending.push_front(p);
             }
-        }
-        Closed {
-            channel,
-            reply,
-            set_aside: aside,
-            again,
+            (0, again)
         }
     }
 
@@ -498,6 +545,28 @@ impl Lane {
         for p in again.into_iter().rev() {
             self.pending.push_front(p);
         }
+    }
+}
+
+/// How a publish may go out.
+enum Admit {
+    /// In the window with the others.
+    WithOthers,
+    /// Alone, to learn [`Impersonation`]: nothing after it until its answer.
+    Alone,
+    /// Alone, once the publishes in flight are answered.
+    AfterDrain,
+}
+
+/// Set aside: its `user_id` is another user's and the broker refuses that.
+fn user_id_refused(user: &str, username: &str) -> SetAside {
+    let reply = format!(
+        "its user_id property {user:?} is not the republisher's user {username:?}, and the broker refuses that from it (406 PRECONDITION_FAILED)"
+    );
+    SetAside {
+        reason: BlockReason::UserId,
+        reply,
+        exchange_wide: false,
     }
 }
 
