@@ -57,67 +57,105 @@ fn cut(dir: &Path, n: u32, len: u64) -> io::Result<()> {
 /// Builds the held set from the segments of `dir`, with each segment's
 /// bookkeeping (size, live puts).
 pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)> {
-    let mut index: HashMap<u64, (u64, Loc, HeldMeta)> = HashMap::new();
-    let mut queues: HashMap<(Arc<str>, Arc<str>), u32> = HashMap::new();
-    let mut segments = BTreeMap::new();
-    let mut recovered = Recovered {
+    let mut replay = Replay {
+        index: HashMap::new(),
+        queues: HashMap::new(),
         next_id: 1,
-        ..Recovered::default()
     };
+    let mut segments = BTreeMap::new();
+    let mut recovered = Recovered::default();
     let numbers = segment_numbers(dir)?;
     for (i, &n) in numbers.iter().enumerate() {
         let bytes = std::fs::read(segment_path(dir, n))?;
-        let mut damage = scan(&bytes, n, |rec, loc| match rec {
+        let damage = scan(&bytes, n, |rec, loc| replay.record(rec, loc));
+        let newest = i + 1 == numbers.len();
+        let size = settle_damage(dir, n, bytes.len() as u64, newest, damage, &mut recovered)?;
+        segments.insert(n, Segment::new(size));
+    }
+    replay.finish(&mut recovered, &mut segments);
+    info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
+    Ok((recovered, segments))
+}
+
+/// Cuts off the torn tail of the newest segment (`size` bytes long) and
+/// logs and keeps the damage `scan` found in segment `n`; returns the
+/// segment's size once cut.
+fn settle_damage(
+    dir: &Path,
+    n: u32,
+    mut size: u64,
+    newest: bool,
+    mut damage: Vec<Damage>,
+    recovered: &mut Recovered,
+) -> io::Result<u64> {
+    if newest && damage.last().is_some_and(|d| d.to == size) {
+        let torn = damage.pop().expect("checked");
+        warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
+        cut(dir, n, torn.from)?;
+        size = torn.from;
+        recovered.torn_tail = Some(torn);
+    }
+    for d in &damage {
+        error!(segment = n, from = d.from, to = d.to, bad = ?d.bad, "store: DAMAGED bytes skipped; held messages in them are lost");
+    }
+    recovered.damage.extend(damage);
+    Ok(size)
+}
+
+/// The records read so far, replayed in order.
+struct Replay {
+    /// Each held message's latest put: due time, location, metadata.
+    index: HashMap<u64, (u64, Loc, HeldMeta)>,
+    /// Each `(vhost, queue)` seen, numbered in order of appearance.
+    queues: HashMap<(Arc<str>, Arc<str>), u32>,
+    /// First id not used yet.
+    next_id: u64,
+}
+
+impl Replay {
+    /// One record: a put holds (or moves) its message, a delete drops it.
+    fn record(&mut self, rec: View<'_>, loc: Loc) {
+        match rec {
             View::Put(p) => {
-                recovered.next_id = recovered.next_id.max(p.id + 1);
-                let next = queues.len() as u32;
+                self.next_id = self.next_id.max(p.id + 1);
+                let next = self.queues.len() as u32;
                 let key = (Arc::from(p.vhost), Arc::from(p.queue));
-                let queue = *queues.entry(key).or_insert(next);
+                let queue = *self.queues.entry(key).or_insert(next);
                 let meta = HeldMeta {
                     queue,
                     size: p.size() as u32,
                     retry: p.retry,
                     dead_letter: p.route != Route::Queue,
                 };
-                index.insert(p.id, (p.due_ms, loc, meta));
+                self.index.insert(p.id, (p.due_ms, loc, meta));
             }
             View::Del(id) => {
-                recovered.next_id = recovered.next_id.max(id + 1);
-                index.remove(&id);
+                self.next_id = self.next_id.max(id + 1);
+                self.index.remove(&id);
             }
-        });
-        let newest = i + 1 == numbers.len();
-        let mut size = bytes.len() as u64;
-        if newest && damage.last().is_some_and(|d| d.to == size) {
-            let torn = damage.pop().expect("checked");
-            warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
-            cut(dir, n, torn.from)?;
-            size = torn.from;
-            recovered.torn_tail = Some(torn);
-        }
-        for d in &damage {
-            error!(segment = n, from = d.from, to = d.to, bad = ?d.bad, "store: DAMAGED bytes skipped; held messages in them are lost");
-        }
-        recovered.damage.extend(damage);
-        segments.insert(n, Segment::new(size));
-    }
-    let mut held: Vec<_> = index.into_iter().collect();
-    // Each segment's live puts go in ascending offset order.
-    held.sort_unstable_by_key(|(_, (_, loc, _))| (loc.segment, loc.offset));
-    for (_, (_, loc, _)) in &held {
-        if let Some(s) = segments.get_mut(&loc.segment) {
-            s.add(loc.offset, loc.len);
         }
     }
-    held.sort_unstable_by_key(|(id, (due, _, _))| (*due, *id));
-    (recovered.held, recovered.meta) = held
-        .into_iter()
-        .map(|(id, (due, loc, meta))| ((id, due, loc), meta))
-        .unzip();
-    recovered.queues = vec![(Arc::from(""), Arc::from("")); queues.len()];
-    for (key, i) in queues {
-        recovered.queues[i as usize] = key;
+
+    /// Counts the live puts in their segments and fills `recovered`: held
+    /// messages in due order, their queues, the next id.
+    fn finish(self, recovered: &mut Recovered, segments: &mut BTreeMap<u32, Segment>) {
+        let mut held: Vec<_> = self.index.into_iter().collect();
+        // Each segment's live puts go in ascending offset order.
+        held.sort_unstable_by_key(|(_, (_, loc, _))| (loc.segment, loc.offset));
+        for (_, (_, loc, _)) in &held {
+            if let Some(s) = segments.get_mut(&loc.segment) {
+                s.add(loc.offset, loc.len);
+            }
+        }
+        held.sort_unstable_by_key(|(id, (due, _, _))| (*due, *id));
+        (recovered.held, recovered.meta) = held
+            .into_iter()
+            .map(|(id, (due, loc, meta))| ((id, due, loc), meta))
+            .unzip();
+        recovered.queues = vec![(Arc::from(""), Arc::from("")); self.queues.len()];
+        for (key, i) in self.queues {
+            recovered.queues[i as usize] = key;
+        }
+        recovered.next_id = self.next_id;
     }
-    info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
-    Ok((recovered, segments))
 }
