@@ -83,46 +83,69 @@ async fn check_vhost(
     // One channel per exchange: a 404 closes the channel it happens on.
     for (i, target) in targets.iter().enumerate() {
         let ch = (i % usize::from(conn.channel_max.max(1)) + 1) as u16;
-        let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
-        let declare = AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-            exchange: target.exchange.as_str().into(),
-            passive: true,
-            ..Default::default()
-        }));
-        let close = AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-            reply_code: 200,
-            reply_text: "checked".into(),
-            class_id: 0,
-            method_id: 0,
-        }));
-        conn.writer.write_all(&method::encode(ch, &open)).await?;
-        conn.writer.write_all(&method::encode(ch, &declare)).await?;
-        loop {
-            match next_method(&mut conn, ch).await? {
-                AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) => {
-                    conn.writer.write_all(&method::encode(ch, &close)).await?;
-                    wait_for(&mut conn, ch, |c| {
-                        matches!(c, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
-                    })
-                    .await?;
-                    break;
-                }
-                AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
-                    let close_ok =
-                        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
-                    conn.writer
-                        .write_all(&method::encode(ch, &close_ok))
-                        .await?;
-                    missing.push(Missing {
-                        checked: (*target).clone(),
-                        reply: format!("{} {}", c.reply_code, c.reply_text),
-                    });
-                    break;
-                }
-                _ => {}
-            }
+        if let Some(reply) = declare_passive(&mut conn, ch, &target.exchange).await? {
+            missing.push(Missing {
+                checked: (*target).clone(),
+                reply,
+            });
         }
     }
+    close_connection(&mut conn).await?;
+    Ok(missing)
+}
+
+/// Opens channel `ch` and declares exchange `name` passively on it; the
+/// broker's reply if it refused (its channel close answered), else `None`
+/// once the channel is closed again.
+async fn declare_passive(
+    conn: &mut Conn,
+    ch: u16,
+    name: &str,
+) -> Result<Option<String>, ConnError> {
+    let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+    let declare = AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+        exchange: name.into(),
+        passive: true,
+        ..Default::default()
+    }));
+    conn.writer.write_all(&method::encode(ch, &open)).await?;
+    conn.writer.write_all(&method::encode(ch, &declare)).await?;
+    loop {
+        match next_method(conn, ch).await? {
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) => {
+                close_channel(conn, ch).await?;
+                return Ok(None);
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
+                let close_ok =
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+                conn.writer
+                    .write_all(&method::encode(ch, &close_ok))
+                    .await?;
+                return Ok(Some(format!("{} {}", c.reply_code, c.reply_text)));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Closes channel `ch` and waits for its `close-ok`.
+async fn close_channel(conn: &mut Conn, ch: u16) -> Result<(), ConnError> {
+    let close = AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+        reply_code: 200,
+        reply_text: "checked".into(),
+        class_id: 0,
+        method_id: 0,
+    }));
+    conn.writer.write_all(&method::encode(ch, &close)).await?;
+    wait_for(conn, ch, |c| {
+        matches!(c, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
+    })
+    .await
+}
+
+/// Closes the connection; its `close-ok` is waited for but not required.
+async fn close_connection(conn: &mut Conn) -> Result<(), ConnError> {
     let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
         reply_code: 200,
         reply_text: "checked".into(),
@@ -130,11 +153,11 @@ async fn check_vhost(
         method_id: 0,
     }));
     conn.writer.write_all(&method::encode(0, &close)).await?;
-    let _ = wait_for(&mut conn, 0, |c| {
+    let _ = wait_for(conn, 0, |c| {
         matches!(c, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))
     })
     .await;
-    Ok(missing)
+    Ok(())
 }
 
 async fn wait_for(
