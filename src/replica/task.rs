@@ -85,66 +85,23 @@ struct Compaction {
     finished: oneshot::Receiver<Result<u64, ClientError>>,
 }
 
+/// The replica task: serves the engine's commands on the replica
+/// connection until the engine drops its sender.
 pub(super) async fn run(
     config: Config,
-    mut commands: mpsc::UnboundedReceiver<Command>,
+    commands: mpsc::UnboundedReceiver<Command>,
     state: watch::Sender<State>,
     metrics: Arc<Metrics>,
     adopt: mpsc::Sender<Adopt>,
 ) {
     let span = info_span!("replica", instance = %config.instance);
-    let mut task = Task {
-        config,
-        state,
-        metrics,
-        client: None,
-        generation: None,
-        done: Vec::new(),
-        next_node: 0,
-        epoch: 0,
-        appended: 0,
-        compaction: None,
-    };
+    let task = Task::new(config, state, metrics);
     // Adoption runs beside the task, on its own connection: it waits on
     // the engine, which waits on this task for its appends. A spawned task
     // does not inherit a span: its own is made a child of the replica's.
     let adoption = super::adopt::run(task.config.clone(), task.state.subscribe(), adopt);
     tokio::spawn(adoption.instrument(info_span!(parent: &span, "adopt")));
-    async move {
-        let mut flush = tokio::time::interval(task.config.done_every);
-        let mut check = tokio::time::interval(RETRY);
-        loop {
-            tokio::select! {
-                command = commands.recv() => match command {
-                    Some(Command::Append { record: Record::Put { copy: false, record }, reply }) => {
-                        // Parks that came together go in one stream message.
-                        let (batch, next) = gather_puts(record, reply, &mut commands);
-                        task.append_puts(batch).await;
-                        if let Some(command) = next {
-                            task.on_command(command).await;
-                        }
-                    }
-                    Some(command) => task.on_command(command).await,
-                    None => break,
-                },
-                _ = flush.tick() => {
-                    task.flush_done().await;
-                    task.maybe_compact().await;
-                }
-                _ = check.tick() => task.keep_lease().await,
-                event = compaction(&mut task.compaction) => match event {
-                    Progress::Copy(copy) => task.append_copy(copy).await,
-                    Progress::Finished(result) => task.end_compaction(result).await,
-                },
-            }
-        }
-        if let Some(client) = task.client.take() {
-            task.flush_done().await;
-            client.close().await;
-        }
-    }
-    .instrument(span)
-    .await
+    task.serve(commands).instrument(span).await
 }
 
 type Reply = oneshot::Sender<Result<(), ReplicaError>>;
@@ -183,6 +140,77 @@ fn gather_puts(
 }
 
 impl Task {
+    /// Not connected yet, no generation.
+    fn new(config: Config, state: watch::Sender<State>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            config,
+            state,
+            metrics,
+            client: None,
+            generation: None,
+            done: Vec::new(),
+            next_node: 0,
+            epoch: 0,
+            appended: 0,
+            compaction: None,
+        }
+    }
+
+    /// The task's loop: commands, the periodic flush of completions (and
+    /// compaction check), the lease check, and compaction's progress; at
+    /// the end, the last completions go out and the connection is closed.
+    async fn serve(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        let mut flush = tokio::time::interval(self.config.done_every);
+        let mut check = tokio::time::interval(RETRY);
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(command) => self.on_received(command, &mut commands).await,
+                    None => break,
+                },
+                _ = flush.tick() => {
+                    self.flush_done().await;
+                    self.maybe_compact().await;
+                }
+                _ = check.tick() => self.keep_lease().await,
+                event = compaction(&mut self.compaction) => match event {
+                    Progress::Copy(copy) => self.append_copy(copy).await,
+                    Progress::Finished(result) => self.end_compaction(result).await,
+                },
+            }
+        }
+        if let Some(client) = self.client.take() {
+            self.flush_done().await;
+            client.close().await;
+        }
+    }
+
+    /// A command from the engine. Parks that came together go in one
+    /// stream message.
+    async fn on_received(
+        &mut self,
+        command: Command,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+    ) {
+        match command {
+            Command::Append {
+                record:
+                    Record::Put {
+                        copy: false,
+                        record,
+                    },
+                reply,
+            } => {
+                let (batch, next) = gather_puts(record, reply, commands);
+                self.append_puts(batch).await;
+                if let Some(command) = next {
+                    self.on_command(command).await;
+                }
+            }
+            command => self.on_command(command).await,
+        }
+    }
+
     fn set(&self, state: State) {
         self.state.send_if_modified(|s| {
             let changed = *s != state;
