@@ -102,17 +102,7 @@ impl Watch {
             .is_none_or(|t| t.elapsed() >= config.adopt_after / 2)
         {
             // Each read appends a marker: read every half adopt_after.
-            for (name, count) in registered(client, &registry).await? {
-                let before = self.registrations.insert(name.clone(), count);
-                if before.is_some_and(|b| b != count) {
-                    // It started again since: adopted once, it may hold
-                    // messages again (a change from retention costs one
-                    // look at its directory).
-                    self.settled.remove(&name);
-                }
-                self.known.insert(name);
-            }
-            self.read_at = Some(Instant::now());
+            self.read_registry(client, &registry).await?;
         }
         if self
             .registered_at
@@ -125,32 +115,60 @@ impl Watch {
             self.registered_at = Some(Instant::now());
         }
         for name in self.known.clone() {
-            if name == config.instance {
-                continue;
+            if name != config.instance {
+                self.look_at(client, config, engine, &name).await?;
             }
-            if client.exists(&Config::lease(&name)).await? {
-                // Alive (again): once it is gone again it is adopted again.
-                self.free_since.remove(&name);
-                self.settled.remove(&name);
-                continue;
-            }
-            if self.settled.contains(&name) {
-                continue;
-            }
-            let since = *self
-                .free_since
-                .entry(name.clone())
-                .or_insert_with(Instant::now);
-            if since.elapsed() < config.adopt_after {
-                continue;
-            }
-            let progress = self.progress.entry(name.clone()).or_default();
-            if adopt(client, config, &name, engine, progress).await? {
-                self.settled.insert(name.clone());
-                self.progress.remove(&name);
-            }
-            self.free_since.remove(&name);
         }
+        Ok(())
+    }
+
+    /// Learns the instances of the registry, and which registered again.
+    async fn read_registry(&mut self, client: &Client, registry: &str) -> Result<(), ClientError> {
+        for (name, count) in registered(client, registry).await? {
+            let before = self.registrations.insert(name.clone(), count);
+            if before.is_some_and(|b| b != count) {
+                // It started again since: adopted once, it may hold
+                // messages again (a change from retention costs one
+                // look at its directory).
+                self.settled.remove(&name);
+            }
+            self.known.insert(name);
+        }
+        self.read_at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Another instance: free since `adopt_after` (and not adopted yet),
+    /// its held messages are adopted.
+    async fn look_at(
+        &mut self,
+        client: &Client,
+        config: &Config,
+        engine: &mpsc::Sender<Adopt>,
+        name: &str,
+    ) -> Result<(), ClientError> {
+        if client.exists(&Config::lease(name)).await? {
+            // Alive (again): once it is gone again it is adopted again.
+            self.free_since.remove(name);
+            self.settled.remove(name);
+            return Ok(());
+        }
+        if self.settled.contains(name) {
+            return Ok(());
+        }
+        let since = *self
+            .free_since
+            .entry(name.to_owned())
+            .or_insert_with(Instant::now);
+        if since.elapsed() < config.adopt_after {
+            return Ok(());
+        }
+        let progress = self.progress.entry(name.to_owned()).or_default();
+        if adopt(client, config, name, engine, progress).await? {
+            self.settled.insert(name.to_owned());
+            self.progress.remove(name);
+        }
+        self.free_since.remove(name);
         Ok(())
     }
 }
