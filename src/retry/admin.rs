@@ -338,6 +338,22 @@ impl Engine {
     /// blocks keep up to date: the cost does not grow with what is held.
     fn status(&self) -> Status {
         let now_ms = self.clock.now_ms();
+        let queues = self.queue_statuses();
+        Status {
+            now_ms,
+            held: self.ledger.len() as u64,
+            bytes: queues.iter().map(|q| q.bytes).sum(),
+            queues,
+            due: self.due_buckets(now_ms),
+            sampled: false,
+            blocked: self.blocked_statuses(),
+            blocked_exchanges: self.blocked_exchanges(),
+            pending_bytes: self.vhosts.iter().map(|v| v.pending_bytes).sum(),
+        }
+    }
+
+    /// Each queue's held messages and bytes, most held first.
+    fn queue_statuses(&self) -> Vec<QueueStatus> {
         let mut queues: Vec<QueueStatus> = self
             .ledger
             .totals()
@@ -351,22 +367,31 @@ impl Engine {
             })
             .collect();
         queues.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.queue.cmp(&b.queue)));
+        queues
+    }
+
+    /// How many held messages fall due within each of [`DUE_EDGES`], and
+    /// later.
+    fn due_buckets(&self, now_ms: u64) -> Vec<DueBucket> {
         let edges: Vec<u64> = DUE_EDGES.iter().map(|(_, e)| *e).collect();
         let counts = self.ledger.due_chart(now_ms, &edges);
         let labels = DUE_EDGES
             .iter()
             .map(|(l, e)| (*l, Some(*e)))
             .chain([("later", None)]);
-        let due = labels
+        labels
             .zip(counts)
             .map(|((label, within_s), count)| DueBucket {
                 label,
                 within_s,
                 count,
             })
-            .collect();
-        let blocked = self
-            .ledger
+            .collect()
+    }
+
+    /// Held messages set aside, by reason and reply.
+    fn blocked_statuses(&self) -> Vec<BlockedStatus> {
+        self.ledger
             .blocked_reasons()
             .into_iter()
             .map(|(r, count)| BlockedStatus {
@@ -374,9 +399,12 @@ impl Engine {
                 reply: r.reply.clone(),
                 count,
             })
-            .collect();
-        let blocked_exchanges = self
-            .lanes
+            .collect()
+    }
+
+    /// The exchanges a whole lane waits on (missing, refused).
+    fn blocked_exchanges(&self) -> Vec<ExchangeStatus> {
+        self.lanes
             .iter()
             .map(|((v, exchange), b)| ExchangeStatus {
                 vhost: self.ledger.vhosts()[*v as usize].to_string(),
@@ -385,17 +413,6 @@ impl Engine {
                 since_ms: b.since_ms,
                 next_try_ms: b.until_ms,
             })
-            .collect();
-        Status {
-            now_ms,
-            held: self.ledger.len() as u64,
-            bytes: queues.iter().map(|q| q.bytes).sum(),
-            queues,
-            due,
-            sampled: false,
-            blocked,
-            blocked_exchanges,
-            pending_bytes: self.vhosts.iter().map(|v| v.pending_bytes).sum(),
-        }
+            .collect()
     }
 }
