@@ -142,41 +142,9 @@ impl Record {
         let mut b = body;
         let kind = take_u8(&mut b)?;
         let record = match kind {
-            PUT => {
-                let copy = take_u8(&mut b)? != 0;
-                let (view, len) = store_record::at(b).map_err(|_| Malformed)?;
-                if !matches!(view, View::Put(_)) || len != b.len() {
-                    return Err(Malformed);
-                }
-                let record = Bytes::copy_from_slice(b);
-                b = &[];
-                Self::Put { copy, record }
-            }
-            PUTS => {
-                let n = take_u32(&mut b)? as usize;
-                let mut records = Vec::with_capacity(n.min(4096));
-                for _ in 0..n {
-                    let len = take_u32(&mut b)? as usize;
-                    if b.remaining() < len {
-                        return Err(Malformed);
-                    }
-                    let (one, rest) = b.split_at(len);
-                    match store_record::at(one) {
-                        Ok((View::Put(_), l)) if l == len => {}
-                        _ => return Err(Malformed),
-                    }
-                    records.push(Bytes::copy_from_slice(one));
-                    b = rest;
-                }
-                Self::Puts(records)
-            }
-            DONE => {
-                let n = take_u32(&mut b)? as usize;
-                if b.remaining() != n * 8 {
-                    return Err(Malformed);
-                }
-                Self::Done((0..n).map(|_| b.get_u64()).collect())
-            }
+            PUT => take_put(&mut b)?,
+            PUTS => take_puts(&mut b)?,
+            DONE => take_done(&mut b)?,
             MARKER if b.remaining() == 16 => Self::Marker(b.get_u128()),
             GENERATION if b.remaining() == 8 => Self::Generation(b.get_u64()),
             EPOCH => {
@@ -295,6 +263,49 @@ fn put_str16(out: &mut Vec<u8>, s: &str) {
     let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
     out.put_u16(bytes.len() as u16);
     out.put_slice(bytes);
+}
+
+/// The rest of a put: its copy flag, then one whole hold-log put record
+/// (the rest of the body).
+fn take_put(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let copy = take_u8(b)? != 0;
+    let (view, len) = store_record::at(b).map_err(|_| Malformed)?;
+    if !matches!(view, View::Put(_)) || len != b.len() {
+        return Err(Malformed);
+    }
+    let record = Bytes::copy_from_slice(b);
+    *b = &[];
+    Ok(Record::Put { copy, record })
+}
+
+/// The rest of a batch of puts: a count, then each hold-log put record
+/// after its length.
+fn take_puts(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let n = take_u32(b)? as usize;
+    let mut records = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        let len = take_u32(b)? as usize;
+        if b.remaining() < len {
+            return Err(Malformed);
+        }
+        let (one, rest) = b.split_at(len);
+        match store_record::at(one) {
+            Ok((View::Put(_), l)) if l == len => {}
+            _ => return Err(Malformed),
+        }
+        records.push(Bytes::copy_from_slice(one));
+        *b = rest;
+    }
+    Ok(Record::Puts(records))
+}
+
+/// The rest of a done record: a count, then exactly that many ids.
+fn take_done(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let n = take_u32(b)? as usize;
+    if b.remaining() != n * 8 {
+        return Err(Malformed);
+    }
+    Ok(Record::Done((0..n).map(|_| b.get_u64()).collect()))
 }
 
 fn take_u8(b: &mut &[u8]) -> Result<u8, Malformed> {
