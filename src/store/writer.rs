@@ -107,13 +107,7 @@ pub fn spawn_writer<C: Send + 'static>(
         .spawn(move || {
             let _open = open;
             let _span = span.entered();
-            Thread {
-                log,
-                events,
-                metrics,
-                compact_after: None,
-            }
-            .run(rx)
+            Thread::new(log, events, metrics).run(rx)
         })
         .expect("spawn the store thread");
     Writer { tx, thread }
@@ -128,6 +122,17 @@ struct Thread<C> {
 }
 
 impl<C> Thread<C> {
+    fn new(log: Log, events: UnboundedSender<Event<C>>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            log,
+            events,
+            metrics,
+            compact_after: None,
+        }
+    }
+
+    /// Batch after batch until every sender is gone; gives the log back,
+    /// committed.
     fn run(mut self, rx: Receiver<WriteOp<C>>) -> Log {
         while let Some(batch) = self.next_batch(&rx) {
             let answers = self.apply(batch);
