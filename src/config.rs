@@ -11,7 +11,10 @@ use serde::Deserialize;
 
 pub mod policy;
 mod replica;
+pub use policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
+
+use policy::MAX_DELAY;
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -319,7 +322,7 @@ impl Republish {
             return err("max_pending_bytes", "must be at least 65536");
         }
         let gone = &self.queue_gone;
-        if gone.after < Duration::from_secs(1) || gone.after > crate::config::policy::MAX_DELAY {
+        if gone.after < Duration::from_secs(1) || gone.after > MAX_DELAY {
             return err("queue_gone.after", "must be between 1s and 365 days");
         }
         if gone.probe_interval < Duration::from_secs(1)
@@ -531,122 +534,6 @@ impl Default for Limits {
     }
 }
 
-/// One `[[policy]]` table, as written. Checked by [`crate::config::policy`].
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PolicyConfig {
-    /// Virtual host the policy applies to.
-    #[serde(default = "default_vhost")]
-    pub vhost: String,
-    /// Glob patterns of queue names.
-    pub queues: Vec<String>,
-    /// Explicit schedule.
-    #[serde(default, deserialize_with = "duration_list")]
-    pub delays: Option<Vec<Duration>>,
-    /// Or a computed one.
-    pub backoff: Option<BackoffConfig>,
-    /// Retries before `on_exhausted` (with `backoff`; `delays` implies its length).
-    pub max_retries: Option<u32>,
-    /// What to do with `requeue=true` nacks.
-    #[serde(default)]
-    pub requeue: RequeueMode,
-    /// Where a message goes when the schedule is exhausted.
-    #[serde(default)]
-    pub on_exhausted: OnExhausted,
-}
-
-fn duration_list<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<Option<Vec<Duration>>, D::Error> {
-    Vec::<String>::deserialize(d)?
-        .iter()
-        .map(|s| {
-            humantime::parse_duration(s)
-                .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
-}
-
-fn default_vhost() -> String {
-    "/".into()
-}
-
-/// `backoff = { initial, multiplier, max, jitter }`
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BackoffConfig {
-    /// First delay.
-    #[serde(with = "humantime_serde")]
-    pub initial: Duration,
-    /// Factor between two delays.
-    #[serde(default = "default_multiplier")]
-    pub multiplier: f64,
-    /// Cap.
-    #[serde(with = "humantime_serde")]
-    pub max: Duration,
-    /// Randomisation.
-    #[serde(default)]
-    pub jitter: Jitter,
-}
-
-fn default_multiplier() -> f64 {
-    2.0
-}
-
-/// Jitter applied to a computed delay.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Jitter {
-    /// The computed delay.
-    #[default]
-    None,
-    /// Uniform in `[0, delay]`.
-    Full,
-    /// Uniform in `[delay/2, delay]`.
-    Equal,
-}
-
-/// `requeue = "delay" | "pass"`
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RequeueMode {
-    /// `requeue=true` nacks are delayed too.
-    #[default]
-    Delay,
-    /// `requeue=true` nacks go to the broker as sent.
-    Pass,
-}
-
-/// `on_exhausted = "reject" | { exchange, routing_key }`
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum OnExhausted {
-    /// `"reject"`: hand back with `basic.reject(requeue=false)`; the queue's DLX applies.
-    #[default]
-    #[serde(with = "reject_literal")]
-    Reject,
-    /// Publish to this exchange with this routing key, then ack.
-    DeadLetter {
-        /// Exchange name.
-        exchange: String,
-        /// Routing key (default: the original queue).
-        routing_key: Option<String>,
-    },
-}
-
-mod reject_literal {
-    use serde::{Deserialize, Deserializer};
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<(), D::Error> {
-        match String::deserialize(d)?.as_str() {
-            "reject" => Ok(()),
-            other => Err(serde::de::Error::custom(format!(
-                "expected \"reject\" or {{ exchange, routing_key }}, found {other:?}"
-            ))),
-        }
-    }
-}
-
 impl Republish {
     /// The password: inline, from `password_env`, or "guest" when neither is set.
     pub fn password(&self) -> Result<String, String> {
@@ -743,9 +630,8 @@ impl Config {
             check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
         }
         self.republish.check()?;
-        for (i, policy) in self.policies.iter().enumerate() {
-            crate::config::policy::check(policy)
-                .map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
+        for (i, table) in self.policies.iter().enumerate() {
+            policy::check(table).map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
         }
         Ok(())
     }
