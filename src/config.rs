@@ -14,7 +14,7 @@ mod replica;
 pub use policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
 
-use policy::MAX_DELAY;
+use policy::{Policy, MAX_DELAY};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -66,9 +66,14 @@ pub struct Config {
     pub runtime: Runtime,
     /// Held messages mirrored in the broker cluster (off when absent).
     pub replica: Option<Replica>,
-    /// Retry policies, first match wins.
+    /// Retry policies, first match wins: the `[[policy]]` tables, checked
+    /// and compiled once, by [`Config::parse`].
+    #[serde(skip)]
+    pub policies: Vec<Policy>,
+    /// The `[[policy]]` tables as written, until [`Config::parse`] compiles
+    /// them into `policies`.
     #[serde(default, rename = "policy")]
-    pub policies: Vec<PolicyConfig>,
+    policy_tables: Vec<PolicyConfig>,
 }
 
 /// `[listen]`
@@ -566,14 +571,29 @@ impl Config {
         };
         let de = toml::Deserializer::parse(text)
             .map_err(|e| invalid("(syntax)".into(), one_line(&e.to_string())))?;
-        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
             let key = e.path().to_string();
             invalid(key, one_line(&e.into_inner().to_string()))
         })?;
         config
             .check()
             .map_err(|(key, reason)| invalid(key, reason))?;
+        config.policies = config
+            .compile_policies()
+            .map_err(|(key, reason)| invalid(key, reason))?;
         Ok(config)
+    }
+
+    /// Checks and compiles the `[[policy]]` tables, in file order; an
+    /// error names its table (`policy[1].delays`).
+    fn compile_policies(&mut self) -> Result<Vec<Policy>, (String, String)> {
+        std::mem::take(&mut self.policy_tables)
+            .iter()
+            .enumerate()
+            .map(|(i, table)| {
+                Policy::new(table).map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))
+            })
+            .collect()
     }
 
     fn check(&self) -> Result<(), (String, String)> {
@@ -629,11 +649,7 @@ impl Config {
         if let Some(token) = &self.metrics.admin_token {
             check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
         }
-        self.republish.check()?;
-        for (i, table) in self.policies.iter().enumerate() {
-            policy::check(table).map_err(|(key, reason)| (format!("policy[{i}].{key}"), reason))?;
-        }
-        Ok(())
+        self.republish.check()
     }
 }
 

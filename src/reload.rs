@@ -148,7 +148,7 @@ impl ExchangeCheck {
         let queues: Vec<String> = config
             .policies
             .iter()
-            .map(|p| format!("{:?}", p.queues))
+            .map(|p| format!("{:?}", p.queues().collect::<Vec<_>>()))
             .collect();
         let this = self.clone();
         runtime.spawn(async move {

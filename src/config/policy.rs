@@ -36,68 +36,33 @@ pub enum Step {
     Exhausted,
 }
 
-/// Checks one policy table; `Err((key, reason))` with the key inside the table.
-pub fn check(p: &PolicyConfig) -> Result<(), (String, String)> {
-    let err = |k: &str, r: String| Err((k.to_string(), r));
-    if p.queues.is_empty() {
-        return err("queues", "needs at least one queue name or pattern".into());
-    }
-    for q in &p.queues {
-        if let Err(e) = glob::Pattern::new(q) {
-            return err("queues", format!("bad pattern {q:?}: {e}"));
-        }
-    }
-    let in_range = |d: &Duration| *d >= Duration::from_millis(1) && *d <= MAX_DELAY;
-    match (&p.delays, &p.backoff) {
-        (Some(_), Some(_)) => err("backoff", "set delays or backoff, not both".into()),
-        (None, None) => err("delays", "set delays (a list) or backoff (a table)".into()),
-        (Some(d), None) if d.is_empty() => err("delays", "must not be empty".into()),
-        (Some(d), None) if !d.iter().all(in_range) => err(
-            "delays",
-            "each delay must be between 1ms and 365 days".into(),
-        ),
-        (Some(_), None) if p.max_retries.is_some() => err(
-            "max_retries",
-            "applies to backoff; delays has its own length".into(),
-        ),
-        (Some(_), None) => Ok(()),
-        (None, Some(_)) if p.max_retries.is_none() => {
-            err("max_retries", "required with backoff".into())
-        }
-        (None, Some(b)) if !in_range(&b.initial) => {
-            err("backoff.initial", "must be between 1ms and 365 days".into())
-        }
-        (None, Some(b)) if b.max < b.initial || b.max > MAX_DELAY => err(
-            "backoff.max",
-            "must be at least initial and at most 365 days".into(),
-        ),
-        (None, Some(b)) if !(b.multiplier >= 1.0 && b.multiplier.is_finite()) => err(
-            "backoff.multiplier",
-            "must be a finite number >= 1.0".into(),
-        ),
-        (None, Some(_)) => Ok(()),
-    }
-}
-
 impl Policy {
-    /// Builds a policy from a table that passed [`check`].
-    pub fn new(p: &PolicyConfig) -> Self {
-        let schedule = match (&p.delays, &p.backoff) {
-            (Some(d), _) => Schedule::Explicit(d.clone()),
-            (None, Some(b)) => Schedule::Backoff(b.clone(), p.max_retries.unwrap_or(0)),
-            (None, None) => Schedule::Explicit(Vec::new()),
-        };
-        Self {
+    /// Checks a policy table and compiles it; `Err((key, reason))` with the
+    /// key inside the table.
+    pub fn new(p: &PolicyConfig) -> Result<Self, (String, String)> {
+        if p.queues.is_empty() {
+            return invalid("queues", "needs at least one queue name or pattern".into());
+        }
+        let patterns = p
+            .queues
+            .iter()
+            .map(|q| {
+                glob::Pattern::new(q)
+                    .map_err(|e| ("queues".to_string(), format!("bad pattern {q:?}: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
             vhost: p.vhost.clone(),
-            patterns: p
-                .queues
-                .iter()
-                .filter_map(|q| glob::Pattern::new(q).ok())
-                .collect(),
-            schedule,
+            patterns,
+            schedule: schedule(p)?,
             requeue: p.requeue,
             on_exhausted: p.on_exhausted.clone(),
-        }
+        })
+    }
+
+    /// The queue names and patterns it covers, as written.
+    pub fn queues(&self) -> impl Iterator<Item = &str> {
+        self.patterns.iter().map(glob::Pattern::as_str)
     }
 
     /// Whether a settle with this `requeue` flag is delayed (else it passes).
@@ -123,6 +88,43 @@ impl Policy {
     }
 }
 
+/// An error about `key` of a policy table.
+fn invalid<T>(key: &str, reason: String) -> Result<T, (String, String)> {
+    Err((key.to_string(), reason))
+}
+
+/// The schedule of a table: `delays`, or `backoff` with `max_retries`.
+fn schedule(p: &PolicyConfig) -> Result<Schedule, (String, String)> {
+    let in_range = |d: &Duration| *d >= Duration::from_millis(1) && *d <= MAX_DELAY;
+    match (&p.delays, &p.backoff, p.max_retries) {
+        (Some(_), Some(_), _) => invalid("backoff", "set delays or backoff, not both".into()),
+        (None, None, _) => invalid("delays", "set delays (a list) or backoff (a table)".into()),
+        (Some(d), None, _) if d.is_empty() => invalid("delays", "must not be empty".into()),
+        (Some(d), None, _) if !d.iter().all(in_range) => invalid(
+            "delays",
+            "each delay must be between 1ms and 365 days".into(),
+        ),
+        (Some(_), None, Some(_)) => invalid(
+            "max_retries",
+            "applies to backoff; delays has its own length".into(),
+        ),
+        (Some(d), None, None) => Ok(Schedule::Explicit(d.clone())),
+        (None, Some(_), None) => invalid("max_retries", "required with backoff".into()),
+        (None, Some(b), Some(_)) if !in_range(&b.initial) => {
+            invalid("backoff.initial", "must be between 1ms and 365 days".into())
+        }
+        (None, Some(b), Some(_)) if b.max < b.initial || b.max > MAX_DELAY => invalid(
+            "backoff.max",
+            "must be at least initial and at most 365 days".into(),
+        ),
+        (None, Some(b), Some(_)) if !(b.multiplier >= 1.0 && b.multiplier.is_finite()) => invalid(
+            "backoff.multiplier",
+            "must be a finite number >= 1.0".into(),
+        ),
+        (None, Some(b), Some(max)) => Ok(Schedule::Backoff(b.clone(), max)),
+    }
+}
+
 fn backoff_delay(b: &BackoffConfig, index: u32) -> Duration {
     let base = b.initial.as_secs_f64() * b.multiplier.powi(index.min(1024) as i32);
     let capped = base.min(b.max.as_secs_f64());
@@ -140,9 +142,9 @@ fn backoff_delay(b: &BackoffConfig, index: u32) -> Duration {
 pub struct Policies(Vec<Arc<Policy>>);
 
 impl Policies {
-    /// Builds the list from checked tables.
-    pub fn new(tables: &[PolicyConfig]) -> Self {
-        Self(tables.iter().map(|t| Arc::new(Policy::new(t))).collect())
+    /// The list of `policies`, compiled by [`Policy::new`].
+    pub fn new(policies: &[Policy]) -> Self {
+        Self(policies.iter().cloned().map(Arc::new).collect())
     }
 
     /// The first policy covering `queue` in `vhost`.
@@ -156,7 +158,7 @@ impl Policies {
     }
 }
 
-/// One `[[policy]]` table, as written. Checked by [`check`].
+/// One `[[policy]]` table, as written; [`Policy::new`] checks and compiles it.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
