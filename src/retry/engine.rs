@@ -14,11 +14,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
-use tracing::debug;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
 
 use super::blocks::{Backoff, Blocks};
 use super::ledger::{Entry, Ledger, StoreOp};
@@ -49,6 +50,9 @@ pub(super) enum PutCtx {
     },
     Reroute,
 }
+
+/// How long the republishers get to end at shutdown.
+const REPUBLISHERS_STOP: Duration = Duration::from_secs(2);
 
 /// A wheel entry: store id and the schedule token it was inserted with.
 type Slot = (u64, u32);
@@ -121,6 +125,8 @@ pub(super) struct Engine {
     default_exchange: Arc<str>,
     /// The last pass stopped on its budget: run again at once.
     more: bool,
+    /// The republisher tasks, waited for at shutdown.
+    republishers: TaskTracker,
 }
 
 impl Engine {
@@ -164,6 +170,7 @@ impl Engine {
             }),
             default_exchange: Arc::from(""),
             more: false,
+            republishers: TaskTracker::new(),
         };
         engine.load(recovered);
         engine
@@ -225,9 +232,27 @@ impl Engine {
             }
         };
         if matches!(exit, Exit::Stopped) {
+            self.stop_republishers().await;
             self.stop_store();
         }
         exit
+    }
+
+    /// Nothing more is fired: each republisher's queue closes and its
+    /// task ends (what it did not get confirmed stays held, and goes
+    /// again after a restart).
+    async fn stop_republishers(&mut self) {
+        for vhost in &mut self.vhosts {
+            vhost.republisher = None;
+        }
+        self.republishers.close();
+        let ended = tokio::time::timeout(REPUBLISHERS_STOP, self.republishers.wait()).await;
+        if ended.is_err() {
+            warn!(
+                open = self.republishers.len(),
+                "republishers did not end in time; their connections are dropped"
+            );
+        }
     }
 
     /// Whether due messages may fire: always, or only while the replica's

@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
+use tokio_util::task::TaskTracker;
 use tracing::{info_span, Instrument};
 
 use crate::metrics::{BlockReason, Metrics};
@@ -165,19 +166,21 @@ impl Republisher {
     /// Starts the republisher task for `vhost`. Its queue of publishes is
     /// unbounded: the engine bounds what it hands over
     /// (`republish.max_pending_bytes`).
+    /// `tasks` tracks it: the engine waits for it at shutdown.
     pub fn spawn(
         vhost: Arc<str>,
         connector: Connector,
         settings: Settings,
         reports: mpsc::UnboundedSender<Report>,
         metrics: Arc<Metrics>,
+        tasks: &TaskTracker,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         // A spawned task does not inherit the current span: the vhost is
         // named here so every line the task logs carries it.
         let span = info_span!("republish", vhost = %vhost);
         let task = task::Task::new(vhost, connector, settings, reports, rx, metrics);
-        tokio::spawn(task.run().instrument(span));
+        tasks.spawn(task.run().instrument(span));
         Self { tx }
     }
 

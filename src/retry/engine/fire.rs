@@ -212,13 +212,16 @@ impl Engine {
         };
         let (connector, settings) = (self.connector.clone(), self.options.republish.clone());
         let (reports, metrics) = (self.reports_tx.clone(), self.metrics.clone());
+        let tasks = self.republishers.clone();
         let vh = self.vhost(v);
         vh.outstanding += 1;
         vh.pending_bytes += size;
         vh.pending_gauge.set(vh.pending_bytes as i64);
         let name = vh.name.clone();
         vh.republisher
-            .get_or_insert_with(|| Republisher::spawn(name, connector, settings, reports, metrics))
+            .get_or_insert_with(|| {
+                Republisher::spawn(name, connector, settings, reports, metrics, &tasks)
+            })
             .publish(publish);
     }
 
