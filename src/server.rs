@@ -66,6 +66,31 @@ async fn interception(
     Ok((interception, check, engine))
 }
 
+/// Starts the operations listener (`/metrics`, `/readyz`, the status page,
+/// the admin API): it serves while the store is still being recovered.
+async fn start_ops(
+    config: &Config,
+    connector: &Connector,
+    metrics: &Arc<Metrics>,
+    intercepting: bool,
+) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
+    let admin_token = config
+        .metrics
+        .admin_token()
+        .map_err(StartError::Credentials)?;
+    let nodes = connector.addresses().map(str::to_string).collect();
+    let ops = Ops::new(metrics.clone(), nodes, admin_token, intercepting);
+    let address = config.metrics.address;
+    let listener = ops::bind(address)
+        .await
+        .map_err(|source| StartError::MetricsBind { address, source })?;
+    let address = listener.local_addr().unwrap_or(address);
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(ops::serve(listener, ops.clone(), stop.clone()));
+    let task = Stopper::task("operations listener", stop, served);
+    Ok((ops, address, task))
+}
+
 /// `[replica]`, resolved against `[upstream]` and `[republish]`.
 fn replica_config(
     config: &Config,
@@ -162,29 +187,10 @@ impl Proxy {
             .map_err(|source| StartError::Bind { address, source })?;
         let acceptor = config.listen.tls.as_ref().map(net::acceptor).transpose()?;
         let connector = Connector::new(&config.upstream)?;
-        let admin_token = config
-            .metrics
-            .admin_token()
-            .map_err(StartError::Credentials)?;
         let metrics = Metrics::new();
         let intercepting = !config.policies.is_empty();
-        let ops = Ops::new(
-            metrics.clone(),
-            connector.addresses().map(str::to_string).collect(),
-            admin_token,
-            intercepting,
-        );
-        let ops_addr = config.metrics.address;
-        let ops_listener = ops::bind(ops_addr)
-            .await
-            .map_err(|source| StartError::MetricsBind {
-                address: ops_addr,
-                source,
-            })?;
-        let ops_addr = ops_listener.local_addr().unwrap_or(ops_addr);
-        let ops_stop = CancellationToken::new();
-        let ops_served = tokio::spawn(ops::serve(ops_listener, ops.clone(), ops_stop.clone()));
-        let ops_task = Stopper::task("operations listener", ops_stop, ops_served);
+        let (ops, ops_addr, ops_task) =
+            start_ops(config, &connector, &metrics, intercepting).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
         let (interception, engine) = match &live {
