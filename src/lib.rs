@@ -12,7 +12,7 @@
 //!   stream, nom), `method` (the few methods nackd decodes, the frames it
 //!   emits), `content` (properties, byte-exact header splicing), `headers`
 //!   (the retry headers nackd writes), `reply` (reply codes).
-//! - [`session`]: one client/broker pair, split like quinn-proto: a
+//! - `session`: one client/broker pair, split like quinn-proto: a
 //!   state machine without sockets or clock (`core`), driven by `pump`
 //!   (sockets, `select!`, backpressure, the link to the engine). The state
 //!   machine's handlers are split by concern: `client` and `upstream`
@@ -31,30 +31,30 @@
 //!   `recover`, `scan`, `inspect`).
 //! - [`replica`]: the copy in a stream of the broker cluster, the lease,
 //!   rebuild and adoption.
-//! - [`config`] (with `policy` and `replica`), [`net`] (TLS, the upstream
+//! - [`config`] (with `policy` and `replica`), `net` (TLS, the upstream
 //!   connector), [`server`] (listener, limits, the order of shutdown),
-//!   [`shutdown`] (how each task and thread is stopped and joined),
-//!   [`clock`] (the one clock), [`metrics`],
-//!   [`ops`] (`/metrics`, health, status page, admin API), [`reload`]
+//!   `shutdown` (how each task and thread is stopped and joined),
+//!   `clock` (the one clock), [`metrics`],
+//!   `ops` (`/metrics`, health, status page, admin API), [`reload`]
 //!   (SIGHUP), [`sched`] (`runtime.scheduling`).
 //! - `fuzzing` (feature `fuzzing`): the fuzz targets' code, shared by
 //!   `fuzz/` and the property tests; not in the product.
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
-pub mod clock;
+mod clock;
 pub mod config;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod metrics;
-pub mod net;
-pub mod ops;
+mod net;
+mod ops;
 pub mod protocol;
 pub mod reload;
 pub mod replica;
 pub mod retry;
 pub mod sched;
 pub mod server;
-pub mod session;
-pub mod shutdown;
+mod session;
+mod shutdown;
 pub mod store;

@@ -33,7 +33,6 @@ mod pump;
 pub mod settle;
 mod upstream;
 
-pub use self::core::Effect;
 pub use claim::Interception;
 pub use pump::serve;
 

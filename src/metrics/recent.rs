@@ -38,7 +38,7 @@ pub struct Event {
 pub struct Recent(Mutex<VecDeque<Event>>);
 
 impl Recent {
-    /// Adds an event, dropping the oldest beyond [`KEPT`].
+    /// Adds an event, dropping the oldest beyond `KEPT`.
     pub fn push(&self, event: Event) {
         let mut events = self.0.lock().expect("recent events lock");
         if events.len() == KEPT {

@@ -334,16 +334,19 @@ impl Channel {
     }
 
     /// The consumer registered under `tag`.
+    #[cfg(test)]
     pub fn consumer(&self, tag: &str) -> Option<&Consumer> {
         self.consumers.get(tag)
     }
 
     /// Outstanding deliveries, in tag order.
+    #[cfg(test)]
     pub fn outstanding(&self) -> impl Iterator<Item = (u64, &Delivery)> {
         self.outstanding.iter().map(|(tag, d)| (*tag, d))
     }
 
     /// Number of consumers.
+    #[cfg(test)]
     pub fn consumer_count(&self) -> usize {
         self.consumers.len()
     }
@@ -425,16 +428,6 @@ impl Channels {
     /// Forgets a channel once `channel.close-ok` has passed either way.
     pub fn remove(&mut self, id: u16) -> Option<Channel> {
         self.open.remove(&id)
-    }
-
-    /// Number of channels tracked.
-    pub fn len(&self) -> usize {
-        self.open.len()
-    }
-
-    /// Whether no channel is tracked.
-    pub fn is_empty(&self) -> bool {
-        self.open.is_empty()
     }
 }
 
