@@ -207,7 +207,10 @@ impl Engine {
                 false => None,
             };
             tokio::select! {
-                _ = stop.cancelled() => break Exit::Stopped,
+                _ = stop.cancelled() => {
+                    self.apply_queued(commands);
+                    break Exit::Stopped;
+                }
                 command = commands.recv() => match command {
                     Some(Command::Park(park, reply)) => self.park(park, reply),
                     Some(Command::Cancel(id)) => self.forget(id),
@@ -236,6 +239,28 @@ impl Engine {
             self.stop_store();
         }
         exit
+    }
+
+    /// At a stop, the commands already queued are applied before the store
+    /// is joined: the sessions ended just before (shutdown drains them
+    /// first), and the last thing a session does is cancel the copies it
+    /// could not ack. Dropped, those copies would be republished after a
+    /// restart while the broker redelivers their deliveries: twice. A park
+    /// that comes this late is refused (its nack goes to the broker).
+    fn apply_queued(&mut self, commands: &mut mpsc::UnboundedReceiver<Command>) {
+        while let Ok(command) = commands.try_recv() {
+            match command {
+                Command::Cancel(id) => self.forget(id),
+                Command::Park(park, reply) => {
+                    let result = Err(StoreError::Io("nackd is stopping".into()));
+                    let _ = reply.send(Parked {
+                        key: park.key,
+                        result,
+                    });
+                }
+                Command::Admin(_) => {}
+            }
+        }
     }
 
     /// Nothing more is fired: each republisher's queue closes and its
@@ -597,5 +622,94 @@ mod tests {
         let held: Vec<u64> = recovered.held.iter().map(|h| h.0).collect();
         assert_eq!(held, [id]);
         assert!(!handle.park(park(2), &reply), "the engine is gone");
+    }
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::*;
+    use crate::retry::{ClaimKey, Command, RetryHandle};
+    use crate::store::{Options, Route};
+    use bytes::Bytes;
+    use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    fn start(dir: &std::path::Path) -> crate::retry::Start {
+        let upstream = crate::config::Upstream {
+            address: Some("127.0.0.1:9".into()),
+            ..Default::default()
+        };
+        crate::retry::Start {
+            dir: dir.to_owned(),
+            store: Options::default(),
+            replica: None,
+            connector: Connector::new(&upstream).unwrap(),
+            options: crate::retry::Options::new(&Default::default(), "guest".into()),
+            metrics: Metrics::new(),
+            clock: crate::clock::Clock::start(),
+        }
+    }
+
+    fn park(tag: u64) -> Park {
+        Park {
+            key: ClaimKey {
+                channel: 1,
+                epoch: 0,
+                tag,
+                seq: tag,
+            },
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            delay: Duration::from_secs(3600),
+            retry: 1,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::from_static(b"h"),
+            body: Bytes::from_static(b"body"),
+        }
+    }
+
+    /// Shutdown: the sessions end first, and the last thing a session does
+    /// is cancel the copies it could not ack (the broker requeued their
+    /// deliveries). Those cancels are queued when the engine is told to
+    /// stop: they must be applied (and committed) before it stops, or the
+    /// copies come back after a restart and are delivered twice.
+    #[tokio::test]
+    async fn cancels_queued_before_the_stop_are_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        const N: u64 = 16;
+        // Hold N messages, then stop cleanly.
+        let (handle, engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        for tag in 1..=N {
+            assert!(handle.park(park(tag), &reply));
+        }
+        let mut ids = Vec::new();
+        for _ in 0..N {
+            ids.push(answers.recv().await.unwrap().result.unwrap());
+        }
+        engine.stop(Duration::from_secs(10)).await;
+        // A new engine on that store: every held copy is cancelled, and
+        // shutdown comes right behind the cancels.
+        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        assert_eq!(recovered.held.len() as u64, N);
+        let start = start(dir.path());
+        let ready = crate::retry::Readiness::new();
+        let engine = Engine::new(log, recovered, &start, None, ready);
+        let (tx, mut commands) = mpsc::unbounded_channel();
+        for id in &ids {
+            tx.send(Command::Cancel(*id)).unwrap();
+        }
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let (_adopt_tx, mut adopts) = mpsc::channel(1);
+        let exit = engine.run(&mut commands, &mut adopts, &stop).await;
+        assert!(matches!(exit, Exit::Stopped));
+        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        assert!(
+            recovered.held.is_empty(),
+            "cancelled before the stop, still held: {:?}",
+            recovered.held
+        );
     }
 }
