@@ -56,8 +56,16 @@ impl Stopper {
             .await
             .is_ok(),
             Join::Thread(thread) => {
-                let joined = tokio::task::spawn_blocking(move || thread.join());
-                tokio::time::timeout(limit, joined).await.is_ok()
+                // Joined on a thread of its own, not with spawn_blocking: a
+                // runtime waits for its blocking tasks when dropped, so a
+                // thread that never ends would keep nackd from exiting
+                // whatever `limit` says.
+                let (joined, done) = tokio::sync::oneshot::channel();
+                std::thread::spawn(move || {
+                    let _ = thread.join();
+                    let _ = joined.send(());
+                });
+                tokio::time::timeout(limit, done).await.is_ok()
             }
             Join::Done => true,
         };
@@ -97,6 +105,32 @@ mod tests {
             .stop(Duration::from_secs(5))
             .await;
         assert!(ended.load(Ordering::SeqCst), "joined, not just cancelled");
+    }
+
+    /// A thread that does not end in time is given up: nackd still exits.
+    /// (main drops its runtime after `Proxy::run`; a runtime waits for
+    /// every `spawn_blocking` task when dropped.)
+    #[test]
+    fn a_thread_that_does_not_stop_does_not_hold_the_runtime() {
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let stuck = std::thread::spawn(move || {
+            let _ = released.recv();
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let stopper = Stopper::thread("stuck", CancellationToken::new(), stuck);
+        runtime.block_on(stopper.stop(Duration::from_millis(50)));
+        let (dropped, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(runtime);
+            let _ = dropped.send(());
+        });
+        let exited = done.recv_timeout(Duration::from_secs(2)).is_ok();
+        drop(release);
+        assert!(exited, "the runtime waited for the stuck thread's join");
     }
 
     #[tokio::test]
