@@ -146,6 +146,10 @@ impl Pump {
         // Frames the client sent along with its protocol header.
         self.core
             .handle_bytes(Peer::Client, &mut self.client_in, Instant::now());
+        // One timer, moved when the core's deadline moves (registering a new
+        // one on every turn of the loop costs on the hot path).
+        let timer = tokio::time::sleep_until(self.core.poll_timeout().into());
+        tokio::pin!(timer);
         while !self.core.is_finished(Instant::now()) {
             self.apply_effects();
             reserve(&mut self.client_in);
@@ -157,7 +161,10 @@ impl Pump {
                 self.core.may_write(Peer::Client),
                 self.core.may_write(Peer::Upstream),
             );
-            let wake = self.core.poll_timeout();
+            let wake = tokio::time::Instant::from(self.core.poll_timeout());
+            if timer.deadline() != wake {
+                timer.as_mut().reset(wake);
+            }
             let (to_client, to_upstream) = self.core.transmit();
             let write_client = write_client && (client_flush || !to_client.is_empty());
             let write_upstream = write_upstream && (upstream_flush || !to_upstream.is_empty());
@@ -181,9 +188,7 @@ impl Pump {
                 Some(parked) = answer(&mut self.engine) => {
                     self.core.handle_parked(parked, Instant::now())
                 }
-                _ = tokio::time::sleep_until(wake.into()) => {
-                    self.core.handle_timeout(Instant::now())
-                }
+                _ = &mut timer => self.core.handle_timeout(Instant::now()),
             }
         }
         self.end();
