@@ -528,11 +528,28 @@ async fn sleep_until(at: Option<Instant>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::{ClaimKey, RetryHandle};
-    use crate::store::Options;
-    use crate::store::Route;
+    use crate::retry::{ClaimKey, Command, RetryHandle};
+    use crate::store::{Options, Route};
     use bytes::Bytes;
     use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    /// What an engine on `dir` needs, its broker unreachable.
+    fn start(dir: &std::path::Path) -> crate::retry::Start {
+        let upstream = crate::config::Upstream {
+            address: Some("127.0.0.1:9".into()),
+            ..Default::default()
+        };
+        crate::retry::Start {
+            dir: dir.to_owned(),
+            store: Options::default(),
+            replica: None,
+            connector: Connector::new(&upstream).unwrap(),
+            options: crate::retry::Options::new(&Default::default(), "guest".into()),
+            metrics: Metrics::new(),
+            clock: crate::clock::Clock::start(),
+        }
+    }
 
     fn park(tag: u64) -> Park {
         Park {
@@ -559,19 +576,7 @@ mod tests {
     #[tokio::test]
     async fn a_park_for_a_session_that_is_gone_is_completed() {
         let dir = tempfile::tempdir().unwrap();
-        let upstream = crate::config::Upstream {
-            address: Some("127.0.0.1:9".into()),
-            ..Default::default()
-        };
-        let (handle, _engine): (RetryHandle, _) = crate::retry::start(crate::retry::Start {
-            dir: dir.path().to_owned(),
-            store: Options::default(),
-            replica: None,
-            connector: Connector::new(&upstream).unwrap(),
-            options: crate::retry::Options::new(&Default::default(), "guest".into()),
-            metrics: Metrics::new(),
-            clock: crate::clock::Clock::start(),
-        });
+        let (handle, _engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
         let (gone, dropped) = mpsc::unbounded_channel();
         drop(dropped);
         assert!(handle.park(park(1), &gone));
@@ -600,19 +605,7 @@ mod tests {
     #[tokio::test]
     async fn a_stopped_engine_has_released_the_store() {
         let dir = tempfile::tempdir().unwrap();
-        let upstream = crate::config::Upstream {
-            address: Some("127.0.0.1:9".into()),
-            ..Default::default()
-        };
-        let (handle, engine): (RetryHandle, _) = crate::retry::start(crate::retry::Start {
-            dir: dir.path().to_owned(),
-            store: Options::default(),
-            replica: None,
-            connector: Connector::new(&upstream).unwrap(),
-            options: crate::retry::Options::new(&Default::default(), "guest".into()),
-            metrics: Metrics::new(),
-            clock: crate::clock::Clock::start(),
-        });
+        let (handle, engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
         let (reply, mut answers) = mpsc::unbounded_channel();
         assert!(handle.park(park(1), &reply));
         let id = answers.recv().await.unwrap().result.unwrap();
@@ -622,51 +615,6 @@ mod tests {
         let held: Vec<u64> = recovered.held.iter().map(|h| h.0).collect();
         assert_eq!(held, [id]);
         assert!(!handle.park(park(2), &reply), "the engine is gone");
-    }
-}
-
-#[cfg(test)]
-mod stop_tests {
-    use super::*;
-    use crate::retry::{ClaimKey, Command, RetryHandle};
-    use crate::store::{Options, Route};
-    use bytes::Bytes;
-    use std::time::Duration;
-    use tokio_util::sync::CancellationToken;
-
-    fn start(dir: &std::path::Path) -> crate::retry::Start {
-        let upstream = crate::config::Upstream {
-            address: Some("127.0.0.1:9".into()),
-            ..Default::default()
-        };
-        crate::retry::Start {
-            dir: dir.to_owned(),
-            store: Options::default(),
-            replica: None,
-            connector: Connector::new(&upstream).unwrap(),
-            options: crate::retry::Options::new(&Default::default(), "guest".into()),
-            metrics: Metrics::new(),
-            clock: crate::clock::Clock::start(),
-        }
-    }
-
-    fn park(tag: u64) -> Park {
-        Park {
-            key: ClaimKey {
-                channel: 1,
-                epoch: 0,
-                tag,
-                seq: tag,
-            },
-            vhost: Arc::from("/"),
-            queue: Arc::from("q"),
-            delay: Duration::from_secs(3600),
-            retry: 1,
-            route: Route::Queue,
-            on_return: None,
-            header: Bytes::from_static(b"h"),
-            body: Bytes::from_static(b"body"),
-        }
     }
 
     /// Shutdown: the sessions end first, and the last thing a session does
