@@ -73,6 +73,16 @@ fn pair() -> Pair {
     }
 }
 
+/// A pair whose client consumes the intercepted queue on channel 1 and
+/// nacked its delivery 1: claimed, not answered by the store yet.
+fn claimed() -> Pair {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    p
+}
+
 fn frame_of(channel: u16, class: AMQPClass) -> Vec<u8> {
     method::encode(channel, &class).to_vec()
 }
@@ -277,10 +287,7 @@ fn channel_close(ch: u16) -> Vec<u8> {
 
 #[test]
 fn a_claimed_nack_is_acked_only_once_stored() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     assert!(p.upstream().is_empty(), "nothing before the store answers");
     p.store(true);
     assert_eq!(p.upstream(), ["ack 1"]);
@@ -306,10 +313,7 @@ fn settles_around_claimed_tags_never_touch_them() {
 
 #[test]
 fn a_channel_close_waits_for_the_ack_and_the_grace() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&channel_close(1));
     assert!(p.upstream().is_empty(), "the close waits for the claim");
     p.store(true);
@@ -325,10 +329,7 @@ fn a_channel_close_waits_for_the_ack_and_the_grace() {
 
 #[test]
 fn a_close_right_after_an_ack_waits_the_grace_too() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.store(true);
     assert_eq!(p.upstream(), ["ack 1"]);
     p.client(&frame_of(
@@ -345,11 +346,8 @@ fn a_close_right_after_an_ack_waits_the_grace_too() {
 
 #[test]
 fn a_channel_that_keeps_nacking_does_not_hold_a_close_forever() {
-    let mut p = pair();
-    p.consume(1);
+    let mut p = claimed();
     p.consume(2);
-    p.deliver(1, 1);
-    p.nack(1, 1);
     p.client(&channel_close(1));
     for tag in 1..=5 {
         p.deliver(2, tag);
@@ -366,10 +364,7 @@ fn a_channel_that_keeps_nacking_does_not_hold_a_close_forever() {
 
 #[test]
 fn an_ack_waits_for_the_clients_publish_on_its_channel() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&publish_start(1, 5));
     assert_eq!(p.upstream(), ["publish 1", "header 1"]);
     p.store(true);
@@ -380,10 +375,7 @@ fn an_ack_waits_for_the_clients_publish_on_its_channel() {
 
 #[test]
 fn a_refused_nack_waits_for_the_clients_publish_too() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&publish_start(1, 5));
     p.upstream();
     p.store(false);
@@ -394,11 +386,8 @@ fn a_refused_nack_waits_for_the_clients_publish_too() {
 
 #[test]
 fn a_hold_begun_mid_publish_does_not_split_the_content() {
-    let mut p = pair();
-    p.consume(1);
+    let mut p = claimed();
     p.consume(2);
-    p.deliver(1, 1);
-    p.nack(1, 1);
     p.client(&publish_start(2, 5));
     p.client(&channel_close(1)); // held: claim 1 is unanswered
     assert_eq!(p.upstream(), ["publish 2", "header 2"]);
@@ -446,10 +435,7 @@ fn a_publish_begun_behind_a_hold_stays_whole_behind_it() {
 
 #[test]
 fn a_store_that_never_answers_gives_the_nack_back_after_the_settle_timeout() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&channel_close(1));
     p.time_passes(SETTLE_TIMEOUT);
     p.timer_fires();
@@ -497,10 +483,7 @@ fn a_session_that_ends_cancels_the_holds_it_could_not_ack() {
 
 #[test]
 fn a_client_fault_closes_upstream_only_after_the_acks() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(b"\x09garbage-garbage");
     assert!(
         p.upstream().is_empty(),
@@ -513,10 +496,7 @@ fn a_client_fault_closes_upstream_only_after_the_acks() {
 
 #[test]
 fn an_ack_is_not_sent_after_nackds_connection_close() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     // nackd closes upstream for a reason of its own (e.g. the handshake).
     p.s.close_upstream("test");
     assert_eq!(p.upstream(), ["connection.close"]);
@@ -530,10 +510,7 @@ fn an_ack_is_not_sent_after_nackds_connection_close() {
 
 #[test]
 fn a_second_settle_of_a_claimed_tag_is_the_brokers_alone() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&method::ack(1, 1, false));
     assert_eq!(p.upstream(), ["ack 1"], "the client's own ack, as sent");
     let ids = p.store(true);
@@ -548,10 +525,7 @@ fn connection_close() -> Vec<u8> {
 #[test]
 fn no_ack_after_the_brokers_connection_close_even_once_answered() {
     for client_gone in [false, true] {
-        let mut p = pair();
-        p.consume(1);
-        p.deliver(1, 1);
-        p.nack(1, 1);
+        let mut p = claimed();
         p.client(&channel_close(1));
         p.broker(&connection_close());
         if client_gone {
@@ -569,11 +543,8 @@ fn no_ack_after_the_brokers_connection_close_even_once_answered() {
 
 #[test]
 fn a_close_of_a_channel_without_claims_goes_at_once() {
-    let mut p = pair();
-    p.consume(1);
+    let mut p = claimed();
     p.consume(2);
-    p.deliver(1, 1);
-    p.nack(1, 1);
     p.client(&channel_close(2));
     assert_eq!(
         p.upstream(),
@@ -607,10 +578,7 @@ fn a_claim_is_given_up_only_once_it_is_old() {
 
 #[test]
 fn the_grace_runs_from_when_a_deferred_ack_goes() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&publish_start(1, 5));
     p.upstream();
     p.store(true);
@@ -626,11 +594,8 @@ fn the_grace_runs_from_when_a_deferred_ack_goes() {
 
 #[test]
 fn a_give_up_skips_tags_the_client_settled_again() {
-    let mut p = pair();
-    p.consume(1);
+    let mut p = claimed();
     p.consume(2);
-    p.deliver(1, 1);
-    p.nack(1, 1);
     p.client(&method::ack(1, 1, false));
     assert_eq!(p.upstream(), ["ack 1"]);
     p.client(&channel_close(1));
@@ -645,10 +610,7 @@ fn a_give_up_skips_tags_the_client_settled_again() {
 
 #[test]
 fn heartbeats_are_never_held_back() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&channel_close(1));
     p.client(&method::heartbeat());
     assert_eq!(p.upstream(), ["heartbeat"]);
@@ -656,10 +618,7 @@ fn heartbeats_are_never_held_back() {
 
 #[test]
 fn nacks_after_a_held_recover_on_their_channel_pass_through() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&frame_of(
         1,
         AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
@@ -677,10 +636,7 @@ fn nacks_after_a_held_recover_on_their_channel_pass_through() {
 #[test]
 fn tx_select_after_a_claim_waits_for_its_ack() {
     use amq_protocol::protocol::tx;
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&frame_of(
         1,
         AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})),
@@ -710,10 +666,7 @@ fn after_nackds_connection_close_client_frames_stop() {
 
 #[test]
 fn a_connection_close_waits_for_the_claims_and_the_grace() {
-    let mut p = pair();
-    p.consume(1);
-    p.deliver(1, 1);
-    p.nack(1, 1);
+    let mut p = claimed();
     p.client(&method::connection_close(ReplyCode::Success, "bye", None));
     assert!(p.upstream().is_empty(), "the close waits for the claim");
     p.store(true);
