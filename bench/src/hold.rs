@@ -232,6 +232,26 @@ pub(crate) async fn publish(
     Ok(published.elapsed())
 }
 
+/// Declares `queue` (gone `expires_ms` after its last use) on `broker` and
+/// returns a connection and a channel in confirm mode to publish to it.
+pub(crate) async fn declare_hold_queue(
+    broker: &str,
+    queue: &str,
+    expires_ms: i32,
+) -> BenchResult<(lapin::Connection, lapin::Channel)> {
+    let admin = connect(broker).await?;
+    let admin_ch = admin.create_channel().await?;
+    let mut qargs = FieldTable::default();
+    qargs.insert("x-expires".into(), AMQPValue::LongInt(expires_ms));
+    admin_ch
+        .queue_declare(queue.into(), QueueDeclareOptions::default(), qargs)
+        .await?;
+    admin_ch
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok((admin, admin_ch))
+}
+
 /// Parks `--count` messages through nackd and prints the park rate, RSS
 /// and store size.
 async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
@@ -240,16 +260,7 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
     let queue = unique_queue("hold");
     let n = args.count;
 
-    let admin = connect(&args.common.broker).await?;
-    let admin_ch = admin.create_channel().await?;
-    let mut qargs = FieldTable::default();
-    qargs.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
-    admin_ch
-        .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs)
-        .await?;
-    admin_ch
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    let (admin, admin_ch) = declare_hold_queue(&args.common.broker, &queue, 3_600_000).await?;
     let nacked_count = Arc::new(AtomicU64::new(0));
     let publishing = tokio::spawn(publish(
         admin_ch.clone(),

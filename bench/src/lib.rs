@@ -265,8 +265,9 @@ where
     Ok(sides)
 }
 
-/// Prints the lines every report starts with.
-pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets: &Targets) {
+/// Prints the scenario, the date and the machine: the first lines of
+/// every report.
+pub fn print_first_lines(scenario: &str, machine: &Machine) {
     println!("nackd-bench {scenario}");
     println!(
         "date        {}",
@@ -276,6 +277,11 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
         "machine     {} CPUs, {}, load average {}",
         machine.cpus, machine.cpu_model, machine.load
     );
+}
+
+/// Prints the lines every report starts with.
+pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets: &Targets) {
+    print_first_lines(scenario, machine);
     let pid = targets
         .broker_pid
         .map_or("pid unknown".into(), |p| format!("beam.smp pid {p}"));

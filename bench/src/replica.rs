@@ -30,7 +30,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -181,15 +180,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         ready_after.push(wait_ready(i).await?);
     }
 
-    println!("nackd-bench replica");
-    println!(
-        "date        {}",
-        humantime::format_rfc3339_seconds(SystemTime::now())
-    );
-    println!(
-        "machine     {} CPUs, {}, load average {}",
-        machine.cpus, machine.cpu_model, machine.load
-    );
+    super::print_first_lines("replica", &machine);
     println!(
         "broker      {} at {} (messages published there); both nackds upstream of {}",
         machine.broker,
@@ -452,16 +443,7 @@ async fn wait_ready(i: &Instance) -> BenchResult<Duration> {
 /// them until nackd counts them held and acked upstream.
 async fn park(i: &Instance, broker: &str, count: u64) -> BenchResult<Park> {
     let queue = unique_queue("hold");
-    let admin = connect(broker).await?;
-    let admin_ch = admin.create_channel().await?;
-    let mut qargs = FieldTable::default();
-    qargs.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-    admin_ch
-        .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), qargs)
-        .await?;
-    admin_ch
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    let (admin, admin_ch) = super::hold::declare_hold_queue(broker, &queue, 600_000).await?;
     super::hold::publish(
         admin_ch.clone(),
         queue.clone(),
