@@ -13,7 +13,7 @@ use common::ops::scrape;
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 
 fn rabbitmqctl(args: &[&str]) {
@@ -67,18 +67,7 @@ async fn count(q: &str) -> Option<u32> {
     .await
     .ok()?;
     let ch = conn.create_channel().await.ok()?;
-    let n = ch
-        .queue_declare(
-            q.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok()?
-        .message_count();
+    let n = common::amqp::try_message_count(&ch, q).await.ok()?;
     let _ = conn.close(200, "".into()).await;
     Some(n)
 }

@@ -25,17 +25,19 @@ pub async fn declare_durable(ch: &Channel, q: &str) {
 
 /// Messages ready in `q`, as the broker counts them (a passive declare).
 pub async fn message_count(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
+    try_message_count(ch, q).await.unwrap()
+}
+
+/// [`message_count`] for a broker that may be down (or a queue gone).
+pub async fn try_message_count(ch: &Channel, q: &str) -> lapin::Result<u32> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let queue = ch
+        .queue_declare(q.into(), passive, FieldTable::default())
+        .await?;
+    Ok(queue.message_count())
 }
 
 /// Publishes `body` to queue `q` (default exchange) and waits for the
