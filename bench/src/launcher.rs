@@ -229,7 +229,11 @@ impl NackdProcess {
     /// meanwhile) or, with a replica, recovered ("store ready: intercepting").
     pub fn intercepting(&self) -> bool {
         let log = self.log_path();
-        log_fields(&log, "store open: intercepting (older segments are read meanwhile)").is_some()
+        log_fields(
+            &log,
+            "store open: intercepting (older segments are read meanwhile)",
+        )
+        .is_some()
             || log_fields(&log, "store ready: intercepting").is_some()
     }
 
