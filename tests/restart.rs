@@ -17,7 +17,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -436,16 +436,16 @@ async fn after_a_sigterm_with_a_million_held_nacks_are_held_at_once() {
     restart_with_a_large_store_takes_nacks_at_once(End::Sigterm).await;
 }
 
-/// Publishes ids from 0 on, straight to the broker at about `rate`/s, each
-/// confirmed, until `stop`; returns how many (all confirmed).
-async fn publisher(q: String, rate: u64, stop: Arc<AtomicBool>, sent: Arc<AtomicU32>) -> u32 {
+/// Publishes ids from `from` on, straight to the broker at about `rate`/s,
+/// each confirmed, until `stop`; returns the first id not published.
+async fn publisher(q: String, from: u32, rate: u64, stop: Arc<AtomicBool>) -> u32 {
     let conn = direct().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-    let mut n = 0u32;
+    let mut n = from;
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
         let confirm = ch
@@ -462,7 +462,6 @@ async fn publisher(q: String, rate: u64, stop: Arc<AtomicBool>, sent: Arc<Atomic
             .unwrap();
         assert!(confirm.is_ack(), "publish {n}: {confirm:?}");
         n += 1;
-        sent.store(n, Ordering::Relaxed);
     }
     conn.close(200, "".into()).await.unwrap();
     n
@@ -509,6 +508,8 @@ async fn nack_continuously(addr: std::net::SocketAddr, q: String, load: Arc<Mute
     load.lock().unwrap().end = end;
 }
 
+/// Messages in the queue before the graceful stop test's consumer starts.
+const BACKLOG: u32 = 8_000;
 /// How long the graceful stop test gives open sessions.
 const GRACE: Duration = Duration::from_secs(2);
 /// What a forced close and the rest of the stop may add to it: the held
@@ -543,16 +544,11 @@ async fn a_graceful_stop_under_nack_load_loses_nothing_and_duplicates_nothing() 
     );
     let c = cfg.clone();
     let nackd = blocking(move || Process::start(&c)).await;
-    let (stop_publishing, sent) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU32::new(0)),
-    );
-    let producer = tokio::spawn(publisher(
-        q.clone(),
-        300,
-        stop_publishing.clone(),
-        sent.clone(),
-    ));
+    // A backlog, so that the consumer nacks as fast as it can (nacks are
+    // on the wire when nackd closes it), and a publisher feeding it more.
+    publish_ids(&q, BACKLOG).await;
+    let stop_publishing = Arc::new(AtomicBool::new(false));
+    let producer = tokio::spawn(publisher(q.clone(), BACKLOG, 300, stop_publishing.clone()));
     let load = Arc::new(Mutex::new(Load::default()));
     let consumer = tokio::spawn(nack_continuously(nackd.addr, q.clone(), load.clone()));
     let before = wait_for(
@@ -619,24 +615,31 @@ async fn a_graceful_stop_under_nack_load_loses_nothing_and_duplicates_nothing() 
     let ch = conn.create_channel().await.unwrap();
     let mut c = consume(&ch, &q, Some(200)).await;
     let mut seen: HashMap<u32, Vec<i64>> = HashMap::new();
+    let direct = direct().await;
+    let broker = direct.create_channel().await.unwrap();
     let began = Instant::now();
+    // Until nothing more can come: every held one republished and
+    // confirmed, nothing ready in the queue, and no delivery for two turns
+    // in a row (one in flight when the first turn looked arrives first).
+    let mut drained_once = false;
     loop {
-        if seen.len() == n as usize {
-            let s = scrape(nackd.metrics).await;
-            if s.sum("nackd_held_messages") == 0.0
-                && s.get("nackd_retries_confirmed_total", &[]) == held.len() as f64
-            {
-                break;
-            }
-        }
         assert!(
             began.elapsed() < delay + Duration::from_secs(60),
             "{} of {n} delivered after the restart",
             seen.len()
         );
-        let Some(d) = next(&mut c, Duration::from_millis(200)).await else {
+        let Some(d) = next(&mut c, Duration::from_millis(500)).await else {
+            let s = scrape(nackd.metrics).await;
+            let drained = s.sum("nackd_held_messages") == 0.0
+                && s.get("nackd_retries_confirmed_total", &[]) == held.len() as f64
+                && message_count(&broker, &q).await == 0;
+            if drained && drained_once {
+                break;
+            }
+            drained_once = drained;
             continue;
         };
+        drained_once = false;
         seen.entry(id_of(&d.data))
             .or_default()
             .push(retry_count(&d));
@@ -645,8 +648,7 @@ async fn a_graceful_stop_under_nack_load_loses_nothing_and_duplicates_nothing() 
     // A copy the broker delivered but the test has not read yet would be
     // requeued by this close, and counted below.
     ch.close(200, "".into()).await.unwrap();
-    let direct = direct().await;
-    let left = message_count(&direct.create_channel().await.unwrap(), &q).await;
+    let left = message_count(&broker, &q).await;
     let s = scrape(nackd.metrics).await;
     assert_eq!(
         passed(&s),
