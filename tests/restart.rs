@@ -10,8 +10,10 @@
 //!    grace period (plus the forced close), and after a restart every
 //!    message comes back exactly once.
 //!
-//! `NACKD_RESTART_HELD` sets the size of the store in 1 (default
-//! 1 000 000); the run times of the README were measured with the default.
+//! `NACKD_RESTART_HELD` sets the size of item 1's store (default
+//! 1 000 000). In a debug build a million takes about 7 s to write and
+//! 21 s for each nackd to recover: about 55 s for the SIGKILL test and
+//! 70 s for the SIGTERM one, which reads the store back after its clean stop.
 
 mod common;
 
