@@ -48,7 +48,9 @@ mod scan;
 mod segment;
 mod writer;
 
-pub use log::{segment_numbers, segment_path, Log, Options, Reader, Relocation, SEGMENT_BYTES};
+pub use log::{
+    segment_numbers, segment_path, Backlog, Log, Options, Reader, Relocation, Segments, SEGMENT_BYTES,
+};
 pub use recover::Recovered;
 pub use scan::{scan, Damage};
 pub use segment::Loc;

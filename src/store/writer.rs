@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info_span, warn};
 
-use super::log::{Log, Relocation};
+use super::log::{Log, Relocation, Segments};
 use super::{Held, Loc, StoreError};
 use crate::metrics::{Metrics, Open};
 
@@ -52,6 +52,8 @@ pub enum WriteOp<C> {
         /// The record.
         loc: Loc,
     },
+    /// The older segments of a deferred open, read: merge them in.
+    Merge(Segments),
 }
 
 /// The writer's answer to a put, once fsynced (or failed).
@@ -199,6 +201,7 @@ impl<C> Thread<C> {
                 }),
                 WriteOp::Del { id, loc } => self.log.del(id, loc),
                 WriteOp::Release { loc } => self.log.release(loc),
+                WriteOp::Merge(segments) => self.log.merge(segments),
             }
         }
         answers
