@@ -49,8 +49,7 @@ mod segment;
 mod writer;
 
 pub use log::{
-    segment_numbers, segment_path, Backlog, Log, Options, Reader, Relocation, Segments,
-    SEGMENT_BYTES,
+    segment_numbers, segment_path, Backlog, Log, Options, Reader, Relocation, Segments, SEGMENT_BYTES,
 };
 pub use recover::Recovered;
 pub use scan::{scan, Damage};

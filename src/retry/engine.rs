@@ -212,10 +212,7 @@ impl Engine {
                     .inc_by(recovered.damaged_bytes());
                 self.write(WriteOp::Merge(segments));
                 self.next_id = self.next_id.max(recovered.next_id);
-                tracing::info!(
-                    held = recovered.held.len(),
-                    "store recovered: its messages are scheduled"
-                );
+                tracing::info!(held = recovered.held.len(), "store recovered: its messages are scheduled");
                 self.load(recovered);
             }
             Err(e) => {
@@ -573,9 +570,7 @@ impl Engine {
 
 /// The older segments' contents, once read (pending while there is none).
 async fn backlog_read(
-    backlog: &mut Option<
-        tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>,
-    >,
+    backlog: &mut Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
 ) -> std::io::Result<(Recovered, store::Segments)> {
     match backlog {
         Some(rx) => rx

@@ -21,7 +21,9 @@ use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::record::View;
-use super::{scan, segment_numbers, segment_path, Backlog, Held, Log, Options, Relocation, Route};
+use super::{
+    scan, segment_numbers, segment_path, Backlog, Held, Log, Options, Relocation, Route,
+};
 use crate::metrics::Metrics;
 use crate::retry::ledger::{Entry, Ledger, StoreOp};
 use crate::store::{HeldMeta, Loc};
@@ -228,11 +230,7 @@ impl World {
                 .and_modify(|b| b.truncate(torn.from as usize));
         }
         self.last_removed = self.removed_since(before);
-        assert!(
-            log.next_id() > self.used,
-            "id {} handed out again",
-            log.next_id()
-        );
+        assert!(log.next_id() > self.used, "id {} handed out again", log.next_id());
         self.next_id = self.next_id.max(log.next_id());
         self.ledger = Ledger::new(Metrics::new(), 0);
         self.queue = self.ledger.intern(&Arc::from("/"), &Arc::from("q"));
@@ -269,10 +267,7 @@ impl World {
             self.ledger.insert(*id, Entry::new(*loc, *due, meta));
         }
         assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
-        assert_eq!(
-            got, then,
-            "the older segments hold what was durable at the reopen"
-        );
+        assert_eq!(got, then, "the older segments hold what was durable at the reopen");
     }
 
     fn pick(&self, n: u16) -> Option<u64> {

@@ -560,11 +560,7 @@ fn puts_are_taken_while_older_segments_wait_to_be_read() {
         log.commit().unwrap();
         log.del(first, a);
         log.commit().unwrap();
-        assert_eq!(
-            log.reclaim(),
-            0,
-            "nothing goes before the older segments are known"
-        );
+        assert_eq!(log.reclaim(), 0, "nothing goes before the older segments are known");
         assert!(!log.wants_compaction());
         // The process dies here, before the older segments were merged.
         vec![first + 1]
