@@ -204,7 +204,6 @@ impl Engine {
     /// then their messages are scheduled.
     fn on_backlog(&mut self, read: std::io::Result<(Recovered, store::Segments)>) {
         self.backlog = None;
-        self.metrics.store_recovering.set(0);
         match read {
             Ok((recovered, segments)) => {
                 self.metrics
@@ -212,8 +211,9 @@ impl Engine {
                     .inc_by(recovered.damaged_bytes());
                 self.write(WriteOp::Merge(segments));
                 self.next_id = self.next_id.max(recovered.next_id);
-                tracing::info!(held = recovered.held.len(), "store recovered: its messages are scheduled");
+                let held = recovered.held.len();
                 self.load(recovered);
+                tracing::info!(held, "store recovered: its messages are scheduled");
             }
             Err(e) => {
                 // New messages are held and fire as usual; the older ones
@@ -223,6 +223,8 @@ impl Engine {
                 tracing::error!(error = %e, "store: cannot read the older segments; their messages wait for a restart");
             }
         }
+        // Last: whoever reads it as 0 finds every message scheduled.
+        self.metrics.store_recovering.set(0);
     }
 
     /// Schedules what recovery found, oldest first: overdue messages fire
