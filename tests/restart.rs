@@ -12,9 +12,9 @@
 //!
 //! `NACKD_RESTART_HELD` sets the size of item 1's store (default
 //! 1 000 000). Measured in a debug build on 2 shared cores: a million
-//! takes 7-9 s to write and 20-28 s for each nackd to read; each of the two
-//! tests takes about 63 s (the SIGTERM one also reads the store back after
-//! its clean stop, 12 s).
+//! takes 5-9 s to write and 15-40 s for each nackd to read (as busy as the
+//! machine is); each of the two tests took 38-108 s, the SIGTERM one also
+//! reading the store back after its clean stop (12 s).
 
 mod common;
 
