@@ -44,12 +44,14 @@ mod log;
 mod model_tests;
 pub mod record;
 mod recover;
+mod reserve;
 mod scan;
 mod segment;
 mod writer;
 
 pub use log::{segment_numbers, segment_path, Log, Options, Reader, Relocation, SEGMENT_BYTES};
 pub use recover::Recovered;
+pub use reserve::RESERVE_BYTES;
 pub use scan::{scan, Damage};
 pub use segment::Loc;
 pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
