@@ -149,6 +149,7 @@ impl Engine {
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone());
+        let paused = writer.paused;
         let mut engine = Self {
             reader,
             writer: writer.tx.clone(),
@@ -177,6 +178,7 @@ impl Engine {
             republishers: TaskTracker::new(),
         };
         engine.load(recovered);
+        engine.on_firing(paused);
         engine
     }
 

@@ -90,6 +90,9 @@ pub enum Event<C> {
 pub struct Writer<C> {
     /// Operations; dropping every sender ends the thread after a last commit.
     pub tx: Sender<WriteOp<C>>,
+    /// Whether completions can be recorded as it starts (`Some(why)`: not,
+    /// firing must wait); [`Event::Firing`] says when that changes.
+    pub paused: Option<PauseReason>,
     thread: JoinHandle<Log>,
 }
 
@@ -102,7 +105,9 @@ impl<C> Writer<C> {
     }
 }
 
-/// Runs `log` on its own thread, reporting to `events`.
+/// Runs `log` on its own thread, reporting to `events`. The reserve is
+/// made (or found) first, so that [`Writer::paused`] is known before
+/// anything fires.
 pub fn spawn_writer<C: Send + 'static>(
     log: Log,
     events: UnboundedSender<Event<C>>,
@@ -114,15 +119,21 @@ pub fn spawn_writer<C: Send + 'static>(
     // A thread does not inherit the current span: made here, it is a child
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
+    let mut writer = Thread::new(log, events, metrics);
+    let paused = span.in_scope(|| {
+        writer.keep_reserve();
+        writer.paused = writer.pause_reason();
+        writer.paused
+    });
     let thread = std::thread::Builder::new()
         .name("nackd-store".into())
         .spawn(move || {
             let _open = open;
             let _span = span.entered();
-            Thread::new(log, events, metrics).run(rx)
+            writer.run(rx)
         })
         .expect("spawn the store thread");
-    Writer { tx, thread }
+    Writer { tx, paused, thread }
 }
 
 struct Thread<C> {
@@ -157,8 +168,6 @@ impl<C> Thread<C> {
     /// Batch after batch until every sender is gone; gives the log back,
     /// committed.
     fn run(mut self, rx: Receiver<WriteOp<C>>) -> Log {
-        self.keep_reserve();
-        self.report();
         while let Some(batch) = self.next_batch(&rx) {
             let answers = self.apply(batch);
             self.commit(answers);
@@ -254,10 +263,14 @@ impl<C> Thread<C> {
             .count();
         self.metrics.store_errors.inc_by(refused as u64);
         if let Err(e) = &committed {
-            if answers.is_empty() && self.paused == Some(PauseReason::CompletionsUnwritten) {
-                debug!(error = %e, "store: completions still cannot be written");
-            } else {
-                warn!(error = %e, puts = answers.len(), "store: commit failed; its puts are refused");
+            match (answers.is_empty(), self.paused) {
+                (false, _) => {
+                    warn!(error = %e, puts = answers.len(), "store: commit failed; its puts are refused")
+                }
+                (true, Some(PauseReason::CompletionsUnwritten)) => {
+                    debug!(error = %e, "store: completions still cannot be written")
+                }
+                (true, _) => warn!(error = %e, "store: completions could not be written"),
             }
             self.metrics.store_errors.inc();
             for a in answers.iter_mut().filter(|a| a.result.is_ok()) {
@@ -301,15 +314,21 @@ impl<C> Thread<C> {
         self.log.read_free();
     }
 
-    /// Tells the owner when whether completions can be recorded changed.
-    fn report(&mut self) {
-        let paused = if self.log.has_unwritten() {
+    /// Why completions cannot be recorded (or only into the reserve's
+    /// space), if they cannot.
+    fn pause_reason(&self) -> Option<PauseReason> {
+        if self.log.has_unwritten() {
             Some(PauseReason::CompletionsUnwritten)
         } else if !self.reserve.kept() {
             Some(PauseReason::DiskFull)
         } else {
             None
-        };
+        }
+    }
+
+    /// Tells the owner when whether completions can be recorded changed.
+    fn report(&mut self) {
+        let paused = self.pause_reason();
         if paused != self.paused {
             self.paused = paused;
             let _ = self.events.send(Event::Firing(paused));
