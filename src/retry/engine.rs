@@ -130,6 +130,9 @@ pub(super) struct Engine {
     pub(super) paused: Option<(crate::metrics::PauseReason, Instant)>,
     /// The republisher tasks, waited for at shutdown.
     republishers: TaskTracker,
+    /// The store's older segments, being read beside the engine after a
+    /// start ([`Engine::read_backlog`]).
+    backlog: Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
 }
 
 impl Engine {
@@ -176,10 +179,58 @@ impl Engine {
             more: false,
             paused: None,
             republishers: TaskTracker::new(),
+            backlog: None,
         };
         engine.load(recovered);
         engine.on_firing(paused);
         engine
+    }
+
+    /// Reads the store's older segments on a thread of their own while the
+    /// engine parks and fires new messages; they join the engine (and the
+    /// store's bookkeeping) once read.
+    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.metrics.store_recovering.set(1);
+        let span = tracing::info_span!("store_recovery");
+        let spawned = std::thread::Builder::new()
+            .name("nackd-recover".into())
+            .spawn(move || {
+                let _span = span.entered();
+                let _ = tx.send(backlog.read());
+            });
+        match spawned {
+            Ok(_) => self.backlog = Some(rx),
+            Err(e) => self.on_backlog(Err(e)),
+        }
+    }
+
+    /// The older segments are read: the store merges their bookkeeping
+    /// (before any delete of theirs, which the same queue brings later),
+    /// then their messages are scheduled.
+    fn on_backlog(&mut self, read: std::io::Result<(Recovered, store::Segments)>) {
+        self.backlog = None;
+        match read {
+            Ok((recovered, segments)) => {
+                self.metrics
+                    .store_damaged_bytes
+                    .inc_by(recovered.damaged_bytes());
+                self.write(WriteOp::Merge(segments));
+                self.next_id = self.next_id.max(recovered.next_id);
+                let held = recovered.held.len();
+                self.load(recovered);
+                tracing::info!(held, "store recovered: its messages are scheduled");
+            }
+            Err(e) => {
+                // New messages are held and fire as usual; the older ones
+                // stay on disk, untouched (nothing is reclaimed), for the
+                // next start to read.
+                self.metrics.store_errors.inc();
+                tracing::error!(error = %e, "store: cannot read the older segments; their messages wait for a restart");
+            }
+        }
+        // Last: whoever reads it as 0 finds every message scheduled.
+        self.metrics.store_recovering.set(0);
     }
 
     /// Schedules what recovery found, oldest first: overdue messages fire
@@ -229,6 +280,7 @@ impl Engine {
                     store::Event::Firing(paused) => self.on_firing(paused),
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
+                read = backlog_read(&mut self.backlog) => self.on_backlog(read),
                 Some(adopt) = adopts.recv(), if self.link.is_some() => self.on_adopt(adopt),
                 event = link::event(&mut self.link) => match event {
                     link::Event::Answer(answer) => self.on_replicated(answer),
@@ -527,6 +579,18 @@ impl Engine {
         if self.ledger.count(queue) == 0 {
             self.queue_emptied(queue);
         }
+    }
+}
+
+/// The older segments' contents, once read (pending while there is none).
+async fn backlog_read(
+    backlog: &mut Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
+) -> std::io::Result<(Recovered, store::Segments)> {
+    match backlog {
+        Some(rx) => rx
+            .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("the store's recovery thread died"))),
+        None => std::future::pending().await,
     }
 }
 

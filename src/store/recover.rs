@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use tracing::{error, info, warn};
 
-use super::log::{segment_numbers, segment_path};
+use super::log::segment_path;
 use super::record::View;
 use super::scan::{scan, Damage};
 use super::segment::{Loc, Segment};
@@ -54,9 +54,26 @@ fn cut(dir: &Path, n: u32, len: u64) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Builds the held set from the segments of `dir`, with each segment's
-/// bookkeeping (size, live puts).
-pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)> {
+/// Cuts the torn tail off segment `n` of `dir` (the newest, the one a
+/// crash may have been writing), durably; returns what was cut. Only an
+/// unfinished last record is a torn tail: damage before it is left for
+/// [`read`] to report.
+pub(super) fn cut_torn_tail(dir: &Path, n: u32) -> io::Result<Option<Damage>> {
+    let bytes = std::fs::read(segment_path(dir, n))?;
+    let size = bytes.len() as u64;
+    let damage = scan(&bytes, n, |_, _| {});
+    let Some(torn) = damage.into_iter().last().filter(|d| d.to == size) else {
+        return Ok(None);
+    };
+    warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
+    cut(dir, n, torn.from)?;
+    Ok(Some(torn))
+}
+
+/// Builds the held set from segments `numbers` of `dir` (ascending, each
+/// with its torn tail already cut), with each segment's bookkeeping
+/// (size, live puts).
+pub(super) fn read(dir: &Path, numbers: &[u32]) -> io::Result<(Recovered, BTreeMap<u32, Segment>)> {
     let mut replay = Replay {
         index: HashMap::new(),
         queues: HashMap::new(),
@@ -64,42 +81,23 @@ pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)
     };
     let mut segments = BTreeMap::new();
     let mut recovered = Recovered::default();
-    let numbers = segment_numbers(dir)?;
-    for (i, &n) in numbers.iter().enumerate() {
+    for &n in numbers {
         let bytes = std::fs::read(segment_path(dir, n))?;
         let damage = scan(&bytes, n, |rec, loc| replay.record(rec, loc));
-        let newest = i + 1 == numbers.len();
-        let size = settle_damage(dir, n, bytes.len() as u64, newest, damage, &mut recovered)?;
-        segments.insert(n, Segment::new(size));
+        report_damage(n, &damage);
+        recovered.damage.extend(damage);
+        segments.insert(n, Segment::new(bytes.len() as u64));
     }
     replay.finish(&mut recovered, &mut segments);
     info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
     Ok((recovered, segments))
 }
 
-/// Cuts off the torn tail of the newest segment (`size` bytes long) and
-/// logs and keeps the damage `scan` found in segment `n`; returns the
-/// segment's size once cut.
-fn settle_damage(
-    dir: &Path,
-    n: u32,
-    mut size: u64,
-    newest: bool,
-    mut damage: Vec<Damage>,
-    recovered: &mut Recovered,
-) -> io::Result<u64> {
-    if newest && damage.last().is_some_and(|d| d.to == size) {
-        let torn = damage.pop().expect("checked");
-        warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
-        cut(dir, n, torn.from)?;
-        size = torn.from;
-        recovered.torn_tail = Some(torn);
-    }
-    for d in &damage {
+/// Logs the damage `scan` found in segment `n`.
+fn report_damage(n: u32, damage: &[Damage]) {
+    for d in damage {
         error!(segment = n, from = d.from, to = d.to, bad = ?d.bad, "store: DAMAGED bytes skipped; held messages in them are lost");
     }
-    recovered.damage.extend(damage);
-    Ok(size)
 }
 
 /// The records read so far, replayed in order.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, info, info_span, warn};
 
-use super::log::{Log, Relocation, HEADROOM};
+use super::log::{Log, Relocation, Segments, HEADROOM};
 use super::reserve::{Reserve, RESERVE_BYTES};
 use super::{Held, Loc, StoreError};
 use crate::metrics::{Metrics, Open, PauseReason};
@@ -59,6 +59,8 @@ pub enum WriteOp<C> {
         /// The record.
         loc: Loc,
     },
+    /// The older segments of a deferred open, read: merge them in.
+    Merge(Segments),
 }
 
 /// The writer's answer to a put, once fsynced (or failed).
@@ -245,6 +247,7 @@ impl<C> Thread<C> {
                 }),
                 WriteOp::Del { id, loc } => self.log.del(id, loc),
                 WriteOp::Release { loc } => self.log.release(loc),
+                WriteOp::Merge(segments) => self.log.merge(segments),
             }
         }
         answers
