@@ -253,6 +253,13 @@ impl NackdProcess {
         self.kill_now();
     }
 
+    /// Kills the process and waits for it, keeping its directory (its store
+    /// stays for the next [`NackdProcess::restart`]).
+    pub fn stop(&mut self) -> Result<(), LaunchError> {
+        self.kill_now();
+        Ok(())
+    }
+
     fn kill_now(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -197,7 +197,9 @@ impl Engine {
             backlog: None,
             loading: None,
         };
-        engine.load(recovered);
+        if !recovered.held.is_empty() {
+            engine.load(recovered);
+        }
         engine.on_firing(paused);
         engine
     }
@@ -238,7 +240,6 @@ impl Engine {
                     "store recovered: scheduling its messages"
                 );
                 self.start_loading(recovered);
-                return;
             }
             Err(e) => {
                 // New messages are held and fire as usual; the older ones
