@@ -38,6 +38,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+mod header;
 pub mod inspect;
 mod log;
 #[cfg(test)]
@@ -49,8 +50,8 @@ mod segment;
 mod writer;
 
 pub use log::{segment_numbers, segment_path, Log, Options, Reader, Relocation, SEGMENT_BYTES};
-pub use recover::Recovered;
-pub use scan::{scan, Damage};
+pub use recover::{Recovered, Report};
+pub use scan::{scan, Damage, Harm};
 pub use segment::Loc;
 pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
 

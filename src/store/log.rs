@@ -14,8 +14,9 @@ use std::sync::{Arc, RwLock};
 
 use tracing::{error, warn};
 
-use super::record::{self, View};
-use super::recover::{self, Recovered};
+use super::header::{self, Header};
+use super::record::{self, Framing, View};
+use super::recover::{self, Recovered, Report};
 use super::segment::{Loc, Segment};
 use super::{Held, StoreError};
 
@@ -75,7 +76,14 @@ enum Effect {
     Delete(u64, Loc),
 }
 
-pub(super) type Files = Arc<RwLock<HashMap<u32, Arc<File>>>>;
+/// A segment file open for reading, with how its records are framed (its
+/// salt never leaves the store: it is kept here, with the open file).
+pub(super) struct SegmentFile {
+    file: File,
+    framing: Framing,
+}
+
+pub(super) type Files = Arc<RwLock<HashMap<u32, Arc<SegmentFile>>>>;
 
 /// A record's position: segment and offset.
 type Pos = (u32, u32);
@@ -118,6 +126,8 @@ pub struct Log {
     /// goes only once the file is above every id it may hold.
     max_id: u64,
     next_id_kept: u64,
+    /// What recovery found, until the writer counts it in the metrics.
+    report: Option<Report>,
     #[cfg(test)]
     pub(crate) faults: faults::Faults,
     _lock: File,
@@ -173,12 +183,17 @@ impl Log {
         let next_id_kept = read_next_id(dir);
         recovered.next_id = recovered.next_id.max(next_id_kept);
         let files: Files = Arc::default();
-        for n in segments.keys() {
-            let file = Arc::new(File::open(segment_path(dir, *n))?);
+        for (n, s) in &segments {
+            let file = File::open(segment_path(dir, *n))?;
+            let file = Arc::new(SegmentFile {
+                file,
+                framing: s.framing,
+            });
             files.write().expect("lock").insert(*n, file);
         }
-        let head = segments.keys().last().map_or(1, |n| n + 1);
-        let head_file = create_segment(dir, head, &files)?;
+        let prev = segments.last_key_value().map(|(n, s)| (*n, s.size));
+        let head = prev.map_or(1, |(n, _)| n + 1);
+        let (head_file, head_framing) = create_segment(dir, head, prev, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
             options,
@@ -199,11 +214,14 @@ impl Log {
             mismatched: 0,
             max_id: recovered.next_id - 1,
             next_id_kept,
+            report: Some(recovered.report()),
             #[cfg(test)]
             faults: faults::Faults::default(),
             _lock: lock,
         };
-        log.segments.insert(head, Segment::new(0));
+        log.segments
+            .insert(head, Segment::new(header::LEN as u64, head_framing));
+        log.total += header::LEN as u64;
         log.reclaim();
         Ok((log, recovered))
     }
@@ -235,6 +253,11 @@ impl Log {
         self.live_bytes
     }
 
+    /// What recovery found (damage, a torn tail), once: for the metrics.
+    pub fn take_report(&mut self) -> Option<Report> {
+        self.report.take()
+    }
+
     /// Segment files on disk.
     pub fn segment_count(&self) -> usize {
         self.segments.len()
@@ -264,18 +287,19 @@ impl Log {
                 held.size()
             )));
         }
-        let rec = record::encode_put(held);
+        let body = record::put_body(held);
+        let len = record::SALTED_PREFIX + body.len();
         if let Some(max) = self.options.max_bytes {
-            if self.total + self.pending.len() as u64 + rec.len() as u64 > max {
+            if self.total + self.pending.len() as u64 + len as u64 > max {
                 return Err(StoreError::Full(format!("store.max_bytes {max} reached")));
             }
         }
-        if !self.room_for(rec.len()) {
+        if !self.room_for(len) {
             return Err(StoreError::Io(
                 "the disk is full (room is kept for deletes)".into(),
             ));
         }
-        let loc = self.stage(&rec)?;
+        let loc = self.stage(&body)?;
         self.max_id = self.max_id.max(held.id);
         self.effects.push(Effect::Live(loc));
         if let Some(old) = replaces {
@@ -301,7 +325,7 @@ impl Log {
     /// The put stays live until the delete record is durable; if a commit
     /// loses it, it is staged again at the next one.
     pub fn del(&mut self, id: u64, loc: Loc) {
-        if self.stage(&record::encode_del(id)).is_ok() {
+        if self.stage(&record::del_body(id)).is_ok() {
             self.effects.push(Effect::Delete(id, loc));
         } else {
             self.unwritten.push((id, loc));
@@ -314,30 +338,40 @@ impl Log {
         self.release_now(loc);
     }
 
-    /// Appends `rec` to the staged bytes of the head, replacing the head
-    /// first when it is full or cannot be trusted. Rotating only between
-    /// commits keeps one commit = one file, one write, one fsync.
-    fn stage(&mut self, rec: &[u8]) -> Result<Loc, StoreError> {
+    /// Appends the record of `body` to the staged bytes of the head,
+    /// replacing the head first when it is full or cannot be trusted, and
+    /// framed with the head's salt. Rotating only between commits keeps one
+    /// commit = one file, one write, one fsync.
+    fn stage(&mut self, body: &[u8]) -> Result<Loc, StoreError> {
         if self.pending.is_empty() {
             let full = self.segments[&self.head].size >= self.options.segment_bytes;
             if self.stale_head || full {
                 self.rotate()?;
             }
         }
-        let loc = Loc {
+        let offset = self.head_size() as u32;
+        let before = self.pending.len();
+        let framing = self.segments[&self.head].framing;
+        framing.frame_into(&mut self.pending, body);
+        Ok(Loc {
             segment: self.head,
-            offset: self.head_size() as u32,
-            len: rec.len() as u32,
-        };
-        self.pending.extend_from_slice(rec);
-        Ok(loc)
+            offset,
+            len: (self.pending.len() - before) as u32,
+        })
     }
 
+    /// Seals the head at its durable size and starts the next segment,
+    /// whose header says that size.
     fn rotate(&mut self) -> Result<(), StoreError> {
         let next = self.head + 1;
-        self.head_file = create_segment(&self.dir, next, &self.files).map_err(io_err)?;
+        let sealed = (self.head, self.segments[&self.head].size);
+        let (file, framing) =
+            create_segment(&self.dir, next, Some(sealed), &self.files).map_err(io_err)?;
+        self.head_file = file;
         self.head = next;
-        self.segments.insert(next, Segment::new(0));
+        self.segments
+            .insert(next, Segment::new(header::LEN as u64, framing));
+        self.total += header::LEN as u64;
         self.stale_head = false;
         Ok(())
     }
@@ -557,25 +591,26 @@ impl Log {
             if copied >= budget {
                 break;
             }
-            let Some((bytes, id)) = read_record(&file, offset) else {
+            let Some((body, len, id)) = read_record(&file, offset) else {
                 error!(
                     segment = n,
                     offset, "store: a held message no longer reads back; compaction leaves it"
                 );
                 continue;
             };
-            if !self.room_for(bytes.len()) {
+            if !self.room_for(record::SALTED_PREFIX + body.len()) {
                 break;
             }
-            let to = self.stage(&bytes)?;
+            // The same body, framed anew with the head's salt.
+            let to = self.stage(&body)?;
             let from = Loc {
                 segment: n,
                 offset,
-                len: bytes.len() as u32,
+                len,
             };
             self.effects.push(Effect::Live(to));
             copies.push(Relocation { id, from, to });
-            copied += bytes.len() as u64;
+            copied += u64::from(to.len);
         }
         self.commit()?;
         for r in &copies {
@@ -589,13 +624,15 @@ impl Log {
 #[cfg(test)]
 impl Log {
     /// A crash in the middle of a write: the first `torn` staged bytes reach
-    /// the file, nothing is fsynced, the log is gone. Returns those bytes.
+    /// the file, nothing is fsynced, the log is gone. Returns those bytes
+    /// after the head's header: a segment [`super::scan`] reads.
     pub(crate) fn crash(mut self, torn: usize) -> Vec<u8> {
         let n = torn.min(self.pending.len());
         self.head_file
             .write_all(&self.pending[..n])
             .expect("test write");
-        self.pending[..n].to_vec()
+        let head = std::fs::read(segment_path(&self.dir, self.head)).expect("test read");
+        [&head[..header::LEN], &self.pending[..n]].concat()
     }
 
     /// `(segment, offset)` of every live put.
@@ -620,17 +657,21 @@ impl Log {
     }
 }
 
-/// A whole, good record at `offset`, and its message id (puts only).
-fn read_record(file: &File, offset: u32) -> Option<(Vec<u8>, u64)> {
-    let mut prefix = [0u8; record::PREFIX];
-    file.read_exact_at(&mut prefix, offset.into()).ok()?;
-    let (len, _) = record::prefix(&prefix).ok()?;
-    let mut bytes = vec![0u8; record::PREFIX + len];
-    file.read_exact_at(&mut bytes, offset.into()).ok()?;
-    match record::at(&bytes).ok()? {
+/// The body of the whole, good put record at `offset`, the record's
+/// length and its message id.
+fn read_record(segment: &SegmentFile, offset: u32) -> Option<(Vec<u8>, u32, u64)> {
+    let framing = segment.framing;
+    let mut prefix = [0u8; record::SALTED_PREFIX];
+    let prefix = &mut prefix[..framing.prefix_len()];
+    segment.file.read_exact_at(prefix, offset.into()).ok()?;
+    let len = framing.prefix_len() + framing.prefix(prefix).ok()?;
+    let mut bytes = vec![0u8; len];
+    segment.file.read_exact_at(&mut bytes, offset.into()).ok()?;
+    match framing.at(&bytes).ok()? {
         (View::Put(p), _) => {
             let id = p.id;
-            Some((bytes, id))
+            bytes.drain(..framing.prefix_len());
+            Some((bytes, len as u32, id))
         }
         (View::Del(_), _) => None,
     }
@@ -681,15 +722,29 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
     sync_dir(dir)
 }
 
-fn create_segment(dir: &Path, n: u32, files: &Files) -> io::Result<File> {
+/// Creates segment `n` after `prev` (its number and sealed length), with
+/// its header written and fsynced, then the directory: a segment exists
+/// only with its header, else it is a torn one. Returns the file to append
+/// to and how its records are framed.
+fn create_segment(
+    dir: &Path,
+    n: u32,
+    prev: Option<(u32, u64)>,
+    files: &Files,
+) -> io::Result<(File, Framing)> {
     let path = segment_path(dir, n);
-    let file = OpenOptions::new().create(true).append(true).open(&path)?;
+    let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+    let header = Header::new(n, prev);
+    file.write_all(&header.encode())?;
+    file.sync_data()?;
     sync_dir(dir)?;
-    files
-        .write()
-        .expect("lock")
-        .insert(n, Arc::new(File::open(&path)?));
-    Ok(file)
+    let framing = header.framing();
+    let read = SegmentFile {
+        file: File::open(&path)?,
+        framing,
+    };
+    files.write().expect("lock").insert(n, Arc::new(read));
+    Ok((file, framing))
 }
 
 /// Reads records by location; cheap to clone, usable from any thread.
@@ -709,9 +764,10 @@ impl Reader {
             .cloned()
             .ok_or_else(|| StoreError::Io(format!("segment {} is gone", loc.segment)))?;
         let mut buf = vec![0u8; loc.len as usize];
-        file.read_exact_at(&mut buf, loc.offset as u64)
+        file.file
+            .read_exact_at(&mut buf, loc.offset as u64)
             .map_err(io_err)?;
-        match record::at(&buf) {
+        match file.framing.at(&buf) {
             Ok((View::Put(p), len)) if len == buf.len() => Ok(p.to_held()),
             Ok(_) | Err(_) => Err(StoreError::Io(format!("no put record at {loc:?}"))),
         }

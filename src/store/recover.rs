@@ -2,21 +2,28 @@
 //! messages, each with its latest put, minus those a delete record cancels.
 //!
 //! The one change made on disk: a torn tail at the end of the newest
-//! segment, which is what a crash during a write leaves (nothing in it was
-//! answered), is cut off and logged. Damage anywhere else is skipped record by record, every range logged
-//! with its offsets and returned so that it is counted: acked messages may
-//! be in it, and an operator must hear about it.
+//! segment, which is what a crash during a write leaves (a record that runs
+//! past the end of the file: nothing in it was answered), is cut off and
+//! logged. Anything else that does not read back is damage: skipped record
+//! by record, every range logged with its file, offsets and what it costs,
+//! and returned so that it is counted: acked messages may be in it, and an
+//! operator must hear about it. That includes a bad last record that is no
+//! torn write, a sealed segment shorter or longer than its successor's
+//! header says, and a segment missing from the numbering.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
+use std::io::Read;
+
 use tracing::{error, info, warn};
 
+use super::header::{self, Format};
 use super::log::{segment_numbers, segment_path};
 use super::record::View;
-use super::scan::{scan, Damage};
+use super::scan::{self, Damage, Harm};
 use super::segment::{Loc, Segment};
 use super::{HeldMeta, Route};
 
@@ -40,7 +47,39 @@ pub struct Recovered {
 impl Recovered {
     /// Bytes skipped as damaged (the torn tail excluded).
     pub fn damaged_bytes(&self) -> u64 {
-        self.damage.iter().map(|d| d.to - d.from).sum()
+        self.report().damaged_bytes()
+    }
+
+    /// What it found wrong, for the metrics and the status page.
+    pub fn report(&self) -> Report {
+        Report {
+            damage: self.damage.clone(),
+            torn_tail: self.torn_tail.clone(),
+        }
+    }
+}
+
+/// What recovery found wrong: damage, and the torn tail it cut.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Ranges that did not read back (the torn tail excluded).
+    pub damage: Vec<Damage>,
+    /// What a crash during a write left at the end of the newest segment.
+    pub torn_tail: Option<Damage>,
+}
+
+impl Report {
+    /// Bytes skipped as damaged.
+    pub fn damaged_bytes(&self) -> u64 {
+        self.damage
+            .iter()
+            .map(|d| d.to.saturating_sub(d.from))
+            .sum()
+    }
+
+    /// Bytes of the torn tail cut.
+    pub fn torn_bytes(&self) -> u64 {
+        self.torn_tail.as_ref().map_or(0, |t| t.to - t.from)
     }
 }
 
@@ -65,21 +104,63 @@ pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)
     let mut segments = BTreeMap::new();
     let mut recovered = Recovered::default();
     let numbers = segment_numbers(dir)?;
+    let sealed = scan::sealed_lengths(&formats(dir, &numbers)?);
+    let gaps = scan::gaps(&numbers, &sealed);
+    log_damage(dir, &gaps);
+    recovered.damage.extend(gaps);
     for (i, &n) in numbers.iter().enumerate() {
         let bytes = std::fs::read(segment_path(dir, n))?;
-        let damage = scan(&bytes, n, |rec, loc| replay.record(rec, loc));
+        let sealed = sealed.get(&n).copied();
+        let scanned = scan::scan_sealed(&bytes, n, sealed, |rec, loc| replay.record(rec, loc));
         let newest = i + 1 == numbers.len();
-        let size = settle_damage(dir, n, bytes.len() as u64, newest, damage, &mut recovered)?;
-        segments.insert(n, Segment::new(size));
+        let size = bytes.len() as u64;
+        let framing = scanned.framing();
+        let size = settle_damage(dir, n, size, newest, scanned.damage, &mut recovered)?;
+        segments.insert(n, Segment::new(size, framing));
     }
+    replay.warn_resurrected(&recovered.damage);
     replay.finish(&mut recovered, &mut segments);
     info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
     Ok((recovered, segments))
 }
 
+/// The format each segment's header announces, by number. Fails on a
+/// segment a newer nackd wrote: reading it as damage would lose it.
+fn formats(dir: &Path, numbers: &[u32]) -> io::Result<BTreeMap<u32, Format>> {
+    let mut formats = BTreeMap::new();
+    for &n in numbers {
+        let mut head = Vec::with_capacity(header::LEN);
+        std::fs::File::open(segment_path(dir, n))?
+            .take(header::LEN as u64)
+            .read_to_end(&mut head)?;
+        match header::format(&head) {
+            Ok(Format::Newer(v)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("segment {n} is in format {v}, newer than this nackd reads"),
+                ))
+            }
+            Ok(f) => {
+                formats.insert(n, f);
+            }
+            Err(_) => {} // damage: the scan reports it
+        }
+    }
+    Ok(formats)
+}
+
+/// Logs each damaged range with its file, offsets and what it costs.
+fn log_damage(dir: &Path, damage: &[Damage]) {
+    for d in damage {
+        let file = segment_path(dir, d.segment);
+        error!(file = %file.display(), from = d.from, to = d.to, what = ?d.bad, "store: DAMAGE: {}", d.bad.cost());
+    }
+}
+
 /// Cuts off the torn tail of the newest segment (`size` bytes long) and
 /// logs and keeps the damage `scan` found in segment `n`; returns the
-/// segment's size once cut.
+/// segment's size once cut. Only a record that runs past the end of the
+/// newest segment is a torn write; any other bad last record is damage.
 fn settle_damage(
     dir: &Path,
     n: u32,
@@ -88,16 +169,19 @@ fn settle_damage(
     mut damage: Vec<Damage>,
     recovered: &mut Recovered,
 ) -> io::Result<u64> {
-    if newest && damage.last().is_some_and(|d| d.to == size) {
+    if newest
+        && damage
+            .last()
+            .is_some_and(|d| d.bad == Harm::Torn && d.to == size)
+    {
         let torn = damage.pop().expect("checked");
-        warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
+        let file = segment_path(dir, n);
+        warn!(file = %file.display(), from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
         cut(dir, n, torn.from)?;
         size = torn.from;
         recovered.torn_tail = Some(torn);
     }
-    for d in &damage {
-        error!(segment = n, from = d.from, to = d.to, bad = ?d.bad, "store: DAMAGED bytes skipped; held messages in them are lost");
-    }
+    log_damage(dir, &damage);
     recovered.damage.extend(damage);
     Ok(size)
 }
@@ -132,6 +216,18 @@ impl Replay {
             View::Del(id) => {
                 self.next_id = self.next_id.max(id + 1);
                 self.index.remove(&id);
+            }
+        }
+    }
+
+    /// Says which held messages are held again because their delete record
+    /// is damaged: they may be republished once more.
+    fn warn_resurrected(&self, damage: &[Damage]) {
+        for d in damage {
+            if let Harm::Delete(id) = d.bad {
+                if self.index.contains_key(&id) {
+                    warn!(id, segment = d.segment, from = d.from, "store: held again, its delete record is damaged: it may be republished once more");
+                }
             }
         }
     }

@@ -14,8 +14,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info_span, warn};
 
 use super::log::{Log, Relocation};
-use super::{Held, Loc, StoreError};
-use crate::metrics::{Metrics, Open};
+use super::{Held, Loc, Report, StoreError};
+use crate::metrics::{Damaged, Metrics, Open};
 
 /// Operations in one batch at most.
 const BATCH_OPS: usize = 4096;
@@ -99,6 +99,10 @@ pub fn spawn_writer<C: Send + 'static>(
     let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
     let open = Open::track(&metrics.store_open);
     metrics.store_bytes.set(log.bytes() as i64);
+    let mut log = log;
+    if let Some(report) = log.take_report() {
+        count_report(&metrics, log.dir(), &report);
+    }
     // A thread does not inherit the current span: made here, it is a child
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
@@ -111,6 +115,24 @@ pub fn spawn_writer<C: Send + 'static>(
         })
         .expect("spawn the store thread");
     Writer { tx, thread }
+}
+
+/// Counts what recovery found in the metrics and lists it for the status
+/// page (the damaged bytes themselves are counted where the store is opened).
+fn count_report(metrics: &Metrics, dir: &std::path::Path, report: &Report) {
+    metrics
+        .store_damaged_ranges
+        .inc_by(report.damage.len() as u64);
+    metrics.store_torn_bytes.inc_by(report.torn_bytes());
+    for d in report.damage.iter().chain(&report.torn_tail) {
+        metrics.store_damage.push(Damaged {
+            file: super::segment_path(dir, d.segment).display().to_string(),
+            from: d.from,
+            to: d.to,
+            what: d.bad.name(),
+            cost: d.bad.cost(),
+        });
+    }
 }
 
 struct Thread<C> {
