@@ -38,6 +38,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+#[cfg(test)]
+mod damage_tests;
 mod header;
 pub mod inspect;
 mod log;

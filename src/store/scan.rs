@@ -75,11 +75,11 @@ impl Harm {
                 "a damaged delete: that message is held again and may be republished once more"
             }
             Self::Corrupt => "unreadable bytes: held messages in them are lost, deleted ones may come back",
-            Self::Header => "the segment header is damaged: every message in the segment is lost, deleted ones may come back",
+            Self::Header => "the segment header is damaged: every message in the segment is lost, deleted ones may come back, and the length of the segment before it cannot be checked",
             Self::LegacyRest => "damage in a format 1 segment: the rest of it is not read (messages in it lost, deleted ones may come back)",
             Self::Missing => "the segment is shorter than it was sealed at: messages in the missing bytes are lost, deleted ones may come back",
             Self::Beyond => "bytes past the length the segment was sealed at: ignored",
-            Self::Gone => "a whole segment is missing: messages in it are lost, deleted ones may come back",
+            Self::Gone => "a whole segment is missing: messages in it are lost, deleted ones may come back, and the length of the segment before it cannot be checked",
         }
     }
 
