@@ -418,10 +418,19 @@ impl Model {
     }
 }
 
-/// Some whole records of one of the segments in `dir`, as bytes.
+/// Some whole records of one of the segments in `dir` but the head (the
+/// newest), as bytes. Not of the head: a body can only hold what its
+/// publisher could see, and no one outside the store sees its segments;
+/// a copy of the head's own records is a forgery that knows the salt.
 fn records_of(dir: &Path, segment: u16, pick: u16) -> Vec<u8> {
-    let numbers = segment_numbers(dir).unwrap();
-    let n = numbers[usize::from(segment) % numbers.len()];
+    let mut numbers = segment_numbers(dir).unwrap();
+    numbers.pop();
+    let Some(n) = usize::from(segment)
+        .checked_rem(numbers.len())
+        .map(|i| numbers[i])
+    else {
+        return vec![9; 20];
+    };
     let bytes = std::fs::read(segment_path(dir, n)).unwrap();
     let mut locs = Vec::new();
     scan(&bytes, n, |_, loc| locs.push(loc));
