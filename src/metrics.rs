@@ -218,6 +218,9 @@ pub struct Metrics {
     pub store_bytes: Gauge,
     /// 1 while the store is open and its writer runs.
     pub store_open: Gauge,
+    /// 1 while older store segments are still being read after a start
+    /// (new nacks are held meanwhile; what they held fires once read).
+    pub store_recovering: Gauge,
     /// Store writes or fsyncs that failed.
     pub store_errors: Counter,
     /// Bytes of the store's live puts (what disk use is bounded by).
@@ -350,6 +353,7 @@ impl Metrics {
             fsync: Histogram::new(FSYNC_BUCKETS),
             store_bytes: Gauge::default(),
             store_open: Gauge::default(),
+            store_recovering: Gauge::default(),
             store_errors: Counter::default(),
             store_live_bytes: Gauge::default(),
             store_compacted_bytes: Counter::default(),
@@ -525,6 +529,11 @@ impl Metrics {
             "Bytes the store's compaction copied forward",
             Unit::Bytes,
             self.store_compacted_bytes.clone(),
+        );
+        r.register(
+            "nackd_store_recovering",
+            "1 while the store's older segments are still being read after a start (new nacks are held meanwhile)",
+            self.store_recovering.clone(),
         );
         r.register_with_unit(
             "nackd_store_damaged",

@@ -148,8 +148,11 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let mut body =
-        json!({ "ready": ready, "upstream": upstream, "store": store, "draining": draining });
+    // Older segments still being read after a start: nacks are held as
+    // usual, what those segments hold fires once they are read.
+    let recovering = ops.metrics.store_recovering.get() == 1;
+    let mut body = json!({ "ready": ready, "upstream": upstream, "store": store,
+        "store_recovering": recovering, "draining": draining });
     if nodes.0.len() > 1 {
         body["nodes"] = nodes.to_json();
     }

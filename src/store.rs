@@ -34,6 +34,15 @@
 //!    file (a write the crash interrupted and nobody was answered for), is
 //!    cut off (`nackd_store_torn_bytes`); the log then continues in a fresh
 //!    segment, never behind it.
+//! 6. **New messages never wait for recovery.** `NEXT_ID` is kept a block
+//!    of ids ahead of every record written (durably, before the record),
+//!    so a restart opens a fresh head at once ([`Log::open_deferred`]) and
+//!    gives new messages ids no older record has; their puts and deletes
+//!    go to the head while a thread reads the older segments, which
+//!    [`Log::merge`] brings in after. Reclaiming and compaction wait for
+//!    the merge (they need every segment counted). Records in the head are
+//!    newer than every older one, so a crash at any point recovers as if
+//!    the older segments had been read first.
 //!
 //! # Format and damage
 //!
@@ -89,7 +98,10 @@ mod scan;
 mod segment;
 mod writer;
 
-pub use log::{segment_numbers, segment_path, Log, Options, Reader, Relocation, SEGMENT_BYTES};
+pub use log::{
+    segment_numbers, segment_path, Backlog, Log, Options, Reader, Relocation, Segments,
+    SEGMENT_BYTES,
+};
 pub use recover::{Recovered, Report};
 pub use scan::{scan, Damage, Harm};
 pub use segment::Loc;

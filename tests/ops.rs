@@ -197,7 +197,7 @@ async fn health_and_readiness() {
     let r = json(nackd.metrics, "GET", "/readyz", None).await;
     assert_eq!(
         r,
-        serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "draining": false })
+        serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "store_recovering": false, "draining": false })
     );
     nackd.stop().await;
 

@@ -224,10 +224,26 @@ impl NackdProcess {
         Ok(began.elapsed())
     }
 
-    /// `held` of the "store ready: intercepting" line in the current log:
-    /// what the recovery put back into the wheel; `None` until then.
-    pub fn intercepting_held(&self) -> Option<u64> {
-        log_fields(&self.log_path(), "store ready: intercepting")?
+    /// Whether the current log says nackd intercepts: its store opened with
+    /// a fresh head ("store open: intercepting", older segments read
+    /// meanwhile) or, with a replica, recovered ("store ready: intercepting").
+    pub fn intercepting(&self) -> bool {
+        let log = self.log_path();
+        log_fields(
+            &log,
+            "store open: intercepting (older segments are read meanwhile)",
+        )
+        .is_some()
+            || log_fields(&log, "store ready: intercepting").is_some()
+    }
+
+    /// `held` of the line that says every held message is scheduled again
+    /// ("store recovered: its messages are scheduled", or with a replica
+    /// "store ready: intercepting") in the current log.
+    pub fn recovered_held(&self) -> Option<u64> {
+        let log = self.log_path();
+        log_fields(&log, "store recovered: its messages are scheduled")
+            .or_else(|| log_fields(&log, "store ready: intercepting"))?
             .get("held")?
             .as_u64()
     }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::blocks::{Backoff, Blocks};
 use super::ledger::{Entry, Ledger, StoreOp};
@@ -127,7 +127,25 @@ pub(super) struct Engine {
     more: bool,
     /// The republisher tasks, waited for at shutdown.
     republishers: TaskTracker,
+    /// The store's older segments, being read beside the engine after a
+    /// start ([`Engine::read_backlog`]).
+    backlog: Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
+    /// Recovered messages not scheduled yet ([`Engine::load_step`]).
+    loading: Option<Loading>,
 }
+
+/// Messages recovered after the engine started, scheduled a step at a time
+/// so that parks and firing go on meanwhile (10 M take seconds).
+struct Loading {
+    total: usize,
+    held: std::vec::IntoIter<(u64, u64, Loc)>,
+    meta: std::vec::IntoIter<HeldMeta>,
+    /// Recovery's queue numbers, as the ledger interned them.
+    queues: Vec<u32>,
+}
+
+/// Recovered messages scheduled per turn of the engine's loop.
+const LOAD_STEP: usize = 65_536;
 
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
@@ -171,26 +189,108 @@ impl Engine {
             default_exchange: Arc::from(""),
             more: false,
             republishers: TaskTracker::new(),
+            backlog: None,
+            loading: None,
         };
         engine.load(recovered);
         engine
     }
 
+    /// Reads the store's older segments on a thread of their own while the
+    /// engine parks and fires new messages; they join the engine (and the
+    /// store's bookkeeping) once read.
+    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.metrics.store_recovering.set(1);
+        let span = tracing::info_span!("store_recovery");
+        let spawned = std::thread::Builder::new()
+            .name("nackd-recover".into())
+            .spawn(move || {
+                let _span = span.entered();
+                let _ = tx.send(backlog.read());
+            });
+        match spawned {
+            Ok(_) => self.backlog = Some(rx),
+            Err(e) => self.on_backlog(Err(e)),
+        }
+    }
+
+    /// The older segments are read: the store merges their bookkeeping
+    /// (before any delete of theirs, which the same queue brings later),
+    /// then their messages are scheduled.
+    fn on_backlog(&mut self, read: std::io::Result<(Recovered, store::Segments)>) {
+        self.backlog = None;
+        match read {
+            Ok((recovered, segments)) => {
+                self.metrics
+                    .store_damaged_bytes
+                    .inc_by(recovered.damaged_bytes());
+                self.write(WriteOp::Merge(segments));
+                self.next_id = self.next_id.max(recovered.next_id);
+                tracing::info!(
+                    held = recovered.held.len(),
+                    "store recovered: scheduling its messages"
+                );
+                self.start_loading(recovered);
+                return;
+            }
+            Err(e) => {
+                // New messages are held and fire as usual; the older ones
+                // stay on disk, untouched (nothing is reclaimed), for the
+                // next start to read.
+                self.metrics.store_errors.inc();
+                tracing::error!(error = %e, "store: cannot read the older segments; their messages wait for a restart");
+                self.metrics.store_recovering.set(0);
+            }
+        }
+    }
+
     /// Schedules what recovery found, oldest first: overdue messages fire
     /// in due order.
     fn load(&mut self, recovered: Recovered) {
-        let queues: Vec<u32> = recovered
+        self.start_loading(recovered);
+        self.load_step(usize::MAX);
+    }
+
+    /// Takes what recovery found, to schedule [`LOAD_STEP`] at a time.
+    fn start_loading(&mut self, recovered: Recovered) {
+        let queues = recovered
             .queues
             .iter()
             .map(|(vhost, queue)| self.ledger.intern(vhost, queue))
             .collect();
+        self.loading = Some(Loading {
+            total: recovered.held.len(),
+            held: recovered.held.into_iter(),
+            meta: recovered.meta.into_iter(),
+            queues,
+        });
+    }
+
+    /// Schedules up to `n` more recovered messages; when none is left, the
+    /// store counts as recovered.
+    fn load_step(&mut self, n: usize) {
+        let Some(mut loading) = self.loading.take() else {
+            return;
+        };
         self.ledger.tick(self.clock.now_ms());
-        for ((id, due, loc), mut meta) in recovered.held.into_iter().zip(recovered.meta) {
-            meta.queue = queues[meta.queue as usize];
+        for ((id, due, loc), mut meta) in loading.held.by_ref().zip(loading.meta.by_ref()).take(n) {
+            meta.queue = loading.queues[meta.queue as usize];
             self.ledger.insert(id, Entry::new(loc, due, meta));
             let v = self.ledger.vhost_of(meta.queue);
             self.vhost(v).wheel.insert(due, (id, 0));
         }
+        if loading.held.len() > 0 {
+            self.loading = Some(loading);
+            return;
+        }
+        debug_assert!(loading.meta.len() == 0);
+        info!(
+            held = loading.total,
+            "store recovered: its messages are scheduled"
+        );
+        // Last: whoever reads it as 0 finds every message scheduled.
+        self.metrics.store_recovering.set(0);
     }
 
     /// Runs until nackd stops or the replica finds the store stale.
@@ -222,6 +322,8 @@ impl Engine {
                     store::Event::Relocated(copies) => copies.into_iter().for_each(|c| self.on_relocated(c)),
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
+                read = backlog_read(&mut self.backlog) => self.on_backlog(read),
+                _ = std::future::ready(()), if self.loading.is_some() => self.load_step(LOAD_STEP),
                 Some(adopt) = adopts.recv(), if self.link.is_some() => self.on_adopt(adopt),
                 event = link::event(&mut self.link) => match event {
                     link::Event::Answer(answer) => self.on_replicated(answer),
@@ -518,6 +620,20 @@ impl Engine {
     }
 }
 
+/// The older segments' contents, once read (pending while there is none).
+async fn backlog_read(
+    backlog: &mut Option<
+        tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>,
+    >,
+) -> std::io::Result<(Recovered, store::Segments)> {
+    match backlog {
+        Some(rx) => rx
+            .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("the store's recovery thread died"))),
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
@@ -659,5 +775,58 @@ mod tests {
             "cancelled before the stop, still held: {:?}",
             recovered.held
         );
+    }
+
+    /// Issue 19: a restart holds nacks at once. With a store full of
+    /// messages held before it, a park is answered while the older
+    /// segments are still being read, and they are all scheduled after
+    /// (in steps: more than one [`LOAD_STEP`] here).
+    #[tokio::test]
+    async fn a_restart_parks_at_once_and_schedules_what_it_held_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = LOAD_STEP as u64 + 4_000;
+        {
+            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+            for id in 1..=before {
+                let held = Held {
+                    id,
+                    vhost: Arc::from("/"),
+                    queue: Arc::from("q"),
+                    due_ms: u64::MAX / 2,
+                    retry: 1,
+                    route: Route::Queue,
+                    on_return: None,
+                    header: Bytes::from_static(b"h"),
+                    body: Bytes::from_static(b"old"),
+                };
+                log.put(&held, None).unwrap();
+            }
+            log.commit().unwrap();
+        }
+        let start = start(dir.path());
+        let metrics = start.metrics.clone();
+        let (handle, engine): (RetryHandle, _) = crate::retry::start(start);
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        assert!(handle.park(park(1), &reply));
+        let answer = answers.recv().await.unwrap();
+        let id = answer.result.expect("parked while the store recovers");
+        assert!(id > before, "a new id, above every old one: {id}");
+        let mut total = 0;
+        for _ in 0..1000 {
+            total = handle.list(None, None, 1).await.unwrap().1;
+            if total as u64 == before + 1 && metrics.store_recovering.get() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            total as u64,
+            before + 1,
+            "every old message scheduled, and the new one"
+        );
+        assert_eq!(metrics.store_recovering.get(), 0);
+        engine.stop(Duration::from_secs(10)).await;
+        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        assert_eq!(recovered.held.len() as u64, before + 1);
     }
 }

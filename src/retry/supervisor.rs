@@ -1,7 +1,10 @@
-//! The retry engine's life, on its own thread: recover the store (clients
-//! are served meanwhile; their nacks pass through), line it up with the
-//! replica when there is one, run the engine, and start again from the
-//! store when the replica says the local copy went stale.
+//! The retry engine's life, on its own thread. Without a replica: open the
+//! store with a fresh head at once and run the engine, which parks new
+//! nacks while the older segments are read beside it. With one: recover
+//! the store, line it up with the replica, run the engine, and start again
+//! from the store when the replica says the local copy went stale. Either
+//! way clients are served from the start, and nacks claimed before the
+//! engine runs wait in its queue (the broker keeps their deliveries).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -58,10 +61,13 @@ impl Readiness {
     }
 
     /// Whether a nack may be claimed now, else why it passes through.
+    /// While the store opens, claims are made: their parks wait in the
+    /// engine's queue until it runs (a session gives a park up after its
+    /// settle timeout, and the broker keeps the delivery meanwhile), so no
+    /// nack passes through because nackd just started.
     pub fn may_claim(&self) -> Result<(), PassReason> {
         match self.get() {
-            Ready::Ready => Ok(()),
-            Ready::Recovering => Err(PassReason::Recovering),
+            Ready::Ready | Ready::Recovering => Ok(()),
             Ready::NoLease => Err(PassReason::NoLease),
             Ready::Failed => Err(PassReason::StoreUnavailable),
         }
@@ -121,6 +127,9 @@ async fn supervise(
     ready: Arc<Readiness>,
     stop: CancellationToken,
 ) {
+    if start.replica.is_none() {
+        return run_alone(start, commands, ready, stop).await;
+    }
     let opened = tokio::select! {
         _ = stop.cancelled() => return,
         opened = open(&start) => opened,
@@ -161,6 +170,43 @@ async fn supervise(
             }
         }
     }
+}
+
+/// Without a replica: the store opens with a fresh head at once and the
+/// engine parks new nacks while the older segments are read beside it.
+async fn run_alone(
+    start: Start,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    ready: Arc<Readiness>,
+    stop: CancellationToken,
+) {
+    let (dir, options) = (start.dir.clone(), start.store);
+    let opened = tokio::select! {
+        _ = stop.cancelled() => return,
+        opened = tokio::task::spawn_blocking(move || Log::open_deferred(&dir, options)) => opened,
+    };
+    let (log, backlog) = match opened {
+        Ok(Ok(opened)) => opened,
+        Ok(Err(e)) => {
+            error!(path = %start.dir.display(), error = %e, "cannot open the store: not intercepting");
+            ready.set(Ready::Failed);
+            return drain(commands, stop).await;
+        }
+        Err(e) => {
+            error!(error = %e, "store open failed: not intercepting");
+            ready.set(Ready::Failed);
+            return drain(commands, stop).await;
+        }
+    };
+    let recovered = store::Recovered {
+        next_id: log.next_id(),
+        ..Default::default()
+    };
+    info!("store open: intercepting (older segments are read meanwhile)");
+    let mut engine = Engine::new(log, recovered, &start, None, ready);
+    engine.read_backlog(backlog);
+    let (_adopt_tx, mut adopts) = mpsc::channel::<Adopt>(1);
+    engine.run(&mut commands, &mut adopts, &stop).await;
 }
 
 /// Opens and recovers the store, off the runtime (it reads every segment).

@@ -28,9 +28,15 @@ const EMPTY_HEAD_BYTES: u64 = 1024 * 1024;
 /// Free disk space kept beyond the deletes of every held message (block
 /// rounding, a new segment's first blocks).
 const HEADROOM: u64 = 1024 * 1024;
-/// The file that holds an id above every id used, written before a segment
-/// goes: no id is handed out twice, even once its records are gone.
+/// The file that holds an id above every id any record has: written ahead
+/// of the puts (a block of ids at a time) and before a segment goes. So no
+/// id is handed out twice, even once its records are gone, and at a restart
+/// new messages can be given ids before the older segments are read.
 const NEXT_ID: &str = "NEXT_ID";
+/// What [`NEXT_ID`] starts with once it is kept ahead of every put. A file
+/// without it (written by an older nackd, only when a segment went) bounds
+/// nothing: that store is read whole before it takes puts.
+const NEXT_ID_AHEAD: &str = "ahead";
 /// Ids [`NEXT_ID`] is written ahead by, so that it is written rarely.
 const ID_BLOCK: u64 = 1 << 16;
 
@@ -128,6 +134,10 @@ pub struct Log {
     next_id_kept: u64,
     /// What recovery found, until the writer counts it in the metrics.
     report: Option<Report>,
+    /// Older segments are still being read ([`Log::open_deferred`]): they
+    /// are not in `segments` yet, so nothing is reclaimed or compacted
+    /// until [`Log::merge`] brings them in.
+    recovering: bool,
     #[cfg(test)]
     pub(crate) faults: faults::Faults,
     _lock: File,
@@ -177,31 +187,70 @@ impl Log {
     /// written before, so a torn tail is never written over. Fails if
     /// another nackd has it open.
     pub fn open(dir: &Path, options: Options) -> io::Result<(Self, Recovered)> {
+        let (mut log, backlog) = Self::open_deferred(dir, options)?;
+        let (mut recovered, segments) = backlog.read()?;
+        log.merge(segments);
+        recovered.next_id = recovered.next_id.max(log.next_id());
+        Ok((log, recovered))
+    }
+
+    /// Opens (or creates) the log in `dir` and starts a fresh head segment
+    /// at once, leaving the older segments to [`Backlog::read`]: puts and
+    /// deletes of new messages (ids from [`Log::next_id`] on) are taken
+    /// meanwhile, and [`Log::merge`] brings the older segments in. Records
+    /// in the head are newer than any in them, so a crash at any point
+    /// recovers the same as if they had been read first.
+    ///
+    /// Only a torn tail of the newest older segment is dealt with now (cut,
+    /// so that the head's predecessor ends where its last record does).
+    /// A store whose `NEXT_ID` does not bound every id on disk (written by
+    /// an older nackd) is read whole before this returns.
+    pub fn open_deferred(dir: &Path, options: Options) -> io::Result<(Self, Backlog)> {
         std::fs::create_dir_all(dir)?;
         let lock = lock(dir)?;
-        let (mut recovered, segments) = recover::read(dir)?;
-        let next_id_kept = read_next_id(dir);
-        recovered.next_id = recovered.next_id.max(next_id_kept);
+        let numbers = segment_numbers(dir)?;
+        let torn_tail = match numbers.last() {
+            Some(&newest) => recover::cut_torn_tail(dir, newest)?,
+            None => None,
+        };
+        let (kept, ahead) = read_next_id(dir);
+        let mut backlog = Backlog {
+            dir: dir.to_owned(),
+            numbers: numbers.clone(),
+            torn_tail,
+            read: None,
+        };
+        let mut floor = kept.max(1);
+        if !ahead && !numbers.is_empty() {
+            // No bound on the ids on disk: read them all first.
+            let (recovered, segments) = std::mem::take(&mut backlog).read_now()?;
+            floor = floor.max(recovered.next_id);
+            backlog.read = Some((recovered, segments));
+        }
         let files: Files = Arc::default();
-        for (n, s) in &segments {
+        let mut total = header::LEN as u64; // the head's
+        let mut prev = None;
+        for n in &numbers {
             let file = File::open(segment_path(dir, *n))?;
-            let file = Arc::new(SegmentFile {
-                file,
-                framing: s.framing,
-            });
+            let len = file.metadata()?.len();
+            total += len;
+            prev = Some((*n, len));
+            let framing = recover::framing(&file, *n)?;
+            let file = Arc::new(SegmentFile { file, framing });
             files.write().expect("lock").insert(*n, file);
         }
-        let prev = segments.last_key_value().map(|(n, s)| (*n, s.size));
-        let head = prev.map_or(1, |(n, _)| n + 1);
+        // The head's header says how long the newest older segment is,
+        // its torn tail cut: it is sealed at that.
+        let head = numbers.last().map_or(1, |n| n + 1);
         let (head_file, head_framing) = create_segment(dir, head, prev, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
             options,
-            total: segments.values().map(|s| s.size).sum(),
-            live_bytes: segments.values().map(Segment::live_bytes).sum(),
-            live_puts: segments.values().map(Segment::live_count).sum(),
+            total,
+            live_bytes: 0,
+            live_puts: 0,
             free: free_bytes(dir),
-            segments,
+            segments: BTreeMap::new(),
             files,
             head,
             head_file,
@@ -212,18 +261,61 @@ impl Log {
             relocated_to: HashMap::new(),
             stale_head: false,
             mismatched: 0,
-            max_id: recovered.next_id - 1,
-            next_id_kept,
-            report: Some(recovered.report()),
+            max_id: floor - 1,
+            next_id_kept: if ahead { kept } else { 0 },
+            report: None,
+            recovering: !numbers.is_empty(),
             #[cfg(test)]
             faults: faults::Faults::default(),
             _lock: lock,
         };
+        log.keep_ids_ahead(floor)?;
         log.segments
             .insert(head, Segment::new(header::LEN as u64, head_framing));
-        log.total += header::LEN as u64;
-        log.reclaim();
-        Ok((log, recovered))
+        if let Some((_, segments)) = &mut backlog.read {
+            log.merge(std::mem::take(segments));
+        }
+        Ok((log, backlog))
+    }
+
+    /// Brings in the older segments a [`Backlog`] read: their records count
+    /// from now on (puts live, deletes applied), and reclaiming and
+    /// compaction, which need every segment known, start again.
+    pub fn merge(&mut self, older: Segments) {
+        for (n, segment) in older.0 {
+            self.live_bytes += segment.live_bytes();
+            self.live_puts += segment.live_count();
+            self.segments.insert(n, segment);
+        }
+        self.max_id = self.max_id.max(older.1.saturating_sub(1));
+        if older.2.is_some() {
+            self.report = older.2;
+        }
+        self.recovering = false;
+        self.reclaim();
+    }
+
+    /// Whether older segments are still to be merged ([`Log::open_deferred`]).
+    pub fn recovering(&self) -> bool {
+        self.recovering
+    }
+
+    /// The first id no record on disk has: new messages may use it and up,
+    /// even before the older segments are read.
+    pub fn next_id(&self) -> u64 {
+        self.max_id + 1
+    }
+
+    /// Makes [`NEXT_ID`] say more than `id` before a record with `id` is
+    /// written, a block of ids ahead so that it is written rarely.
+    fn keep_ids_ahead(&mut self, id: u64) -> io::Result<()> {
+        if id < self.next_id_kept {
+            return Ok(());
+        }
+        let next = id + 1 + ID_BLOCK;
+        write_next_id(&self.dir, next)?;
+        self.next_id_kept = next;
+        Ok(())
     }
 
     /// Its directory.
@@ -299,6 +391,7 @@ impl Log {
                 "the disk is full (room is kept for deletes)".into(),
             ));
         }
+        self.keep_ids_ahead(held.id).map_err(io_err)?;
         let loc = self.stage(&body)?;
         self.max_id = self.max_id.max(held.id);
         self.effects.push(Effect::Live(loc));
@@ -508,11 +601,11 @@ impl Log {
     /// Makes sure no id below `next` is ever handed out by this store, now
     /// or after a restart (ids another holder used, learnt from a replica).
     pub fn reserve_ids(&mut self, next: u64) -> io::Result<()> {
+        self.max_id = self.max_id.max(next.saturating_sub(1));
         if next > self.next_id_kept {
             write_next_id(&self.dir, next)?;
             self.next_id_kept = next;
         }
-        self.max_id = self.max_id.max(next.saturating_sub(1));
         Ok(())
     }
 
@@ -524,6 +617,9 @@ impl Log {
     /// back an old segment whose deletes were in a newer one already gone.
     pub fn reclaim(&mut self) -> usize {
         let mut removed = 0;
+        if self.recovering {
+            return 0; // the older segments are not counted yet
+        }
         while let Some((&n, s)) = self.segments.first_key_value() {
             if n == self.head || s.live_count() > 0 {
                 break;
@@ -557,6 +653,9 @@ impl Log {
     /// Whether disk use is above about twice the live bytes plus one
     /// segment: then the oldest segment's live puts should move forward.
     pub fn wants_compaction(&self) -> bool {
+        if self.recovering {
+            return false;
+        }
         let oldest = self.segments.keys().next().copied();
         oldest.is_some_and(|n| n != self.head)
             && self.total > 2 * self.live_bytes + self.options.segment_bytes
@@ -695,28 +794,38 @@ fn free_bytes(dir: &Path) -> u64 {
     stat.f_bavail.saturating_mul(stat.f_frsize)
 }
 
-/// What [`NEXT_ID`] says (0 if there is none, or it cannot be read).
-fn read_next_id(dir: &Path) -> u64 {
+/// What [`NEXT_ID`] says (0 if there is none, or it cannot be read), and
+/// whether it is kept ahead of every put ([`NEXT_ID_AHEAD`]).
+fn read_next_id(dir: &Path) -> (u64, bool) {
     let read = std::fs::read_to_string(dir.join(NEXT_ID));
     if read
         .as_ref()
         .is_err_and(|e| e.kind() == io::ErrorKind::NotFound)
     {
-        return 0;
+        return (0, false);
     }
-    read.ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or_else(|| {
-            warn!(file = NEXT_ID, "store: unreadable; ids may be used again");
-            0
-        })
+    let text = read.unwrap_or_default();
+    let (ahead, number) = match text.trim().strip_prefix(NEXT_ID_AHEAD) {
+        Some(rest) => (true, rest.trim()),
+        None => (false, text.trim()),
+    };
+    match number.parse() {
+        Ok(n) => (n, ahead),
+        Err(_) => {
+            warn!(
+                file = NEXT_ID,
+                "store: unreadable; the whole store is read before new ids are given"
+            );
+            (0, false)
+        }
+    }
 }
 
 /// Replaces [`NEXT_ID`] with `n`, durably.
 fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
     let tmp = dir.join(format!("{NEXT_ID}.tmp"));
     let mut file = File::create(&tmp)?;
-    writeln!(file, "{n}")?;
+    writeln!(file, "{NEXT_ID_AHEAD} {n}")?;
     file.sync_all()?;
     std::fs::rename(&tmp, dir.join(NEXT_ID))?;
     sync_dir(dir)
@@ -745,6 +854,54 @@ fn create_segment(
     };
     files.write().expect("lock").insert(n, Arc::new(read));
     Ok((file, framing))
+}
+
+/// The older segments of a [`Log::open_deferred`], to read off the writer's
+/// thread (it reads every record of every segment).
+#[derive(Debug, Default)]
+pub struct Backlog {
+    dir: PathBuf,
+    numbers: Vec<u32>,
+    torn_tail: Option<super::Damage>,
+    /// Already read (a store whose ids had no bound is read at the open).
+    read: Option<(Recovered, Segments)>,
+}
+
+/// The bookkeeping of older segments read by [`Backlog::read`], for
+/// [`Log::merge`]: each segment's size and live puts, the first id none
+/// of their records has, and what recovery found wrong (for the metrics).
+#[derive(Debug, Default)]
+pub struct Segments(BTreeMap<u32, Segment>, u64, Option<Report>);
+
+impl Backlog {
+    /// Reads the older segments: the messages they hold, for the engine,
+    /// and their bookkeeping, for [`Log::merge`].
+    pub fn read(mut self) -> io::Result<(Recovered, Segments)> {
+        if let Some((recovered, _)) = self.read.take() {
+            // Merged at the open already.
+            return Ok((recovered, Segments::default()));
+        }
+        self.read_now()
+    }
+
+    fn read_now(self) -> io::Result<(Recovered, Segments)> {
+        let (mut recovered, segments) = recover::read(&self.dir, &self.numbers)?;
+        recovered.torn_tail = self.torn_tail;
+        let next_id = recovered.next_id;
+        let report = Some(recovered.report());
+        Ok((recovered, Segments(segments, next_id, report)))
+    }
+
+    /// What a crash during a write left at the end of the newest older
+    /// segment, cut off at the open.
+    pub fn torn_tail(&self) -> Option<&super::Damage> {
+        self.torn_tail.as_ref()
+    }
+
+    /// Whether there is anything to read.
+    pub fn is_empty(&self) -> bool {
+        self.numbers.is_empty() || self.read.is_some()
+    }
 }
 
 /// Reads records by location; cheap to clone, usable from any thread.

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::record::View;
-use super::{scan, segment_numbers, segment_path, Held, Log, Options, Relocation, Route};
+use super::{scan, segment_numbers, segment_path, Backlog, Held, Log, Options, Relocation, Route};
 use crate::metrics::Metrics;
 use crate::retry::ledger::{Entry, Ledger, StoreOp};
 use crate::store::{HeldMeta, Loc};
@@ -53,6 +53,12 @@ enum Op {
     /// The process dies before the directory fsync of the last segment
     /// removal: that file is back at the reopen.
     CrashLosingRemoval,
+    /// Like `Crash`, then the store reopens as nackd starts it: a fresh
+    /// head at once, the older segments read later (`FinishRecovery`),
+    /// with parks, completions, commits and crashes in between.
+    CrashDeferred(u8, u16),
+    /// The older segments of a deferred reopen are read and merged.
+    FinishRecovery,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -67,6 +73,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (1u8..8).prop_map(Op::Answer),
         1 => (0u8..8, any::<u16>()).prop_map(|(n, at)| Op::Crash(n, at)),
         1 => Just(Op::CrashLosingRemoval),
+        1 => (0u8..8, any::<u16>()).prop_map(|(n, at)| Op::CrashDeferred(n, at)),
+        2 => Just(Op::FinishRecovery),
     ]
 }
 
@@ -107,6 +115,9 @@ struct World {
     /// The segment the last removal took, and its bytes. Each removal is
     /// made durable before the next, so only this one may come back.
     last_removed: Option<(u32, Vec<u8>)>,
+    /// A deferred reopen's older segments, not read yet, and what the model
+    /// held when it reopened (what reading them must give back).
+    backlog: Option<(Backlog, BTreeMap<u64, u32>)>,
 }
 
 fn held(id: u64, size: usize, version: u32, dead_letter: bool) -> Held {
@@ -146,6 +157,7 @@ impl World {
             unwritten: Vec::new(),
             used: 0,
             last_removed: None,
+            backlog: None,
         };
         world.reopen();
         world
@@ -202,6 +214,65 @@ impl World {
         self.to_engine.clear();
         self.unwritten.clear();
         self.log = Some(log);
+    }
+
+    /// Opens the store as nackd starts it without a replica: a fresh head
+    /// at once (new ids from `next_id()` on), the older segments left for
+    /// [`World::finish_recovery`].
+    fn reopen_deferred(&mut self) {
+        let mut before = self.segments();
+        let (log, backlog) = Log::open_deferred(self.dir.path(), Self::options()).unwrap();
+        if let Some(torn) = backlog.torn_tail() {
+            before
+                .entry(torn.segment)
+                .and_modify(|b| b.truncate(torn.from as usize));
+        }
+        self.last_removed = self.removed_since(before);
+        assert!(
+            log.next_id() > self.used,
+            "id {} handed out again",
+            log.next_id()
+        );
+        self.next_id = self.next_id.max(log.next_id());
+        self.ledger = Ledger::new(Metrics::new(), 0);
+        self.queue = self.ledger.intern(&Arc::from("/"), &Arc::from("q"));
+        self.to_writer.clear();
+        self.to_engine.clear();
+        self.unwritten.clear();
+        self.log = Some(log);
+        self.backlog = Some((backlog, self.durable.clone()));
+    }
+
+    /// Reads the older segments and merges them, as the engine does once
+    /// its recovery thread is done: they hold exactly what the model held
+    /// at the reopen (nothing since could touch them: the engine did not
+    /// know their messages).
+    fn finish_recovery(&mut self) {
+        let Some((backlog, then)) = self.backlog.take() else {
+            return;
+        };
+        let (rec, segments) = backlog.read().unwrap();
+        let before = self.segments();
+        self.log().merge(segments);
+        if let Some(removed) = self.removed_since(before) {
+            self.last_removed = Some(removed);
+        }
+        let reader = self.log().reader();
+        let mut got = BTreeMap::new();
+        for ((id, due, loc), meta) in rec.held.iter().zip(&rec.meta) {
+            assert_eq!(reader.read(*loc).unwrap().id, *id);
+            got.insert(*id, meta.retry);
+            let meta = HeldMeta {
+                queue: self.queue,
+                ..*meta
+            };
+            self.ledger.insert(*id, Entry::new(*loc, *due, meta));
+        }
+        assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
+        assert_eq!(
+            got, then,
+            "the older segments hold what was durable at the reopen"
+        );
     }
 
     fn pick(&self, n: u16) -> Option<u64> {
@@ -272,13 +343,15 @@ impl World {
             }
             Op::Answer(n) => self.answer(n),
             Op::CrashLosingRemoval => {
+                self.backlog = None;
                 let _ = self.log.take().unwrap().crash(0);
                 if let Some((n, bytes)) = self.last_removed.take() {
                     std::fs::write(segment_path(self.dir.path(), n), bytes).unwrap();
                 }
                 self.reopen();
             }
-            Op::Crash(n, torn) => {
+            Op::FinishRecovery => self.finish_recovery(),
+            Op::Crash(n, torn) | Op::CrashDeferred(n, torn) => {
                 let (puts, dels) = self.stage(n);
                 drop((puts, dels));
                 let written = self.log.take().unwrap().crash(torn.into());
@@ -292,7 +365,11 @@ impl World {
                         self.durable.remove(&id);
                     }
                 });
-                self.reopen();
+                self.backlog = None;
+                match op {
+                    Op::CrashDeferred(..) => self.reopen_deferred(),
+                    _ => self.reopen(),
+                }
             }
         }
         let log = self.log.as_ref().unwrap();
@@ -410,6 +487,7 @@ impl World {
     /// Lets everything queued happen, then checks that the store holds one
     /// live record per held message, that record, and disk use in bounds.
     fn settle(&mut self) {
+        self.finish_recovery();
         let mut rounds = 0;
         while !self.to_writer.is_empty()
             || !self.to_engine.is_empty()

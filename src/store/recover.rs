@@ -13,16 +13,15 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
+use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
-
-use std::io::Read;
 
 use tracing::{error, info, warn};
 
 use super::header::{self, Format};
-use super::log::{segment_numbers, segment_path};
-use super::record::View;
+use super::log::segment_path;
+use super::record::{Framing, View};
 use super::scan::{self, Damage, Harm};
 use super::segment::{Loc, Segment};
 use super::{HeldMeta, Route};
@@ -93,9 +92,29 @@ fn cut(dir: &Path, n: u32, len: u64) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Builds the held set from the segments of `dir`, with each segment's
-/// bookkeeping (size, live puts).
-pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)> {
+/// Cuts the torn tail off segment `n` of `dir` (the newest, the one a
+/// crash may have been writing), durably; returns what was cut. Only a
+/// last record that runs past the end of the file is a torn tail: any
+/// other bad last record, and damage before it, is left for [`read`] to
+/// report.
+pub(super) fn cut_torn_tail(dir: &Path, n: u32) -> io::Result<Option<Damage>> {
+    let file = segment_path(dir, n);
+    let bytes = std::fs::read(&file)?;
+    let size = bytes.len() as u64;
+    let damage = scan::scan(&bytes, n, |_, _| {});
+    let torn = damage.into_iter().last();
+    let Some(torn) = torn.filter(|d| d.bad == Harm::Torn && d.to == size) else {
+        return Ok(None);
+    };
+    warn!(file = %file.display(), from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
+    cut(dir, n, torn.from)?;
+    Ok(Some(torn))
+}
+
+/// Builds the held set from segments `numbers` of `dir` (ascending, each
+/// with its torn tail already cut), with each segment's bookkeeping
+/// (size, live puts).
+pub(super) fn read(dir: &Path, numbers: &[u32]) -> io::Result<(Recovered, BTreeMap<u32, Segment>)> {
     let mut replay = Replay {
         index: HashMap::new(),
         queues: HashMap::new(),
@@ -103,20 +122,26 @@ pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)
     };
     let mut segments = BTreeMap::new();
     let mut recovered = Recovered::default();
-    let numbers = segment_numbers(dir)?;
-    let sealed = scan::sealed_lengths(&formats(dir, &numbers)?);
-    let gaps = scan::gaps(&numbers, &sealed);
+    // The segment after the last (the head a deferred open created) says
+    // how long the last was sealed at.
+    let mut known = numbers.to_vec();
+    if let Some(&last) = numbers.last() {
+        if segment_path(dir, last + 1).exists() {
+            known.push(last + 1);
+        }
+    }
+    let sealed = scan::sealed_lengths(&formats(dir, &known)?);
+    let gaps = scan::gaps(numbers, &sealed);
     log_damage(dir, &gaps);
     recovered.damage.extend(gaps);
-    for (i, &n) in numbers.iter().enumerate() {
+    for &n in numbers {
         let bytes = std::fs::read(segment_path(dir, n))?;
         let sealed = sealed.get(&n).copied();
         let scanned = scan::scan_sealed(&bytes, n, sealed, |rec, loc| replay.record(rec, loc));
-        let newest = i + 1 == numbers.len();
-        let size = bytes.len() as u64;
         let framing = scanned.framing();
-        let size = settle_damage(dir, n, size, newest, scanned.damage, &mut recovered)?;
-        segments.insert(n, Segment::new(size, framing));
+        log_damage(dir, &scanned.damage);
+        recovered.damage.extend(scanned.damage);
+        segments.insert(n, Segment::new(bytes.len() as u64, framing));
     }
     replay.warn_resurrected(&recovered.damage);
     replay.finish(&mut recovered, &mut segments);
@@ -129,24 +154,38 @@ pub(super) fn read(dir: &Path) -> io::Result<(Recovered, BTreeMap<u32, Segment>)
 fn formats(dir: &Path, numbers: &[u32]) -> io::Result<BTreeMap<u32, Format>> {
     let mut formats = BTreeMap::new();
     for &n in numbers {
-        let mut head = Vec::with_capacity(header::LEN);
-        std::fs::File::open(segment_path(dir, n))?
-            .take(header::LEN as u64)
-            .read_to_end(&mut head)?;
-        match header::format(&head) {
-            Ok(Format::Newer(v)) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("segment {n} is in format {v}, newer than this nackd reads"),
-                ))
-            }
-            Ok(f) => {
-                formats.insert(n, f);
-            }
-            Err(_) => {} // damage: the scan reports it
+        let file = std::fs::File::open(segment_path(dir, n))?;
+        if let Some(format) = format_of(&file, n)? {
+            formats.insert(n, format);
         }
     }
     Ok(formats)
+}
+
+/// What segment `n`'s header (in `file`) announces; `None` if it does
+/// not check (the scan reports that). Fails on a segment a newer nackd
+/// wrote: reading it as damage would lose it.
+fn format_of(file: &std::fs::File, n: u32) -> io::Result<Option<Format>> {
+    let mut head = Vec::with_capacity(header::LEN);
+    file.take(header::LEN as u64).read_to_end(&mut head)?;
+    match header::format(&head) {
+        Ok(Format::Newer(v)) => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("segment {n} is in format {v}, newer than this nackd reads"),
+        )),
+        Ok(f) => Ok(Some(f)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// How segment `n`'s records (in `file`) are framed: keyed by its salt,
+/// or format 1 (also when its header does not check: none of its records
+/// is read then).
+pub(super) fn framing(file: &std::fs::File, n: u32) -> io::Result<Framing> {
+    Ok(match format_of(file, n)? {
+        Some(Format::Salted(h)) => h.framing(),
+        _ => Framing::Plain,
+    })
 }
 
 /// Logs each damaged range with its file, offsets and what it costs.
@@ -155,35 +194,6 @@ fn log_damage(dir: &Path, damage: &[Damage]) {
         let file = segment_path(dir, d.segment);
         error!(file = %file.display(), from = d.from, to = d.to, what = ?d.bad, "store: DAMAGE: {}", d.bad.cost());
     }
-}
-
-/// Cuts off the torn tail of the newest segment (`size` bytes long) and
-/// logs and keeps the damage `scan` found in segment `n`; returns the
-/// segment's size once cut. Only a record that runs past the end of the
-/// newest segment is a torn write; any other bad last record is damage.
-fn settle_damage(
-    dir: &Path,
-    n: u32,
-    mut size: u64,
-    newest: bool,
-    mut damage: Vec<Damage>,
-    recovered: &mut Recovered,
-) -> io::Result<u64> {
-    if newest
-        && damage
-            .last()
-            .is_some_and(|d| d.bad == Harm::Torn && d.to == size)
-    {
-        let torn = damage.pop().expect("checked");
-        let file = segment_path(dir, n);
-        warn!(file = %file.display(), from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
-        cut(dir, n, torn.from)?;
-        size = torn.from;
-        recovered.torn_tail = Some(torn);
-    }
-    log_damage(dir, &damage);
-    recovered.damage.extend(damage);
-    Ok(size)
 }
 
 /// The records read so far, replayed in order.

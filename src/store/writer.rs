@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info_span, warn};
 
-use super::log::{Log, Relocation};
+use super::log::{Log, Relocation, Segments};
 use super::{Held, Loc, Report, StoreError};
 use crate::metrics::{Damaged, Metrics, Open};
 
@@ -52,6 +52,8 @@ pub enum WriteOp<C> {
         /// The record.
         loc: Loc,
     },
+    /// The older segments of a deferred open, read: merge them in.
+    Merge(Segments),
 }
 
 /// The writer's answer to a put, once fsynced (or failed).
@@ -118,7 +120,8 @@ pub fn spawn_writer<C: Send + 'static>(
 }
 
 /// Counts what recovery found in the metrics and lists it for the status
-/// page (the damaged bytes themselves are counted where the store is opened).
+/// page, once the older segments are merged (at the start, or after a
+/// deferred open); the damaged bytes themselves are counted by the engine.
 fn count_report(metrics: &Metrics, dir: &std::path::Path, report: &Report) {
     metrics
         .store_damaged_ranges
@@ -221,6 +224,12 @@ impl<C> Thread<C> {
                 }),
                 WriteOp::Del { id, loc } => self.log.del(id, loc),
                 WriteOp::Release { loc } => self.log.release(loc),
+                WriteOp::Merge(segments) => {
+                    self.log.merge(segments);
+                    if let Some(report) = self.log.take_report() {
+                        count_report(&self.metrics, self.log.dir(), &report);
+                    }
+                }
             }
         }
         answers

@@ -22,10 +22,12 @@ pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
 }
 
 /// Whether `/readyz` says interception is past its start: the store is
-/// recovered (and the replica lease held), or there is no store at all.
+/// open and every message it held is scheduled again (its older segments
+/// read), and the replica lease held; or there is no store at all.
 fn intercepting(r: &HttpResponse) -> bool {
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
     !matches!(v["store"].as_str(), Some("recovering" | "no lease") | None)
+        && v["store_recovering"] != true
 }
 
 /// Waits (60 s at most) until nackd at `addr` intercepts: it listens before

@@ -101,6 +101,30 @@ impl Process {
         let _ = self.child.kill(); // SIGKILL
         let _ = self.child.wait();
     }
+
+    /// Sends SIGTERM (once nackd catches it) and waits at most `limit` for
+    /// the exit; returns its status and the time from the signal to the
+    /// exit. Panics if it is still running after `limit`.
+    pub fn terminate(mut self, limit: Duration) -> (std::process::ExitStatus, Duration) {
+        let pid = self.child.id();
+        wait_for_handler(pid, 15);
+        let sent = std::time::Instant::now();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM {pid}: {status:?}");
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for nackd") {
+                return (status, sent.elapsed());
+            }
+            assert!(
+                sent.elapsed() < limit,
+                "nackd still running {limit:?} after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 impl Drop for Process {

@@ -68,7 +68,10 @@ fn puts_survive_reopen_and_deletes_stick() {
     let (log, rec) = Log::open(dir.path(), Options::default()).unwrap();
     let ids: Vec<u64> = rec.held.iter().map(|(id, _, _)| *id).collect();
     assert_eq!(ids, vec![10, 9, 8, 7, 5, 3, 1], "live ones, in due order");
-    assert_eq!(rec.next_id, 11);
+    // NEXT_ID is kept a block of ids ahead of every put, so a restart
+    // goes on from there, not from the last id used.
+    assert!(rec.next_id > 10, "{}", rec.next_id);
+    assert_eq!(log.next_id(), rec.next_id);
     let (id, due, loc) = rec.held[0];
     let back = log.reader().read(loc).unwrap();
     assert_eq!((back.id, back.due_ms), (id, due));
@@ -541,4 +544,69 @@ fn compaction_leaves_room_on_the_disk_for_the_deletes_too() {
     log.faults.free_bytes = None;
     let copies = log.compact(1 << 20).unwrap();
     assert_eq!(copies.len(), 1, "room again");
+}
+
+/// Issue 19: a restart takes puts before the older segments are read. New
+/// ids never collide with old ones (NEXT_ID is kept ahead of every put),
+/// the older segments come back whole once read, and a crash before they
+/// are merged loses nothing on either side.
+#[test]
+fn puts_are_taken_while_older_segments_wait_to_be_read() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut log, _) = Log::open(dir.path(), small(4096)).unwrap();
+        for id in 1..=40 {
+            log.put(&held(id, id, 200), None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+    let new_ids = {
+        let (mut log, backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
+        assert!(log.recovering() && !backlog.is_empty());
+        let first = log.next_id();
+        assert!(first > 40);
+        let a = log.put(&held(first, 1, 10), None).unwrap();
+        log.put(&held(first + 1, 2, 10), None).unwrap();
+        log.commit().unwrap();
+        log.del(first, a);
+        log.commit().unwrap();
+        assert_eq!(
+            log.reclaim(),
+            0,
+            "nothing goes before the older segments are known"
+        );
+        assert!(!log.wants_compaction());
+        // The process dies here, before the older segments were merged.
+        vec![first + 1]
+    };
+    let (mut log, backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
+    let (rec, segments) = backlog.read().unwrap();
+    log.merge(segments);
+    assert!(!log.recovering());
+    let mut ids: Vec<u64> = rec.held.iter().map(|h| h.0).collect();
+    ids.sort_unstable();
+    let want: Vec<u64> = (1..=40).chain(new_ids).collect();
+    assert_eq!(ids, want, "old and new, the new delete applied");
+    assert!(log.next_id() > *want.last().unwrap());
+}
+
+/// A store written by an older nackd (its NEXT_ID, if any, bounds nothing)
+/// is read whole at the open: its ids are known before any is given.
+#[test]
+fn a_store_without_an_id_bound_is_read_before_it_takes_puts() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+        for id in 1..=5 {
+            log.put(&held(id, id, 10), None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+    // As an older nackd left it: ids 1..=5 on disk, NEXT_ID saying 2.
+    std::fs::write(dir.path().join("NEXT_ID"), "2\n").unwrap();
+    let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    assert!(log.next_id() > 5, "{}", log.next_id());
+    assert!(!log.recovering() && backlog.is_empty());
+    let (rec, _) = backlog.read().unwrap();
+    assert_eq!(rec.held.len(), 5);
 }
