@@ -314,6 +314,63 @@ mod tests {
         }
     }
 
+    /// What recovery found reaches the metrics and the status page's list
+    /// once, when the older segments are merged, even after a deferred open.
+    #[test]
+    fn what_recovery_found_is_counted_once_when_merged() {
+        let disk = tempfile::tempdir().unwrap();
+        let hold = |id| Held {
+            id,
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            due_ms: id,
+            retry: 1,
+            route: crate::store::Route::Queue,
+            on_return: None,
+            header: bytes::Bytes::new(),
+            body: bytes::Bytes::from(vec![7; 40]),
+        };
+        let bad = {
+            let (mut log, _) = Log::open(disk.path(), Options::default()).unwrap();
+            let bad = log.put(&hold(1), None).unwrap();
+            log.put(&hold(2), None).unwrap();
+            log.commit().unwrap();
+            bad
+        };
+        let path = super::super::segment_path(disk.path(), bad.segment);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[bad.offset as usize + 60] ^= 1; // in 1's body
+        let torn = bytes.len() as u64;
+        bytes.extend_from_slice(&bytes[bad.offset as usize..][..30].to_vec()); // a write cut short
+        std::fs::write(&path, bytes).unwrap();
+        let (log, backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
+        let metrics = Metrics::new();
+        let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
+        let writer = spawn_writer(log, events, metrics.clone());
+        assert_eq!(metrics.store_damaged_ranges.get(), 0, "nothing read yet");
+        let (_, segments) = backlog.read().unwrap();
+        writer.tx.send(WriteOp::Merge(segments)).unwrap();
+        let log = writer.join().unwrap();
+        assert_eq!(metrics.store_damaged_ranges.get(), 1);
+        assert_eq!(metrics.store_torn_bytes.get(), 30);
+        let listed = metrics.store_damage.all();
+        let what: Vec<_> = listed.iter().map(|d| (d.from, d.to, d.what)).collect();
+        let from = u64::from(bad.offset);
+        assert_eq!(
+            what,
+            vec![
+                (from, from + u64::from(bad.len), "put"),
+                (torn, torn + 30, "torn")
+            ]
+        );
+        assert!(listed[0]
+            .file
+            .ends_with(&format!("{:010}.log", bad.segment)));
+        let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
+        spawn_writer(log, events, metrics.clone()).join().unwrap();
+        assert_eq!(metrics.store_damaged_ranges.get(), 1, "counted once");
+    }
+
     #[test]
     fn the_writer_thread_runs_in_its_span() {
         let entered = Entered::default();
