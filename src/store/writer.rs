@@ -341,7 +341,8 @@ mod tests {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[bad.offset as usize + 60] ^= 1; // in 1's body
         let torn = bytes.len() as u64;
-        bytes.extend_from_slice(&bytes[bad.offset as usize..][..30].to_vec()); // a write cut short
+        let cut_short = bytes[bad.offset as usize..][..30].to_vec(); // a write torn by a crash
+        bytes.extend(cut_short);
         std::fs::write(&path, bytes).unwrap();
         let (log, backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
         let metrics = Metrics::new();
