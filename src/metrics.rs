@@ -162,6 +162,41 @@ impl BlockReason {
     }
 }
 
+/// Why due messages are not fired: what they would need to be completed
+/// cannot be recorded. Held messages wait; new nacks pass through to the
+/// broker until the store takes them again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PauseReason {
+    /// The disk is full: the store's reserve took the completions of what
+    /// was already fired (or could not be made), and nothing more is fired
+    /// until it is made again.
+    DiskFull,
+    /// Completions (delete records) cannot be written to the store: they
+    /// are tried again every second.
+    CompletionsUnwritten,
+}
+
+impl PauseReason {
+    /// Every reason, in label order.
+    pub const ALL: [PauseReason; 2] = [Self::DiskFull, Self::CompletionsUnwritten];
+
+    /// The `reason` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::DiskFull => "disk_full",
+            Self::CompletionsUnwritten => "completions_unwritten",
+        }
+    }
+
+    /// What `/readyz` and the log say.
+    pub fn text(self) -> &'static str {
+        match self {
+            Self::DiskFull => "firing paused: the disk is full (the store's reserve for completions is in use or cannot be made)",
+            Self::CompletionsUnwritten => "firing paused: completions cannot be written to the store (tried again every second)",
+        }
+    }
+}
+
 /// A pair of counters for the two directions of the proxy.
 #[derive(Clone, Debug, Default)]
 pub struct Directions {
@@ -253,6 +288,7 @@ pub struct Metrics {
     pub republish_pending_bytes: Family<VhostLabels, Gauge>,
     blocked_total: Vec<Counter>,
     blocked_now: Vec<Gauge>,
+    firing_paused: Vec<Gauge>,
     /// 1 while a queue that holds messages is gone (returned as unroutable).
     pub queue_gone: Family<QueueLabels, Gauge>,
     /// Held messages of a gone queue dropped by `republish.queue_gone`.
@@ -291,6 +327,7 @@ struct Families {
     reloads: Family<Label, Counter>,
     blocked_total: Family<Label, Counter>,
     blocked_now: Family<Label, Gauge>,
+    firing_paused: Family<Label, Gauge>,
     gone: Family<Label, Counter>,
 }
 
@@ -317,7 +354,7 @@ impl Metrics {
         m.register_retries(&mut r, &f);
         m.register_store(&mut r);
         m.register_replica(&mut r);
-        m.register_republishers(&mut r);
+        m.register_republishers(&mut r, &f);
         m.register_set_aside(&mut r, &f);
         m.register_capture_and_reloads(&mut r, &f);
         Arc::new(Self { registry: r, ..m })
@@ -376,6 +413,13 @@ impl Metrics {
             blocked_now: BlockReason::ALL
                 .iter()
                 .map(|r| f.blocked_now.get_or_create_owned(&[("reason", r.label())]))
+                .collect(),
+            firing_paused: PauseReason::ALL
+                .iter()
+                .map(|r| {
+                    f.firing_paused
+                        .get_or_create_owned(&[("reason", r.label())])
+                })
                 .collect(),
             queue_gone: Family::default(),
             gone_dropped: one(&f.gone, "action", "drop"),
@@ -568,8 +612,8 @@ impl Metrics {
         );
     }
 
-    /// The republishers: connections, blocks, pending bytes.
-    fn register_republishers(&self, r: &mut Registry) {
+    /// The republishers: connections, blocks, pending bytes, pauses.
+    fn register_republishers(&self, r: &mut Registry, f: &Families) {
         r.register(
             "nackd_republisher_connections",
             "Republisher connections up (all vhosts)",
@@ -600,6 +644,11 @@ impl Metrics {
             "Bytes of due messages read from the store and not yet settled (bounded by republish.max_pending_bytes)",
             Unit::Bytes,
             self.republish_pending_bytes.clone(),
+        );
+        r.register(
+            "nackd_firing_paused",
+            "1 while due messages are not fired because their completion cannot be recorded, by reason",
+            f.firing_paused.clone(),
         );
     }
 
@@ -677,6 +726,21 @@ impl Metrics {
     /// The gauge of held messages currently set aside for `reason`.
     pub fn blocked_now(&self, reason: BlockReason) -> &Gauge {
         &self.blocked_now[reason as usize]
+    }
+
+    /// Sets why firing is paused (`None`: it is not).
+    pub fn set_firing_paused(&self, paused: Option<PauseReason>) {
+        for (r, gauge) in PauseReason::ALL.iter().zip(&self.firing_paused) {
+            gauge.set(i64::from(paused == Some(*r)));
+        }
+    }
+
+    /// Why firing is paused, if it is.
+    pub fn firing_paused(&self) -> Option<PauseReason> {
+        PauseReason::ALL
+            .into_iter()
+            .zip(&self.firing_paused)
+            .find_map(|(r, gauge)| (gauge.get() != 0).then_some(r))
     }
 
     /// Observes a duration, in seconds.

@@ -13,7 +13,12 @@
 //! 2. **A delete is durable once its record's fsync succeeded.** Until
 //!    then its put counts as live; a delete record lost to a failed commit
 //!    is written again at once on its own (it never waits on puts that do
-//!    not fit), else at the next commit.
+//!    not fit), else at the next commit. Deletes that do not fit because
+//!    another process filled the disk are written into the space of the
+//!    store's reserve file (`reserve`), and the engine fires nothing more
+//!    until the reserve is back and every delete is written
+//!    ([`Event::Firing`]): what needs that space is bounded by what was
+//!    already fired.
 //! 3. **A delete stays on disk as long as the put it cancels can be read at
 //!    recovery.** A delete record is always newer than its put, and segment
 //!    files are removed oldest first only, each removal made durable before
@@ -94,6 +99,7 @@ mod log;
 mod model_tests;
 pub mod record;
 mod recover;
+mod reserve;
 mod scan;
 mod segment;
 mod writer;
@@ -103,6 +109,7 @@ pub use log::{
     SEGMENT_BYTES,
 };
 pub use recover::{Recovered, Report};
+pub use reserve::RESERVE_BYTES;
 pub use scan::{scan, Damage, Harm};
 pub use segment::Loc;
 pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};

@@ -397,3 +397,229 @@ fn a_store_that_filled_its_own_disk_frees_it_as_its_messages_complete() {
     assert!(!log.has_unwritten(), "the deletes reached the disk");
     assert!(log.bytes() < 2 * SEGMENT, "{} bytes stay", log.bytes());
 }
+
+/// Sends `signal` (`STOP`, `CONT`) to nackd.
+fn signal(nackd: &Process, signal: &str) {
+    let sent = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(nackd.child.id().to_string())
+        .status()
+        .expect("kill(1)");
+    assert!(sent.success(), "kill -{signal}");
+}
+
+/// `/readyz` and `/metrics`, read together.
+async fn readyz_and_metrics(nackd: &Process) -> (common::ops::HttpResponse, common::ops::Scrape) {
+    let readyz = common::ops::get(nackd.metrics, "/readyz").await;
+    (readyz, scrape(nackd.metrics).await)
+}
+
+/// Ids of the messages held on disk: what a restart would bring back.
+fn on_disk(store: &Path) -> usize {
+    nackd::store::inspect::held(store).unwrap().len()
+}
+
+/// Issue 19: another process fills the store's disk while held messages
+/// fire. Their completions (delete records) still reach the disk, written
+/// into the space of the store's reserve; nothing more fires and `/readyz`
+/// says why, so a SIGKILL then brings back exactly the messages not yet
+/// delivered. Before, the broker confirmed each republish and nackd kept
+/// firing while its deletes failed: after a restart nearly every delivered
+/// message was delivered again. Once the disk has room again, firing
+/// resumes by itself and every message arrives exactly once.
+///
+/// nackd is stopped (SIGSTOP) for the moment the ballast is written, so the
+/// filler is done before nackd's first delete meets the full disk: a
+/// filler that went on writing would take the reserve's space as nackd
+/// frees it, which is the other reason to pause (completions unwritten,
+/// covered by the writer's unit tests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_filled_by_another_process_pauses_firing_and_no_delivered_message_comes_back() {
+    require_broker();
+    let disk = SmallDisk::new(8);
+    let store = disk.path().join("store");
+    let (short, long) = (unique("filled-short"), unique("filled-long"));
+    // Enough short retries that they are still firing when the disk fills
+    // (one publish in flight at a time), and a few long ones that must
+    // survive everything.
+    let (n, k) = (1000u32, 5u32);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("nackd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[upstream]\naddress = \"{BROKER}\"\n[store]\npath = \"{}\"\nsegment_bytes = {SEGMENT}\n\
+             [republish]\nconfirm_window = 1\n\
+             [[policy]]\nqueues = [\"{short}\"]\ndelays = [\"2s\"]\n\
+             [[policy]]\nqueues = [\"{long}\"]\ndelays = [\"10m\"]\n",
+            store.display()
+        ),
+    )
+    .unwrap();
+    publish_n(&long, k, 64).await;
+    publish_n(&short, n, 64).await;
+    let nackd = Process::start(&cfg);
+
+    // Every first delivery is nacked through nackd: all are held.
+    let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+    for (q, count) in [(&long, k), (&short, n)] {
+        let ch = conn.create_channel().await.unwrap();
+        let mut c = consume(&ch, q, Some(500)).await;
+        for _ in 0..count {
+            let d = next(&mut c, Duration::from_secs(10))
+                .await
+                .expect("a delivery");
+            assert_eq!(retry_count(&d), 0, "a first delivery");
+            d.nack(BasicNackOptions::default()).await.unwrap();
+        }
+        ch.close(200, "".into()).await.unwrap();
+    }
+    until(nackd.metrics, "all held", |s| {
+        s.get("nackd_nacks_intercepted_total", &[]) == f64::from(n + k)
+    })
+    .await;
+    conn.close(200, "".into()).await.unwrap();
+
+    // The retries are consumed straight from the broker, so that killing
+    // nackd never hands a delivery back: each id, how often it came.
+    let delivered = std::sync::Arc::new(std::sync::Mutex::new(HashMap::<u32, u32>::new()));
+    let consumer = {
+        let delivered = delivered.clone();
+        let short = short.clone();
+        let conn = direct().await;
+        tokio::spawn(async move {
+            let ch = conn.create_channel().await.unwrap();
+            let mut c = consume(&ch, &short, Some(100)).await;
+            loop {
+                let Some(d) = next(&mut c, Duration::from_secs(3600)).await else {
+                    continue;
+                };
+                assert_eq!(retry_count(&d), 1, "a retry");
+                let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+                *delivered.lock().unwrap().entry(id).or_default() += 1;
+                d.ack(BasicAckOptions::default()).await.unwrap();
+            }
+        })
+    };
+    let count = || delivered.lock().unwrap().len();
+
+    // While they fire, another process fills the disk.
+    let held_short = [("vhost", "/"), ("queue", short.as_str())];
+    let s = until(nackd.metrics, "firing", |s| {
+        s.get("nackd_retries_confirmed_total", &[]) > 0.0
+    })
+    .await;
+    signal(&nackd, "STOP");
+    assert!(
+        s.get("nackd_held_messages", &held_short) > 100.0,
+        "still firing when the disk fills: raise n"
+    );
+    disk.fill("ballast");
+    signal(&nackd, "CONT");
+
+    // Firing pauses, says why, and what was handed out settles.
+    let disk_full = [("reason", "disk_full")];
+    let (readyz, s) = wait_for(
+        Duration::from_secs(30),
+        "firing paused, nothing pending",
+        || readyz_and_metrics(&nackd),
+        |(r, s)| {
+            r.status == 503
+                && s.get("nackd_firing_paused", &disk_full) == 1.0
+                && s.sum("nackd_republish_pending_bytes") == 0.0
+        },
+    )
+    .await;
+    assert!(
+        readyz.body.contains("firing paused: the disk is full"),
+        "{}",
+        readyz.body
+    );
+    let held = s.get("nackd_held_messages", &held_short);
+    assert!(held > 0.0, "paused with messages held");
+    let published = s.get("nackd_retries_published_total", &[]);
+    // Nothing fires any more: every held message is overdue, so a pass
+    // that fired would have within a few ms.
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let s = scrape(nackd.metrics).await;
+        assert_eq!(s.get("nackd_retries_published_total", &[]), published);
+        assert_eq!(s.get("nackd_held_messages", &held_short), held);
+    }
+    // Every delivered message's completion is on disk (the reserve took
+    // them): the store holds exactly what was not delivered.
+    let held = held as usize;
+    wait_for(
+        Duration::from_secs(15),
+        "completions on disk, deliveries in",
+        || async { (on_disk(&store), count()) },
+        |(disk, delivered)| *disk == held + k as usize && *delivered == n as usize - held,
+    )
+    .await;
+
+    // Killed on the full disk: none of the delivered messages comes back,
+    // and the new process does not fire either (no room for its reserve).
+    nackd.kill9();
+    let nackd = Process::start(&cfg);
+    let (readyz, s) = readyz_and_metrics(&nackd).await;
+    assert_eq!(readyz.status, 503, "{}", readyz.body);
+    assert!(readyz.body.contains("firing paused"), "{}", readyz.body);
+    assert_eq!(s.get("nackd_held_messages", &held_short), held as f64);
+    assert_eq!(s.sum("nackd_held_messages"), (held + k as usize) as f64);
+    assert_eq!(s.get("nackd_retries_published_total", &[]), 0.0);
+
+    // Space comes back: firing resumes by itself, every message arrives,
+    // each exactly once.
+    std::fs::remove_file(disk.path().join("ballast")).unwrap();
+    wait_for(
+        Duration::from_secs(30),
+        "ready, resumed, all delivered",
+        || readyz_and_metrics(&nackd),
+        |(r, s)| {
+            r.status == 200
+                && s.sum("nackd_firing_paused") == 0.0
+                && s.get("nackd_held_messages", &held_short) == 0.0
+        },
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(15),
+        "every retry delivered",
+        || async { count() },
+        |c| *c == n as usize,
+    )
+    .await;
+    assert!(
+        delivered.lock().unwrap().values().all(|c| *c == 1),
+        "delivered twice: {:?}",
+        delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, c)| **c > 1)
+            .collect::<Vec<_>>()
+    );
+
+    // Killed again once the last completions are on disk (so the window
+    // between a confirm and its durable delete is closed): only the long
+    // ones come back.
+    wait_for(
+        Duration::from_secs(15),
+        "only the long ones on disk",
+        || async { on_disk(&store) },
+        |held| *held == k as usize,
+    )
+    .await;
+    nackd.kill9();
+    let nackd = Process::start(&cfg);
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(s.sum("nackd_held_messages"), f64::from(k));
+    assert_eq!(
+        s.get("nackd_held_messages", &[("vhost", "/"), ("queue", &long)]),
+        f64::from(k)
+    );
+    assert_eq!(s.get("nackd_store_damaged_bytes_total", &[]), 0.0);
+    consumer.abort();
+    drop(nackd);
+    delete_queues(&[&long, &short]).await;
+}

@@ -125,6 +125,9 @@ pub(super) struct Engine {
     default_exchange: Arc<str>,
     /// The last pass stopped on its budget: run again at once.
     more: bool,
+    /// Why nothing is fired (the store cannot record completions), and
+    /// since when.
+    pub(super) paused: Option<(crate::metrics::PauseReason, Instant)>,
     /// The republisher tasks, waited for at shutdown.
     republishers: TaskTracker,
     /// The store's older segments, being read beside the engine after a
@@ -164,6 +167,7 @@ impl Engine {
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone());
+        let paused = writer.paused;
         let mut engine = Self {
             reader,
             writer: writer.tx.clone(),
@@ -188,11 +192,13 @@ impl Engine {
             }),
             default_exchange: Arc::from(""),
             more: false,
+            paused: None,
             republishers: TaskTracker::new(),
             backlog: None,
             loading: None,
         };
         engine.load(recovered);
+        engine.on_firing(paused);
         engine
     }
 
@@ -320,6 +326,7 @@ impl Engine {
                 Some(event) = self.events.recv() => match event {
                     store::Event::Written(w) => self.on_written(w),
                     store::Event::Relocated(copies) => copies.into_iter().for_each(|c| self.on_relocated(c)),
+                    store::Event::Firing(paused) => self.on_firing(paused),
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
                 read = backlog_read(&mut self.backlog) => self.on_backlog(read),
@@ -382,15 +389,20 @@ impl Engine {
         }
     }
 
-    /// Whether due messages may fire: always, or only while the replica's
-    /// lease is held.
+    /// Whether due messages may fire: while the store can record their
+    /// completion, and the replica's lease is held if there is one.
     fn may_fire(&self) -> bool {
+        self.paused.is_none() && self.has_lease()
+    }
+
+    /// Whether this instance acts for its id: always without a replica.
+    fn has_lease(&self) -> bool {
         self.link.as_ref().is_none_or(link::Link::active)
     }
 
     /// The lease came or went: sessions may claim (or not) from now on.
     fn on_lease(&mut self) {
-        let ready = match self.may_fire() {
+        let ready = match self.has_lease() {
             true => super::Ready::Ready,
             false => super::Ready::NoLease,
         };
@@ -828,5 +840,57 @@ mod tests {
         engine.stop(Duration::from_secs(10)).await;
         let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
         assert_eq!(recovered.held.len() as u64, before + 1);
+    }
+
+    /// Issue 19: while the store cannot record completions (another
+    /// process filled its disk), the engine fires nothing, not even what
+    /// an operator fires now; it resumes by itself once the disk has room.
+    #[tokio::test]
+    async fn nothing_fires_while_the_store_cannot_record_completions() {
+        use crate::metrics::PauseReason;
+        use crate::retry::admin::Target;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        let disk = Arc::new(AtomicU64::new(1 << 30));
+        log.faults.disk = Some(disk.clone());
+        let start = start(dir.path());
+        let metrics = start.metrics.clone();
+        let ready = crate::retry::Readiness::new();
+        let engine = Engine::new(log, recovered, &start, None, ready.clone());
+        let (tx, mut commands) = mpsc::unbounded_channel();
+        let handle = RetryHandle { tx, ready };
+        let (_adopt_tx, mut adopts) = mpsc::channel(1);
+        let stop = CancellationToken::new();
+        let wait = |what: &'static str, f: Box<dyn Fn() -> bool>| async move {
+            let began = std::time::Instant::now();
+            while !f() {
+                assert!(began.elapsed() < Duration::from_secs(10), "{what}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let test = async {
+            let (reply, mut answers) = mpsc::unbounded_channel();
+            assert!(handle.park(park(1), &reply) && handle.park(park(2), &reply));
+            let one = answers.recv().await.unwrap().result.unwrap();
+            let two = answers.recv().await.unwrap().result.unwrap();
+            disk.store(0, Ordering::SeqCst); // someone else took every byte
+            handle.cancel(one); // a completion: its delete does not fit
+            let m = metrics.clone();
+            let paused = move || m.firing_paused() == Some(PauseReason::DiskFull);
+            wait("paused", Box::new(paused)).await;
+            // Fire now: the pass that follows the command fires nothing
+            // (the list below is answered after it).
+            assert_eq!(handle.fire(Target::Id(two)).await.unwrap(), 1);
+            handle.list(None, None, 10).await.unwrap();
+            assert_eq!(metrics.published.get(), 0, "fired while paused");
+            disk.store(1 << 30, Ordering::SeqCst);
+            let m = metrics.clone();
+            let resumed = move || m.firing_paused().is_none() && m.published.get() == 1;
+            wait("resumed and fired", Box::new(resumed)).await;
+            stop.cancel();
+        };
+        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
+        assert!(matches!(exit, Exit::Stopped));
     }
 }

@@ -27,7 +27,7 @@ pub const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
 const EMPTY_HEAD_BYTES: u64 = 1024 * 1024;
 /// Free disk space kept beyond the deletes of every held message (block
 /// rounding, a new segment's first blocks).
-const HEADROOM: u64 = 1024 * 1024;
+pub(super) const HEADROOM: u64 = 1024 * 1024;
 /// The file that holds an id above every id any record has: written ahead
 /// of the puts (a block of ids at a time) and before a segment goes. So no
 /// id is handed out twice, even once its records are gone, and at a restart
@@ -360,6 +360,11 @@ impl Log {
         self.mismatched
     }
 
+    /// Free space on the store's file system at the last commit.
+    pub fn free_space(&self) -> u64 {
+        self.free
+    }
+
     /// Whether staged deletes wait for a commit (one failed before).
     pub fn has_unwritten(&self) -> bool {
         !self.unwritten.is_empty()
@@ -480,11 +485,16 @@ impl Log {
         committed
     }
 
-    fn read_free(&mut self) {
+    /// Reads the free space on the store's file system again.
+    pub(super) fn read_free(&mut self) {
         self.free = free_bytes(&self.dir);
         #[cfg(test)]
         if let Some(free) = self.faults.free_bytes {
             self.free = free;
+        }
+        #[cfg(test)]
+        if let Some(disk) = &self.faults.disk {
+            self.free = disk.load(std::sync::atomic::Ordering::SeqCst);
         }
     }
 

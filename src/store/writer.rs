@@ -4,6 +4,12 @@
 //! Every operation that arrives while the previous commit runs joins the
 //! next one, so one fsync covers a whole batch of puts. Puts are answered
 //! only after that fsync, each with its own result.
+//!
+//! It also says whether completions can be recorded ([`Event::Firing`]):
+//! deletes that do not fit go into the space of the store's reserve
+//! (`reserve`), and from then until the reserve is made again, or while
+//! deletes cannot be written at all, firing must pause and puts are
+//! refused.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -11,11 +17,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{info_span, warn};
+use tracing::{debug, info, info_span, warn};
 
-use super::log::{Log, Relocation, Segments};
+use super::log::{Log, Relocation, Segments, HEADROOM};
+use super::reserve::{Reserve, RESERVE_BYTES};
 use super::{Held, Loc, Report, StoreError};
-use crate::metrics::{Damaged, Metrics, Open};
+use crate::metrics::{Damaged, Metrics, Open, PauseReason};
 
 /// Operations in one batch at most.
 const BATCH_OPS: usize = 4096;
@@ -74,12 +81,20 @@ pub enum Event<C> {
     Written(Written<C>),
     /// Compaction copied live puts forward: adopt or discard each copy.
     Relocated(Vec<Relocation>),
+    /// Whether completions can be recorded changed: `Some(why)` while
+    /// they cannot be, or only into the reserve (fire nothing more: what
+    /// is already fired completes into the reserve, or waits as deletes
+    /// written again every second); `None` once they can be again.
+    Firing(Option<PauseReason>),
 }
 
 /// The running writer: where operations go, and the thread to join.
 pub struct Writer<C> {
     /// Operations; dropping every sender ends the thread after a last commit.
     pub tx: Sender<WriteOp<C>>,
+    /// Whether completions can be recorded as it starts (`Some(why)`: not,
+    /// firing must wait); [`Event::Firing`] says when that changes.
+    pub paused: Option<PauseReason>,
     thread: JoinHandle<Log>,
 }
 
@@ -92,7 +107,9 @@ impl<C> Writer<C> {
     }
 }
 
-/// Runs `log` on its own thread, reporting to `events`.
+/// Runs `log` on its own thread, reporting to `events`. The reserve is
+/// made (or found) first, so that [`Writer::paused`] is known before
+/// anything fires.
 pub fn spawn_writer<C: Send + 'static>(
     log: Log,
     events: UnboundedSender<Event<C>>,
@@ -108,15 +125,21 @@ pub fn spawn_writer<C: Send + 'static>(
     // A thread does not inherit the current span: made here, it is a child
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
+    let mut writer = Thread::new(log, events, metrics);
+    let paused = span.in_scope(|| {
+        writer.keep_reserve();
+        writer.paused = writer.pause_reason();
+        writer.paused
+    });
     let thread = std::thread::Builder::new()
         .name("nackd-store".into())
         .spawn(move || {
             let _open = open;
             let _span = span.entered();
-            Thread::new(log, events, metrics).run(rx)
+            writer.run(rx)
         })
         .expect("spawn the store thread");
-    Writer { tx, thread }
+    Writer { tx, paused, thread }
 }
 
 /// Counts what recovery found in the metrics and lists it for the status
@@ -144,15 +167,26 @@ struct Thread<C> {
     metrics: Arc<Metrics>,
     /// No compaction before this (it failed, or found nothing to copy).
     compact_after: Option<Instant>,
+    reserve: Reserve,
+    /// What the owner was last told ([`Event::Firing`]).
+    paused: Option<PauseReason>,
 }
 
 impl<C> Thread<C> {
     fn new(log: Log, events: UnboundedSender<Event<C>>, metrics: Arc<Metrics>) -> Self {
+        #[allow(unused_mut)] // a test shares its simulated disk with it
+        let mut reserve = Reserve::adopt(log.dir());
+        #[cfg(test)]
+        {
+            reserve.disk = log.faults.disk.clone();
+        }
         Self {
             log,
             events,
             metrics,
             compact_after: None,
+            reserve,
+            paused: None,
         }
     }
 
@@ -162,8 +196,11 @@ impl<C> Thread<C> {
         while let Some(batch) = self.next_batch(&rx) {
             let answers = self.apply(batch);
             self.commit(answers);
+            self.use_reserve();
             self.log.reclaim();
             self.compact();
+            self.keep_reserve();
+            self.report();
             self.metrics.store_bytes.set(self.log.bytes() as i64);
             self.metrics
                 .store_live_bytes
@@ -174,11 +211,12 @@ impl<C> Thread<C> {
     }
 
     /// The next batch: waits for one operation (not long when deletes must
-    /// be written again or compaction has work), then takes what is queued.
+    /// be written again, the reserve made again, or compaction has work),
+    /// then takes what is queued.
     fn next_batch(&self, rx: &Receiver<WriteOp<C>>) -> Option<Vec<WriteOp<C>>> {
         let wait = if self.may_compact() {
             Some(Duration::ZERO)
-        } else if self.log.has_unwritten() {
+        } else if self.log.has_unwritten() || !self.reserve.kept() {
             Some(RETRY_EVERY)
         } else {
             None
@@ -207,7 +245,9 @@ impl<C> Thread<C> {
         Some(batch)
     }
 
-    /// Stages every operation; returns the puts' tentative answers.
+    /// Stages every operation; returns the puts' tentative answers. Puts
+    /// are refused while the reserve is missing: its space is for the
+    /// completions of what was fired, and it must be made again first.
     fn apply(&mut self, batch: Vec<WriteOp<C>>) -> Vec<Written<C>> {
         let mut answers = Vec::new();
         for op in batch {
@@ -220,7 +260,13 @@ impl<C> Thread<C> {
                     ctx,
                     id: held.id,
                     due_ms: held.due_ms,
-                    result: self.log.put(&held, replaces),
+                    result: match self.reserve.kept() {
+                        true => self.log.put(&held, replaces),
+                        false => Err(StoreError::Io(
+                            "the disk is full (the store's reserve is in use or cannot be made)"
+                                .into(),
+                        )),
+                    },
                 }),
                 WriteOp::Del { id, loc } => self.log.del(id, loc),
                 WriteOp::Release { loc } => self.log.release(loc),
@@ -248,7 +294,15 @@ impl<C> Thread<C> {
             .count();
         self.metrics.store_errors.inc_by(refused as u64);
         if let Err(e) = &committed {
-            warn!(error = %e, puts = answers.len(), "store: commit failed; its puts are refused");
+            match (answers.is_empty(), self.paused) {
+                (false, _) => {
+                    warn!(error = %e, puts = answers.len(), "store: commit failed; its puts are refused")
+                }
+                (true, Some(PauseReason::CompletionsUnwritten)) => {
+                    debug!(error = %e, "store: completions still cannot be written")
+                }
+                (true, _) => warn!(error = %e, "store: completions could not be written"),
+            }
             self.metrics.store_errors.inc();
             for a in answers.iter_mut().filter(|a| a.result.is_ok()) {
                 a.result = Err(e.clone());
@@ -259,8 +313,65 @@ impl<C> Thread<C> {
         }
     }
 
+    /// Deletes that did not fit go into the reserve's space: the reserve
+    /// goes and they are written again at once. Firing pauses from now
+    /// ([`Thread::report`]), so what still comes is bounded by what the
+    /// republishers already have.
+    fn use_reserve(&mut self) {
+        if !self.log.has_unwritten() || !self.reserve.release() {
+            return;
+        }
+        warn!(
+            free = self.log.free_space(),
+            "store: the disk is full: the reserve is released for the completions of what was already fired; firing pauses until the disk has room for it again"
+        );
+        if let Err(e) = self.log.commit() {
+            self.metrics.store_errors.inc();
+            warn!(error = %e, "store: completions cannot be written even into the reserve's space; tried again every second");
+        }
+    }
+
+    /// Makes the reserve (again) once every delete is written and the disk
+    /// has room for it and the log's headroom.
+    fn keep_reserve(&mut self) {
+        let room = self.log.free_space() >= RESERVE_BYTES + HEADROOM;
+        if self.reserve.kept() || self.log.has_unwritten() || !room {
+            return;
+        }
+        match self.reserve.make() {
+            Ok(()) => info!(bytes = RESERVE_BYTES, "store: reserve for completions made"),
+            Err(e) => debug!(error = %e, "store: cannot make the reserve yet"),
+        }
+        self.log.read_free();
+    }
+
+    /// Why completions cannot be recorded (or only into the reserve's
+    /// space), if they cannot.
+    fn pause_reason(&self) -> Option<PauseReason> {
+        if self.log.has_unwritten() {
+            Some(PauseReason::CompletionsUnwritten)
+        } else if !self.reserve.kept() {
+            Some(PauseReason::DiskFull)
+        } else {
+            None
+        }
+    }
+
+    /// Tells the owner when whether completions can be recorded changed.
+    fn report(&mut self) {
+        let paused = self.pause_reason();
+        if paused != self.paused {
+            self.paused = paused;
+            let _ = self.events.send(Event::Firing(paused));
+        }
+    }
+
+    /// Whether a compaction step may run: not while the reserve is missing
+    /// (its copies need room), nor before `compact_after`.
     fn may_compact(&self) -> bool {
-        self.compact_after.is_none_or(|t| Instant::now() >= t) && self.log.wants_compaction()
+        self.compact_after.is_none_or(|t| Instant::now() >= t)
+            && self.reserve.kept()
+            && self.log.wants_compaction()
     }
 
     /// One step of compaction, if disk use calls for it.
@@ -387,5 +498,144 @@ mod tests {
             entered.contains(&("store_writer", Some("nackd-store".into()))),
             "{entered:?}"
         );
+    }
+
+    /// A writer over a store whose disk the test fills and frees, as other
+    /// processes on it would.
+    struct Rig {
+        dir: tempfile::TempDir,
+        disk: Arc<std::sync::atomic::AtomicU64>,
+        writer: Writer<u64>,
+        events: tokio::sync::mpsc::UnboundedReceiver<Event<u64>>,
+    }
+
+    const ROOMY: u64 = 1 << 30;
+
+    impl Rig {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+            let disk = Arc::new(std::sync::atomic::AtomicU64::new(ROOMY));
+            log.faults.disk = Some(disk.clone());
+            let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+            let writer = spawn_writer(log, events_tx, Metrics::new());
+            Self {
+                dir,
+                disk,
+                writer,
+                events,
+            }
+        }
+
+        fn free(&self, bytes: u64) {
+            self.disk.store(bytes, std::sync::atomic::Ordering::SeqCst);
+        }
+
+        fn next(&mut self) -> Event<u64> {
+            let began = Instant::now();
+            loop {
+                if let Ok(event) = self.events.try_recv() {
+                    return event;
+                }
+                assert!(began.elapsed() < Duration::from_secs(10), "no event");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+
+        fn put(&mut self, id: u64) -> Result<Loc, StoreError> {
+            let held = Held {
+                id,
+                vhost: "/".into(),
+                queue: "q".into(),
+                due_ms: id,
+                retry: 1,
+                route: crate::store::Route::Queue,
+                on_return: None,
+                header: bytes::Bytes::from_static(&[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]),
+                body: bytes::Bytes::from(vec![7u8; 100]),
+            };
+            let replaces = None;
+            let ctx = id;
+            self.writer
+                .tx
+                .send(WriteOp::Put {
+                    held,
+                    replaces,
+                    ctx,
+                })
+                .unwrap();
+            match self.next() {
+                Event::Written(w) => w.result,
+                _ => panic!("a put's answer first"),
+            }
+        }
+
+        fn del(&self, id: u64, loc: Loc) {
+            self.writer.tx.send(WriteOp::Del { id, loc }).unwrap();
+        }
+
+        fn firing(&mut self) -> Option<PauseReason> {
+            match self.next() {
+                Event::Firing(paused) => paused,
+                _ => panic!("a change of firing expected"),
+            }
+        }
+
+        /// Ids held on disk now: what a restart would bring back.
+        fn on_disk(&self) -> Vec<u64> {
+            let held = crate::store::inspect::held(self.dir.path()).unwrap();
+            held.iter().map(|h| h.id).collect()
+        }
+
+        fn reserve_kept(&self) -> bool {
+            self.dir.path().join("RESERVE").exists()
+        }
+    }
+
+    /// Issue 19: another process fills the disk. The completions of what
+    /// was fired still reach the disk, written into the reserve's space;
+    /// firing pauses and puts are refused until the disk has room for the
+    /// reserve again, which the writer notices by itself.
+    #[test]
+    fn deletes_that_do_not_fit_go_into_the_reserve_and_firing_pauses_until_it_is_back() {
+        let mut rig = Rig::new();
+        let one = rig.put(1).unwrap();
+        assert!(rig.reserve_kept(), "made at start");
+        rig.put(2).unwrap();
+        rig.free(0); // someone else took every free byte
+        rig.del(1, one);
+        assert_eq!(rig.firing(), Some(PauseReason::DiskFull));
+        assert_eq!(rig.on_disk(), [2], "the delete is durable");
+        assert!(!rig.reserve_kept());
+        assert!(rig.put(3).is_err(), "the reserve's space is not for puts");
+        rig.free(ROOMY);
+        assert_eq!(rig.firing(), None, "resumed by itself");
+        assert!(rig.reserve_kept(), "made again first");
+        rig.put(4).unwrap();
+        assert_eq!(rig.on_disk(), [2, 4]);
+        rig.writer.join().unwrap();
+    }
+
+    /// When even the reserve's space is taken, deletes cannot be written:
+    /// firing stays paused (for that reason) while they are tried again
+    /// every second, and resumes once they are written and the reserve is
+    /// back.
+    #[test]
+    fn completions_that_cannot_be_written_pause_firing_until_they_are() {
+        let mut rig = Rig::new();
+        let one = rig.put(1).unwrap();
+        let two = rig.put(2).unwrap();
+        rig.free(0);
+        rig.del(1, one);
+        assert_eq!(rig.firing(), Some(PauseReason::DiskFull));
+        rig.free(0); // the reserve's space is taken too
+        rig.del(2, two);
+        assert_eq!(rig.firing(), Some(PauseReason::CompletionsUnwritten));
+        assert_eq!(rig.on_disk(), [2], "its delete is not on disk");
+        rig.free(ROOMY);
+        assert_eq!(rig.firing(), None);
+        assert!(rig.on_disk().is_empty(), "written again by itself");
+        assert!(rig.reserve_kept());
+        rig.writer.join().unwrap();
     }
 }

@@ -6,14 +6,19 @@
 //! A message for a destination known to refuse it (an exchange that is
 //! missing, a queue that is gone) is set aside without being read, except
 //! for one probe at a time.
+//!
+//! Nothing fires while the store cannot record completions (its disk is
+//! full, its deletes cannot be written): a message republished then would
+//! be republished again after a restart. What the republishers already
+//! have completes meanwhile, into the store's reserve.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tracing::debug;
+use tracing::{debug, info, warn};
 
 use super::{Engine, Handed, Slot};
-use crate::metrics::{BlockReason, Metrics};
+use crate::metrics::{BlockReason, Metrics, PauseReason};
 use crate::retry::ledger::Entry;
 use crate::retry::republish::{Publish, Republisher};
 use crate::store::{Held, Route};
@@ -30,6 +35,29 @@ impl Engine {
         self.more = false;
         for v in 0..self.vhosts.len() {
             self.fire_vhost(v as u32, now);
+        }
+    }
+
+    /// The store says whether completions can be recorded: firing pauses
+    /// (or resumes) from now, said once per change in the log, in
+    /// `nackd_firing_paused{reason}` and in `/readyz`.
+    pub(super) fn on_firing(&mut self, paused: Option<PauseReason>) {
+        let was = self.paused.map(|(reason, since)| (reason, since.elapsed()));
+        self.paused = paused.map(|reason| match self.paused {
+            Some((_, since)) => (reason, since),
+            None => (reason, Instant::now()),
+        });
+        self.metrics.set_firing_paused(paused);
+        let handed = self.handed.len();
+        match (was, paused) {
+            (_, Some(reason)) if was.map(|w| w.0) != paused => warn!(
+                reason = reason.label(), held = self.ledger.len(), handed,
+                "{}; held messages wait, what is already handed to the republishers completes, new nacks pass through to the broker", reason.text()
+            ),
+            (Some((was, paused_for)), None) => info!(
+                was = was.label(), ?paused_for, "firing resumed: the store records completions again"
+            ),
+            _ => {}
         }
     }
 
