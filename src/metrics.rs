@@ -18,7 +18,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
+mod damage;
 mod recent;
+pub use damage::{DamageList, Damaged};
 pub use recent::{Event, EventKind, Recent};
 
 /// Content type of [`Metrics::encode`]'s output (OpenMetrics text, which
@@ -262,6 +264,12 @@ pub struct Metrics {
     pub store_compacted_bytes: Counter,
     /// Bytes recovery skipped because they did not read back.
     pub store_damaged_bytes: Counter,
+    /// Damaged ranges recovery found (whole missing segments included).
+    pub store_damaged_ranges: Counter,
+    /// Bytes of torn writes recovery cut off the newest segment (not damage).
+    pub store_torn_bytes: Counter,
+    /// The damaged ranges and torn tail of the last recovery, for the status page.
+    pub store_damage: DamageList,
     /// Held messages written back into the local store from the replica stream.
     pub replica_rebuilt: Counter,
     /// Replica generations replaced by a compacted one.
@@ -387,6 +395,9 @@ impl Metrics {
             store_live_bytes: Gauge::default(),
             store_compacted_bytes: Counter::default(),
             store_damaged_bytes: Counter::default(),
+            store_damaged_ranges: Counter::default(),
+            store_torn_bytes: Counter::default(),
+            store_damage: DamageList::default(),
             replica_rebuilt: Counter::default(),
             replica_generations: Counter::default(),
             republishers: Gauge::default(),
@@ -570,9 +581,20 @@ impl Metrics {
         );
         r.register_with_unit(
             "nackd_store_damaged",
-            "Bytes recovery skipped because they did not read back (held messages in them are lost)",
+            "Bytes recovery skipped because they did not read back (held messages in them are lost; deleted ones may be republished once more)",
             Unit::Bytes,
             self.store_damaged_bytes.clone(),
+        );
+        r.register(
+            "nackd_store_damaged_ranges",
+            "Damaged ranges of store files recovery found, missing segments included (each logged with its file and offsets)",
+            self.store_damaged_ranges.clone(),
+        );
+        r.register_with_unit(
+            "nackd_store_torn",
+            "Bytes of a torn write (a crash during a write; nothing in it was answered) recovery cut off the newest segment",
+            Unit::Bytes,
+            self.store_torn_bytes.clone(),
         );
     }
 

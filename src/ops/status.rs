@@ -52,6 +52,12 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
         "policy_exchanges_missing": m.exchanges_missing.get(),
         "engine": engine,
         "recent": m.recent.newest_first(),
+        "store": {
+            "damaged_bytes": m.store_damaged_bytes.get(),
+            "damaged_ranges": m.store_damaged_ranges.get(),
+            "torn_bytes": m.store_torn_bytes.get(),
+            "damage": m.store_damage.all(),
+        },
     });
     Json(body).into_response()
 }

@@ -14,8 +14,9 @@ use std::sync::{Arc, RwLock};
 
 use tracing::{error, warn};
 
-use super::record::{self, View};
-use super::recover::{self, Recovered};
+use super::header::{self, Header};
+use super::record::{self, Framing, View};
+use super::recover::{self, Recovered, Report};
 use super::segment::{Loc, Segment};
 use super::{Held, StoreError};
 
@@ -81,7 +82,14 @@ enum Effect {
     Delete(u64, Loc),
 }
 
-pub(super) type Files = Arc<RwLock<HashMap<u32, Arc<File>>>>;
+/// A segment file open for reading, with how its records are framed (its
+/// salt never leaves the store: it is kept here, with the open file).
+pub(super) struct SegmentFile {
+    file: File,
+    framing: Framing,
+}
+
+pub(super) type Files = Arc<RwLock<HashMap<u32, Arc<SegmentFile>>>>;
 
 /// A record's position: segment and offset.
 type Pos = (u32, u32);
@@ -124,6 +132,8 @@ pub struct Log {
     /// goes only once the file is above every id it may hold.
     max_id: u64,
     next_id_kept: u64,
+    /// What recovery found, until the writer counts it in the metrics.
+    report: Option<Report>,
     /// Older segments are still being read ([`Log::open_deferred`]): they
     /// are not in `segments` yet, so nothing is reclaimed or compacted
     /// until [`Log::merge`] brings them in.
@@ -218,14 +228,21 @@ impl Log {
             backlog.read = Some((recovered, segments));
         }
         let files: Files = Arc::default();
-        let mut total = 0;
+        let mut total = header::LEN as u64; // the head's
+        let mut prev = None;
         for n in &numbers {
             let file = File::open(segment_path(dir, *n))?;
-            total += file.metadata()?.len();
-            files.write().expect("lock").insert(*n, Arc::new(file));
+            let len = file.metadata()?.len();
+            total += len;
+            prev = Some((*n, len));
+            let framing = recover::framing(&file, *n)?;
+            let file = Arc::new(SegmentFile { file, framing });
+            files.write().expect("lock").insert(*n, file);
         }
+        // The head's header says how long the newest older segment is,
+        // its torn tail cut: it is sealed at that.
         let head = numbers.last().map_or(1, |n| n + 1);
-        let head_file = create_segment(dir, head, &files)?;
+        let (head_file, head_framing) = create_segment(dir, head, prev, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
             options,
@@ -246,13 +263,15 @@ impl Log {
             mismatched: 0,
             max_id: floor - 1,
             next_id_kept: if ahead { kept } else { 0 },
+            report: None,
             recovering: !numbers.is_empty(),
             #[cfg(test)]
             faults: faults::Faults::default(),
             _lock: lock,
         };
         log.keep_ids_ahead(floor)?;
-        log.segments.insert(head, Segment::new(0));
+        log.segments
+            .insert(head, Segment::new(header::LEN as u64, head_framing));
         if let Some((_, segments)) = &mut backlog.read {
             log.merge(std::mem::take(segments));
         }
@@ -269,6 +288,9 @@ impl Log {
             self.segments.insert(n, segment);
         }
         self.max_id = self.max_id.max(older.1.saturating_sub(1));
+        if older.2.is_some() {
+            self.report = older.2;
+        }
         self.recovering = false;
         self.reclaim();
     }
@@ -323,6 +345,11 @@ impl Log {
         self.live_bytes
     }
 
+    /// What recovery found (damage, a torn tail), once: for the metrics.
+    pub fn take_report(&mut self) -> Option<Report> {
+        self.report.take()
+    }
+
     /// Segment files on disk.
     pub fn segment_count(&self) -> usize {
         self.segments.len()
@@ -357,19 +384,20 @@ impl Log {
                 held.size()
             )));
         }
-        let rec = record::encode_put(held);
+        let body = record::put_body(held);
+        let len = record::SALTED_PREFIX + body.len();
         if let Some(max) = self.options.max_bytes {
-            if self.total + self.pending.len() as u64 + rec.len() as u64 > max {
+            if self.total + self.pending.len() as u64 + len as u64 > max {
                 return Err(StoreError::Full(format!("store.max_bytes {max} reached")));
             }
         }
-        if !self.room_for(rec.len()) {
+        if !self.room_for(len) {
             return Err(StoreError::Io(
                 "the disk is full (room is kept for deletes)".into(),
             ));
         }
         self.keep_ids_ahead(held.id).map_err(io_err)?;
-        let loc = self.stage(&rec)?;
+        let loc = self.stage(&body)?;
         self.max_id = self.max_id.max(held.id);
         self.effects.push(Effect::Live(loc));
         if let Some(old) = replaces {
@@ -395,7 +423,7 @@ impl Log {
     /// The put stays live until the delete record is durable; if a commit
     /// loses it, it is staged again at the next one.
     pub fn del(&mut self, id: u64, loc: Loc) {
-        if self.stage(&record::encode_del(id)).is_ok() {
+        if self.stage(&record::del_body(id)).is_ok() {
             self.effects.push(Effect::Delete(id, loc));
         } else {
             self.unwritten.push((id, loc));
@@ -408,30 +436,40 @@ impl Log {
         self.release_now(loc);
     }
 
-    /// Appends `rec` to the staged bytes of the head, replacing the head
-    /// first when it is full or cannot be trusted. Rotating only between
-    /// commits keeps one commit = one file, one write, one fsync.
-    fn stage(&mut self, rec: &[u8]) -> Result<Loc, StoreError> {
+    /// Appends the record of `body` to the staged bytes of the head,
+    /// replacing the head first when it is full or cannot be trusted, and
+    /// framed with the head's salt. Rotating only between commits keeps one
+    /// commit = one file, one write, one fsync.
+    fn stage(&mut self, body: &[u8]) -> Result<Loc, StoreError> {
         if self.pending.is_empty() {
             let full = self.segments[&self.head].size >= self.options.segment_bytes;
             if self.stale_head || full {
                 self.rotate()?;
             }
         }
-        let loc = Loc {
+        let offset = self.head_size() as u32;
+        let before = self.pending.len();
+        let framing = self.segments[&self.head].framing;
+        framing.frame_into(&mut self.pending, body);
+        Ok(Loc {
             segment: self.head,
-            offset: self.head_size() as u32,
-            len: rec.len() as u32,
-        };
-        self.pending.extend_from_slice(rec);
-        Ok(loc)
+            offset,
+            len: (self.pending.len() - before) as u32,
+        })
     }
 
+    /// Seals the head at its durable size and starts the next segment,
+    /// whose header says that size.
     fn rotate(&mut self) -> Result<(), StoreError> {
         let next = self.head + 1;
-        self.head_file = create_segment(&self.dir, next, &self.files).map_err(io_err)?;
+        let sealed = (self.head, self.segments[&self.head].size);
+        let (file, framing) =
+            create_segment(&self.dir, next, Some(sealed), &self.files).map_err(io_err)?;
+        self.head_file = file;
         self.head = next;
-        self.segments.insert(next, Segment::new(0));
+        self.segments
+            .insert(next, Segment::new(header::LEN as u64, framing));
+        self.total += header::LEN as u64;
         self.stale_head = false;
         Ok(())
     }
@@ -662,25 +700,26 @@ impl Log {
             if copied >= budget {
                 break;
             }
-            let Some((bytes, id)) = read_record(&file, offset) else {
+            let Some((body, len, id)) = read_record(&file, offset) else {
                 error!(
                     segment = n,
                     offset, "store: a held message no longer reads back; compaction leaves it"
                 );
                 continue;
             };
-            if !self.room_for(bytes.len()) {
+            if !self.room_for(record::SALTED_PREFIX + body.len()) {
                 break;
             }
-            let to = self.stage(&bytes)?;
+            // The same body, framed anew with the head's salt.
+            let to = self.stage(&body)?;
             let from = Loc {
                 segment: n,
                 offset,
-                len: bytes.len() as u32,
+                len,
             };
             self.effects.push(Effect::Live(to));
             copies.push(Relocation { id, from, to });
-            copied += bytes.len() as u64;
+            copied += u64::from(to.len);
         }
         self.commit()?;
         for r in &copies {
@@ -694,13 +733,15 @@ impl Log {
 #[cfg(test)]
 impl Log {
     /// A crash in the middle of a write: the first `torn` staged bytes reach
-    /// the file, nothing is fsynced, the log is gone. Returns those bytes.
+    /// the file, nothing is fsynced, the log is gone. Returns those bytes
+    /// after the head's header: a segment [`super::scan`] reads.
     pub(crate) fn crash(mut self, torn: usize) -> Vec<u8> {
         let n = torn.min(self.pending.len());
         self.head_file
             .write_all(&self.pending[..n])
             .expect("test write");
-        self.pending[..n].to_vec()
+        let head = std::fs::read(segment_path(&self.dir, self.head)).expect("test read");
+        [&head[..header::LEN], &self.pending[..n]].concat()
     }
 
     /// `(segment, offset)` of every live put.
@@ -725,17 +766,21 @@ impl Log {
     }
 }
 
-/// A whole, good record at `offset`, and its message id (puts only).
-fn read_record(file: &File, offset: u32) -> Option<(Vec<u8>, u64)> {
-    let mut prefix = [0u8; record::PREFIX];
-    file.read_exact_at(&mut prefix, offset.into()).ok()?;
-    let (len, _) = record::prefix(&prefix).ok()?;
-    let mut bytes = vec![0u8; record::PREFIX + len];
-    file.read_exact_at(&mut bytes, offset.into()).ok()?;
-    match record::at(&bytes).ok()? {
+/// The body of the whole, good put record at `offset`, the record's
+/// length and its message id.
+fn read_record(segment: &SegmentFile, offset: u32) -> Option<(Vec<u8>, u32, u64)> {
+    let framing = segment.framing;
+    let mut prefix = [0u8; record::SALTED_PREFIX];
+    let prefix = &mut prefix[..framing.prefix_len()];
+    segment.file.read_exact_at(prefix, offset.into()).ok()?;
+    let len = framing.prefix_len() + framing.prefix(prefix).ok()?;
+    let mut bytes = vec![0u8; len];
+    segment.file.read_exact_at(&mut bytes, offset.into()).ok()?;
+    match framing.at(&bytes).ok()? {
         (View::Put(p), _) => {
             let id = p.id;
-            Some((bytes, id))
+            bytes.drain(..framing.prefix_len());
+            Some((bytes, len as u32, id))
         }
         (View::Del(_), _) => None,
     }
@@ -796,15 +841,29 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
     sync_dir(dir)
 }
 
-fn create_segment(dir: &Path, n: u32, files: &Files) -> io::Result<File> {
+/// Creates segment `n` after `prev` (its number and sealed length), with
+/// its header written and fsynced, then the directory: a segment exists
+/// only with its header, else it is a torn one. Returns the file to append
+/// to and how its records are framed.
+fn create_segment(
+    dir: &Path,
+    n: u32,
+    prev: Option<(u32, u64)>,
+    files: &Files,
+) -> io::Result<(File, Framing)> {
     let path = segment_path(dir, n);
-    let file = OpenOptions::new().create(true).append(true).open(&path)?;
+    let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+    let header = Header::new(n, prev);
+    file.write_all(&header.encode())?;
+    file.sync_data()?;
     sync_dir(dir)?;
-    files
-        .write()
-        .expect("lock")
-        .insert(n, Arc::new(File::open(&path)?));
-    Ok(file)
+    let framing = header.framing();
+    let read = SegmentFile {
+        file: File::open(&path)?,
+        framing,
+    };
+    files.write().expect("lock").insert(n, Arc::new(read));
+    Ok((file, framing))
 }
 
 /// The older segments of a [`Log::open_deferred`], to read off the writer's
@@ -819,10 +878,10 @@ pub struct Backlog {
 }
 
 /// The bookkeeping of older segments read by [`Backlog::read`], for
-/// [`Log::merge`]: each segment's size and live puts, and the first id
-/// none of their records has.
+/// [`Log::merge`]: each segment's size and live puts, the first id none
+/// of their records has, and what recovery found wrong (for the metrics).
 #[derive(Debug, Default)]
-pub struct Segments(BTreeMap<u32, Segment>, u64);
+pub struct Segments(BTreeMap<u32, Segment>, u64, Option<Report>);
 
 impl Backlog {
     /// Reads the older segments: the messages they hold, for the engine,
@@ -839,7 +898,8 @@ impl Backlog {
         let (mut recovered, segments) = recover::read(&self.dir, &self.numbers)?;
         recovered.torn_tail = self.torn_tail;
         let next_id = recovered.next_id;
-        Ok((recovered, Segments(segments, next_id)))
+        let report = Some(recovered.report());
+        Ok((recovered, Segments(segments, next_id, report)))
     }
 
     /// What a crash during a write left at the end of the newest older
@@ -871,9 +931,10 @@ impl Reader {
             .cloned()
             .ok_or_else(|| StoreError::Io(format!("segment {} is gone", loc.segment)))?;
         let mut buf = vec![0u8; loc.len as usize];
-        file.read_exact_at(&mut buf, loc.offset as u64)
+        file.file
+            .read_exact_at(&mut buf, loc.offset as u64)
             .map_err(io_err)?;
-        match record::at(&buf) {
+        match file.framing.at(&buf) {
             Ok((View::Put(p), len)) if len == buf.len() => Ok(p.to_held()),
             Ok(_) | Err(_) => Err(StoreError::Io(format!("no put record at {loc:?}"))),
         }

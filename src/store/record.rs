@@ -1,29 +1,182 @@
 //! The on-disk record format of the hold log.
 //!
 //! ```text
-//! record  = len:u32 crc:u32 body            (crc32 of body, len = body length)
-//! body    = 1 put | 2 del
+//! record  = check:u64 len:u32 body   (format 2: check = xxh3-64 of len‖body,
+//!                                     seeded with the segment's salt)
+//!         | len:u32 crc:u32 body     (format 1, and replica records: crc32 of body)
+//! body    = 1 put | 2 del            (len = body length)
 //! put     = id:u64 due_ms:u64 retry:u32 vhost:str16 queue:str16
 //!           route on_return header:bytes32 body:bytes32
 //! del     = id:u64
 //! route   = 0 (queue) | 1 exchange:str16 routing_key:str16 | 255 (none)
 //! ```
+//!
+//! Segments are written in format 2 only ([`Framing::Salted`]). Its check
+//! covers the length too and is keyed by a salt that never leaves the
+//! segment file, so no bytes a publisher chose (a body shaped like records,
+//! even a byte-exact copy of a record of another segment) check as a
+//! record: a scan that resynchronises after damage cannot be led into a
+//! message body. xxh3 is no cryptographic MAC, but nothing ever answers a
+//! forger whether a guess checked, the salt is 64 secret bits, and 64 check
+//! bits also make garbage that checks by chance negligible (a resync tries
+//! every offset of a damaged range), at memory speed (recovery reads every
+//! segment). Format 1 ([`Framing::Plain`]) is read for the segments of an
+//! older nackd, and is what the replica's stream records carry (each is its
+//! own AMQP message there: nothing is ever resynchronised in them).
 
 use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::{Held, Route};
 
-/// Bytes before a record's body.
+/// Bytes before a record's body in format 1 (replica records).
 pub const PREFIX: usize = 8;
-/// Bytes of a delete record, prefix included.
-pub const DEL_LEN: usize = PREFIX + 1 + 8;
+/// Bytes before a record's body in format 2 (what segments are written in).
+pub const SALTED_PREFIX: usize = 12;
+/// Bytes a delete record takes in a segment, prefix included.
+pub const DEL_LEN: usize = SALTED_PREFIX + 1 + 8;
 /// Largest record body accepted when reading (corruption guard).
 pub const MAX_BODY: usize = 512 * 1024 * 1024;
 
 const PUT: u8 = 1;
 const DEL: u8 = 2;
+
+/// How the records of a segment (or a replica record) are framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// Format 1: `len:u32 crc32:u32 body`, unkeyed.
+    Plain,
+    /// Format 2: `check:u64 len:u32 body`, checked with this salt.
+    Salted(u64),
+}
+
+impl Framing {
+    /// Bytes before a record's body.
+    pub fn prefix_len(self) -> usize {
+        match self {
+            Self::Plain => PREFIX,
+            Self::Salted(_) => SALTED_PREFIX,
+        }
+    }
+
+    /// Appends `body` framed as a record to `out`.
+    pub fn frame_into(self, out: &mut Vec<u8>, body: &[u8]) {
+        match self {
+            Self::Plain => {
+                out.put_u32(body.len() as u32);
+                out.put_u32(crc32fast::hash(body));
+                out.put_slice(body);
+            }
+            Self::Salted(salt) => {
+                let at = out.len();
+                out.put_u64(0);
+                out.put_u32(body.len() as u32);
+                out.put_slice(body);
+                let check = xxh3_64_with_seed(&out[at + 8..], salt);
+                out[at..at + 8].copy_from_slice(&check.to_be_bytes());
+            }
+        }
+    }
+
+    /// Where the length sits in a prefix.
+    fn len_at(self) -> usize {
+        match self {
+            Self::Plain => 0,
+            Self::Salted(_) => 8,
+        }
+    }
+
+    /// `body` framed as a record.
+    pub fn frame(self, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.prefix_len() + body.len());
+        self.frame_into(&mut out, body);
+        out
+    }
+
+    /// The body length the prefix at `bytes[0]` announces.
+    pub fn prefix(self, bytes: &[u8]) -> Result<usize, Bad> {
+        let at = self.len_at();
+        let Some(len) = bytes.get(at..at + 4) else {
+            return Err(Bad::Torn);
+        };
+        let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        if len == 0 || len > MAX_BODY {
+            return Err(Bad::Corrupt);
+        }
+        Ok(len)
+    }
+
+    /// Whether the record `rec` (prefix included, exactly its length) checks.
+    fn checks(self, rec: &[u8]) -> bool {
+        match self {
+            Self::Plain => {
+                let crc = u32::from_be_bytes(rec[4..8].try_into().expect("4 bytes"));
+                crc32fast::hash(&rec[PREFIX..]) == crc
+            }
+            Self::Salted(salt) => {
+                let check = u64::from_be_bytes(rec[..8].try_into().expect("8 bytes"));
+                xxh3_64_with_seed(&rec[8..], salt) == check
+            }
+        }
+    }
+
+    /// The record that starts at `bytes[0]` (prefix included) and its whole
+    /// length, if a complete, well-formed record that checks is there.
+    pub fn at(self, bytes: &[u8]) -> Result<(View<'_>, usize), Bad> {
+        let end = self.prefix_len() + self.prefix(bytes)?;
+        if end > bytes.len() {
+            return Err(Bad::Torn);
+        }
+        // Structure first: it costs nothing compared with a check over a
+        // large body, and random bytes almost never have it.
+        let view = view(&bytes[self.prefix_len()..end])?;
+        if !self.checks(&bytes[..end]) {
+            return Err(Bad::Corrupt);
+        }
+        Ok((view, end))
+    }
+
+    /// How many bytes the record at `bytes[0]` (prefix included) takes when
+    /// its length prefix and the lengths inside its body agree (after a torn
+    /// write both run past the end of `bytes`): a bad record whose framing
+    /// is intact, only its contents are not. `None` when they disagree or it
+    /// is no put or delete: then the framing itself is damaged.
+    pub fn extent(self, bytes: &[u8]) -> Option<usize> {
+        let p = self.prefix_len();
+        let len_at = self.len_at();
+        let len = bytes.get(len_at..len_at + 4)?;
+        let said = p + u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        match inner_len(bytes.get(p..).unwrap_or_default()) {
+            Ok(Some(len)) if p + len == said => Some(said),
+            Ok(None) if said > bytes.len() => Some(said),
+            _ => None,
+        }
+    }
+
+    /// What the record at `bytes[0]` (prefix included) says it is, read
+    /// without any check: a put or a delete, and its id. For reporting a
+    /// bad record whose framing is intact; the id may be damaged too.
+    pub fn kind_of(self, bytes: &[u8]) -> Option<(Kind, u64)> {
+        let body = bytes.get(self.prefix_len()..)?;
+        let id = u64_of(body.get(1..9)?);
+        match body[0] {
+            PUT => Some((Kind::Put, id)),
+            DEL => Some((Kind::Del, id)),
+            _ => None,
+        }
+    }
+}
+
+/// What a record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A put.
+    Put,
+    /// A delete.
+    Del,
+}
 
 fn put_str16(out: &mut Vec<u8>, s: &str) {
     let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
@@ -46,14 +199,6 @@ fn put_route(out: &mut Vec<u8>, route: Option<&Route>) {
     }
 }
 
-fn frame(body: Vec<u8>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + PREFIX);
-    out.put_u32(body.len() as u32);
-    out.put_u32(crc32fast::hash(&body));
-    out.extend_from_slice(&body);
-    out
-}
-
 /// The body length of `h`'s put record (what its prefix will say).
 pub fn put_len(h: &Held) -> usize {
     let str16 = |s: &str| 2 + s.len().min(u16::MAX as usize);
@@ -70,8 +215,8 @@ pub fn put_len(h: &Held) -> usize {
     fixed + names + routes + h.header.len() + h.body.len()
 }
 
-/// Encodes a put record, prefix included.
-pub fn encode_put(h: &Held) -> Vec<u8> {
+/// The body of `h`'s put record (what a [`Framing`] frames).
+pub fn put_body(h: &Held) -> Vec<u8> {
     let mut b = Vec::with_capacity(put_len(h));
     b.put_u8(PUT);
     b.put_u64(h.id);
@@ -85,15 +230,25 @@ pub fn encode_put(h: &Held) -> Vec<u8> {
     b.put_slice(&h.header);
     b.put_u32(h.body.len() as u32);
     b.put_slice(&h.body);
-    frame(b)
+    b
 }
 
-/// Encodes a delete record, prefix included.
-pub fn encode_del(id: u64) -> Vec<u8> {
+/// The body of a delete record of `id`.
+pub fn del_body(id: u64) -> Vec<u8> {
     let mut b = Vec::with_capacity(9);
     b.put_u8(DEL);
     b.put_u64(id);
-    frame(b)
+    b
+}
+
+/// Encodes a put record in format 1, prefix included (a replica record).
+pub fn encode_put(h: &Held) -> Vec<u8> {
+    Framing::Plain.frame(&put_body(h))
+}
+
+/// Encodes a delete record in format 1, prefix included.
+pub fn encode_del(id: u64) -> Vec<u8> {
+    Framing::Plain.frame(&del_body(id))
 }
 
 /// Why a record cannot be read.
@@ -103,19 +258,6 @@ pub enum Bad {
     Torn,
     /// The checksum or the structure is wrong.
     Corrupt,
-}
-
-/// Reads the prefix: `(body length, crc)`.
-pub fn prefix(bytes: &[u8]) -> Result<(usize, u32), Bad> {
-    if bytes.len() < PREFIX {
-        return Err(Bad::Torn);
-    }
-    let len = u32::from_be_bytes(bytes[..4].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_be_bytes(bytes[4..8].try_into().expect("4 bytes"));
-    if len == 0 || len > MAX_BODY {
-        return Err(Bad::Corrupt);
-    }
-    Ok((len, crc))
 }
 
 /// A record read in place: nothing is copied (recovery reads millions).
@@ -173,7 +315,7 @@ impl PutView<'_> {
 }
 
 /// Reads a record body whose structure must use exactly its length (the
-/// checksum is [`decode`]'s job; this alone is a strong filter when looking
+/// check is [`Framing::at`]'s job; this alone is a strong filter when looking
 /// for the next record after damage).
 pub fn view(body: &[u8]) -> Result<View<'_>, Bad> {
     let mut b = body;
@@ -209,41 +351,9 @@ pub fn view(body: &[u8]) -> Result<View<'_>, Bad> {
     Ok(view)
 }
 
-/// Checks a record body against `crc` and reads it in place.
-pub fn decode(body: &[u8], crc: u32) -> Result<View<'_>, Bad> {
-    if crc32fast::hash(body) != crc {
-        return Err(Bad::Corrupt);
-    }
-    view(body)
-}
-
-/// The record that starts at `bytes[0]` (prefix included) and its whole
-/// length, if a complete, well-formed record with a good checksum is there.
+/// A format 1 record (a replica record) at `bytes[0]`: see [`Framing::at`].
 pub fn at(bytes: &[u8]) -> Result<(View<'_>, usize), Bad> {
-    let (len, crc) = prefix(bytes)?;
-    let end = PREFIX + len;
-    if end > bytes.len() {
-        return Err(Bad::Torn);
-    }
-    let body = &bytes[PREFIX..end];
-    // Structure first: it costs nothing compared with a checksum over a
-    // large body, and random bytes almost never have it.
-    view(body)?;
-    Ok((decode(body, crc)?, end))
-}
-
-/// How many bytes the record at `bytes[0]` (prefix included) takes when
-/// its length prefix and the lengths inside its body agree (after a torn
-/// write both run past the end of `bytes`): a bad record whose framing is
-/// intact, only its contents are not. `None` when they disagree or it is no
-/// put or delete: then the framing itself is damaged.
-pub fn extent(bytes: &[u8]) -> Option<usize> {
-    let said = PREFIX + u32::from_be_bytes(bytes.get(..4)?.try_into().expect("4 bytes")) as usize;
-    match inner_len(bytes.get(PREFIX..).unwrap_or_default()) {
-        Ok(Some(len)) if PREFIX + len == said => Some(said),
-        Ok(None) if said > bytes.len() => Some(said),
-        _ => None,
-    }
+    Framing::Plain.at(bytes)
 }
 
 /// A record body's length by its own length fields; `Ok(None)` if `body`
@@ -292,13 +402,9 @@ fn inner_len(body: &[u8]) -> Result<Option<usize>, ()> {
     Ok(Some(at))
 }
 
-/// The id of the put or delete record `bytes` (prefix included) holds.
+/// The id of the format 1 put or delete record `bytes` (prefix included) holds.
 pub fn id_of(bytes: &[u8]) -> Option<u64> {
-    let body = bytes.get(PREFIX..)?;
-    match body.first()? {
-        &PUT | &DEL => Some(u64_of(body.get(1..9)?)),
-        _ => None,
-    }
+    Framing::Plain.kind_of(bytes).map(|(_, id)| id)
 }
 
 fn u64_of(b: &[u8]) -> u64 {
@@ -337,7 +443,7 @@ fn route(b: &mut &[u8]) -> Result<Option<Route>, Bad> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn held(id: u64) -> Held {
@@ -357,46 +463,59 @@ mod tests {
         }
     }
 
+    const FRAMINGS: [Framing; 2] = [Framing::Plain, Framing::Salted(0x5eed)];
+
     #[test]
     fn put_and_del_round_trip() {
         let h = held(7);
-        let wire = encode_put(&h);
-        assert_eq!(wire.len(), PREFIX + put_len(&h));
-        let (len, crc) = prefix(&wire).unwrap();
-        assert_eq!(len, wire.len() - PREFIX);
-        match decode(&wire[PREFIX..], crc).unwrap() {
-            View::Put(back) => {
-                let back = back.to_held();
-                assert_eq!((back.id, back.due_ms, back.retry), (7, h.due_ms, 2));
-                assert_eq!((&*back.vhost, &*back.queue), ("/", "email-queue"));
-                assert_eq!(back.route, Route::Queue);
-                assert_eq!(back.on_return, h.on_return);
-                assert_eq!((back.header, back.body), (h.header, h.body));
+        for framing in FRAMINGS {
+            let wire = framing.frame(&put_body(&h));
+            assert_eq!(wire.len(), framing.prefix_len() + put_len(&h));
+            assert_eq!(framing.prefix(&wire).unwrap(), put_len(&h));
+            match framing.at(&wire).unwrap() {
+                (View::Put(back), len) => {
+                    assert_eq!(len, wire.len());
+                    let back = back.to_held();
+                    assert_eq!((back.id, back.due_ms, back.retry), (7, h.due_ms, 2));
+                    assert_eq!((&*back.vhost, &*back.queue), ("/", "email-queue"));
+                    assert_eq!(back.route, Route::Queue);
+                    assert_eq!(back.on_return, h.on_return);
+                    assert_eq!((back.header, back.body), (h.header.clone(), h.body.clone()));
+                }
+                other => panic!("{other:?}"),
             }
-            other => panic!("{other:?}"),
+            let del = framing.frame(&del_body(9));
+            assert!(matches!(framing.at(&del), Ok((View::Del(9), _))));
+            assert_eq!(framing.kind_of(&wire), Some((Kind::Put, 7)));
+            assert_eq!(framing.kind_of(&del), Some((Kind::Del, 9)));
+            assert_eq!(framing.at(&wire[..wire.len() - 1]).unwrap_err(), Bad::Torn);
+            assert_eq!(framing.at(&wire[..5]).unwrap_err(), Bad::Torn);
         }
-        let del = encode_del(9);
-        let (_, crc) = prefix(&del).unwrap();
-        assert!(matches!(decode(&del[PREFIX..], crc), Ok(View::Del(9))));
-        assert_eq!((id_of(&wire), id_of(&del)), (Some(7), Some(9)));
-        assert_eq!(at(&wire).unwrap().1, wire.len());
-        assert_eq!(at(&wire[..wire.len() - 1]).unwrap_err(), Bad::Torn);
+        assert_eq!(encode_put(&h), Framing::Plain.frame(&put_body(&h)));
+        assert_eq!(DEL_LEN, Framing::Salted(1).frame(&del_body(1)).len());
     }
 
     #[test]
     fn any_flipped_bit_is_caught() {
-        let wire = encode_put(&held(1));
-        for i in PREFIX..wire.len() {
-            let mut bad = wire.clone();
-            bad[i] ^= 0x10;
-            let (_, crc) = prefix(&bad).unwrap();
-            assert_eq!(
-                decode(&bad[PREFIX..], crc).unwrap_err(),
-                Bad::Corrupt,
-                "byte {i}"
-            );
+        for framing in FRAMINGS {
+            let wire = framing.frame(&put_body(&held(1)));
+            for i in 0..wire.len() {
+                let mut bad = wire.clone();
+                bad[i] ^= 0x10;
+                assert!(framing.at(&bad).is_err(), "byte {i}");
+            }
         }
-        assert_eq!(prefix(&wire[..5]).unwrap_err(), Bad::Torn);
+    }
+
+    #[test]
+    fn a_salted_record_checks_only_under_its_own_salt() {
+        let body = put_body(&held(1));
+        let a = Framing::Salted(1).frame(&body);
+        assert!(Framing::Salted(1).at(&a).is_ok());
+        assert_eq!(Framing::Salted(2).at(&a).unwrap_err(), Bad::Corrupt);
+        let plain = Framing::Plain.frame(&body);
+        assert!(Framing::Salted(1).at(&plain).is_err());
+        assert!(Framing::Plain.at(&a).is_err());
     }
 
     #[test]
@@ -406,16 +525,27 @@ mod tests {
             exchange: "x".into(),
             routing_key: "k".into(),
         };
-        for wire in [encode_put(&h), encode_put(&held(2)), encode_del(3)] {
-            for cut in 4..=wire.len() {
-                assert_eq!(extent(&wire[..cut]), Some(wire.len()), "cut at {cut}");
+        for framing in FRAMINGS {
+            let p = framing.prefix_len();
+            for wire in [
+                framing.frame(&put_body(&h)),
+                framing.frame(&put_body(&held(2))),
+                framing.frame(&del_body(3)),
+            ] {
+                for cut in p..=wire.len() {
+                    assert_eq!(
+                        framing.extent(&wire[..cut]),
+                        Some(wire.len()),
+                        "cut at {cut}"
+                    );
+                }
+                let mut bad = wire.clone();
+                bad[framing.len_at() + 2] ^= 0x10; // the length disagrees with the body
+                assert_eq!(framing.extent(&bad), None);
+                bad = wire.clone();
+                bad[p] = 9; // no put or delete
+                assert_eq!(framing.extent(&bad), None);
             }
-            let mut bad = wire.clone();
-            bad[0] ^= 0x10; // the length prefix disagrees with the body
-            assert_eq!(extent(&bad), None);
-            bad = wire.clone();
-            bad[PREFIX] = 9; // no put or delete
-            assert_eq!(extent(&bad), None);
         }
     }
 }

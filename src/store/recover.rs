@@ -2,21 +2,27 @@
 //! messages, each with its latest put, minus those a delete record cancels.
 //!
 //! The one change made on disk: a torn tail at the end of the newest
-//! segment, which is what a crash during a write leaves (nothing in it was
-//! answered), is cut off and logged. Damage anywhere else is skipped record by record, every range logged
-//! with its offsets and returned so that it is counted: acked messages may
-//! be in it, and an operator must hear about it.
+//! segment, which is what a crash during a write leaves (a record that runs
+//! past the end of the file: nothing in it was answered), is cut off and
+//! logged. Anything else that does not read back is damage: skipped record
+//! by record, every range logged with its file, offsets and what it costs,
+//! and returned so that it is counted: acked messages may be in it, and an
+//! operator must hear about it. That includes a bad last record that is no
+//! torn write, a sealed segment shorter or longer than its successor's
+//! header says, and a segment missing from the numbering.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
+use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
 use tracing::{error, info, warn};
 
+use super::header::{self, Format};
 use super::log::segment_path;
-use super::record::View;
-use super::scan::{scan, Damage};
+use super::record::{Framing, View};
+use super::scan::{self, Damage, Harm};
 use super::segment::{Loc, Segment};
 use super::{HeldMeta, Route};
 
@@ -40,7 +46,39 @@ pub struct Recovered {
 impl Recovered {
     /// Bytes skipped as damaged (the torn tail excluded).
     pub fn damaged_bytes(&self) -> u64 {
-        self.damage.iter().map(|d| d.to - d.from).sum()
+        self.report().damaged_bytes()
+    }
+
+    /// What it found wrong, for the metrics and the status page.
+    pub fn report(&self) -> Report {
+        Report {
+            damage: self.damage.clone(),
+            torn_tail: self.torn_tail.clone(),
+        }
+    }
+}
+
+/// What recovery found wrong: damage, and the torn tail it cut.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Ranges that did not read back (the torn tail excluded).
+    pub damage: Vec<Damage>,
+    /// What a crash during a write left at the end of the newest segment.
+    pub torn_tail: Option<Damage>,
+}
+
+impl Report {
+    /// Bytes skipped as damaged.
+    pub fn damaged_bytes(&self) -> u64 {
+        self.damage
+            .iter()
+            .map(|d| d.to.saturating_sub(d.from))
+            .sum()
+    }
+
+    /// Bytes of the torn tail cut.
+    pub fn torn_bytes(&self) -> u64 {
+        self.torn_tail.as_ref().map_or(0, |t| t.to - t.from)
     }
 }
 
@@ -55,17 +93,20 @@ fn cut(dir: &Path, n: u32, len: u64) -> io::Result<()> {
 }
 
 /// Cuts the torn tail off segment `n` of `dir` (the newest, the one a
-/// crash may have been writing), durably; returns what was cut. Only an
-/// unfinished last record is a torn tail: damage before it is left for
-/// [`read`] to report.
+/// crash may have been writing), durably; returns what was cut. Only a
+/// last record that runs past the end of the file is a torn tail: any
+/// other bad last record, and damage before it, is left for [`read`] to
+/// report.
 pub(super) fn cut_torn_tail(dir: &Path, n: u32) -> io::Result<Option<Damage>> {
-    let bytes = std::fs::read(segment_path(dir, n))?;
+    let file = segment_path(dir, n);
+    let bytes = std::fs::read(&file)?;
     let size = bytes.len() as u64;
-    let damage = scan(&bytes, n, |_, _| {});
-    let Some(torn) = damage.into_iter().last().filter(|d| d.to == size) else {
+    let damage = scan::scan(&bytes, n, |_, _| {});
+    let torn = damage.into_iter().last();
+    let Some(torn) = torn.filter(|d| d.bad == Harm::Torn && d.to == size) else {
         return Ok(None);
     };
-    warn!(segment = n, from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
+    warn!(file = %file.display(), from = torn.from, to = torn.to, "store: torn write at the end of the newest segment (a crash during a write; nothing in it was answered): cut off");
     cut(dir, n, torn.from)?;
     Ok(Some(torn))
 }
@@ -81,22 +122,77 @@ pub(super) fn read(dir: &Path, numbers: &[u32]) -> io::Result<(Recovered, BTreeM
     };
     let mut segments = BTreeMap::new();
     let mut recovered = Recovered::default();
+    // The segment after the last (the head a deferred open created) says
+    // how long the last was sealed at.
+    let mut known = numbers.to_vec();
+    if let Some(&last) = numbers.last() {
+        if segment_path(dir, last + 1).exists() {
+            known.push(last + 1);
+        }
+    }
+    let sealed = scan::sealed_lengths(&formats(dir, &known)?);
+    let gaps = scan::gaps(numbers, &sealed);
+    log_damage(dir, &gaps);
+    recovered.damage.extend(gaps);
     for &n in numbers {
         let bytes = std::fs::read(segment_path(dir, n))?;
-        let damage = scan(&bytes, n, |rec, loc| replay.record(rec, loc));
-        report_damage(n, &damage);
-        recovered.damage.extend(damage);
-        segments.insert(n, Segment::new(bytes.len() as u64));
+        let sealed = sealed.get(&n).copied();
+        let scanned = scan::scan_sealed(&bytes, n, sealed, |rec, loc| replay.record(rec, loc));
+        let framing = scanned.framing();
+        log_damage(dir, &scanned.damage);
+        recovered.damage.extend(scanned.damage);
+        segments.insert(n, Segment::new(bytes.len() as u64, framing));
     }
+    replay.warn_resurrected(&recovered.damage);
     replay.finish(&mut recovered, &mut segments);
     info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
     Ok((recovered, segments))
 }
 
-/// Logs the damage `scan` found in segment `n`.
-fn report_damage(n: u32, damage: &[Damage]) {
+/// The format each segment's header announces, by number. Fails on a
+/// segment a newer nackd wrote: reading it as damage would lose it.
+fn formats(dir: &Path, numbers: &[u32]) -> io::Result<BTreeMap<u32, Format>> {
+    let mut formats = BTreeMap::new();
+    for &n in numbers {
+        let file = std::fs::File::open(segment_path(dir, n))?;
+        if let Some(format) = format_of(&file, n)? {
+            formats.insert(n, format);
+        }
+    }
+    Ok(formats)
+}
+
+/// What segment `n`'s header (in `file`) announces; `None` if it does
+/// not check (the scan reports that). Fails on a segment a newer nackd
+/// wrote: reading it as damage would lose it.
+fn format_of(file: &std::fs::File, n: u32) -> io::Result<Option<Format>> {
+    let mut head = Vec::with_capacity(header::LEN);
+    file.take(header::LEN as u64).read_to_end(&mut head)?;
+    match header::format(&head) {
+        Ok(Format::Newer(v)) => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("segment {n} is in format {v}, newer than this nackd reads"),
+        )),
+        Ok(f) => Ok(Some(f)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// How segment `n`'s records (in `file`) are framed: keyed by its salt,
+/// or format 1 (also when its header does not check: none of its records
+/// is read then).
+pub(super) fn framing(file: &std::fs::File, n: u32) -> io::Result<Framing> {
+    Ok(match format_of(file, n)? {
+        Some(Format::Salted(h)) => h.framing(),
+        _ => Framing::Plain,
+    })
+}
+
+/// Logs each damaged range with its file, offsets and what it costs.
+fn log_damage(dir: &Path, damage: &[Damage]) {
     for d in damage {
-        error!(segment = n, from = d.from, to = d.to, bad = ?d.bad, "store: DAMAGED bytes skipped; held messages in them are lost");
+        let file = segment_path(dir, d.segment);
+        error!(file = %file.display(), from = d.from, to = d.to, what = ?d.bad, "store: DAMAGE: {}", d.bad.cost());
     }
 }
 
@@ -130,6 +226,18 @@ impl Replay {
             View::Del(id) => {
                 self.next_id = self.next_id.max(id + 1);
                 self.index.remove(&id);
+            }
+        }
+    }
+
+    /// Says which held messages are held again because their delete record
+    /// is damaged: they may be republished once more.
+    fn warn_resurrected(&self, damage: &[Damage]) {
+        for d in damage {
+            if let Harm::Delete(id) = d.bad {
+                if self.index.contains_key(&id) {
+                    warn!(id, segment = d.segment, from = d.from, "store: held again, its delete record is damaged: it may be republished once more");
+                }
             }
         }
     }

@@ -16,7 +16,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// Size of the reserve: the deletes of about 60 000 messages (17 bytes
+/// Size of the reserve: the deletes of about 50 000 messages (21 bytes
 /// each), well above what the republishers of a few vhosts can have in
 /// flight (`2 × republish.confirm_window` each), plus a new segment's
 /// first blocks.

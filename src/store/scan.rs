@@ -1,13 +1,22 @@
 //! Reading a segment back: every good record, and the ranges that are not.
 //!
-//! A bad record does not end the scan. The framing (length, checksum, a
-//! structure that must use exactly the length) lets the scan find the next
-//! whole record, so damage costs only the records it touches, and every
-//! skipped range is reported with its byte offsets. A bad record whose own
-//! lengths still agree is skipped whole: a message body may contain bytes
-//! that read as records of this log, and they must never count as records.
+//! A segment file starts with its header (format 2: [`super::header`]),
+//! whose salt keys every record check; a format 1 segment (an older
+//! nackd's) has none. A bad record does not end the scan of a format 2
+//! segment: a bad record whose own lengths still agree is skipped whole
+//! (so damage in a body costs that record only), and after damage to the
+//! framing the scan finds the next record that checks. That is safe because
+//! no bytes but this segment's writer's check under its salt: a message body
+//! shaped like records (even holding a record copied from another segment)
+//! is never read as records. A format 1 segment's crc32 is unkeyed, so
+//! after damage in one the scan never looks for records again: the rest of
+//! it is reported as damaged ([`Harm::LegacyRest`]). Every skipped range is
+//! reported with its byte offsets and what it held, as far as can be told.
 
-use super::record::{self, Bad, View};
+use std::collections::BTreeMap;
+
+use super::header::{self, Format};
+use super::record::{Bad, Framing, Kind, View};
 use super::Loc;
 
 /// A range of a segment that held no readable record.
@@ -19,17 +28,143 @@ pub struct Damage {
     pub from: u64,
     /// First byte read again (the end of the file if nothing followed).
     pub to: u64,
-    /// What was wrong at `from`.
-    pub bad: Bad,
+    /// What was there, and so what it costs.
+    pub bad: Harm,
 }
 
-/// Calls `each` with every good record of `bytes` (segment `segment`) and
-/// its location, in order; returns the ranges skipped.
-pub fn scan<'a>(bytes: &'a [u8], segment: u32, mut each: impl FnMut(View<'a>, Loc)) -> Vec<Damage> {
+/// What a damaged range held, as far as can be told, and so what it costs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Harm {
+    /// A record that runs past the end of the file, framing intact: a write
+    /// a crash tore. At the end of the newest segment that is the torn tail
+    /// (nothing in it was answered, it is cut); anywhere else, damage.
+    Torn,
+    /// A put record whose framing is intact but whose check fails: the
+    /// message of this id (if the id itself is intact) is lost.
+    Put(u64),
+    /// A delete record whose check fails: the message of this id (if the id
+    /// itself is intact) is held again and may be republished once more.
+    Delete(u64),
+    /// Bytes that are no record: framing damaged or garbage. Held messages
+    /// whose put was in it are lost; one whose delete was may come back.
+    Corrupt,
+    /// The segment header does not check (or names another segment): its
+    /// salt is unknown, so no record of the whole file can be trusted.
+    Header,
+    /// The rest of a format 1 segment from its first damage: its records
+    /// are not keyed, so none after damage is trusted.
+    LegacyRest,
+    /// Bytes a sealed segment should have (its successor's header says how
+    /// long it was sealed) and has not: the file was cut.
+    Missing,
+    /// Bytes past the length a sealed segment was sealed at: not part of
+    /// the log (a write that failed and could not be cut back, or damage).
+    Beyond,
+    /// A whole segment missing from the numbering (`to` is its sealed length
+    /// when its successor's header says it, else 0).
+    Gone,
+}
+
+impl Harm {
+    /// What it costs, for logs and the status page.
+    pub fn cost(self) -> &'static str {
+        match self {
+            Self::Torn => "a torn write: a record cut short by the end of the file",
+            Self::Put(_) => "a damaged put: that message is lost",
+            Self::Delete(_) => {
+                "a damaged delete: that message is held again and may be republished once more"
+            }
+            Self::Corrupt => "unreadable bytes: held messages in them are lost, deleted ones may come back",
+            Self::Header => "the segment header is damaged: every message in the segment is lost, deleted ones may come back, and the length of the segment before it cannot be checked",
+            Self::LegacyRest => "damage in a format 1 segment: the rest of it is not read (messages in it lost, deleted ones may come back)",
+            Self::Missing => "the segment is shorter than it was sealed at: messages in the missing bytes are lost, deleted ones may come back",
+            Self::Beyond => "bytes past the length the segment was sealed at: ignored",
+            Self::Gone => "a whole segment is missing: messages in it are lost, deleted ones may come back, and the length of the segment before it cannot be checked",
+        }
+    }
+
+    /// A short name (metrics, JSON).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Torn => "torn",
+            Self::Put(_) => "put",
+            Self::Delete(_) => "delete",
+            Self::Corrupt => "corrupt",
+            Self::Header => "header",
+            Self::LegacyRest => "legacy_rest",
+            Self::Missing => "missing",
+            Self::Beyond => "beyond",
+            Self::Gone => "gone",
+        }
+    }
+}
+
+/// What one segment file holds besides its records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scanned {
+    /// Its format: `Legacy` also when the header is damaged (then `damage`
+    /// says so); `Newer` means nothing was read.
+    pub format: Format,
+    /// The ranges skipped, in order.
+    pub damage: Vec<Damage>,
+}
+
+impl Scanned {
+    /// A segment none of whose records can be read.
+    pub fn damaged(damage: Damage) -> Self {
+        Self {
+            format: Format::Legacy,
+            damage: vec![damage],
+        }
+    }
+
+    /// How its records are framed.
+    pub fn framing(&self) -> Framing {
+        match self.format {
+            Format::Salted(h) => h.framing(),
+            Format::Legacy | Format::Newer(_) => Framing::Plain,
+        }
+    }
+}
+
+/// Calls `each` with every good record of the segment file `bytes`
+/// (segment `segment`) and its location, in order; returns the ranges
+/// skipped.
+pub fn scan<'a>(bytes: &'a [u8], segment: u32, each: impl FnMut(View<'a>, Loc)) -> Vec<Damage> {
+    scan_segment(bytes, segment, each).damage
+}
+
+/// [`scan`], with the segment's format.
+pub fn scan_segment<'a>(
+    bytes: &'a [u8],
+    segment: u32,
+    mut each: impl FnMut(View<'a>, Loc),
+) -> Scanned {
+    let whole = |bad| Damage {
+        segment,
+        from: 0,
+        to: bytes.len() as u64,
+        bad,
+    };
+    let format = header::format(bytes);
+    let (framing, start) = match format {
+        Ok(Format::Legacy) => (Framing::Plain, 0),
+        Ok(Format::Salted(h)) => (h.framing(), header::LEN),
+        Ok(Format::Newer(v)) => {
+            return Scanned {
+                format: Format::Newer(v),
+                damage: Vec::new(),
+            }
+        }
+        // The file ends inside its header: a crash while creating it.
+        Err(Bad::Torn) => return Scanned::damaged(whole(Harm::Torn)),
+        Err(Bad::Corrupt) => return Scanned::damaged(whole(Harm::Header)),
+    };
+    let format = format.expect("matched above");
     let mut damage = Vec::new();
-    let mut at = 0;
+    let mut at = start;
     while at < bytes.len() {
-        match record::at(&bytes[at..]) {
+        match framing.at(&bytes[at..]) {
             Ok((view, len)) => {
                 let loc = Loc {
                     segment,
@@ -39,45 +174,137 @@ pub fn scan<'a>(bytes: &'a [u8], segment: u32, mut each: impl FnMut(View<'a>, Lo
                 each(view, loc);
                 at += len;
             }
-            Err(bad) => {
-                // A body holds any bytes, records of this log included: a
-                // bad record whose framing is intact (a torn write, a bad
-                // checksum) is skipped whole, never searched for records.
-                let next = match record::extent(&bytes[at..]) {
-                    Some(len) if len >= bytes.len() - at => bytes.len(),
-                    Some(len) => resync(bytes, at + len),
-                    None => resync(bytes, at + 1),
-                };
+            Err(_) => {
+                let (to, bad) = skip(bytes, at, framing);
                 damage.push(Damage {
                     segment,
                     from: at as u64,
-                    to: next as u64,
+                    to: to as u64,
                     bad,
                 });
-                at = next;
+                at = to;
             }
         }
     }
-    damage
+    Scanned { format, damage }
 }
 
-/// The first offset at or after `from` where a whole good record starts.
-fn resync(bytes: &[u8], from: usize) -> usize {
+/// [`scan_segment`] for segment `segment` of a store, whose successor's
+/// header says it was sealed at `sealed` bytes (`None`: it is the newest,
+/// or no successor says): bytes past that are not read, bytes missing
+/// before it are damage too. A header naming another segment makes the
+/// whole file damage: its records belong somewhere else in the log.
+pub fn scan_sealed<'a>(
+    bytes: &'a [u8],
+    segment: u32,
+    sealed: Option<u64>,
+    each: impl FnMut(View<'a>, Loc),
+) -> Scanned {
+    let len = bytes.len() as u64;
+    if let Ok(Format::Salted(h)) = header::format(bytes) {
+        if h.segment != segment {
+            return Scanned::damaged(Damage {
+                segment,
+                from: 0,
+                to: len,
+                bad: Harm::Header,
+            });
+        }
+    }
+    let upto = sealed.map_or(len, |s| s.min(len));
+    let mut scanned = scan_segment(&bytes[..upto as usize], segment, each);
+    match sealed {
+        Some(s) if s > len => scanned.damage.push(Damage {
+            segment,
+            from: len,
+            to: s,
+            bad: Harm::Missing,
+        }),
+        Some(s) if s < len => scanned.damage.push(Damage {
+            segment,
+            from: s,
+            to: len,
+            bad: Harm::Beyond,
+        }),
+        _ => {}
+    }
+    scanned
+}
+
+/// The length each segment was sealed at, by number, as the headers of
+/// the segments after them (`formats`, by number) say.
+pub fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
+    formats
+        .values()
+        .filter_map(|f| match f {
+            Format::Salted(h) => h.prev,
+            _ => None,
+        })
+        .collect()
+}
+
+/// The segments missing between the first and the last of `numbers`
+/// (ascending): segments are numbered one after the other and only the
+/// oldest ever go, so a gap is damage. Each is as long as `sealed` says.
+pub fn gaps(numbers: &[u32], sealed: &BTreeMap<u32, u64>) -> Vec<Damage> {
+    numbers
+        .windows(2)
+        .flat_map(|w| w[0] + 1..w[1])
+        .map(|segment| Damage {
+            segment,
+            from: 0,
+            to: sealed.get(&segment).copied().unwrap_or(0),
+            bad: Harm::Gone,
+        })
+        .collect()
+}
+
+/// Where reading goes on after a bad record at `at`, and what was skipped.
+fn skip(bytes: &[u8], at: usize, framing: Framing) -> (usize, Harm) {
+    let rest = &bytes[at..];
+    // The file ends inside a prefix, or inside a record whose lengths agree.
+    let torn = rest.len() < framing.prefix_len()
+        || framing.extent(rest).is_some_and(|len| len > rest.len());
+    if torn {
+        return (bytes.len(), Harm::Torn);
+    }
+    if framing == Framing::Plain {
+        return (bytes.len(), Harm::LegacyRest);
+    }
+    match framing.extent(rest) {
+        // A body holds any bytes: a bad record whose framing is intact is
+        // skipped whole, never searched for records.
+        Some(len) => {
+            let bad = match framing.kind_of(rest) {
+                Some((Kind::Put, id)) => Harm::Put(id),
+                Some((Kind::Del, id)) => Harm::Delete(id),
+                None => Harm::Corrupt,
+            };
+            (at + len, bad)
+        }
+        None => (resync(bytes, at + 1, framing), Harm::Corrupt),
+    }
+}
+
+/// The first offset at or after `from` where a whole record that checks
+/// starts (only records this segment's writer framed check).
+fn resync(bytes: &[u8], from: usize, framing: Framing) -> usize {
     (from..bytes.len())
-        .find(|&y| record::at(&bytes[y..]).is_ok())
+        .find(|&y| framing.at(&bytes[y..]).is_ok())
         .unwrap_or(bytes.len())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::record::{encode_del, encode_put};
+    use crate::store::header::Header;
+    use crate::store::record::{del_body, encode_del, encode_put, put_body};
     use crate::store::{Held, Route};
     use bytes::Bytes;
     use std::sync::Arc;
 
-    fn put(id: u64) -> Vec<u8> {
-        encode_put(&Held {
+    fn held(id: u64, body: Vec<u8>) -> Held {
+        Held {
             id,
             vhost: Arc::from("/"),
             queue: Arc::from("q"),
@@ -86,8 +313,38 @@ mod tests {
             route: Route::Queue,
             on_return: None,
             header: Bytes::from_static(b"hh"),
-            body: Bytes::from(vec![id as u8; 40]),
-        })
+            body: Bytes::from(body),
+        }
+    }
+
+    /// A format 2 segment: its header, then records framed with its salt.
+    struct Seg {
+        header: Header,
+        bytes: Vec<u8>,
+    }
+
+    impl Seg {
+        fn new() -> Self {
+            let header = Header::new(1, None);
+            Self {
+                header,
+                bytes: header.encode().to_vec(),
+            }
+        }
+
+        fn body(&mut self, body: &[u8]) -> (usize, usize) {
+            let at = self.bytes.len();
+            self.header.framing().frame_into(&mut self.bytes, body);
+            (at, self.bytes.len())
+        }
+
+        fn put(&mut self, id: u64) -> (usize, usize) {
+            self.body(&put_body(&held(id, vec![id as u8; 40])))
+        }
+
+        fn del(&mut self, id: u64) -> (usize, usize) {
+            self.body(&del_body(id))
+        }
     }
 
     fn ids(bytes: &[u8]) -> (Vec<u64>, Vec<Damage>) {
@@ -99,60 +356,134 @@ mod tests {
         (ids, damage)
     }
 
+    fn range(d: &Damage) -> (usize, usize, Harm) {
+        (d.from as usize, d.to as usize, d.bad)
+    }
+
     #[test]
     fn damage_in_the_middle_skips_only_that_record() {
-        let (a, b, c) = (put(1), put(2), encode_del(1));
-        let mut bytes = [a.clone(), b.clone(), c.clone()].concat();
-        bytes[a.len() + 20] ^= 0x40; // inside record 2
-        let (ids, damage) = ids(&bytes);
+        let mut seg = Seg::new();
+        seg.put(1);
+        let b = seg.put(2);
+        let c = seg.del(1);
+        seg.bytes[b.0 + 60] ^= 0x40; // inside record 2's body
+        let (ids, damage) = ids(&seg.bytes);
         assert_eq!(ids, vec![1, 1001], "the records after the damage are read");
         assert_eq!(
-            damage,
-            vec![Damage {
-                segment: 1,
-                from: a.len() as u64,
-                to: (a.len() + b.len()) as u64,
-                bad: Bad::Corrupt
-            }]
+            damage.iter().map(range).collect::<Vec<_>>(),
+            vec![(b.0, b.1, Harm::Put(2))]
+        );
+        seg.bytes[c.0 + 3] ^= 0x01; // the delete's check
+        let (ids, damage) = super::tests::ids(&seg.bytes);
+        assert_eq!(ids, vec![1]);
+        assert_eq!(
+            range(&damage[1]),
+            (c.0, c.1, Harm::Delete(1)),
+            "named, not torn"
         );
     }
 
     #[test]
     fn a_damaged_length_or_garbage_is_skipped_too() {
-        let (a, b) = (put(1), put(2));
-        let mut bytes = [a.clone(), vec![0xAB; 37], vec![0; 4096], b.clone()].concat();
-        let (got, damage) = ids(&bytes);
+        let mut seg = Seg::new();
+        let a = seg.put(1);
+        seg.bytes.extend_from_slice(&[0xAB; 37]);
+        seg.bytes.extend_from_slice(&[0; 4096]);
+        let b = seg.put(2);
+        let (got, damage) = ids(&seg.bytes);
         assert_eq!(got, vec![1, 2]);
-        assert_eq!(damage.len(), 1);
-        assert_eq!(damage[0].to as usize, bytes.len() - b.len());
-        bytes[a.len() - 40] = 0xff; // the length prefix of nothing: inside a's body
-        bytes[0] = 0x7f; // a's length now claims far more than the file
-        let (got, _) = ids(&bytes);
+        assert_eq!(
+            damage.iter().map(range).collect::<Vec<_>>(),
+            vec![(a.1, b.0, Harm::Corrupt)]
+        );
+        seg.bytes[a.0 + 8] = 0x7f; // a's length now claims far more than the file
+        let (got, _) = ids(&seg.bytes);
         assert_eq!(got, vec![2]);
     }
 
     #[test]
     fn a_length_damaged_past_the_end_does_not_take_the_records_after_it() {
-        let (a, b, c) = (put(1), put(2), put(3));
-        let mut bytes = [a.clone(), b.clone(), c.clone()].concat();
-        bytes[a.len() + 1] = 0x10; // b's length now runs far past the end
-        let (got, damage) = ids(&bytes);
+        let mut seg = Seg::new();
+        seg.put(1);
+        let b = seg.put(2);
+        seg.put(3);
+        seg.bytes[b.0 + 9] = 0x10; // b's length now runs far past the end
+        let (got, damage) = ids(&seg.bytes);
         assert_eq!(got, vec![1, 3], "not taken for a torn tail");
-        assert_eq!(
-            (damage[0].from, damage[0].to),
-            (a.len() as u64, (a.len() + b.len()) as u64)
-        );
+        assert_eq!(range(&damage[0]), (b.0, b.1, Harm::Corrupt));
     }
 
     #[test]
     fn a_torn_tail_is_one_range_to_the_end() {
-        let (a, b) = (put(1), put(2));
-        let bytes = [a.clone(), b[..b.len() / 2].to_vec()].concat();
-        let (got, damage) = ids(&bytes);
-        assert_eq!(got, vec![1]);
+        let mut seg = Seg::new();
+        seg.put(1);
+        let b = seg.put(2);
+        for cut in b.0 + 1..b.1 {
+            let (got, damage) = ids(&seg.bytes[..cut]);
+            assert_eq!(got, vec![1]);
+            assert_eq!(
+                damage.iter().map(range).collect::<Vec<_>>(),
+                vec![(b.0, cut, Harm::Torn)],
+                "cut at {cut}"
+            );
+        }
+        let (got, damage) = ids(&seg.bytes[..10]);
+        assert!(got.is_empty());
+        assert_eq!(range(&damage[0]), (0, 10, Harm::Torn), "inside the header");
+    }
+
+    #[test]
+    fn records_inside_a_body_never_pass_for_records() {
+        // What a publisher can put in a body: records framed in format 1,
+        // and byte-exact copies of records of another segment.
+        let mut other = Seg::new();
+        let copy = other.del(1);
+        let copy = other.bytes[copy.0..copy.1].to_vec();
+        let fake = [encode_del(1), encode_put(&held(99, vec![0; 8])), copy].concat();
+        let mut seg = Seg::new();
+        let a = seg.put(1);
+        let b = seg.body(&put_body(&held(2, fake)));
+        let c = seg.put(3);
+        seg.bytes[b.0..b.0 + 12].fill(0); // its check and length
+        let (got, damage) = ids(&seg.bytes);
+        assert_eq!(got, vec![1, 3], "no fake delete of 1, no fake put of 99");
         assert_eq!(
-            (damage[0].from, damage[0].to, damage[0].bad),
-            (a.len() as u64, bytes.len() as u64, Bad::Torn)
+            damage.iter().map(range).collect::<Vec<_>>(),
+            vec![(a.1, c.0, Harm::Corrupt)]
         );
+        assert_eq!(b.1, c.0);
+    }
+
+    #[test]
+    fn a_header_that_does_not_check_loses_the_whole_segment_reported() {
+        let mut seg = Seg::new();
+        seg.put(1);
+        seg.bytes[20] ^= 0x01; // the salt
+        let (got, damage) = ids(&seg.bytes);
+        assert!(got.is_empty());
+        assert_eq!(
+            damage.iter().map(range).collect::<Vec<_>>(),
+            vec![(0, seg.bytes.len(), Harm::Header)]
+        );
+    }
+
+    #[test]
+    fn a_legacy_segment_reads_until_its_first_damage_then_reports_the_rest() {
+        let a = encode_put(&held(1, vec![1; 40]));
+        let b = encode_put(&held(2, vec![2; 40]));
+        let c = encode_del(1);
+        let clean = [a.clone(), b.clone(), c.clone()].concat();
+        assert_eq!(ids(&clean), (vec![1, 2, 1001], vec![]));
+        let mut bytes = clean.clone();
+        bytes[a.len() + 20] ^= 0x40; // inside record 2
+        let (got, damage) = ids(&bytes);
+        assert_eq!(got, vec![1], "nothing after damage in an unkeyed segment");
+        assert_eq!(
+            damage.iter().map(range).collect::<Vec<_>>(),
+            vec![(a.len(), bytes.len(), Harm::LegacyRest)]
+        );
+        let (got, damage) = ids(&clean[..clean.len() - 3]);
+        assert_eq!(got, vec![1, 2]);
+        assert_eq!(damage[0].bad, Harm::Torn, "its torn tail is still one");
     }
 }

@@ -1,9 +1,11 @@
-//! One segment file's bookkeeping: how many of its bytes are durable and
-//! which of its put records are still live.
+//! One segment file's bookkeeping: how many of its bytes are durable, how
+//! its records are framed, and which of its put records are still live.
 //!
 //! Live puts are kept as a sorted list of record offsets plus a bit each,
 //! about 4 bytes per put record in the file: a store of millions of held
 //! messages keeps its whole liveness map in a few bytes per message.
+
+use super::record::Framing;
 
 /// Where a record sits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -16,11 +18,13 @@ pub struct Loc {
     pub len: u32,
 }
 
-/// A segment's size and live puts.
-#[derive(Debug, Default)]
+/// A segment's size, framing and live puts.
+#[derive(Debug)]
 pub(super) struct Segment {
     /// Bytes of the file (durable ones; a torn tail found at recovery counts too).
     pub size: u64,
+    /// How its records are framed (format 2: keyed by its header's salt).
+    pub framing: Framing,
     /// Offsets of put records that were live once, ascending.
     offsets: Vec<u32>,
     /// Bit `i` set: the put at `offsets[i]` is live.
@@ -31,10 +35,14 @@ pub(super) struct Segment {
 
 impl Segment {
     /// A segment of `size` bytes with nothing live.
-    pub fn new(size: u64) -> Self {
+    pub fn new(size: u64, framing: Framing) -> Self {
         Self {
             size,
-            ..Self::default()
+            framing,
+            offsets: Vec::new(),
+            live: Vec::new(),
+            live_count: 0,
+            live_bytes: 0,
         }
     }
 
@@ -102,7 +110,7 @@ mod tests {
 
     #[test]
     fn live_puts_are_counted_and_released_once() {
-        let mut s = Segment::new(0);
+        let mut s = Segment::new(0, Framing::Plain);
         for i in 0..130u32 {
             s.add(i * 10, 10);
         }

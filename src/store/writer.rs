@@ -21,8 +21,8 @@ use tracing::{debug, info, info_span, warn};
 
 use super::log::{Log, Relocation, Segments, HEADROOM};
 use super::reserve::{Reserve, RESERVE_BYTES};
-use super::{Held, Loc, StoreError};
-use crate::metrics::{Metrics, Open, PauseReason};
+use super::{Held, Loc, Report, StoreError};
+use crate::metrics::{Damaged, Metrics, Open, PauseReason};
 
 /// Operations in one batch at most.
 const BATCH_OPS: usize = 4096;
@@ -118,6 +118,10 @@ pub fn spawn_writer<C: Send + 'static>(
     let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
     let open = Open::track(&metrics.store_open);
     metrics.store_bytes.set(log.bytes() as i64);
+    let mut log = log;
+    if let Some(report) = log.take_report() {
+        count_report(&metrics, log.dir(), &report);
+    }
     // A thread does not inherit the current span: made here, it is a child
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
@@ -136,6 +140,25 @@ pub fn spawn_writer<C: Send + 'static>(
         })
         .expect("spawn the store thread");
     Writer { tx, paused, thread }
+}
+
+/// Counts what recovery found in the metrics and lists it for the status
+/// page, once the older segments are merged (at the start, or after a
+/// deferred open); the damaged bytes themselves are counted by the engine.
+fn count_report(metrics: &Metrics, dir: &std::path::Path, report: &Report) {
+    metrics
+        .store_damaged_ranges
+        .inc_by(report.damage.len() as u64);
+    metrics.store_torn_bytes.inc_by(report.torn_bytes());
+    for d in report.damage.iter().chain(&report.torn_tail) {
+        metrics.store_damage.push(Damaged {
+            file: super::segment_path(dir, d.segment).display().to_string(),
+            from: d.from,
+            to: d.to,
+            what: d.bad.name(),
+            cost: d.bad.cost(),
+        });
+    }
 }
 
 struct Thread<C> {
@@ -247,7 +270,12 @@ impl<C> Thread<C> {
                 }),
                 WriteOp::Del { id, loc } => self.log.del(id, loc),
                 WriteOp::Release { loc } => self.log.release(loc),
-                WriteOp::Merge(segments) => self.log.merge(segments),
+                WriteOp::Merge(segments) => {
+                    self.log.merge(segments);
+                    if let Some(report) = self.log.take_report() {
+                        count_report(&self.metrics, self.log.dir(), &report);
+                    }
+                }
             }
         }
         answers
@@ -395,6 +423,64 @@ mod tests {
             let thread = std::thread::current().name().map(String::from);
             self.0.lock().unwrap().push((name, thread));
         }
+    }
+
+    /// What recovery found reaches the metrics and the status page's list
+    /// once, when the older segments are merged, even after a deferred open.
+    #[test]
+    fn what_recovery_found_is_counted_once_when_merged() {
+        let disk = tempfile::tempdir().unwrap();
+        let hold = |id| Held {
+            id,
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            due_ms: id,
+            retry: 1,
+            route: crate::store::Route::Queue,
+            on_return: None,
+            header: bytes::Bytes::new(),
+            body: bytes::Bytes::from(vec![7; 40]),
+        };
+        let bad = {
+            let (mut log, _) = Log::open(disk.path(), Options::default()).unwrap();
+            let bad = log.put(&hold(1), None).unwrap();
+            log.put(&hold(2), None).unwrap();
+            log.commit().unwrap();
+            bad
+        };
+        let path = super::super::segment_path(disk.path(), bad.segment);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[bad.offset as usize + 60] ^= 1; // in 1's body
+        let torn = bytes.len() as u64;
+        let cut_short = bytes[bad.offset as usize..][..30].to_vec(); // a write torn by a crash
+        bytes.extend(cut_short);
+        std::fs::write(&path, bytes).unwrap();
+        let (log, backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
+        let metrics = Metrics::new();
+        let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
+        let writer = spawn_writer(log, events, metrics.clone());
+        assert_eq!(metrics.store_damaged_ranges.get(), 0, "nothing read yet");
+        let (_, segments) = backlog.read().unwrap();
+        writer.tx.send(WriteOp::Merge(segments)).unwrap();
+        let log = writer.join().unwrap();
+        assert_eq!(metrics.store_damaged_ranges.get(), 1);
+        assert_eq!(metrics.store_torn_bytes.get(), 30);
+        let listed = metrics.store_damage.all();
+        let what: Vec<_> = listed.iter().map(|d| (d.from, d.to, d.what)).collect();
+        let from = u64::from(bad.offset);
+        assert_eq!(
+            what,
+            vec![
+                (from, from + u64::from(bad.len), "put"),
+                (torn, torn + 30, "torn")
+            ]
+        );
+        assert!(listed[0]
+            .file
+            .ends_with(&format!("{:010}.log", bad.segment)));
+        let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
+        spawn_writer(log, events, metrics.clone()).join().unwrap();
+        assert_eq!(metrics.store_damaged_ranges.get(), 1, "counted once");
     }
 
     #[test]

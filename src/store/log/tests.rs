@@ -29,6 +29,15 @@ fn ids(rec: &Recovered) -> Vec<u64> {
     ids
 }
 
+/// How the records of segment `n` are framed (its header's salt).
+pub(crate) fn framing(dir: &Path, n: u32) -> Framing {
+    let bytes = std::fs::read(segment_path(dir, n)).unwrap();
+    match header::format(&bytes).unwrap() {
+        header::Format::Salted(h) => h.framing(),
+        other => panic!("segment {n}: {other:?}"),
+    }
+}
+
 fn put(log: &mut Log, id: u64, body: usize) -> Loc {
     let loc = log.put(&held(id, id, body), None).unwrap();
     log.commit().unwrap();
@@ -99,8 +108,8 @@ fn the_oldest_segment_goes_once_nothing_in_it_is_live() {
     );
     assert_eq!(
         log.bytes(),
-        u64::from(c.len) + 2 * 17,
-        "c and the two deletes"
+        u64::from(c.len) + 2 * record::DEL_LEN as u64 + 2 * header::LEN as u64,
+        "c, the two deletes and the two segments' headers"
     );
 }
 
@@ -216,10 +225,10 @@ fn a_failed_write_fails_its_whole_batch_and_leaves_no_hole() {
         log.faults.write_then_fail = Some(150); // record 3 whole, 4 torn
         assert!(log.commit().is_err());
         let next = log.put(&held(5, 5, 100), None).unwrap();
-        let del = record::encode_del(2).len() as u32; // went on its own
+        let del = record::DEL_LEN as u32; // went on its own
         assert_eq!(
             (next.segment, next.offset),
-            (kept.segment, 2 * kept.len + del),
+            (kept.segment, kept.offset + 2 * kept.len + del),
             "the next record goes right after the durable ones"
         );
         log.commit().unwrap();
@@ -299,7 +308,8 @@ fn a_torn_tail_is_reported_as_such_and_never_written_over() {
         dir.path(),
         *segment_numbers(dir.path()).unwrap().last().unwrap(),
     );
-    let half = record::encode_put(&held(9, 9, 50));
+    let n = *segment_numbers(dir.path()).unwrap().last().unwrap();
+    let half = framing(dir.path(), n).frame(&record::put_body(&held(9, 9, 50)));
     let mut f = OpenOptions::new().append(true).open(&newest).unwrap();
     f.write_all(&half[..half.len() / 2]).unwrap();
     let (mut log, rec) = Log::open(dir.path(), Options::default()).unwrap();
@@ -376,8 +386,8 @@ fn a_record_inside_a_torn_body_is_not_read() {
     let dir = tempfile::tempdir().unwrap();
     {
         let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-        put(&mut log, 1, 50); // held: acked upstream
-        let mut body = record::encode_del(1);
+        let one = put(&mut log, 1, 50); // held: acked upstream
+        let mut body = framing(dir.path(), one.segment).frame(&record::del_body(1));
         body.extend_from_slice(&[0u8; 100]);
         let mut crafted = held(2, 2, 0);
         crafted.body = Bytes::from(body);
@@ -400,9 +410,9 @@ fn a_record_inside_a_damaged_body_is_not_read() {
     let crafted_at;
     {
         let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-        put(&mut log, 1, 50);
+        let one = put(&mut log, 1, 50);
         let mut body = vec![7u8; 100];
-        body.extend_from_slice(&record::encode_del(1));
+        body.extend_from_slice(&framing(dir.path(), one.segment).frame(&record::del_body(1)));
         let mut crafted = held(2, 2, 0);
         crafted.body = Bytes::from(body);
         crafted_at = log.put(&crafted, None).unwrap();
@@ -411,7 +421,7 @@ fn a_record_inside_a_damaged_body_is_not_read() {
     }
     let seg = segment_path(dir.path(), crafted_at.segment);
     let mut bytes = std::fs::read(&seg).unwrap();
-    bytes[crafted_at.offset as usize + 60] ^= 0x01; // bit rot in its body
+    bytes[crafted_at.offset as usize + 70] ^= 0x01; // bit rot in its body
     std::fs::write(&seg, &bytes).unwrap();
     {
         let (_, rec) = Log::open(dir.path(), Options::default()).unwrap(); // no longer the newest
