@@ -191,12 +191,17 @@ fn prefill(dir: &std::path::Path, n: u64) -> BenchResult<()> {
     use nackd::store::{Held, Log, Options, Route};
     let (mut log, _) = Log::open(dir, Options::default())?;
     let properties = amq_protocol::protocol::BasicProperties::default().with_delivery_mode(2);
-    let header = bytes::Bytes::from(nackd::protocol::content::encode_header(60, 100, &properties));
+    let header = bytes::Bytes::from(nackd::protocol::content::encode_header(
+        60,
+        100,
+        &properties,
+    ));
     let due_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64
         + 3_600_000;
-    let (vhost, queue): (Arc<str>, Arc<str>) = (Arc::from("/"), Arc::from("nackd-bench-hold-prefill"));
+    let (vhost, queue): (Arc<str>, Arc<str>) =
+        (Arc::from("/"), Arc::from("nackd-bench-hold-prefill"));
     for id in 1..=n {
         let held = Held {
             id,
