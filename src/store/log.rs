@@ -128,6 +128,10 @@ pub struct Log {
     /// are not in `segments` yet, so nothing is reclaimed or compacted
     /// until [`Log::merge`] brings them in.
     recovering: bool,
+    /// Bytes of those older segments: until they are read, the deletes of
+    /// their live puts are counted as if every record were a put of the
+    /// smallest size ([`Log::room_for`]).
+    older_bytes: u64,
     #[cfg(test)]
     pub(crate) faults: faults::Faults,
     _lock: File,
@@ -247,6 +251,7 @@ impl Log {
             max_id: floor - 1,
             next_id_kept: if ahead { kept } else { 0 },
             recovering: !numbers.is_empty(),
+            older_bytes: total,
             #[cfg(test)]
             faults: faults::Faults::default(),
             _lock: lock,
@@ -270,6 +275,7 @@ impl Log {
         }
         self.max_id = self.max_id.max(older.1.saturating_sub(1));
         self.recovering = false;
+        self.older_bytes = 0;
         self.reclaim();
     }
 
@@ -382,8 +388,13 @@ impl Log {
     /// the deletes of everything held: a disk this store fills must still
     /// take them, they are what frees it again. The free space is read at
     /// each commit, and again before saying no.
+    /// While older segments wait to be read ([`Log::open_deferred`]) their
+    /// live puts are not counted yet: as many as their bytes could hold
+    /// are, so that new puts never take the room of their deletes.
     fn room_for(&mut self, bytes: usize) -> bool {
-        let deletes = (self.live_puts + self.effects.len() as u64 + 1) * record::DEL_LEN as u64;
+        let older = self.older_bytes / record::MIN_PUT_LEN as u64;
+        let puts = self.live_puts + older + self.effects.len() as u64 + 1;
+        let deletes = puts * record::DEL_LEN as u64;
         let needed = (self.pending.len() + bytes) as u64 + deletes + HEADROOM;
         if needed > self.free {
             self.read_free();
