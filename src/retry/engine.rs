@@ -893,4 +893,78 @@ mod tests {
         let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
         assert!(matches!(exit, Exit::Stopped));
     }
+
+    /// Review of issue 19: when the older segments cannot be read (an I/O
+    /// error), their messages must not wait silently for a restart that
+    /// nobody is told to make: the store stays "recovering" (the gauge,
+    /// `/readyz`) and the read is tried again, so they fire once it works.
+    #[tokio::test]
+    async fn a_failed_read_of_the_older_segments_is_tried_again() {
+        use crate::store::segment_path;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+            for id in 1..=3 {
+                let held = Held {
+                    id,
+                    vhost: Arc::from("/"),
+                    queue: Arc::from("q"),
+                    due_ms: u64::MAX / 2,
+                    retry: 1,
+                    route: Route::Queue,
+                    on_return: None,
+                    header: Bytes::from_static(b"h"),
+                    body: Bytes::from_static(b"old"),
+                };
+                log.put(&held, None).unwrap();
+            }
+            log.commit().unwrap();
+        }
+        let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+        // The first read fails: the segment cannot be read for now.
+        let first = segment_path(dir.path(), 1);
+        let aside = dir.path().join("aside");
+        std::fs::rename(&first, &aside).unwrap();
+        let start = start(dir.path());
+        let metrics = start.metrics.clone();
+        let ready = crate::retry::Readiness::new();
+        let recovered = Recovered {
+            next_id: log.next_id(),
+            ..Default::default()
+        };
+        let mut engine = Engine::new(log, recovered, &start, None, ready.clone());
+        engine.read_backlog(backlog);
+        let (tx, mut commands) = mpsc::unbounded_channel();
+        let handle = RetryHandle { tx, ready };
+        let (_adopt_tx, mut adopts) = mpsc::channel(1);
+        let stop = CancellationToken::new();
+        let test = async {
+            let began = std::time::Instant::now();
+            while metrics.store_errors.get() == 0 {
+                assert!(began.elapsed() < Duration::from_secs(10), "no read error");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(
+                metrics.store_recovering.get(),
+                1,
+                "the older segments are not read: still recovering"
+            );
+            std::fs::rename(&aside, &first).unwrap();
+            let began = std::time::Instant::now();
+            loop {
+                let total = handle.list(None, None, 1).await.unwrap().1;
+                if total == 3 && metrics.store_recovering.get() == 0 {
+                    break;
+                }
+                assert!(
+                    began.elapsed() < Duration::from_secs(30),
+                    "the older messages never came: {total} held"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            stop.cancel();
+        };
+        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
+        assert!(matches!(exit, Exit::Stopped));
+    }
 }
