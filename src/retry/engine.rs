@@ -150,6 +150,13 @@ struct Loading {
 /// Recovered messages scheduled per turn of the engine's loop.
 const LOAD_STEP: usize = 65_536;
 
+/// How long after a failed read of the older segments it is tried again.
+const BACKLOG_RETRY: Duration = if cfg!(test) {
+    Duration::from_millis(100)
+} else {
+    Duration::from_secs(10)
+};
+
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
     /// thread starts now.
@@ -205,15 +212,32 @@ impl Engine {
     /// Reads the store's older segments on a thread of their own while the
     /// engine parks and fires new messages; they join the engine (and the
     /// store's bookkeeping) once read.
-    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
+    ///
+    /// A read that fails is tried again every [`BACKLOG_RETRY`] while the
+    /// engine runs: the store stays "recovering" meanwhile (nothing is
+    /// reclaimed, and `/readyz` and `nackd_store_recovering` say so).
+    pub(super) fn read_backlog(&mut self, mut backlog: store::Backlog) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.metrics.store_recovering.set(1);
         let span = tracing::info_span!("store_recovery");
+        let metrics = self.metrics.clone();
         let spawned = std::thread::Builder::new()
             .name("nackd-recover".into())
             .spawn(move || {
                 let _span = span.entered();
-                let _ = tx.send(backlog.read());
+                loop {
+                    match backlog.read() {
+                        Ok(read) => return drop(tx.send(Ok(read))),
+                        Err(e) => {
+                            metrics.store_errors.inc();
+                            tracing::error!(error = %e, retry_in = ?BACKLOG_RETRY, "store: cannot read the older segments; their messages wait, the read is tried again");
+                        }
+                    }
+                    std::thread::sleep(BACKLOG_RETRY);
+                    if tx.is_closed() {
+                        return; // the engine stopped
+                    }
+                }
             });
         match spawned {
             Ok(_) => self.backlog = Some(rx),
@@ -238,15 +262,14 @@ impl Engine {
                     "store recovered: scheduling its messages"
                 );
                 self.start_loading(recovered);
-                return;
             }
             Err(e) => {
-                // New messages are held and fire as usual; the older ones
-                // stay on disk, untouched (nothing is reclaimed), for the
-                // next start to read.
+                // The reading thread died. New messages are held and fire
+                // as usual; the older ones stay on disk, untouched (nothing
+                // is reclaimed), for the next start to read: the store
+                // stays "recovering" so that it shows.
                 self.metrics.store_errors.inc();
                 tracing::error!(error = %e, "store: cannot read the older segments; their messages wait for a restart");
-                self.metrics.store_recovering.set(0);
             }
         }
     }

@@ -181,7 +181,7 @@ impl Log {
     /// written before, so a torn tail is never written over. Fails if
     /// another nackd has it open.
     pub fn open(dir: &Path, options: Options) -> io::Result<(Self, Recovered)> {
-        let (mut log, backlog) = Self::open_deferred(dir, options)?;
+        let (mut log, mut backlog) = Self::open_deferred(dir, options)?;
         let (mut recovered, segments) = backlog.read()?;
         log.merge(segments);
         recovered.next_id = recovered.next_id.max(log.next_id());
@@ -217,7 +217,7 @@ impl Log {
         let mut floor = kept.max(1);
         if !ahead && !numbers.is_empty() {
             // No bound on the ids on disk: read them all first.
-            let (recovered, segments) = std::mem::take(&mut backlog).read_now()?;
+            let (recovered, segments) = backlog.read_now()?;
             floor = floor.max(recovered.next_id);
             backlog.read = Some((recovered, segments));
         }
@@ -837,8 +837,9 @@ pub struct Segments(BTreeMap<u32, Segment>, u64);
 
 impl Backlog {
     /// Reads the older segments: the messages they hold, for the engine,
-    /// and their bookkeeping, for [`Log::merge`].
-    pub fn read(mut self) -> io::Result<(Recovered, Segments)> {
+    /// and their bookkeeping, for [`Log::merge`]. After an error it can be
+    /// called again (nothing is merged, nothing reclaimed meanwhile).
+    pub fn read(&mut self) -> io::Result<(Recovered, Segments)> {
         if let Some((recovered, _)) = self.read.take() {
             // Merged at the open already.
             return Ok((recovered, Segments::default()));
@@ -846,9 +847,9 @@ impl Backlog {
         self.read_now()
     }
 
-    fn read_now(self) -> io::Result<(Recovered, Segments)> {
+    fn read_now(&self) -> io::Result<(Recovered, Segments)> {
         let (mut recovered, segments) = recover::read(&self.dir, &self.numbers)?;
-        recovered.torn_tail = self.torn_tail;
+        recovered.torn_tail = self.torn_tail.clone();
         let next_id = recovered.next_id;
         Ok((recovered, Segments(segments, next_id)))
     }

@@ -569,7 +569,7 @@ fn puts_are_taken_while_older_segments_wait_to_be_read() {
         // The process dies here, before the older segments were merged.
         vec![first + 1]
     };
-    let (mut log, backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
     let (rec, segments) = backlog.read().unwrap();
     log.merge(segments);
     assert!(!log.recovering());
@@ -594,7 +594,7 @@ fn a_store_without_an_id_bound_is_read_before_it_takes_puts() {
     }
     // As an older nackd left it: ids 1..=5 on disk, NEXT_ID saying 2.
     std::fs::write(dir.path().join("NEXT_ID"), "2\n").unwrap();
-    let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
     assert!(log.next_id() > 5, "{}", log.next_id());
     assert!(!log.recovering() && backlog.is_empty());
     let (rec, _) = backlog.read().unwrap();
@@ -621,7 +621,7 @@ fn puts_during_recovery_leave_room_for_the_deletes_of_the_older_messages() {
         }
         log.commit().unwrap();
     }
-    let (mut log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
     let disk = Arc::new(AtomicU64::new(8 << 20)); // what is left of it
     log.faults.disk = Some(disk.clone());
     log.read_free();
