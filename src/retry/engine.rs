@@ -150,6 +150,13 @@ struct Loading {
 /// Recovered messages scheduled per turn of the engine's loop.
 const LOAD_STEP: usize = 65_536;
 
+/// How long after a failed read of the older segments it is tried again.
+const BACKLOG_RETRY: Duration = if cfg!(test) {
+    Duration::from_millis(100)
+} else {
+    Duration::from_secs(10)
+};
+
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
     /// thread starts now.
@@ -207,15 +214,32 @@ impl Engine {
     /// Reads the store's older segments on a thread of their own while the
     /// engine parks and fires new messages; they join the engine (and the
     /// store's bookkeeping) once read.
-    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
+    ///
+    /// A read that fails is tried again every [`BACKLOG_RETRY`] while the
+    /// engine runs: the store stays "recovering" meanwhile (nothing is
+    /// reclaimed, and `/readyz` and `nackd_store_recovering` say so).
+    pub(super) fn read_backlog(&mut self, mut backlog: store::Backlog) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.metrics.store_recovering.set(1);
         let span = tracing::info_span!("store_recovery");
+        let metrics = self.metrics.clone();
         let spawned = std::thread::Builder::new()
             .name("nackd-recover".into())
             .spawn(move || {
                 let _span = span.entered();
-                let _ = tx.send(backlog.read());
+                loop {
+                    match backlog.read() {
+                        Ok(read) => return drop(tx.send(Ok(read))),
+                        Err(e) => {
+                            metrics.store_errors.inc();
+                            tracing::error!(error = %e, retry_in = ?BACKLOG_RETRY, "store: cannot read the older segments; their messages wait, the read is tried again");
+                        }
+                    }
+                    std::thread::sleep(BACKLOG_RETRY);
+                    if tx.is_closed() {
+                        return; // the engine stopped
+                    }
+                }
             });
         match spawned {
             Ok(_) => self.backlog = Some(rx),
@@ -242,12 +266,12 @@ impl Engine {
                 self.start_loading(recovered);
             }
             Err(e) => {
-                // New messages are held and fire as usual; the older ones
-                // stay on disk, untouched (nothing is reclaimed), for the
-                // next start to read.
+                // The reading thread died. New messages are held and fire
+                // as usual; the older ones stay on disk, untouched (nothing
+                // is reclaimed), for the next start to read: the store
+                // stays "recovering" so that it shows.
                 self.metrics.store_errors.inc();
                 tracing::error!(error = %e, "store: cannot read the older segments; their messages wait for a restart");
-                self.metrics.store_recovering.set(0);
             }
         }
     }
@@ -889,6 +913,80 @@ mod tests {
             let m = metrics.clone();
             let resumed = move || m.firing_paused().is_none() && m.published.get() == 1;
             wait("resumed and fired", Box::new(resumed)).await;
+            stop.cancel();
+        };
+        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
+        assert!(matches!(exit, Exit::Stopped));
+    }
+
+    /// Review of issue 19: when the older segments cannot be read (an I/O
+    /// error), their messages must not wait silently for a restart that
+    /// nobody is told to make: the store stays "recovering" (the gauge,
+    /// `/readyz`) and the read is tried again, so they fire once it works.
+    #[tokio::test]
+    async fn a_failed_read_of_the_older_segments_is_tried_again() {
+        use crate::store::segment_path;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+            for id in 1..=3 {
+                let held = Held {
+                    id,
+                    vhost: Arc::from("/"),
+                    queue: Arc::from("q"),
+                    due_ms: u64::MAX / 2,
+                    retry: 1,
+                    route: Route::Queue,
+                    on_return: None,
+                    header: Bytes::from_static(b"h"),
+                    body: Bytes::from_static(b"old"),
+                };
+                log.put(&held, None).unwrap();
+            }
+            log.commit().unwrap();
+        }
+        let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+        // The first read fails: the segment cannot be read for now.
+        let first = segment_path(dir.path(), 1);
+        let aside = dir.path().join("aside");
+        std::fs::rename(&first, &aside).unwrap();
+        let start = start(dir.path());
+        let metrics = start.metrics.clone();
+        let ready = crate::retry::Readiness::new();
+        let recovered = Recovered {
+            next_id: log.next_id(),
+            ..Default::default()
+        };
+        let mut engine = Engine::new(log, recovered, &start, None, ready.clone());
+        engine.read_backlog(backlog);
+        let (tx, mut commands) = mpsc::unbounded_channel();
+        let handle = RetryHandle { tx, ready };
+        let (_adopt_tx, mut adopts) = mpsc::channel(1);
+        let stop = CancellationToken::new();
+        let test = async {
+            let began = std::time::Instant::now();
+            while metrics.store_errors.get() == 0 {
+                assert!(began.elapsed() < Duration::from_secs(10), "no read error");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(
+                metrics.store_recovering.get(),
+                1,
+                "the older segments are not read: still recovering"
+            );
+            std::fs::rename(&aside, &first).unwrap();
+            let began = std::time::Instant::now();
+            loop {
+                let total = handle.list(None, None, 1).await.unwrap().1;
+                if total == 3 && metrics.store_recovering.get() == 0 {
+                    break;
+                }
+                assert!(
+                    began.elapsed() < Duration::from_secs(30),
+                    "the older messages never came: {total} held"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             stop.cancel();
         };
         let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);

@@ -138,6 +138,10 @@ pub struct Log {
     /// are not in `segments` yet, so nothing is reclaimed or compacted
     /// until [`Log::merge`] brings them in.
     recovering: bool,
+    /// Bytes of those older segments: until they are read, the deletes of
+    /// their live puts are counted as if every record were a put of the
+    /// smallest size ([`Log::room_for`]).
+    older_bytes: u64,
     #[cfg(test)]
     pub(crate) faults: faults::Faults,
     _lock: File,
@@ -187,7 +191,7 @@ impl Log {
     /// written before, so a torn tail is never written over. Fails if
     /// another nackd has it open.
     pub fn open(dir: &Path, options: Options) -> io::Result<(Self, Recovered)> {
-        let (mut log, backlog) = Self::open_deferred(dir, options)?;
+        let (mut log, mut backlog) = Self::open_deferred(dir, options)?;
         let (mut recovered, segments) = backlog.read()?;
         log.merge(segments);
         recovered.next_id = recovered.next_id.max(log.next_id());
@@ -223,7 +227,7 @@ impl Log {
         let mut floor = kept.max(1);
         if !ahead && !numbers.is_empty() {
             // No bound on the ids on disk: read them all first.
-            let (recovered, segments) = std::mem::take(&mut backlog).read_now()?;
+            let (recovered, segments) = backlog.read_now()?;
             floor = floor.max(recovered.next_id);
             backlog.read = Some((recovered, segments));
         }
@@ -265,6 +269,7 @@ impl Log {
             next_id_kept: if ahead { kept } else { 0 },
             report: None,
             recovering: !numbers.is_empty(),
+            older_bytes: total,
             #[cfg(test)]
             faults: faults::Faults::default(),
             _lock: lock,
@@ -292,6 +297,7 @@ impl Log {
             self.report = older.2;
         }
         self.recovering = false;
+        self.older_bytes = 0;
         self.reclaim();
     }
 
@@ -410,8 +416,13 @@ impl Log {
     /// the deletes of everything held: a disk this store fills must still
     /// take them, they are what frees it again. The free space is read at
     /// each commit, and again before saying no.
+    /// While older segments wait to be read ([`Log::open_deferred`]) their
+    /// live puts are not counted yet: as many as their bytes could hold
+    /// are, so that new puts never take the room of their deletes.
     fn room_for(&mut self, bytes: usize) -> bool {
-        let deletes = (self.live_puts + self.effects.len() as u64 + 1) * record::DEL_LEN as u64;
+        let older = self.older_bytes / record::MIN_PUT_LEN as u64;
+        let puts = self.live_puts + older + self.effects.len() as u64 + 1;
+        let deletes = puts * record::DEL_LEN as u64;
         let needed = (self.pending.len() + bytes) as u64 + deletes + HEADROOM;
         if needed > self.free {
             self.read_free();
@@ -885,8 +896,9 @@ pub struct Segments(BTreeMap<u32, Segment>, u64, Option<Report>);
 
 impl Backlog {
     /// Reads the older segments: the messages they hold, for the engine,
-    /// and their bookkeeping, for [`Log::merge`].
-    pub fn read(mut self) -> io::Result<(Recovered, Segments)> {
+    /// and their bookkeeping, for [`Log::merge`]. After an error it can be
+    /// called again (nothing is merged, nothing reclaimed meanwhile).
+    pub fn read(&mut self) -> io::Result<(Recovered, Segments)> {
         if let Some((recovered, _)) = self.read.take() {
             // Merged at the open already.
             return Ok((recovered, Segments::default()));
@@ -894,9 +906,9 @@ impl Backlog {
         self.read_now()
     }
 
-    fn read_now(self) -> io::Result<(Recovered, Segments)> {
+    fn read_now(&self) -> io::Result<(Recovered, Segments)> {
         let (mut recovered, segments) = recover::read(&self.dir, &self.numbers)?;
-        recovered.torn_tail = self.torn_tail;
+        recovered.torn_tail = self.torn_tail.clone();
         let next_id = recovered.next_id;
         let report = Some(recovered.report());
         Ok((recovered, Segments(segments, next_id, report)))

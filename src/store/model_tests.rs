@@ -248,7 +248,7 @@ impl World {
     /// at the reopen (nothing since could touch them: the engine did not
     /// know their messages).
     fn finish_recovery(&mut self) {
-        let Some((backlog, then)) = self.backlog.take() else {
+        let Some((mut backlog, then)) = self.backlog.take() else {
             return;
         };
         let (rec, segments) = backlog.read().unwrap();

@@ -37,6 +37,10 @@ pub const PREFIX: usize = 8;
 pub const SALTED_PREFIX: usize = 12;
 /// Bytes a delete record takes in a segment, prefix included.
 pub const DEL_LEN: usize = SALTED_PREFIX + 1 + 8;
+/// Bytes of the smallest put record in either format, prefix included
+/// (format 1's shorter prefix, empty names, header and body): no segment
+/// holds more puts than its bytes over this.
+pub const MIN_PUT_LEN: usize = PREFIX + 1 + 8 + 8 + 4 + 4 + 4 + 2 + 2 + 1 + 1;
 /// Largest record body accepted when reading (corruption guard).
 pub const MAX_BODY: usize = 512 * 1024 * 1024;
 
@@ -547,5 +551,28 @@ pub(crate) mod tests {
                 assert_eq!(framing.extent(&bad), None);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod min_put {
+    use super::*;
+
+    /// [`MIN_PUT_LEN`] is the smallest put there is: recovery's room for
+    /// deletes relies on no put being shorter.
+    #[test]
+    fn the_smallest_put_is_min_put_len_long() {
+        let empty = Held {
+            id: 0,
+            vhost: Arc::from(""),
+            queue: Arc::from(""),
+            due_ms: 0,
+            retry: 0,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::new(),
+            body: Bytes::new(),
+        };
+        assert_eq!(encode_put(&empty).len(), MIN_PUT_LEN);
     }
 }

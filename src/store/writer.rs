@@ -455,7 +455,7 @@ mod tests {
         let cut_short = bytes[bad.offset as usize..][..30].to_vec(); // a write torn by a crash
         bytes.extend(cut_short);
         std::fs::write(&path, bytes).unwrap();
-        let (log, backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
+        let (log, mut backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
         let metrics = Metrics::new();
         let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
         let writer = spawn_writer(log, events, metrics.clone());

@@ -579,7 +579,7 @@ fn puts_are_taken_while_older_segments_wait_to_be_read() {
         // The process dies here, before the older segments were merged.
         vec![first + 1]
     };
-    let (mut log, backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), small(4096)).unwrap();
     let (rec, segments) = backlog.read().unwrap();
     log.merge(segments);
     assert!(!log.recovering());
@@ -604,9 +604,58 @@ fn a_store_without_an_id_bound_is_read_before_it_takes_puts() {
     }
     // As an older nackd left it: ids 1..=5 on disk, NEXT_ID saying 2.
     std::fs::write(dir.path().join("NEXT_ID"), "2\n").unwrap();
-    let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
     assert!(log.next_id() > 5, "{}", log.next_id());
     assert!(!log.recovering() && backlog.is_empty());
     let (rec, _) = backlog.read().unwrap();
     assert_eq!(rec.held.len(), 5);
+}
+
+/// Review of issue 19: puts taken while the older segments wait to be read
+/// must still leave the disk room for the deletes of everything held, the
+/// older messages included (a disk nackd fills itself must take the
+/// deletes, they are what frees it). Before the older segments are read
+/// their live puts are not counted, so a restart on a tight disk let new
+/// puts take the room of the old messages' deletes: once merged and fired,
+/// those deletes did not fit and nothing could free the disk again.
+#[test]
+fn puts_during_recovery_leave_room_for_the_deletes_of_the_older_messages() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let old = 100_000u64; // their deletes: 1.7 MB, more than the headroom
+    let mut locs = Vec::new();
+    {
+        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+        for id in 1..=old {
+            locs.push((id, log.put(&held(id, id, 1), None).unwrap()));
+        }
+        log.commit().unwrap();
+    }
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let disk = Arc::new(AtomicU64::new(8 << 20)); // what is left of it
+    log.faults.disk = Some(disk.clone());
+    log.read_free();
+    let first = log.next_id();
+    let mut id = first;
+    while let Ok(loc) = log.put(&held(id, id, 1000), None) {
+        log.commit().unwrap();
+        locs.push((id, loc));
+        id += 1;
+    }
+    assert!(id > first, "some new puts are taken");
+    let (_, segments) = backlog.read().unwrap();
+    log.merge(segments);
+    // Every held message completes: each delete must find room.
+    for chunk in locs.chunks(4096) {
+        for (id, loc) in chunk {
+            log.del(*id, *loc);
+        }
+        let free = disk.load(Ordering::SeqCst);
+        assert!(
+            log.commit().is_ok(),
+            "deletes do not fit: {free} bytes free, {} held",
+            log.live_puts
+        );
+    }
+    assert_eq!(log.live_bytes(), 0);
 }
