@@ -158,11 +158,7 @@ async fn declare(queues: &[&str]) {
 async fn delete(queues: &[&str]) {
     let conn = direct().await;
     let ch = conn.create_channel().await.unwrap();
-    for q in queues {
-        let _ = ch
-            .queue_delete((*q).into(), QueueDeleteOptions::default())
-            .await;
-    }
+    delete_queues(&ch, queues).await;
 }
 
 /// Passed nacks by reason, the nonzero ones.

@@ -68,14 +68,10 @@ async fn publish_n(queue: &str, n: u32, size: usize) {
     conn.close(200, "".into()).await.unwrap();
 }
 
-async fn delete_queues(queues: &[&str]) {
+async fn delete(queues: &[&str]) {
     let conn = direct().await;
     let ch = conn.create_channel().await.unwrap();
-    for q in queues {
-        let _ = ch
-            .queue_delete((*q).into(), QueueDeleteOptions::default())
-            .await;
-    }
+    delete_queues(&ch, queues).await;
 }
 
 /// Issue 11: one message held for 10 minutes pins the oldest segment while
@@ -182,7 +178,7 @@ async fn after_sigkill_no_completed_retry_comes_back_and_the_store_shrinks() {
     assert_eq!(s.get("nackd_store_damaged_bytes_total", &[]), 0.0);
     assert!(retried.values().all(|n| *n == 1), "each retried once");
     drop(nackd);
-    delete_queues(&[&long, &short]).await;
+    delete(&[&long, &short]).await;
 }
 
 /// A small ext4 file system on a loop device, unmounted on drop.
@@ -338,7 +334,7 @@ async fn a_full_disk_passes_nacks_through_and_interception_resumes() {
     assert_eq!(s.get("nackd_nacks_passed_total", &unavailable), 9.0);
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;
-    delete_queues(&[&q]).await;
+    delete(&[&q]).await;
     // The store on the small disk is consistent: nothing held, nothing damaged.
     let (_, rec) = nackd::store::Log::open(&store, nackd::store::Options::default()).unwrap();
     assert!(rec.held.is_empty() && rec.damage.is_empty());
@@ -621,5 +617,5 @@ async fn a_disk_filled_by_another_process_pauses_firing_and_no_delivered_message
     assert_eq!(s.get("nackd_store_damaged_bytes_total", &[]), 0.0);
     consumer.abort();
     drop(nackd);
-    delete_queues(&[&long, &short]).await;
+    delete(&[&long, &short]).await;
 }

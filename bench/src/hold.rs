@@ -146,7 +146,7 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
     let mut targets = start("restart", &args.park).await?;
     let nackd = started(&mut targets)?;
     if args.prefill {
-        nackd.stop()?;
+        nackd.stop();
         let began = Instant::now();
         let (store, n) = (nackd.store_dir(), args.park.count);
         tokio::task::spawn_blocking(move || prefill(&store, n)).await??;

@@ -814,6 +814,27 @@ mod tests {
         );
     }
 
+    /// Writes messages 1..=`n` (due far ahead) to the store in `dir`, as a
+    /// nackd that held them before a restart left it.
+    fn hold_before_a_restart(dir: &std::path::Path, n: u64) {
+        let (mut log, _) = Log::open(dir, Options::default()).unwrap();
+        for id in 1..=n {
+            let held = Held {
+                id,
+                vhost: Arc::from("/"),
+                queue: Arc::from("q"),
+                due_ms: u64::MAX / 2,
+                retry: 1,
+                route: Route::Queue,
+                on_return: None,
+                header: Bytes::from_static(b"h"),
+                body: Bytes::from_static(b"old"),
+            };
+            log.put(&held, None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+
     /// Issue 19: a restart holds nacks at once. With a store full of
     /// messages held before it, a park is answered while the older
     /// segments are still being read, and they are all scheduled after
@@ -822,24 +843,7 @@ mod tests {
     async fn a_restart_parks_at_once_and_schedules_what_it_held_after() {
         let dir = tempfile::tempdir().unwrap();
         let before = LOAD_STEP as u64 + 4_000;
-        {
-            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-            for id in 1..=before {
-                let held = Held {
-                    id,
-                    vhost: Arc::from("/"),
-                    queue: Arc::from("q"),
-                    due_ms: u64::MAX / 2,
-                    retry: 1,
-                    route: Route::Queue,
-                    on_return: None,
-                    header: Bytes::from_static(b"h"),
-                    body: Bytes::from_static(b"old"),
-                };
-                log.put(&held, None).unwrap();
-            }
-            log.commit().unwrap();
-        }
+        hold_before_a_restart(dir.path(), before);
         let start = start(dir.path());
         let metrics = start.metrics.clone();
         let (handle, engine): (RetryHandle, _) = crate::retry::start(start);
@@ -927,24 +931,7 @@ mod tests {
     async fn a_failed_read_of_the_older_segments_is_tried_again() {
         use crate::store::segment_path;
         let dir = tempfile::tempdir().unwrap();
-        {
-            let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-            for id in 1..=3 {
-                let held = Held {
-                    id,
-                    vhost: Arc::from("/"),
-                    queue: Arc::from("q"),
-                    due_ms: u64::MAX / 2,
-                    retry: 1,
-                    route: Route::Queue,
-                    on_return: None,
-                    header: Bytes::from_static(b"h"),
-                    body: Bytes::from_static(b"old"),
-                };
-                log.put(&held, None).unwrap();
-            }
-            log.commit().unwrap();
-        }
+        hold_before_a_restart(dir.path(), 3);
         let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
         // The first read fails: the segment cannot be read for now.
         let first = segment_path(dir.path(), 1);

@@ -189,19 +189,7 @@ impl World {
         self.last_removed = self.removed_since(before);
         self.ledger = Ledger::new(Metrics::new(), 0);
         self.queue = self.ledger.intern(&Arc::from("/"), &Arc::from("q"));
-        let reader = log.reader();
-        let mut got = BTreeMap::new();
-        for ((id, due, loc), meta) in rec.held.iter().zip(&rec.meta) {
-            let back = reader.read(*loc).unwrap();
-            assert_eq!(back.id, *id);
-            assert_eq!(back.body.len() + 6, meta.size as usize);
-            got.insert(*id, meta.retry);
-            let meta = HeldMeta {
-                queue: self.queue,
-                ..*meta
-            };
-            self.ledger.insert(*id, Entry::new(*loc, *due, meta));
-        }
+        let got = self.load(&log.reader(), &rec);
         assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
         assert_eq!(got, self.durable, "recovered exactly what is durable");
         assert!(
@@ -258,9 +246,22 @@ impl World {
             self.last_removed = Some(removed);
         }
         let reader = self.log().reader();
+        let got = self.load(&reader, &rec);
+        assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
+        assert_eq!(
+            got, then,
+            "the older segments hold what was durable at the reopen"
+        );
+    }
+
+    /// Puts what recovery found in the engine's ledger, each read back from
+    /// its record; returns it as the model holds it (id → version).
+    fn load(&mut self, reader: &super::Reader, rec: &super::Recovered) -> BTreeMap<u64, u32> {
         let mut got = BTreeMap::new();
         for ((id, due, loc), meta) in rec.held.iter().zip(&rec.meta) {
-            assert_eq!(reader.read(*loc).unwrap().id, *id);
+            let back = reader.read(*loc).unwrap();
+            assert_eq!(back.id, *id);
+            assert_eq!(back.body.len() + 6, meta.size as usize);
             got.insert(*id, meta.retry);
             let meta = HeldMeta {
                 queue: self.queue,
@@ -268,11 +269,7 @@ impl World {
             };
             self.ledger.insert(*id, Entry::new(*loc, *due, meta));
         }
-        assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
-        assert_eq!(
-            got, then,
-            "the older segments hold what was durable at the reopen"
-        );
+        got
     }
 
     fn pick(&self, n: u16) -> Option<u64> {

@@ -91,3 +91,12 @@ pub fn retry_count(d: &Delivery) -> i64 {
         _ => 0,
     }
 }
+
+/// Deletes each queue, whatever state it is in (a test's cleanup).
+pub async fn delete_queues(ch: &Channel, names: &[&str]) {
+    for n in names {
+        let _ = ch
+            .queue_delete((*n).into(), QueueDeleteOptions::default())
+            .await;
+    }
+}

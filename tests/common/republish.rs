@@ -95,14 +95,6 @@ pub async fn drain(ch: &Channel, q: &str, settle: Duration) -> Vec<String> {
     bodies
 }
 
-pub async fn delete_queues(ch: &Channel, names: &[&str]) {
-    for n in names {
-        let _ = ch
-            .queue_delete((*n).into(), QueueDeleteOptions::default())
-            .await;
-    }
-}
-
 pub async fn delete_exchanges(ch: &Channel, names: &[&str]) {
     for n in names {
         let _ = ch
