@@ -162,7 +162,7 @@ impl Held {
         HeldMeta {
             queue,
             size: self.size() as u32,
-            retry: self.retry,
+            retry: self.retry.try_into().unwrap_or(u16::MAX),
             dead_letter: self.route != Route::Queue,
         }
     }
@@ -176,8 +176,9 @@ pub struct HeldMeta {
     pub queue: u32,
     /// Header + body bytes.
     pub size: u32,
-    /// Retry number in its headers.
-    pub retry: u32,
+    /// Retry number in its headers (shown by the admin API and the recent
+    /// events; 65 535 stands for any higher one, which no schedule reaches).
+    pub retry: u16,
     /// It goes to an exchange (`on_exhausted`), not back to its queue.
     pub dead_letter: bool,
 }

@@ -321,7 +321,7 @@ impl Engine {
                     vhost: vhost.to_string(),
                     queue: queue.to_string(),
                     due_ms: e.due_ms,
-                    retry: e.meta.retry,
+                    retry: e.meta.retry.into(),
                     size: e.meta.size,
                     attempts: e.attempts,
                     publishing: e.inflight,

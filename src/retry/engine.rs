@@ -54,8 +54,8 @@ pub(super) enum PutCtx {
 /// How long the republishers get to end at shutdown.
 const REPUBLISHERS_STOP: Duration = Duration::from_secs(2);
 
-/// A wheel entry: store id and the schedule token it was inserted with.
-type Slot = (u64, u32);
+/// A due wheel entry: when it was due and the store id it fires.
+type Slot = (u64, u64);
 
 /// Waits between two probes of an exchange that refuses publishes.
 const LANE_BACKOFF: Backoff = Backoff {
@@ -77,7 +77,7 @@ pub(super) enum Exit {
 pub(super) struct Vhost {
     name: Arc<str>,
     /// Held messages of the vhost by due time.
-    wheel: Wheel<Slot>,
+    wheel: Wheel<u64>,
     /// Taken out of the wheel (due), waiting for room in the republisher:
     /// `ready[next..]`. One vector, refilled in place from the wheel.
     ready: Vec<Slot>,
@@ -183,7 +183,7 @@ impl Engine {
             reports,
             link: replica.map(link::Link::new),
             ready,
-            ledger: Ledger::new(metrics.clone(), recovered.held.len()),
+            ledger: Ledger::new(metrics.clone()),
             clock,
             vhosts: Vec::new(),
             connector,
@@ -308,8 +308,7 @@ impl Engine {
         for ((id, due, loc), mut meta) in loading.held.by_ref().zip(loading.meta.by_ref()).take(n) {
             meta.queue = loading.queues[meta.queue as usize];
             self.ledger.insert(id, Entry::new(loc, due, meta));
-            let v = self.ledger.vhost_of(meta.queue);
-            self.vhost(v).wheel.insert(due, (id, 0));
+            self.schedule(id, due);
         }
         if loading.held.len() > 0 {
             self.loading = Some(loading);
@@ -629,13 +628,12 @@ impl Engine {
 
     /// (Re)arms the wheel for `id`; wheel entries armed before are stale.
     pub(super) fn schedule(&mut self, id: u64, at_ms: u64) {
-        let Some(entry) = self.ledger.get_mut(id) else {
+        let Some(entry) = self.ledger.get(id) else {
             return;
         };
-        entry.token = entry.token.wrapping_add(1);
-        let (token, queue) = (entry.token, entry.meta.queue);
-        let v = self.ledger.vhost_of(queue);
-        self.vhost(v).wheel.insert(at_ms, (id, token));
+        let v = self.ledger.vhost_of(entry.meta.queue);
+        let armed = self.vhost(v).wheel.insert(at_ms, id);
+        self.ledger.get_mut(id).expect("checked above").armed_ms = armed;
     }
 
     /// Completes a message: it leaves the ledger now and the store with a

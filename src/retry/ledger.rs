@@ -35,8 +35,9 @@ pub struct Entry {
     pub due_ms: u64,
     /// Queue, size, retry number, route.
     pub meta: HeldMeta,
-    /// Matches the wheel entry that may fire it; older ones are stale.
-    pub token: u32,
+    /// When the wheel entry that may fire it is due; wheel entries of it
+    /// due at another time were armed before and are stale.
+    pub armed_ms: u64,
     /// Failed publish attempts (nack, return, read error).
     pub attempts: u16,
     /// Handed to the republisher, not confirmed yet.
@@ -58,7 +59,7 @@ impl Entry {
             loc,
             due_ms,
             meta,
-            token: 0,
+            armed_ms: u64::MAX,
             attempts: 0,
             inflight: false,
             forced: false,
@@ -120,7 +121,7 @@ struct QueueStat {
 
 /// Held messages by store id, and per-queue totals.
 pub struct Ledger {
-    entries: HashMap<u64, Entry>,
+    entries: IdMap<Entry>,
     /// Messages completed while a superseding put of theirs was being
     /// written, with their record before it: whichever record is current
     /// once the put is answered gets the delete.
@@ -138,9 +139,9 @@ pub struct Ledger {
 
 impl Ledger {
     /// An empty ledger reporting into `metrics`.
-    pub fn new(metrics: Arc<Metrics>, capacity: usize) -> Self {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
         Self {
-            entries: HashMap::with_capacity(capacity),
+            entries: IdMap::default(),
             orphans: HashMap::new(),
             queues: Vec::new(),
             names: HashMap::new(),
@@ -239,14 +240,14 @@ impl Ledger {
 
     /// Records why a held message was set aside (replacing the reason before).
     pub fn set_blocked(&mut self, id: u64, reason: u16) {
-        let Some(entry) = self.entries.get(&id).copied() else {
+        let Some(entry) = self.entries.get(id).copied() else {
             return;
         };
         if entry.blocked == reason {
             return;
         }
         self.count_blocked(&entry, -1);
-        self.entries.get_mut(&id).expect("checked above").blocked = reason;
+        self.entries.get_mut(id).expect("checked above").blocked = reason;
         let entry = Entry {
             blocked: reason,
             ..entry
@@ -292,24 +293,24 @@ impl Ledger {
 
     /// Removes a held message.
     pub fn remove(&mut self, id: u64) -> Option<Entry> {
-        let entry = self.entries.remove(&id)?;
+        let entry = self.entries.remove(id)?;
         self.account(&entry, -1);
         Some(entry)
     }
 
     /// A held message.
     pub fn get(&self, id: u64) -> Option<&Entry> {
-        self.entries.get(&id)
+        self.entries.get(id)
     }
 
     /// A held message, to change its schedule state.
     pub fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
-        self.entries.get_mut(&id)
+        self.entries.get_mut(id)
     }
 
     /// Every held message.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &Entry)> {
-        self.entries.iter().map(|(id, e)| (*id, e))
+        self.entries.iter()
     }
 
     /// Number of held messages.
@@ -332,7 +333,7 @@ impl Ledger {
     /// A put superseding `id`'s record starts (a re-route); returns the
     /// record it supersedes, or `None` if one is already being written.
     pub fn start_rewrite(&mut self, id: u64) -> Option<Loc> {
-        let entry = self.entries.get_mut(&id).filter(|e| !e.rewriting)?;
+        let entry = self.entries.get_mut(id).filter(|e| !e.rewriting)?;
         entry.rewriting = true;
         Some(entry.loc)
     }
@@ -345,7 +346,7 @@ impl Ledger {
             let loc = result.unwrap_or(old);
             return (Some(StoreOp::Del { id, loc }), false);
         }
-        let Some(entry) = self.entries.get_mut(&id) else {
+        let Some(entry) = self.entries.get_mut(id) else {
             return (None, false);
         };
         entry.rewriting = false;
@@ -360,7 +361,7 @@ impl Ledger {
     /// message was completed, its delete following the copy; or it is being
     /// re-routed, which supersedes the original) the copy is stale.
     pub fn relocated(&mut self, id: u64, from: Loc, to: Loc) -> StoreOp {
-        match self.entries.get_mut(&id).filter(|e| !e.rewriting) {
+        match self.entries.get_mut(id).filter(|e| !e.rewriting) {
             Some(entry) if entry.loc == from => {
                 entry.loc = to;
                 StoreOp::Release { loc: from }
@@ -446,7 +447,12 @@ impl Ledger {
 }
 
 mod due;
+mod idmap;
 #[cfg(test)]
 mod tests;
 
 use due::DueCounts;
+use idmap::IdMap;
+
+// What a held message costs in RAM is mostly this (README "Limits").
+const _: () = assert!(std::mem::size_of::<Entry>() <= 48);

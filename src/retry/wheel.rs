@@ -7,7 +7,11 @@
 //! until it sits in a level-0 slot of exactly its millisecond. An entry fires
 //! only once `now >= due`: never early.
 //!
-//! Memory per entry: its `(due, item)` pair in a slot vector.
+//! Memory per entry: its `(due, item)` pair in a slot's chunks. A slot
+//! keeps its entries in chunks of at most [`CHUNK`], not one growing
+//! vector: a slot holding millions (a million messages parked for the same
+//! hour sit in one or two slots) never leaves more than one chunk unused,
+//! where a doubling vector can leave half of its memory unused.
 
 const BITS: u32 = 6;
 const SLOTS: usize = 1 << BITS;
@@ -16,16 +20,67 @@ const LEVELS: usize = 7;
 /// Milliseconds on the wheel's own clock.
 pub type Millis = u64;
 
+/// Most entries in one chunk of a slot (16 KiB of `(u64, u64)` entries).
+const CHUNK: usize = 1024;
+
+/// One slot's entries in insert order.
+struct Bucket<T> {
+    chunks: Vec<Vec<(Millis, T)>>,
+}
+
+impl<T> Bucket<T> {
+    fn new() -> Self {
+        Self { chunks: Vec::new() }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    fn push(&mut self, entry: (Millis, T)) {
+        if let Some(last) = self.chunks.last_mut() {
+            if last.len() < last.capacity() {
+                return last.push(entry);
+            }
+        }
+        // Chunks grow with the slot up to CHUNK: a slot of a few entries
+        // takes a few entries' room.
+        let room = match self.chunks.len() {
+            n if n >= 8 => CHUNK,
+            _ => self
+                .chunks
+                .iter()
+                .map(Vec::len)
+                .sum::<usize>()
+                .clamp(8, CHUNK),
+        };
+        let mut chunk = Vec::with_capacity(room);
+        chunk.push(entry);
+        self.chunks.push(chunk);
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
+        for chunk in &mut self.chunks {
+            chunk.retain(|(_, item)| keep(item));
+        }
+        self.chunks.retain(|c| !c.is_empty());
+    }
+}
+
 struct Level<T> {
     occupied: u64,
-    slots: Vec<Vec<(Millis, T)>>,
+    slots: Vec<Bucket<T>>,
 }
 
 impl<T> Level<T> {
     fn new() -> Self {
         Self {
             occupied: 0,
-            slots: (0..SLOTS).map(|_| Vec::new()).collect(),
+            slots: (0..SLOTS).map(|_| Bucket::new()).collect(),
         }
     }
 }
@@ -54,6 +109,8 @@ pub struct Wheel<T> {
     now: Millis,
     levels: Vec<Level<T>>,
     len: usize,
+    /// Entries of the slot being polled that are due, sorted before firing.
+    due: Vec<(Millis, T)>,
 }
 
 impl<T> Default for Wheel<T> {
@@ -69,6 +126,7 @@ impl<T> Wheel<T> {
             now,
             levels: (0..LEVELS).map(|_| Level::new()).collect(),
             len: 0,
+            due: Vec::new(),
         }
     }
 
@@ -87,11 +145,14 @@ impl<T> Wheel<T> {
         self.now
     }
 
-    /// Adds an entry; one due in the past fires at the next poll.
-    pub fn insert(&mut self, due: Millis, item: T) {
+    /// Adds an entry; one due in the past fires at the next poll. Returns
+    /// the due time it was given (not before the wheel's clock), which
+    /// [`Wheel::poll`] hands back with it.
+    pub fn insert(&mut self, due: Millis, item: T) -> Millis {
         let due = due.max(self.now);
         self.place(due, item);
         self.len += 1;
+        due
     }
 
     fn place(&mut self, due: Millis, item: T) {
@@ -129,8 +190,9 @@ impl<T> Wheel<T> {
     }
 
     /// Moves the clock to `now` and pushes every entry due by then into
-    /// `fired`, in due order within a slot's batch and across slots.
-    pub fn poll(&mut self, now: Millis, fired: &mut Vec<T>) {
+    /// `fired` with its due time, in due order within a slot's batch and
+    /// across slots.
+    pub fn poll(&mut self, now: Millis, fired: &mut Vec<(Millis, T)>) {
         while let Some((level, slot, deadline)) = self.next_slot() {
             if deadline > now {
                 break;
@@ -138,20 +200,23 @@ impl<T> Wheel<T> {
             self.now = deadline;
             let l = &mut self.levels[level];
             l.occupied &= !(1 << slot);
-            let mut entries = std::mem::take(&mut l.slots[slot]);
-            entries.sort_by_key(|(due, _)| *due);
-            for (due, item) in entries.drain(..) {
-                if due <= now {
-                    fired.push(item);
-                    self.len -= 1;
-                } else {
-                    self.place(due, item);
+            let bucket = std::mem::replace(&mut l.slots[slot], Bucket::new());
+            // Chunk by chunk, each freed once moved on: cascading a slot of
+            // millions never holds two copies of it.
+            for mut chunk in bucket.chunks {
+                for (due, item) in chunk.drain(..) {
+                    match due <= now {
+                        true => self.due.push((due, item)),
+                        false => self.place(due, item),
+                    }
                 }
             }
-            // Hand the allocation back to the slot: it is likely to fill again.
-            let l = &mut self.levels[level];
-            if l.slots[slot].is_empty() {
-                l.slots[slot] = entries;
+            self.len -= self.due.len();
+            // Stable: entries due in the same ms fire in insert order.
+            self.due.sort_by_key(|(due, _)| *due);
+            fired.append(&mut self.due);
+            if self.due.capacity() > CHUNK * 64 {
+                self.due = Vec::new();
             }
         }
         self.now = self.now.max(now);
@@ -162,7 +227,7 @@ impl<T> Wheel<T> {
         let mut len = 0;
         for l in &mut self.levels {
             for (i, slot) in l.slots.iter_mut().enumerate() {
-                slot.retain(|(_, item)| keep(item));
+                slot.retain(&mut keep);
                 if slot.is_empty() {
                     l.occupied &= !(1 << i);
                 }

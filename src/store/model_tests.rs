@@ -143,7 +143,7 @@ fn held(id: u64, size: usize, version: u32, dead_letter: bool) -> Held {
 impl World {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut ledger = Ledger::new(Metrics::new(), 0);
+        let mut ledger = Ledger::new(Metrics::new());
         let queue = ledger.intern(&Arc::from("/"), &Arc::from("q"));
         let mut world = Self {
             dir,
@@ -187,7 +187,7 @@ impl World {
                 .and_modify(|b| b.truncate(torn.from as usize));
         }
         self.last_removed = self.removed_since(before);
-        self.ledger = Ledger::new(Metrics::new(), 0);
+        self.ledger = Ledger::new(Metrics::new());
         self.queue = self.ledger.intern(&Arc::from("/"), &Arc::from("q"));
         let got = self.load(&log.reader(), &rec);
         assert!(rec.damage.is_empty(), "damage: {:?}", rec.damage);
@@ -222,7 +222,7 @@ impl World {
             log.next_id()
         );
         self.next_id = self.next_id.max(log.next_id());
-        self.ledger = Ledger::new(Metrics::new(), 0);
+        self.ledger = Ledger::new(Metrics::new());
         self.queue = self.ledger.intern(&Arc::from("/"), &Arc::from("q"));
         self.to_writer.clear();
         self.to_engine.clear();
@@ -262,7 +262,8 @@ impl World {
             let back = reader.read(*loc).unwrap();
             assert_eq!(back.id, *id);
             assert_eq!(back.body.len() + 6, meta.size as usize);
-            got.insert(*id, meta.retry);
+            assert_eq!(u32::from(meta.retry), back.retry.min(u32::from(u16::MAX)));
+            got.insert(*id, back.retry);
             let meta = HeldMeta {
                 queue: self.queue,
                 ..*meta
@@ -518,7 +519,7 @@ impl World {
             log.bytes(),
             log.live_bytes()
         );
-        let held: BTreeMap<u64, u32> = self
+        let held: BTreeMap<u64, u16> = self
             .ledger
             .iter()
             .map(|(id, e)| (id, e.meta.retry))

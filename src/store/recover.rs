@@ -218,7 +218,7 @@ impl Replay {
                 let meta = HeldMeta {
                     queue,
                     size: p.size() as u32,
-                    retry: p.retry,
+                    retry: p.retry.try_into().unwrap_or(u16::MAX),
                     dead_letter: p.route != Route::Queue,
                 };
                 self.index.insert(p.id, (p.due_ms, loc, meta));

@@ -115,17 +115,17 @@ impl Engine {
             }
             budget -= 1;
             let vh = &mut self.vhosts[v as usize];
-            let (id, token): Slot = vh.ready[vh.next];
+            let (armed, id): Slot = vh.ready[vh.next];
             vh.next += 1;
-            self.fire_one(v, id, token, now);
+            self.fire_one(v, id, armed, now);
         }
     }
 
-    fn fire_one(&mut self, v: u32, id: u64, token: u32, now: u64) {
+    fn fire_one(&mut self, v: u32, id: u64, armed: u64, now: u64) {
         let Some(entry) = self.ledger.get(id).copied() else {
             return; // forgotten meanwhile
         };
-        if entry.token != token || entry.inflight || entry.rewriting {
+        if entry.armed_ms != armed || entry.inflight || entry.rewriting {
             return; // rescheduled (fired now, backed off) or already publishing
         }
         // An operator's "fire now" goes whatever is known to block it.

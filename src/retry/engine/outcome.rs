@@ -108,7 +108,7 @@ impl Engine {
                 kind,
                 vhost,
                 queue,
-                retry: entry.meta.retry,
+                retry: entry.meta.retry.into(),
             });
         }
         self.forget(id);

@@ -1,6 +1,6 @@
 use super::*;
 
-fn entry(due: u64, queue: u32, size: u32, retry: u32, dead_letter: bool) -> Entry {
+fn entry(due: u64, queue: u32, size: u32, retry: u16, dead_letter: bool) -> Entry {
     let meta = HeldMeta {
         queue,
         size,
@@ -21,7 +21,7 @@ fn loc() -> Loc {
 #[test]
 fn per_queue_series_follow_the_held_messages_and_leave_at_zero() {
     let metrics = Metrics::new();
-    let mut ledger = Ledger::new(metrics.clone(), 4);
+    let mut ledger = Ledger::new(metrics.clone());
     let (vhost, a, b) = (Arc::from("/"), Arc::from("a"), Arc::from("b"));
     let (qa, qb) = (ledger.intern(&vhost, &a), ledger.intern(&vhost, &b));
     assert_eq!(ledger.intern(&vhost, &a), qa, "interned once");
@@ -106,7 +106,7 @@ mod aggregates {
         #[test]
         fn aggregates_match_a_walk(ops in proptest::collection::vec(op(), 1..200), now_s in 0u64..20_000) {
             let metrics = Metrics::new();
-            let mut ledger = Ledger::new(metrics.clone(), 0);
+            let mut ledger = Ledger::new(metrics.clone());
             let vhost: Arc<str> = Arc::from("/");
             let queues: Vec<u32> = (0..3)
                 .map(|i| ledger.intern(&vhost, &Arc::from(format!("q{i}"))))

@@ -3,7 +3,37 @@ use super::*;
 fn drain(w: &mut Wheel<u64>, now: Millis) -> Vec<u64> {
     let mut out = Vec::new();
     w.poll(now, &mut out);
-    out
+    out.into_iter().map(|(_, id)| id).collect()
+}
+
+#[test]
+fn poll_hands_back_the_due_time_insert_gave() {
+    let mut w = Wheel::new(1_000);
+    assert_eq!(w.insert(5_000, 1), 5_000);
+    assert_eq!(
+        w.insert(10, 2),
+        1_000,
+        "a past due time is the wheel's clock"
+    );
+    let mut out = Vec::new();
+    w.poll(5_000, &mut out);
+    assert_eq!(out, vec![(1_000, 2), (5_000, 1)]);
+}
+
+#[test]
+fn a_crowded_slot_cascades_chunk_by_chunk_in_insert_order() {
+    let mut w = Wheel::new(0);
+    // Tens of thousands in one level-2 slot, two due times interleaved.
+    let n = 20 * CHUNK as u64 + 7;
+    for id in 0..n {
+        w.insert(10_000 + id % 2, id);
+    }
+    let (even, odd): (Vec<u64>, Vec<u64>) = (0..n).partition(|id| id % 2 == 0);
+    assert!(drain(&mut w, 9_999).is_empty());
+    assert_eq!(drain(&mut w, 10_000), even);
+    assert_eq!(w.len(), odd.len());
+    assert_eq!(drain(&mut w, 10_001), odd);
+    assert!(w.is_empty());
 }
 
 #[test]

@@ -77,7 +77,7 @@ fn puts_survive_reopen_and_deletes_stick() {
     assert_eq!((back.id, back.due_ms), (id, due));
     let meta = rec.meta[0];
     assert_eq!(
-        (meta.retry, meta.size as usize, meta.dead_letter),
+        (u32::from(meta.retry), meta.size as usize, meta.dead_letter),
         (back.retry, back.size(), false)
     );
     assert_eq!(
