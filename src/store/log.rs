@@ -856,6 +856,11 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
 /// its header written and fsynced, then the directory: a segment exists
 /// only with its header, else it is a torn one. Returns the file to append
 /// to and how its records are framed.
+///
+/// A file already there is what an attempt that failed part way left (no
+/// segment above the head is ever written to): it is emptied first, or the
+/// records would go behind its header, which the scan reads, framed with a
+/// salt it does not know.
 fn create_segment(
     dir: &Path,
     n: u32,
@@ -864,6 +869,7 @@ fn create_segment(
 ) -> io::Result<(File, Framing)> {
     let path = segment_path(dir, n);
     let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+    file.set_len(0)?;
     let header = Header::new(n, prev);
     file.write_all(&header.encode())?;
     file.sync_data()?;
