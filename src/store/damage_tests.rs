@@ -632,7 +632,7 @@ fn a_segment_whose_creation_crashed_does_not_hide_a_cut_predecessor() {
     }
     // The next open crashed creating its head: the file, no header yet.
     let crashed = segment_path(dir.path(), two.segment + 1);
-    std::fs::write(&crashed, &[]).unwrap();
+    std::fs::write(&crashed, b"").unwrap();
     {
         let (_, rec) = open(dir.path());
         assert_eq!(ids(&rec), vec![1, 2]);
