@@ -615,3 +615,43 @@ proptest! {
         run(writes, harms);
     }
 }
+
+/// Review 2: a crash while a segment was being created (at an open, or a
+/// rotation) leaves it empty, or with a torn header that the next open cuts
+/// to nothing. The length its predecessor was sealed at went with that
+/// header, and no later header said it: the predecessor cut on a record
+/// boundary lost its tail silently from then on.
+#[test]
+fn a_segment_whose_creation_crashed_does_not_hide_a_cut_predecessor() {
+    let dir = tempfile::tempdir().unwrap();
+    let two;
+    {
+        let (mut log, _) = open(dir.path());
+        put(&mut log, 1, vec![1; 30]);
+        two = put(&mut log, 2, vec![2; 30]);
+    }
+    // The next open crashed creating its head: the file, no header yet.
+    let crashed = segment_path(dir.path(), two.segment + 1);
+    std::fs::write(&crashed, b"").unwrap();
+    {
+        let (_, rec) = open(dir.path());
+        assert_eq!(ids(&rec), vec![1, 2]);
+        assert!(rec.damage.is_empty(), "{:?}", rec.damage);
+    }
+    let sealed = std::fs::metadata(segment_path(dir.path(), two.segment))
+        .unwrap()
+        .len();
+    edit(dir.path(), two.segment, |b| b.truncate(two.offset as usize));
+    let (_, rec) = open(dir.path());
+    assert_eq!(ids(&rec), vec![1]);
+    let found: Vec<_> = rec
+        .damage
+        .iter()
+        .map(|d| (d.segment, d.from, d.to, d.bad))
+        .collect();
+    assert_eq!(
+        found,
+        vec![(two.segment, two.offset.into(), sealed, Harm::Missing)],
+        "the lost put is reported"
+    );
+}

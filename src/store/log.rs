@@ -212,10 +212,23 @@ impl Log {
     pub fn open_deferred(dir: &Path, options: Options) -> io::Result<(Self, Backlog)> {
         std::fs::create_dir_all(dir)?;
         let lock = lock(dir)?;
-        let numbers = segment_numbers(dir)?;
+        let mut numbers = segment_numbers(dir)?;
         let torn_tail = match numbers.last() {
             Some(&newest) => recover::cut_torn_tail(dir, newest)?,
             None => None,
+        };
+        // A newest segment with nothing in it, not even its header (cut
+        // above if torn): a crash while it was created. The head takes its
+        // number, so that the head's header says how long the segment
+        // before it was sealed, as the lost header did; else a later cut of
+        // that segment on a record boundary would go unseen.
+        let head = match numbers.last() {
+            Some(&newest) if std::fs::metadata(segment_path(dir, newest))?.len() == 0 => {
+                numbers.pop();
+                newest
+            }
+            Some(&newest) => newest + 1,
+            None => 1,
         };
         let (kept, ahead) = read_next_id(dir);
         let mut backlog = Backlog {
@@ -245,7 +258,6 @@ impl Log {
         }
         // The head's header says how long the newest older segment is,
         // its torn tail cut: it is sealed at that.
-        let head = numbers.last().map_or(1, |n| n + 1);
         let (head_file, head_framing) = create_segment(dir, head, prev, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
@@ -856,6 +868,11 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
 /// its header written and fsynced, then the directory: a segment exists
 /// only with its header, else it is a torn one. Returns the file to append
 /// to and how its records are framed.
+///
+/// A file already there is what an attempt that failed part way left (no
+/// segment above the head is ever written to): it is emptied first, or the
+/// records would go behind its header, which the scan reads, framed with a
+/// salt it does not know.
 fn create_segment(
     dir: &Path,
     n: u32,
@@ -864,6 +881,7 @@ fn create_segment(
 ) -> io::Result<(File, Framing)> {
     let path = segment_path(dir, n);
     let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+    file.set_len(0)?;
     let header = Header::new(n, prev);
     file.write_all(&header.encode())?;
     file.sync_data()?;
