@@ -28,6 +28,7 @@ mod engine;
 pub(crate) mod ledger;
 pub mod republish;
 mod supervisor;
+mod timer;
 pub mod wheel;
 pub use admin::{BlockedStatus, DueBucket, ExchangeStatus, Listed, QueueStatus, Status, Target};
 pub use supervisor::{Readiness, Ready, Start};

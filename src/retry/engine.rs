@@ -24,6 +24,7 @@ use tracing::{debug, info, warn};
 use super::blocks::{Backoff, Blocks};
 use super::ledger::{Entry, Ledger, StoreOp};
 use super::republish::{Report, Republisher};
+use super::timer::Alarm;
 use super::wheel::Wheel;
 use super::{Clock, Command, Options, Park, Parked};
 use crate::metrics::{Metrics, VhostLabels};
@@ -331,11 +332,13 @@ impl Engine {
         stop: &tokio_util::sync::CancellationToken,
     ) -> Exit {
         self.on_lease();
+        let mut alarm = Alarm::new();
         let exit = loop {
             let wake = match self.may_fire() {
                 true => self.next_wake().map(|ms| self.clock.instant_at(ms)),
                 false => None,
             };
+            alarm.set(wake);
             tokio::select! {
                 _ = stop.cancelled() => {
                     self.apply_queued(commands);
@@ -361,7 +364,7 @@ impl Engine {
                     link::Event::Lease => self.on_lease(),
                     link::Event::Stale => break Exit::Stale(self.stop_store()),
                 },
-                _ = sleep_until(wake), if wake.is_some() => {}
+                _ = alarm.rings(), if wake.is_some() => {}
             }
             if self.may_fire() {
                 self.fire();
@@ -665,13 +668,6 @@ async fn backlog_read(
         Some(rx) => rx
             .await
             .unwrap_or_else(|_| Err(std::io::Error::other("the store's recovery thread died"))),
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
     }
 }
