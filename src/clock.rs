@@ -29,6 +29,16 @@ impl Clock {
         self.ms_at(Instant::now())
     }
 
+    /// Now, in µs since the epoch: the retry engine's timers.
+    pub fn now_us(&self) -> u64 {
+        self.origin_ms * 1000 + self.origin.elapsed().as_micros() as u64
+    }
+
+    /// The instant at which `now_us()` reaches `us` (rounded up: never early).
+    pub fn instant_at_us(&self, us: u64) -> Instant {
+        self.origin + Duration::from_micros(us.saturating_sub(self.origin_ms * 1000))
+    }
+
     /// `at`, in ms since the epoch (for a state machine given its time).
     pub fn ms_at(&self, at: Instant) -> u64 {
         self.origin_ms + at.saturating_duration_since(self.origin).as_millis() as u64
@@ -55,5 +65,14 @@ mod tests {
             clock.origin_ms
         );
         assert!(clock.now_ms() >= clock.origin_ms);
+        assert_eq!(
+            clock.instant_at_us(clock.origin_ms * 1000 + 1_500_250),
+            clock.origin + Duration::from_micros(1_500_250)
+        );
+        let (ms, us) = (clock.now_ms(), clock.now_us());
+        assert!(
+            us / 1000 >= ms && us / 1000 - ms < 1000,
+            "{us} µs vs {ms} ms"
+        );
     }
 }

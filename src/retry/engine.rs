@@ -44,6 +44,8 @@ pub(super) enum PutCtx {
         key: super::ClaimKey,
         reply: mpsc::UnboundedSender<Parked>,
         meta: HeldMeta,
+        /// When it falls due, to the microsecond.
+        due_us: u64,
     },
     Adopt {
         reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
@@ -55,7 +57,7 @@ pub(super) enum PutCtx {
 /// How long the republishers get to end at shutdown.
 const REPUBLISHERS_STOP: Duration = Duration::from_secs(2);
 
-/// A due wheel entry: when it was due and the store id it fires.
+/// A due wheel entry: when it was due (µs) and the store id it fires.
 type Slot = (u64, u64);
 
 /// Waits between two probes of an exchange that refuses publishes.
@@ -335,7 +337,7 @@ impl Engine {
         let mut alarm = Alarm::new();
         let exit = loop {
             let wake = match self.may_fire() {
-                true => self.next_wake().map(|ms| self.clock.instant_at(ms)),
+                true => self.next_wake().map(|us| self.clock.instant_at_us(us)),
                 false => None,
             };
             alarm.set(wake);
@@ -458,7 +460,7 @@ impl Engine {
                     .republish_pending_bytes
                     .get_or_create_owned(&labels),
                 name,
-                wheel: Wheel::new(self.clock.now_ms()),
+                wheel: Wheel::new(self.clock.now_us()),
                 ready: Vec::new(),
                 next: 0,
                 republisher: None,
@@ -490,13 +492,15 @@ impl Engine {
     fn park(&mut self, park: Park, reply: mpsc::UnboundedSender<Parked>) {
         let id = self.next_id;
         self.next_id += 1;
+        // The wheel keeps the exact due time; the record keeps it rounded up
+        // to its millisecond, so that a message recovered after a restart is
+        // never early either.
+        let due_us = self.clock.now_us() + park.delay.as_micros() as u64;
         let held = Held {
             id,
             vhost: park.vhost,
             queue: park.queue,
-            // Rounded up: the clock reads whole ms, so the part of the current
-            // ms already gone would otherwise make the delay up to 1 ms short.
-            due_ms: self.clock.now_ms() + 1 + park.delay.as_millis() as u64,
+            due_ms: due_us.div_ceil(1000),
             retry: park.retry,
             route: park.route,
             on_return: park.on_return,
@@ -508,6 +512,7 @@ impl Engine {
             key: park.key,
             reply,
             meta,
+            due_us,
         };
         self.put_new(held, ctx);
     }
@@ -561,7 +566,15 @@ impl Engine {
             }
         };
         match (w.ctx, w.result) {
-            (PutCtx::Park { key, reply, meta }, Ok(loc)) => {
+            (
+                PutCtx::Park {
+                    key,
+                    reply,
+                    meta,
+                    due_us,
+                },
+                Ok(loc),
+            ) => {
                 self.ledger.tick(self.clock.now_ms());
                 self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
                 let parked = Parked {
@@ -578,7 +591,7 @@ impl Engine {
                     );
                     return self.forget(w.id);
                 }
-                self.schedule(w.id, w.due_ms);
+                self.schedule_us(w.id, due_us);
             }
             (PutCtx::Park { key, reply, .. }, Err(e)) => {
                 let _ = reply.send(Parked {
@@ -629,14 +642,20 @@ impl Engine {
         self.tell_store(op);
     }
 
-    /// (Re)arms the wheel for `id`; wheel entries armed before are stale.
+    /// (Re)arms the wheel for `id` at `at_ms`; wheel entries armed before
+    /// are stale.
     pub(super) fn schedule(&mut self, id: u64, at_ms: u64) {
+        self.schedule_us(id, at_ms.saturating_mul(1000));
+    }
+
+    /// (Re)arms the wheel for `id` at `at_us`.
+    fn schedule_us(&mut self, id: u64, at_us: u64) {
         let Some(entry) = self.ledger.get(id) else {
             return;
         };
         let v = self.ledger.vhost_of(entry.meta.queue);
-        let armed = self.vhost(v).wheel.insert(at_ms, id);
-        self.ledger.get_mut(id).expect("checked above").armed_ms = armed;
+        let armed = self.vhost(v).wheel.insert(at_us, id);
+        self.ledger.get_mut(id).expect("checked above").armed_us = armed;
     }
 
     /// Completes a message: it leaves the ledger now and the store with a

@@ -35,9 +35,9 @@ pub struct Entry {
     pub due_ms: u64,
     /// Queue, size, retry number, route.
     pub meta: HeldMeta,
-    /// When the wheel entry that may fire it is due; wheel entries of it
-    /// due at another time were armed before and are stale.
-    pub armed_ms: u64,
+    /// When the wheel entry that may fire it is due (µs); wheel entries of
+    /// it due at another time were armed before and are stale.
+    pub armed_us: u64,
     /// Failed publish attempts (nack, return, read error).
     pub attempts: u16,
     /// Handed to the republisher, not confirmed yet.
@@ -59,7 +59,7 @@ impl Entry {
             loc,
             due_ms,
             meta,
-            armed_ms: u64::MAX,
+            armed_us: u64::MAX,
             attempts: 0,
             inflight: false,
             forced: false,

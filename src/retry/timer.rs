@@ -46,6 +46,11 @@ impl Alarm {
         #[cfg(target_os = "linux")]
         if let Some(fd) = &self.fd {
             let after = at.map(|at| at.saturating_duration_since(Instant::now()));
+            if after.is_some_and(|after| after.is_zero()) {
+                // `rings` answers at once without it (a leftover expiry of
+                // an earlier time only costs the engine one look).
+                return;
+            }
             if let Err(e) = fd.get_ref().arm(after) {
                 tracing::warn!(
                     "timerfd refused a time ({e}): due messages wake the engine by the millisecond"

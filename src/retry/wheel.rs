@@ -1,10 +1,12 @@
-//! A hierarchical timing wheel with millisecond resolution.
+//! A hierarchical timing wheel with one-tick resolution (the engine's tick
+//! is a microsecond: a message parked for 100 ms fires 100 ms after its
+//! nack, not up to a millisecond later as a millisecond wheel would).
 //!
-//! Seven levels of 64 slots; level `n` slots are `64^n` ms wide, so the wheel
-//! spans 64^7 ms (about 139 years). Insert is O(1): the level is picked from
+//! Nine levels of 64 slots; level `n` slots are `64^n` ticks wide, so the
+//! wheel spans 64^9 µs (about 570 years). Insert is O(1): the level is picked from
 //! the highest bit in which the due time differs from the wheel's time. An
 //! entry of a higher level is moved down ("cascaded") when its slot comes up,
-//! until it sits in a level-0 slot of exactly its millisecond. An entry fires
+//! until it sits in a level-0 slot of exactly its tick. An entry fires
 //! only once `now >= due`: never early.
 //!
 //! Memory per entry: its `(due, item)` pair in a slot's chunks. A slot
@@ -15,17 +17,17 @@
 
 const BITS: u32 = 6;
 const SLOTS: usize = 1 << BITS;
-const LEVELS: usize = 7;
+const LEVELS: usize = 9;
 
-/// Milliseconds on the wheel's own clock.
-pub type Millis = u64;
+/// Time on the wheel's own clock, in ticks.
+pub type Ticks = u64;
 
 /// Most entries in one chunk of a slot (16 KiB of `(u64, u64)` entries).
 const CHUNK: usize = 1024;
 
 /// One slot's entries in insert order.
 struct Bucket<T> {
-    chunks: Vec<Vec<(Millis, T)>>,
+    chunks: Vec<Vec<(Ticks, T)>>,
 }
 
 impl<T> Bucket<T> {
@@ -41,7 +43,7 @@ impl<T> Bucket<T> {
         self.chunks.iter().map(Vec::len).sum()
     }
 
-    fn push(&mut self, entry: (Millis, T)) {
+    fn push(&mut self, entry: (Ticks, T)) {
         if let Some(last) = self.chunks.last_mut() {
             if last.len() < last.capacity() {
                 return last.push(entry);
@@ -94,23 +96,23 @@ fn level_width(level: usize) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
-fn slot_of(due: Millis, level: usize) -> usize {
+fn slot_of(due: Ticks, level: usize) -> usize {
     ((due >> (BITS as usize * level)) as usize) & (SLOTS - 1)
 }
 
 /// Level an entry due at `due` belongs to when the wheel is at `now`.
-fn level_for(now: Millis, due: Millis) -> usize {
+fn level_for(now: Ticks, due: Ticks) -> usize {
     let significant = 63 - ((now ^ due) | (SLOTS as u64 - 1)).leading_zeros() as usize;
     (significant / BITS as usize).min(LEVELS - 1)
 }
 
 /// The wheel. `T` is what an entry carries (an id).
 pub struct Wheel<T> {
-    now: Millis,
+    now: Ticks,
     levels: Vec<Level<T>>,
     len: usize,
     /// Entries of the slot being polled that are due, sorted before firing.
-    due: Vec<(Millis, T)>,
+    due: Vec<(Ticks, T)>,
 }
 
 impl<T> Default for Wheel<T> {
@@ -121,7 +123,7 @@ impl<T> Default for Wheel<T> {
 
 impl<T> Wheel<T> {
     /// An empty wheel whose clock reads `now`.
-    pub fn new(now: Millis) -> Self {
+    pub fn new(now: Ticks) -> Self {
         Self {
             now,
             levels: (0..LEVELS).map(|_| Level::new()).collect(),
@@ -141,21 +143,21 @@ impl<T> Wheel<T> {
     }
 
     /// The wheel's clock: the last `now` given to [`Wheel::poll`].
-    pub fn now(&self) -> Millis {
+    pub fn now(&self) -> Ticks {
         self.now
     }
 
     /// Adds an entry; one due in the past fires at the next poll. Returns
     /// the due time it was given (not before the wheel's clock), which
     /// [`Wheel::poll`] hands back with it.
-    pub fn insert(&mut self, due: Millis, item: T) -> Millis {
+    pub fn insert(&mut self, due: Ticks, item: T) -> Ticks {
         let due = due.max(self.now);
         self.place(due, item);
         self.len += 1;
         due
     }
 
-    fn place(&mut self, due: Millis, item: T) {
+    fn place(&mut self, due: Ticks, item: T) {
         let level = level_for(self.now, due);
         let slot = slot_of(due, level);
         let l = &mut self.levels[level];
@@ -166,11 +168,11 @@ impl<T> Wheel<T> {
     /// The earliest time at which [`Wheel::poll`] has something to do: the
     /// start of the next occupied slot (an entry there may be due later and
     /// only cascade). `None` when empty.
-    pub fn next_deadline(&self) -> Option<Millis> {
+    pub fn next_deadline(&self) -> Option<Ticks> {
         self.next_slot().map(|(_, _, deadline)| deadline)
     }
 
-    fn next_slot(&self) -> Option<(usize, usize, Millis)> {
+    fn next_slot(&self) -> Option<(usize, usize, Ticks)> {
         for (level, l) in self.levels.iter().enumerate() {
             if l.occupied == 0 {
                 continue;
@@ -192,7 +194,7 @@ impl<T> Wheel<T> {
     /// Moves the clock to `now` and pushes every entry due by then into
     /// `fired` with its due time, in due order within a slot's batch and
     /// across slots.
-    pub fn poll(&mut self, now: Millis, fired: &mut Vec<(Millis, T)>) {
+    pub fn poll(&mut self, now: Ticks, fired: &mut Vec<(Ticks, T)>) {
         while let Some((level, slot, deadline)) = self.next_slot() {
             if deadline > now {
                 break;

@@ -30,11 +30,11 @@ const PASS: usize = 4096;
 impl Engine {
     /// Fires what is due, as far as each republisher has room.
     pub(super) fn fire(&mut self) {
-        let now = self.clock.now_ms();
-        self.ledger.tick(now);
+        let now_us = self.clock.now_us();
+        self.ledger.tick(now_us / 1000);
         self.more = false;
         for v in 0..self.vhosts.len() {
-            self.fire_vhost(v as u32, now);
+            self.fire_vhost(v as u32, now_us);
         }
     }
 
@@ -61,10 +61,10 @@ impl Engine {
         }
     }
 
-    /// When the engine must look again: now if a pass stopped on its budget,
-    /// else the next deadline of every vhost whose republisher has room.
+    /// When the engine must look again (µs): now if a pass stopped on its
+    /// budget, else the next deadline of every vhost whose republisher has room.
     pub(super) fn next_wake(&self) -> Option<u64> {
-        let now = self.clock.now_ms();
+        let now = self.clock.now_us();
         if self.more {
             return Some(now);
         }
@@ -89,7 +89,8 @@ impl Engine {
             || (vh.outstanding < window && vh.pending_bytes < self.options.max_pending_bytes)
     }
 
-    fn fire_vhost(&mut self, v: u32, now: u64) {
+    fn fire_vhost(&mut self, v: u32, now_us: u64) {
+        let now = now_us / 1000;
         self.check_republisher(v);
         let mut budget = PASS;
         loop {
@@ -99,7 +100,7 @@ impl Engine {
                 vh.ready.clear();
                 vh.next = 0;
                 match vh.wheel.next_deadline() {
-                    Some(at) if at <= now => {
+                    Some(at) if at <= now_us => {
                         vh.wheel.poll(at, &mut vh.ready);
                         continue;
                     }
@@ -125,7 +126,7 @@ impl Engine {
         let Some(entry) = self.ledger.get(id).copied() else {
             return; // forgotten meanwhile
         };
-        if entry.armed_ms != armed || entry.inflight || entry.rewriting {
+        if entry.armed_us != armed || entry.inflight || entry.rewriting {
             return; // rescheduled (fired now, backed off) or already publishing
         }
         // An operator's "fire now" goes whatever is known to block it.

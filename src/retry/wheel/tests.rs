@@ -1,6 +1,6 @@
 use super::*;
 
-fn drain(w: &mut Wheel<u64>, now: Millis) -> Vec<u64> {
+fn drain(w: &mut Wheel<u64>, now: Ticks) -> Vec<u64> {
     let mut out = Vec::new();
     w.poll(now, &mut out);
     out.into_iter().map(|(_, id)| id).collect()
