@@ -47,7 +47,8 @@
 //!    [`Log::merge`] brings in after. Reclaiming and compaction wait for
 //!    the merge (they need every segment counted). Records in the head are
 //!    newer than every older one, so a crash at any point recovers as if
-//!    the older segments had been read first.
+//!    the older segments had been read first. A `NEXT_ID` lowered by hand
+//!    is found at the merge and reported (`Harm::IdsBehind`).
 //!
 //! # Format and damage
 //!

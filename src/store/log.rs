@@ -17,6 +17,7 @@ use tracing::{error, warn};
 use super::header::{self, Header};
 use super::record::{self, Framing, View};
 use super::recover::{self, Recovered, Report};
+use super::scan::{Damage, Harm};
 use super::segment::{Loc, Segment};
 use super::{Held, StoreError};
 
@@ -32,7 +33,7 @@ pub(super) const HEADROOM: u64 = 1024 * 1024;
 /// of the puts (a block of ids at a time) and before a segment goes. So no
 /// id is handed out twice, even once its records are gone, and at a restart
 /// new messages can be given ids before the older segments are read.
-const NEXT_ID: &str = "NEXT_ID";
+pub(super) const NEXT_ID: &str = "NEXT_ID";
 /// What [`NEXT_ID`] starts with once it is kept ahead of every put. A file
 /// without it (written by an older nackd, only when a segment went) bounds
 /// nothing: that store is read whole before it takes puts.
@@ -132,6 +133,8 @@ pub struct Log {
     /// goes only once the file is above every id it may hold.
     max_id: u64,
     next_id_kept: u64,
+    /// The first id given after the open: older records must be below it.
+    first_new_id: u64,
     /// What recovery found, until the writer counts it in the metrics.
     report: Option<Report>,
     /// Older segments are still being read ([`Log::open_deferred`]): they
@@ -278,6 +281,7 @@ impl Log {
             stale_head: false,
             mismatched: 0,
             max_id: floor - 1,
+            first_new_id: floor,
             next_id_kept: if ahead { kept } else { 0 },
             report: None,
             recovering: !numbers.is_empty(),
@@ -304,10 +308,29 @@ impl Log {
             self.live_puts += segment.live_count();
             self.segments.insert(n, segment);
         }
-        self.max_id = self.max_id.max(older.1.saturating_sub(1));
         if older.2.is_some() {
             self.report = older.2;
         }
+        if older.1 > self.first_new_id && self.max_id >= self.first_new_id {
+            // Only a NEXT_ID lowered by hand gets here: kept ahead of
+            // every record, it bounds every older id.
+            let (from, to) = (self.first_new_id, older.1.min(self.max_id + 1));
+            error!(
+                file = NEXT_ID, from, to, older_next = older.1,
+                "store: NEXT_ID was behind the ids of the older segments; new messages were given ids older records may have (a message of each such pair is lost at the next restart). Ids continue above every record now"
+            );
+            let damage = Damage {
+                segment: 0,
+                from,
+                to,
+                bad: Harm::IdsBehind,
+            };
+            self.report
+                .get_or_insert_with(Report::default)
+                .damage
+                .push(damage);
+        }
+        self.max_id = self.max_id.max(older.1.saturating_sub(1));
         self.recovering = false;
         self.older_bytes = 0;
         self.reclaim();

@@ -72,6 +72,7 @@ impl Report {
     pub fn damaged_bytes(&self) -> u64 {
         self.damage
             .iter()
+            .filter(|d| d.bad != Harm::IdsBehind)
             .map(|d| d.to.saturating_sub(d.from))
             .sum()
     }

@@ -63,6 +63,10 @@ pub enum Harm {
     /// A whole segment missing from the numbering (`to` is its sealed length
     /// when its successor's header says it, else 0).
     Gone,
+    /// `NEXT_ID` was behind the ids of the older segments (lowered or
+    /// restored by hand): ids `from..to` were given to new messages while
+    /// older records may have them. Not a byte range: `segment` is 0.
+    IdsBehind,
 }
 
 impl Harm {
@@ -80,6 +84,7 @@ impl Harm {
             Self::Missing => "the segment is shorter than it was sealed at: messages in the missing bytes are lost, deleted ones may come back",
             Self::Beyond => "bytes past the length the segment was sealed at: ignored",
             Self::Gone => "a whole segment is missing: messages in it are lost, deleted ones may come back, and the length of the segment before it cannot be checked",
+            Self::IdsBehind => "NEXT_ID was behind the ids in the store (edited or restored by hand): a message parked since the start may share its id with an older one, and one of such a pair is lost at the next restart",
         }
     }
 
@@ -95,6 +100,7 @@ impl Harm {
             Self::Missing => "missing",
             Self::Beyond => "beyond",
             Self::Gone => "gone",
+            Self::IdsBehind => "ids_behind",
         }
     }
 }

@@ -152,7 +152,12 @@ fn count_report(metrics: &Metrics, dir: &std::path::Path, report: &Report) {
     metrics.store_torn_bytes.inc_by(report.torn_bytes());
     for d in report.damage.iter().chain(&report.torn_tail) {
         metrics.store_damage.push(Damaged {
-            file: super::segment_path(dir, d.segment).display().to_string(),
+            file: match d.bad {
+                super::scan::Harm::IdsBehind => dir.join(super::log::NEXT_ID),
+                _ => super::segment_path(dir, d.segment),
+            }
+            .display()
+            .to_string(),
             from: d.from,
             to: d.to,
             what: d.bad.name(),

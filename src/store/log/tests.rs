@@ -696,3 +696,63 @@ fn a_segment_created_again_after_a_failed_attempt_starts_afresh() {
     assert!(rec.damage.is_empty(), "{:?}", rec.damage);
     assert_eq!(ids(&rec), (1..=id).collect::<Vec<_>>());
 }
+
+/// Review 2, finding 6: a NEXT_ID lowered by hand lets new messages take
+/// ids older records have. Nothing can tell before the older segments are
+/// read; once they are, it is reported (not silently passed), and ids
+/// continue above every record.
+#[test]
+fn a_next_id_lowered_by_hand_is_reported_at_the_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+        for id in 1..=40 {
+            log.put(&held(id, id, 10), None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+    std::fs::write(dir.path().join("NEXT_ID"), "ahead 30\n").unwrap();
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    assert_eq!(
+        log.next_id(),
+        30,
+        "the file is believed until the older ids are known"
+    );
+    log.put(&held(30, 1, 10), None).unwrap();
+    log.put(&held(31, 1, 10), None).unwrap();
+    log.commit().unwrap();
+    let (_, segments) = backlog.read().unwrap();
+    log.merge(segments);
+    let report = log.take_report().expect("a report");
+    assert_eq!(
+        report
+            .damage
+            .iter()
+            .map(|d| (d.from, d.to, d.bad))
+            .collect::<Vec<_>>(),
+        vec![(30, 32, Harm::IdsBehind)]
+    );
+    assert_eq!(report.damaged_bytes(), 0, "ids, not bytes");
+    assert!(log.next_id() > 40);
+}
+
+/// The same NEXT_ID with no new message parked before the merge: no id
+/// was shared, nothing to report.
+#[test]
+fn a_low_next_id_costs_nothing_when_no_id_was_given_before_the_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
+        for id in 1..=40 {
+            log.put(&held(id, id, 10), None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+    std::fs::write(dir.path().join("NEXT_ID"), "ahead 30\n").unwrap();
+    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (_, segments) = backlog.read().unwrap();
+    log.merge(segments);
+    let report = log.take_report().unwrap_or_default();
+    assert_eq!(report, Default::default(), "nothing to report");
+    assert!(log.next_id() > 40);
+}
