@@ -465,6 +465,16 @@ impl Log {
         needed <= self.free
     }
 
+    /// Whether the free space last read holds the deletes of every held
+    /// message and the headroom: what [`Log::put`] keeps free while nackd
+    /// is the one filling the disk, and what lets firing go on without the
+    /// reserve.
+    pub fn deletes_fit(&self) -> bool {
+        let older = self.older_bytes / record::MIN_PUT_LEN as u64;
+        let deletes = (self.live_puts + older) * record::DEL_LEN as u64;
+        self.pending.len() as u64 + deletes + HEADROOM <= self.free
+    }
+
     /// Stages a delete record for the message whose live put is at `loc`.
     /// The put stays live until the delete record is durable; if a commit
     /// loses it, it is staged again at the next one.

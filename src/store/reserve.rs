@@ -57,7 +57,7 @@ impl Reserve {
         self.kept
     }
 
-    /// Writes the reserve (real bytes, so that its blocks are allocated),
+    /// Writes the reserve (random bytes, so that its blocks are allocated),
     /// makes it durable, and only then names it: a crash never leaves a
     /// partial reserve that looks whole.
     pub(super) fn make(&mut self) -> io::Result<()> {
@@ -106,7 +106,10 @@ fn write_reserve(path: &Path) -> io::Result<()> {
         .truncate(true)
         .write(true)
         .open(path)?;
-    let chunk = vec![0u8; 64 * 1024];
+    // Random, not zeros: a compressing file system (btrfs, ZFS) would
+    // store zeros in next to no blocks, and removing them would free none.
+    let mut chunk = vec![0u8; 64 * 1024];
+    fastrand::fill(&mut chunk);
     for _ in 0..RESERVE_BYTES / chunk.len() as u64 {
         file.write_all(&chunk)?;
     }

@@ -351,11 +351,14 @@ impl<C> Thread<C> {
     }
 
     /// Why completions cannot be recorded (or only into the reserve's
-    /// space), if they cannot.
+    /// space), if they cannot. Without a reserve, firing goes on while the
+    /// free space still holds every held message's delete (nackd filled
+    /// the disk itself, or the reserve could not be made since): firing is
+    /// what frees the disk then.
     fn pause_reason(&self) -> Option<PauseReason> {
         if self.log.has_unwritten() {
             Some(PauseReason::CompletionsUnwritten)
-        } else if !self.reserve.kept() {
+        } else if !self.reserve.kept() && !self.log.deletes_fit() {
             Some(PauseReason::DiskFull)
         } else {
             None
@@ -618,6 +621,32 @@ mod tests {
         assert!(rig.reserve_kept(), "made again first");
         rig.put(4).unwrap();
         assert_eq!(rig.on_disk(), [2, 4]);
+        rig.writer.join().unwrap();
+    }
+
+    /// Review 2, finding 7: with no reserve (used, and too little room to
+    /// make it again) but room for every held message's delete, firing goes
+    /// on; before, it paused until someone freed disk and nothing fired,
+    /// though firing is what frees the disk. Puts still wait for the
+    /// reserve. Once the deletes no longer fit, firing pauses again.
+    #[test]
+    fn without_a_reserve_firing_goes_on_while_the_deletes_fit() {
+        let mut rig = Rig::new();
+        let one = rig.put(1).unwrap();
+        let two = rig.put(2).unwrap();
+        let three = rig.put(3).unwrap();
+        rig.free(0);
+        rig.del(1, one);
+        assert_eq!(rig.firing(), Some(PauseReason::DiskFull));
+        rig.free(HEADROOM + 64 * 1024); // too little for the reserve
+        assert_eq!(rig.firing(), None, "the deletes fit: firing goes on");
+        assert!(!rig.reserve_kept());
+        assert!(rig.put(4).is_err(), "puts wait for the reserve");
+        rig.del(2, two);
+        rig.free(100);
+        rig.del(3, three);
+        assert_eq!(rig.firing(), Some(PauseReason::DiskFull));
+        assert!(rig.on_disk().is_empty(), "every delete went in");
         rig.writer.join().unwrap();
     }
 
