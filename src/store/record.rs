@@ -142,6 +142,15 @@ impl Framing {
         Ok((view, end))
     }
 
+    /// How many bytes [`Framing::at`] would check for a record at `bytes[0]`:
+    /// `None` when it would refuse it before any check (no room, no record
+    /// structure), which costs next to nothing.
+    pub fn check_cost(self, bytes: &[u8]) -> Option<usize> {
+        let end = self.prefix_len() + self.prefix(bytes).ok()?;
+        let body = bytes.get(self.prefix_len()..end)?;
+        view(body).ok().map(|_| end)
+    }
+
     /// How many bytes the record at `bytes[0]` (prefix included) takes when
     /// its length prefix and the lengths inside its body agree (after a torn
     /// write both run past the end of `bytes`): a bad record whose framing

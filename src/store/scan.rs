@@ -15,6 +15,8 @@
 
 use std::collections::BTreeMap;
 
+use tracing::warn;
+
 use super::header::{self, Format};
 use super::record::{Bad, Framing, Kind, View};
 use super::Loc;
@@ -292,12 +294,39 @@ fn skip(bytes: &[u8], at: usize, framing: Framing) -> (usize, Harm) {
     }
 }
 
+/// Most bytes the search for the next record after damage may check:
+/// about a tenth of a second. A message body can nest record-shaped bytes so
+/// that every offset in it claims a record running to its end, which would
+/// make the search quadratic in the body's size (days for 16 MiB); past
+/// this, the rest of the segment is reported as damaged instead.
+const RESYNC_BUDGET: usize = 1 << 30;
+
 /// The first offset at or after `from` where a whole record that checks
 /// starts (only records this segment's writer framed check).
 fn resync(bytes: &[u8], from: usize, framing: Framing) -> usize {
-    (from..bytes.len())
-        .find(|&y| framing.at(&bytes[y..]).is_ok())
-        .unwrap_or(bytes.len())
+    resync_within(bytes, from, framing, RESYNC_BUDGET)
+}
+
+/// [`resync`], checking at most `budget` bytes.
+fn resync_within(bytes: &[u8], from: usize, framing: Framing, mut budget: usize) -> usize {
+    for y in from..bytes.len() {
+        let Some(cost) = framing.check_cost(&bytes[y..]) else {
+            continue;
+        };
+        if cost > budget {
+            warn!(
+                from,
+                to = bytes.len(),
+                "store: no record found within the search budget after damage: the rest of the segment is reported as damaged"
+            );
+            return bytes.len();
+        }
+        budget -= cost;
+        if framing.at(&bytes[y..]).is_ok() {
+            return y;
+        }
+    }
+    bytes.len()
 }
 
 #[cfg(test)]
@@ -387,6 +416,29 @@ mod tests {
             (c.0, c.1, Harm::Delete(1)),
             "named, not torn"
         );
+    }
+
+    /// Review 2, finding 5: the search for the next record after damage
+    /// checks at most its budget of bytes, then reports the rest of the
+    /// segment instead of running quadratic over a crafted body.
+    #[test]
+    fn the_search_after_damage_stops_at_its_budget() {
+        let mut seg = Seg::new();
+        let start = seg.bytes.len();
+        let bad: Vec<(usize, usize)> = (1..=50).map(|id| seg.put(id)).collect();
+        let good = seg.put(99);
+        for (at, _) in &bad {
+            seg.bytes[at + 60] ^= 0x40; // framing intact, check fails
+        }
+        let framing = seg.header.framing();
+        let end = seg.bytes.len();
+        assert_eq!(
+            resync_within(&seg.bytes, start, framing, usize::MAX),
+            good.0
+        );
+        assert_eq!(resync(&seg.bytes, start, framing), good.0);
+        let one = bad[0].1 - bad[0].0;
+        assert_eq!(resync_within(&seg.bytes, start, framing, 10 * one), end);
     }
 
     #[test]
