@@ -131,8 +131,9 @@ pub(super) fn read(dir: &Path, numbers: &[u32]) -> io::Result<(Recovered, BTreeM
             known.push(last + 1);
         }
     }
-    let sealed = scan::sealed_lengths(&formats(dir, &known)?);
-    let gaps = scan::gaps(numbers, &sealed);
+    let formats = formats(dir, &known)?;
+    let sealed = scan::sealed_lengths(&formats);
+    let gaps = scan::gaps(numbers, &formats);
     log_damage(dir, &gaps);
     recovered.damage.extend(gaps);
     for &n in numbers {

@@ -252,19 +252,41 @@ pub fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
 }
 
 /// The segments missing between the first and the last of `numbers`
-/// (ascending): segments are numbered one after the other and only the
-/// oldest ever go, so a gap is damage. Each is as long as `sealed` says.
-pub fn gaps(numbers: &[u32], sealed: &BTreeMap<u32, u64>) -> Vec<Damage> {
-    numbers
-        .windows(2)
-        .flat_map(|w| w[0] + 1..w[1])
-        .map(|segment| Damage {
+/// (ascending), as the segments' `formats` (by number) tell. Segments are
+/// numbered one after the other and nackd only ever removes the oldest, so
+/// a gap is damage (each segment as long as its successor's header says)
+/// unless the segment after it says otherwise: a format 2 header naming
+/// the segment before the gap as its predecessor (the gap was gone when it
+/// was made), or a format 1 segment, which names none: nackd before format
+/// 2 removed segments in the middle once nothing in them was live.
+pub fn gaps(numbers: &[u32], formats: &BTreeMap<u32, Format>) -> Vec<Damage> {
+    let sealed = sealed_lengths(formats);
+    let mut damage = Vec::new();
+    for w in numbers.windows(2) {
+        let (before, after) = (w[0], w[1]);
+        if after == before + 1 {
+            continue;
+        }
+        match formats.get(&after) {
+            Some(Format::Salted(h)) if h.prev.map(|(n, _)| n) == Some(before) => continue,
+            Some(Format::Salted(_)) => {}
+            _ => {
+                warn!(
+                    from = before + 1,
+                    to = after - 1,
+                    "store: format 1 segments missing in the middle (removed by an older nackd once nothing in them was live; not counted as damage)"
+                );
+                continue;
+            }
+        }
+        damage.extend((before + 1..after).map(|segment| Damage {
             segment,
             from: 0,
             to: sealed.get(&segment).copied().unwrap_or(0),
             bad: Harm::Gone,
-        })
-        .collect()
+        }));
+    }
+    damage
 }
 
 /// Where reading goes on after a bad record at `at`, and what was skipped.
@@ -416,6 +438,34 @@ mod tests {
             (c.0, c.1, Harm::Delete(1)),
             "named, not torn"
         );
+    }
+
+    /// Review 2, finding 3: a gap is damage when a format 2 header says a
+    /// segment in it was there; gaps among format 1 segments (an older
+    /// nackd removed segments in the middle) and gaps a format 2 header
+    /// says were already gone are not.
+    #[test]
+    fn only_a_gap_a_header_names_is_damage() {
+        let salted = |n, prev| Format::Salted(Header::new(n, prev));
+        let gone = |numbers: &[u32], formats: Vec<(u32, Format)>| -> Vec<(u32, u64)> {
+            let formats = formats.into_iter().collect();
+            gaps(numbers, &formats)
+                .iter()
+                .map(|d| (d.segment, d.to))
+                .collect()
+        };
+        let legacy = vec![
+            (1, Format::Legacy),
+            (3, Format::Legacy),
+            (4, salted(4, Some((3, 90)))),
+        ];
+        assert_eq!(gone(&[1, 3, 4], legacy), vec![]);
+        let already_gone = vec![(3, salted(3, None)), (7, salted(7, Some((3, 50))))];
+        assert_eq!(gone(&[3, 7], already_gone), vec![]);
+        let removed = vec![(3, salted(3, None)), (5, salted(5, Some((4, 80))))];
+        assert_eq!(gone(&[3, 5], removed), vec![(4, 80)]);
+        let two = vec![(2, Format::Legacy), (5, salted(5, Some((4, 80))))];
+        assert_eq!(gone(&[2, 5], two), vec![(3, 0), (4, 80)]);
     }
 
     /// Review 2, finding 5: the search for the next record after damage
