@@ -28,6 +28,28 @@ fn nack() -> BasicNackOptions {
     }
 }
 
+/// The metric names the Grafana dashboard and the Prometheus alert rules in
+/// `deploy/` read (series names: `_total`, `_bucket` as queried).
+fn deploy_metric_names() -> std::collections::BTreeSet<String> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut names = std::collections::BTreeSet::new();
+    for file in [
+        "deploy/grafana-dashboard.json",
+        "deploy/prometheus/nackd.rules.yml",
+    ] {
+        let text = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
+        for (at, _) in text.match_indices("nackd_") {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            names.insert(name);
+        }
+    }
+    assert!(names.len() > 20, "names found: {names:?}");
+    names
+}
+
 /// Polls `/metrics` until `f` holds (15 s, then panics with the last scrape).
 async fn until(
     nackd: &Nackd,
@@ -91,6 +113,7 @@ async fn metrics_move_exactly_as_the_traffic_did() {
             && s.sum("nackd_nacks_passed_total") == 2.0
     })
     .await;
+    let while_held = s.clone();
     let bytes = s.get("nackd_held_bytes", &held);
     assert!(
         bytes > 500.0 && bytes < 500.0 + 5.0 * 1000.0,
@@ -136,6 +159,15 @@ async fn metrics_move_exactly_as_the_traffic_did() {
     assert_eq!(s.get("nackd_republisher_connected", &[("vhost", "/")]), 1.0);
     assert_eq!(s.get("nackd_republisher_connections", &[]), 1.0);
     assert_eq!(s.sum("nackd_exhausted_total"), 0.0);
+    // Every metric the shipped dashboard and alert rules read is exported
+    // (per-queue series while something is held): a renamed metric would
+    // leave a panel empty or an alert silent.
+    for name in deploy_metric_names() {
+        assert!(
+            while_held.has(&name) || s.has(&name),
+            "deploy/ reads {name}, which nackd does not export: {while_held:?}"
+        );
+    }
     conn.close(200, "".into()).await.unwrap();
     until(&nackd, "the client and its upstream gone", |s| {
         s.get("nackd_client_connections", &[]) == 0.0

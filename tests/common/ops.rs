@@ -135,7 +135,7 @@ pub fn query(queue: &str) -> String {
 type Labels = BTreeMap<String, String>;
 
 /// One scrape of `/metrics`: series name → label set → value.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Scrape(BTreeMap<String, Vec<(Labels, f64)>>);
 
 impl Scrape {
