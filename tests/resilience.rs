@@ -18,7 +18,10 @@ async fn round_trip(conn: &lapin::Connection) {
     let q = unique("alive");
     ch.queue_declare(
         q.as_str().into(),
-        QueueDeclareOptions::default(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
         FieldTable::default(),
     )
     .await
@@ -167,7 +170,7 @@ async fn a_silent_client_is_detected_and_both_sides_are_closed() {
 
 #[tokio::test]
 async fn a_hung_broker_is_detected_by_heartbeat_and_the_client_told() {
-    let relay = Relay::start(BROKER).await;
+    let relay = Relay::start(BROKER.addr()).await;
     let nackd = start_upstream(&relay.addr.to_string(), "").await;
     let mut client = RawClient::open(nackd.addr, 131072, 1).await;
     relay.set(RelayMode::Freeze);
@@ -196,7 +199,7 @@ async fn a_hung_broker_is_detected_by_heartbeat_and_the_client_told() {
 
 #[tokio::test]
 async fn killing_the_upstream_socket_closes_the_client_with_an_error() {
-    let relay = Relay::start(BROKER).await;
+    let relay = Relay::start(BROKER.addr()).await;
     let nackd = start_upstream(&relay.addr.to_string(), "").await;
     let conn = nackd.connect().await;
     round_trip(&conn).await;
