@@ -203,7 +203,8 @@ fn probe_version(addr: &str) -> Result<String, String> {
 }
 
 /// Fails loudly when the broker is not there (tests never skip) or is not
-/// the release asked for.
+/// the release asked for. From then on, a failing test names the broker it
+/// ran against.
 pub fn require_broker() {
     let addr = BROKER.addr();
     if TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2)).is_err() {
@@ -213,4 +214,13 @@ pub fn require_broker() {
         );
     }
     BROKER.version();
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let label = BROKER.label();
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            eprintln!("(this test ran against {label})");
+            default(info);
+        }));
+    });
 }
