@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::ops::scrape;
@@ -16,31 +15,16 @@ use lapin::options::*;
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// `(ready, unacked)` of `q` as the broker has them (AMQP's passive declare
 /// tells only the ready ones).
 fn broker_counts(q: &str) -> Option<(u64, u64)> {
-    let out = Command::new("rabbitmqctl")
-        .args([
-            "list_queues",
-            "-s",
-            "name",
-            "messages_ready",
-            "messages_unacknowledged",
-        ])
-        .output()
-        .expect("rabbitmqctl runs");
+    let out = BROKER.ctl(&[
+        "list_queues",
+        "-s",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    ]);
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .find_map(|line| {
@@ -166,7 +150,7 @@ async fn held_messages_survive_a_broker_restart() {
     )
     .await;
 
-    rabbitmqctl(&["stop_app"]);
+    BROKER.ctl_ok(&["stop_app"]);
     // They fall due while the broker is down: none may have gone out before.
     let s = scrape(nackd.metrics).await;
     assert_eq!(
@@ -175,8 +159,8 @@ async fn held_messages_survive_a_broker_restart() {
         "only the warm-up was republished before the broker stopped: {s:?}"
     );
     tokio::time::sleep_until((all_due + Duration::from_secs(1)).into()).await;
-    rabbitmqctl(&["start_app"]);
-    rabbitmqctl(&["await_startup"]);
+    BROKER.ctl_ok(&["start_app"]);
+    BROKER.ctl_ok(&["await_startup"]);
 
     let began = Instant::now();
     loop {

@@ -50,7 +50,10 @@ fn a_bad_config_stops_startup_with_the_key() {
     let bad = write(
         &dir,
         "bad.toml",
-        "[upstream]\naddress = \"127.0.0.1:5672\"\nconect_timeout = \"1s\"\n",
+        &format!(
+            "[upstream]\naddress = \"{}\"\nconect_timeout = \"1s\"\n",
+            common::BROKER
+        ),
     );
     let out = Command::new(NACKD)
         .arg("--config")
@@ -99,7 +102,7 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
             "--listen",
             "127.0.0.1:0",
             "--upstream",
-            common::BROKER,
+            common::BROKER.addr(),
             "--metrics",
             "127.0.0.1:0",
             "--log-format",
@@ -114,7 +117,7 @@ fn runs_with_overrides_logs_json_and_exits_cleanly_on_sigterm() {
     assert_eq!(line["fields"]["message"], "listening");
     assert_eq!(
         line["fields"]["upstream"],
-        common::BROKER,
+        common::BROKER.addr(),
         "--upstream overrides the file"
     );
     let addr: std::net::SocketAddr = line["fields"]["address"].as_str().unwrap().parse().unwrap();
@@ -178,7 +181,7 @@ fn runtime_section_sets_session_threads_and_their_scheduling() {
     let store = dir.path().join("store");
     let base = format!(
         "[upstream]\naddress = \"{}\"\n[store]\npath = {:?}\n[[policy]]\nqueues = [\"cli-sched\"]\ndelays = [\"1s\"]\n",
-        common::BROKER,
+        common::BROKER.addr(),
         store.display().to_string()
     );
     for (runtime, workers, policy) in [

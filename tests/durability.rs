@@ -249,7 +249,10 @@ async fn a_full_store_falls_back_to_the_broker_and_loses_nothing() {
         .unwrap();
     ch.queue_declare(
         q.as_str().into(),
-        QueueDeclareOptions::default(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
         FieldTable::default(),
     )
     .await

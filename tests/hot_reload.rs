@@ -253,7 +253,7 @@ async fn a_proxy_started_without_policies_refuses_to_add_them_on_reload() {
         matches!(e, nackd::reload::ReloadError::NotIntercepting),
         "{e}"
     );
-    std::fs::write(&cfg, "[upstream]\naddress = \"127.0.0.1:5672\"\n").unwrap();
+    std::fs::write(&cfg, format!("[upstream]\naddress = \"{BROKER}\"\n")).unwrap();
     assert_eq!(
         nackd.reloader.reload(&cfg).unwrap(),
         0,

@@ -226,18 +226,6 @@ async fn a_missing_on_exhausted_exchange_delays_no_other_queue() {
     delete_exchanges(&ch, &[&x]).await;
 }
 
-fn rabbitmqctl(args: &[&str]) {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A header table that leaves `room` bytes of a 128 KiB frame once encoded.
 fn huge_headers(room: usize) -> FieldTable {
     let mut headers = FieldTable::default();
@@ -260,8 +248,8 @@ async fn refused_publishes_are_set_aside_one_by_one() {
         unique("internal-x"),
     );
     let user = unique("republisher");
-    rabbitmqctl(&["add_user", &user, "secret-pw"]);
-    rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    BROKER.ctl_ok(&["add_user", &user, "secret-pw"]);
+    BROKER.ctl_ok(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
     let nackd = start(&format!(
         "[republish]\nusername = \"{user}\"\npassword = \"secret-pw\"\n[metrics]\nadmin_token = \"{TOKEN}\"\n{}{}",
         policy(&qc, "\"50ms\"", &format!("on_exhausted = {{ exchange = \"{internal}\" }}")),
@@ -336,7 +324,7 @@ async fn refused_publishes_are_set_aside_one_by_one() {
     }
     delete_queues(&ch, &[&qc, &qb]).await;
     delete_exchanges(&ch, &[&internal]).await;
-    rabbitmqctl(&["delete_user", &user]);
+    BROKER.ctl_ok(&["delete_user", &user]);
 }
 
 /// Headers `route-me: yes|no` plus an `x-retry-count` of 1 (so the first

@@ -11,11 +11,13 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 
+/// A durable queue (4.3 refuses transient non-exclusive ones with a
+/// connection error); each test deletes its queues with [`cleanup`].
 async fn declare(ch: &Channel, name: &str) {
     ch.queue_declare(
         name.into(),
         QueueDeclareOptions {
-            auto_delete: false,
+            durable: true,
             ..Default::default()
         },
         FieldTable::default(),
@@ -429,8 +431,12 @@ async fn a_channel_error_closes_only_that_channel() {
     declare(&good, &q).await;
     let mut args = FieldTable::default();
     args.insert("x-max-length".into(), AMQPValue::LongInt(5));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
     let err = bad
-        .queue_declare(q.as_str().into(), QueueDeclareOptions::default(), args)
+        .queue_declare(q.as_str().into(), durable, args)
         .await
         .expect_err("redeclare with other arguments fails");
     assert!(

@@ -42,7 +42,7 @@ impl Relay {
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let n = count.fetch_add(1, Ordering::SeqCst);
-                let outbound = TcpStream::connect(BROKER).await.unwrap();
+                let outbound = TcpStream::connect(BROKER.addr()).await.unwrap();
                 tokio::spawn(pipe(n, inbound, outbound, freeze.clone()));
             }
         });

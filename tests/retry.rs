@@ -772,7 +772,8 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
             queue: "".into(),
             passive: false,
             durable: false,
-            exclusive: false,
+            // Exclusive: 4.3 refuses transient non-exclusive queues.
+            exclusive: true,
             auto_delete: true,
             nowait: false,
             arguments: FieldTable::default(),

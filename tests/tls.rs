@@ -84,7 +84,10 @@ async fn amqps_client_to_nackd_and_nackd_to_a_tls_upstream() {
     let q = unique("tls");
     ch.queue_declare(
         q.as_str().into(),
-        QueueDeclareOptions::default(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
         FieldTable::default(),
     )
     .await

@@ -243,5 +243,34 @@ pub fn rewrite_headers(payload: &[u8], set: &[(&str, AMQPValue)]) -> Result<Vec<
     Ok(out)
 }
 
+/// Whether two content header payloads carry the same message properties:
+/// byte for byte, except that the top-level entries of the `headers` table
+/// may come in another order. RabbitMQ 4.3 sorts them by key when it
+/// returns a message (nested tables and arrays keep their order), so a
+/// `basic.return` is matched to its publish this way.
+pub fn same_properties(a: &[u8], b: &[u8]) -> bool {
+    if a == b {
+        return true;
+    }
+    let (Ok(la), Ok(lb)) = (layout(a), layout(b)) else {
+        return false;
+    };
+    if a[..la.table.start] != b[..lb.table.start] || a[la.table.end..] != b[lb.table.end..] {
+        return false;
+    }
+    match (sorted_entries(a, &la.table), sorted_entries(b, &lb.table)) {
+        (Some(ea), Some(eb)) => ea == eb,
+        _ => false,
+    }
+}
+
+/// The entries of the headers table at `table` in `payload`, sorted.
+fn sorted_entries<'a>(payload: &'a [u8], table: &Range<usize>) -> Option<Vec<RawEntry<'a>>> {
+    let body = payload.get(table.start + 4..table.end).unwrap_or_default();
+    let mut entries = table_entries(body).ok()?;
+    entries.sort_unstable_by(|x, y| (x.key, x.bytes).cmp(&(y.key, y.bytes)));
+    Some(entries)
+}
+
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
-//! Shared test harness: a real nackd in-process in front of the real
-//! RabbitMQ on 127.0.0.1:5672, and real lapin clients.
+//! Shared test harness: a real nackd in-process in front of a real
+//! RabbitMQ (3.10 on 127.0.0.1:5672 unless `NACKD_TEST_BROKER` names
+//! another: see [`broker`]), and real lapin clients.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -14,23 +15,14 @@ use tokio_util::sync::CancellationToken;
 
 #[allow(unused_imports)]
 pub use amqp::*;
+pub use broker::{require_broker, BROKER};
 
 pub mod amqp;
+pub mod broker;
 pub mod cluster;
 pub mod ops;
 pub mod process;
 pub mod raw;
-
-pub const BROKER: &str = "127.0.0.1:5672";
-
-/// Fails loudly when RabbitMQ is not there: tests never skip.
-pub fn require_broker() {
-    if std::net::TcpStream::connect_timeout(&BROKER.parse().unwrap(), Duration::from_secs(2))
-        .is_err()
-    {
-        panic!("RabbitMQ is not reachable on {BROKER}: run the test command from README.md (scripts/test), which starts it");
-    }
-}
 
 /// A nackd running inside the test's runtime.
 pub struct Nackd {
@@ -73,9 +65,9 @@ pub fn init_logs() {
 }
 
 /// Starts nackd with `extra` TOML appended to a config listening on an
-/// ephemeral port in front of the local broker.
+/// ephemeral port in front of the broker under test.
 pub async fn start(extra: &str) -> Nackd {
-    start_upstream(BROKER, extra).await
+    start_upstream(BROKER.addr(), extra).await
 }
 
 /// Like [`start`], with nackd's upstream at `upstream` (e.g. a test relay).

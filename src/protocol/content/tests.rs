@@ -236,3 +236,53 @@ fn deeply_nested_headers_are_refused_without_recursing() {
     let table = [&[1u8, b'a'][..], &nested_arrays(MAX_TABLE_DEPTH)].concat();
     assert_eq!(decode_header(&header_with(&table)), Err(deep));
 }
+
+/// RabbitMQ 4.3 returns a message with its top-level header entries sorted
+/// by key (seen on 4.3.6: "b","a" came back "a","b"; nested tables kept
+/// their order): the same properties still, as a return is matched.
+#[test]
+fn same_properties_ignores_only_the_order_of_top_level_headers() {
+    let entries = every_type();
+    let payload = header_with(&table_bytes(&entries));
+    let mut sorted = entries.clone();
+    sorted.sort_by_key(|(key, _, _)| *key);
+    let reordered = header_with(&table_bytes(&sorted));
+    assert_ne!(payload, reordered);
+    assert!(same_properties(&payload, &reordered));
+    assert!(same_properties(&payload, &payload));
+
+    // Another value, tag, entry or property is another message.
+    let mut other = entries.clone();
+    other[0].2 = [&5u32.to_be_bytes()[..], b"other"].concat();
+    assert!(!same_properties(
+        &payload,
+        &header_with(&table_bytes(&other))
+    ));
+    let mut retagged = entries.clone();
+    retagged[10].1 = b'T'; // 'l' -> 'T', same 8 value bytes
+    assert!(!same_properties(
+        &payload,
+        &header_with(&table_bytes(&retagged))
+    ));
+    assert!(!same_properties(
+        &payload,
+        &header_with(&table_bytes(&entries[1..]))
+    ));
+    let mut body_size = payload.clone();
+    body_size[11] ^= 1;
+    assert!(!same_properties(&payload, &body_size));
+    let mut after = payload.clone();
+    *after.last_mut().unwrap() ^= 1; // the message-id after the table
+    assert!(!same_properties(&payload, &after));
+
+    // Nested tables keep their order.
+    let table = |inner: &[u8]| {
+        let f = [&(inner.len() as u32).to_be_bytes()[..], inner].concat();
+        header_with(&[&[1u8, b'n', b'F'][..], &f].concat())
+    };
+    let (ab, ba) = (
+        table(&[1, b'a', b't', 1, 1, b'b', b't', 0]),
+        table(&[1, b'b', b't', 0, 1, b'a', b't', 1]),
+    );
+    assert!(!same_properties(&ab, &ba));
+}

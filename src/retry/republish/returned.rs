@@ -6,9 +6,12 @@
 //! exchange and a routing key; the content tells them apart. Two in-flight
 //! publishes with the same exchange, key, header and body are the same
 //! message as far as any consumer can tell, so taking the first of them is
-//! exact too.
+//! exact too. RabbitMQ 4.3 returns the `headers` table with its entries
+//! sorted by key, so their order is not part of the match.
 
 use bytes::{Bytes, BytesMut};
+
+use crate::protocol::content;
 
 use super::Publish;
 
@@ -67,10 +70,14 @@ impl Returning {
         self.header.is_some()
     }
 
-    /// Whether `p` is the publish this return carries.
+    /// Whether `p` is the publish this return carries (RabbitMQ 4.3
+    /// returns the headers table sorted by key: the order does not count).
     fn carries(&self, p: &Publish) -> bool {
         !self.oversized
-            && self.header.as_deref() == Some(&p.header[..])
+            && self
+                .header
+                .as_deref()
+                .is_some_and(|h| content::same_properties(h, &p.header))
             && self.body[..] == p.body[..]
     }
 

@@ -5,13 +5,14 @@ use std::sync::Arc;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::{basic, channel, confirm, exchange, AMQPClass};
+use amq_protocol::types::AMQPValue;
 use bytes::{Bytes, BytesMut};
 
 use super::lane::{Impersonation, Lane, Limits, State, Step};
 use super::returned::{self, Match, Returning};
 use super::{Outcome, Publish, Report};
 use crate::metrics::BlockReason;
-use crate::protocol::content::encode_header;
+use crate::protocol::content::{encode_header, rewrite_headers};
 use crate::protocol::frame::{Frame, FrameType};
 use crate::store::Route;
 
@@ -185,6 +186,43 @@ fn return_matching_looks_at_exchange_key_and_content() {
         returned::find(&ret, inflight.into_iter()),
         Match::Unsure(vec![2])
     );
+}
+
+/// `p` with headers `x-retry-count` and `a` (as a retry carries them,
+/// unsorted), or in key order as RabbitMQ 4.3 returns them.
+fn with_headers(p: &Publish, sorted: bool) -> Publish {
+    let (count, a) = (
+        ("x-retry-count", AMQPValue::LongLongInt(1)),
+        ("a", AMQPValue::LongString("b".into())),
+    );
+    let set = if sorted { [a, count] } else { [count, a] };
+    Publish {
+        header: Bytes::from(rewrite_headers(&p.header, &set).unwrap()),
+        ..p.clone()
+    }
+}
+
+/// Issue 20: RabbitMQ 4.3 returns a message with its headers sorted by
+/// key; the return is still its publish's, not a guess kept as NO_ROUTE.
+#[test]
+fn a_return_with_its_headers_reordered_by_the_broker_is_matched_exactly() {
+    let mut lane = opened("dlx");
+    lane.push(to_exchange(1, "dlx", "q", "proves the channel"));
+    send(&mut lane, &mut Vec::new());
+    ack(&mut lane, 1, false);
+    let sent = with_headers(&to_exchange(2, "dlx", "q", "retry"), false);
+    lane.push(sent.clone());
+    lane.push(with_headers(&to_exchange(3, "dlx", "q", "other"), false));
+    send(&mut lane, &mut Vec::new());
+    let came_back = with_headers(&sent, true);
+    assert_ne!(came_back.header, sent.header);
+    return_of(&mut lane, &came_back);
+    let settled = ack(&mut lane, 3, true);
+    assert!(
+        matches!(settled[0].outcome, Outcome::Returned { .. }),
+        "{settled:?}"
+    );
+    assert_eq!(settled[1].outcome, Outcome::Confirmed);
 }
 
 #[test]
