@@ -91,6 +91,48 @@ async fn start_ops(
     Ok((ops, address, task))
 }
 
+/// Everything startup checks that needs no network and changes nothing:
+/// the TLS files load, the secrets named by `*_env` are set, `[replica]`
+/// resolves, an existing `store.path` is a directory. `nackd
+/// --check-config` runs exactly this after parsing the file, and
+/// [`Proxy::bind`] runs it first: the check fails when startup would, short
+/// of a port that is taken or a broker that cannot be reached.
+pub fn preflight(config: &Config) -> Result<(), StartError> {
+    if let Some(tls) = &config.listen.tls {
+        listen_tls(tls)?;
+    }
+    upstream(config)?;
+    let password = config
+        .republish
+        .password()
+        .map_err(StartError::Credentials)?;
+    config
+        .metrics
+        .admin_token()
+        .map_err(StartError::Credentials)?;
+    replica_config(config, password)?;
+    let store = &config.store.path;
+    if !config.policies.is_empty() && store.exists() && !store.is_dir() {
+        let e = format!("store.path: {} is not a directory", store.display());
+        return Err(StartError::Store(e));
+    }
+    Ok(())
+}
+
+fn listen_tls(tls: &crate::config::ServerTls) -> Result<tokio_rustls::TlsAcceptor, StartError> {
+    net::acceptor(tls).map_err(|source| StartError::Tls {
+        key: "listen.tls",
+        source,
+    })
+}
+
+fn upstream(config: &Config) -> Result<Connector, StartError> {
+    Connector::new(&config.upstream).map_err(|source| StartError::Tls {
+        key: "upstream.tls",
+        source,
+    })
+}
+
 /// `[replica]`, resolved against `[upstream]` and `[republish]`.
 fn replica_config(
     config: &Config,
@@ -101,11 +143,12 @@ fn replica_config(
     };
     let tls_ca = match &config.upstream.tls {
         None => None,
-        Some(tls) => Some(std::fs::read_to_string(&tls.ca).map_err(|e| {
-            StartError::Tls(TlsError::Pem {
+        Some(tls) => Some(std::fs::read_to_string(&tls.ca).map_err(|e| StartError::Tls {
+            key: "upstream.tls.ca",
+            source: TlsError::Pem {
                 path: tls.ca.display().to_string(),
                 reason: e.to_string(),
-            })
+            },
         })?),
     };
     Ok(Some(crate::replica::Config {
@@ -147,14 +190,29 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// TLS material of `listen.tls` or `upstream.tls` is unusable.
-    #[error("{0}")]
-    Tls(#[from] TlsError),
+    #[error("{key}: {source}")]
+    Tls {
+        /// The config table it comes from.
+        key: &'static str,
+        /// What is wrong with it.
+        source: TlsError,
+    },
     /// The republisher has no password.
     #[error("{0}")]
     Credentials(String),
     /// The store cannot be opened.
     #[error("{0}")]
     Store(String),
+}
+
+impl StartError {
+    /// Whether it is an error of the configuration, which [`preflight`]
+    /// (and so `nackd --check-config`) finds without the network; binding
+    /// a port or opening the store can fail on a valid configuration.
+    pub fn is_config(&self) -> bool {
+        matches!(self, Self::Tls { .. } | Self::Credentials(_))
+            || matches!(self, Self::Store(e) if e.starts_with("store.path:"))
+    }
 }
 
 /// A bound proxy, ready to [`run`](Proxy::run).
@@ -181,12 +239,13 @@ impl Proxy {
     /// no client is accepted yet. The operations listener already serves
     /// (`/readyz` answers "recovering" until the store is recovered).
     pub async fn bind(config: &Config) -> Result<Self, StartError> {
+        preflight(config)?;
         let address = config.listen.address;
         let listener = TcpListener::bind(address)
             .await
             .map_err(|source| StartError::Bind { address, source })?;
-        let acceptor = config.listen.tls.as_ref().map(net::acceptor).transpose()?;
-        let connector = Connector::new(&config.upstream)?;
+        let acceptor = config.listen.tls.as_ref().map(listen_tls).transpose()?;
+        let connector = upstream(config)?;
         let metrics = Metrics::new();
         let intercepting = !config.policies.is_empty();
         let (ops, ops_addr, ops_task) =

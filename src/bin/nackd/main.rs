@@ -24,7 +24,8 @@ struct Args {
     /// Configuration file.
     #[arg(long, default_value = "config/nackd.toml")]
     config: PathBuf,
-    /// Check this configuration file and exit (0 if valid).
+    /// Check this configuration file as startup does, without the network,
+    /// and exit (0 if nackd would start with it; 2, naming the key, if not).
     #[arg(long, value_name = "FILE")]
     check_config: Option<PathBuf>,
     /// Override `listen.address`.
@@ -60,8 +61,11 @@ enum LogFormat {
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
-        return match Config::load(path) {
-            Ok(_) => {
+        let checked = Config::load(path).map_err(|e| e.to_string()).and_then(|config| {
+            nackd::server::preflight(&config).map_err(|e| e.to_string())
+        });
+        return match checked {
+            Ok(()) => {
                 println!("{}: ok", path.display());
                 ExitCode::SUCCESS
             }
@@ -95,6 +99,11 @@ fn main() -> ExitCode {
     }
     match runtime(&config).block_on(run(config, args.config)) {
         Ok(()) => ExitCode::SUCCESS,
+        // What --check-config finds too: a configuration error.
+        Err(e) if e.downcast_ref::<nackd::server::StartError>().is_some_and(|e| e.is_config()) => {
+            tracing::error!("invalid configuration: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             tracing::error!("cannot start: {e}");
             ExitCode::from(1)
