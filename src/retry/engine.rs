@@ -936,6 +936,54 @@ mod tests {
         assert!(matches!(exit, Exit::Stopped));
     }
 
+    /// Review 3: with a NEXT_ID lowered by hand, a message parked at the
+    /// start takes an id an older record has. The merge reports it; the
+    /// engine must not then let the older record replace the parked
+    /// message in the ledger: the parked one (acked to the broker) would
+    /// never fire, and a cancel of its id would complete the older one.
+    /// The newer record is the one a restart keeps: the engine keeps it too.
+    #[tokio::test]
+    async fn an_older_message_with_a_parked_id_does_not_replace_it() {
+        let dir = tempfile::tempdir().unwrap();
+        hold_before_a_restart(dir.path(), 3);
+        std::fs::write(dir.path().join("NEXT_ID"), "ahead 1\n").unwrap();
+        let (log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+        let start = start(dir.path());
+        let recovered = Recovered {
+            next_id: log.next_id(),
+            ..Default::default()
+        };
+        let ready = crate::retry::Readiness::new();
+        let mut engine = Engine::new(log, recovered, &start, None, ready);
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        engine.park(park(1), reply);
+        match engine.events.recv().await.unwrap() {
+            store::Event::Written(w) => engine.on_written(w),
+            _ => panic!("not the park's answer"),
+        }
+        let id = answers.recv().await.unwrap().result.unwrap();
+        assert_eq!(id, 1, "the id an older record has");
+        let parked_due = engine.ledger.get(id).unwrap().due_ms;
+        engine.on_backlog(backlog.read());
+        engine.load_step(usize::MAX);
+        let entry = engine.ledger.get(id).expect("held");
+        assert_eq!(
+            entry.due_ms, parked_due,
+            "the older record replaced the parked one"
+        );
+        assert_eq!(
+            entry.armed_us.div_ceil(1000),
+            parked_due,
+            "armed for the parked one"
+        );
+        assert_eq!(
+            engine.ledger.len(),
+            3,
+            "the parked one and the older 2 and 3"
+        );
+        drop(engine.stop_store());
+    }
+
     /// Review of issue 19: when the older segments cannot be read (an I/O
     /// error), their messages must not wait silently for a restart that
     /// nobody is told to make: the store stays "recovering" (the gauge,
