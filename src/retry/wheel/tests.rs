@@ -188,9 +188,12 @@ proptest::proptest! {
     }
 }
 
+/// A wheel given back by [`poll_or_hang`], with what fired.
+type Polled = (Wheel<u64>, Vec<(Ticks, u64)>);
+
 /// Polls `w` to `now` on a thread of its own: `None` if it has not
 /// returned after a few seconds (it loops).
-fn poll_or_hang(mut w: Wheel<u64>, now: Ticks) -> Option<(Wheel<u64>, Vec<(Ticks, u64)>)> {
+fn poll_or_hang(mut w: Wheel<u64>, now: Ticks) -> Option<Polled> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut out = Vec::new();
