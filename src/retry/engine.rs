@@ -310,6 +310,16 @@ impl Engine {
         self.ledger.tick(self.clock.now_ms());
         for ((id, due, loc), mut meta) in loading.held.by_ref().zip(loading.meta.by_ref()).take(n) {
             meta.queue = loading.queues[meta.queue as usize];
+            if self.ledger.get(id).is_some() {
+                // A NEXT_ID lowered by hand gave this id to a message
+                // parked since the start (the merge reports it): the newer
+                // record is the one a restart keeps, and the one whose
+                // session was answered. The older one is not held, and
+                // its record is released so that its segment can go.
+                warn!(id, "store: an older message has the id of one parked since the start (NEXT_ID was behind): the older one is not held");
+                self.tell_store(StoreOp::Release { loc });
+                continue;
+            }
             self.ledger.insert(id, Entry::new(loc, due, meta));
             self.schedule(id, due);
         }
@@ -934,6 +944,55 @@ mod tests {
         };
         let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
         assert!(matches!(exit, Exit::Stopped));
+    }
+
+    /// Review 3: with a NEXT_ID lowered by hand, a message parked at the
+    /// start takes an id an older record has. The merge reports it; the
+    /// engine must not then let the older record replace the parked
+    /// message in the ledger: the parked one (acked to the broker) would
+    /// never fire, and a cancel of its id would complete the older one.
+    /// The newer record is the one a restart keeps: the engine keeps it too.
+    #[tokio::test]
+    async fn an_older_message_with_a_parked_id_does_not_replace_it() {
+        let dir = tempfile::tempdir().unwrap();
+        hold_before_a_restart(dir.path(), 3);
+        std::fs::write(dir.path().join("NEXT_ID"), "ahead 1\n").unwrap();
+        let (log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+        let start = start(dir.path());
+        let recovered = Recovered {
+            next_id: log.next_id(),
+            ..Default::default()
+        };
+        let ready = crate::retry::Readiness::new();
+        let mut engine = Engine::new(log, recovered, &start, None, ready);
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        engine.park(park(1), reply);
+        match engine.events.recv().await.unwrap() {
+            store::Event::Written(w) => engine.on_written(w),
+            _ => panic!("not the park's answer"),
+        }
+        let id = answers.recv().await.unwrap().result.unwrap();
+        assert_eq!(id, 1, "the id an older record has");
+        let parked_due = engine.ledger.get(id).unwrap().due_ms;
+        engine.on_backlog(backlog.read());
+        engine.load_step(usize::MAX);
+        let entry = engine.ledger.get(id).expect("held");
+        assert_eq!(
+            entry.due_ms, parked_due,
+            "the older record replaced the parked one"
+        );
+        assert_eq!(
+            entry.armed_us.div_ceil(1000),
+            parked_due,
+            "armed for the parked one"
+        );
+        assert_eq!(
+            engine.ledger.len(),
+            3,
+            "the parked one and the older 2 and 3"
+        );
+        let log = engine.stop_store();
+        assert_eq!(log.mismatched_releases(), 0, "the older record was live");
     }
 
     /// Review of issue 19: when the older segments cannot be read (an I/O

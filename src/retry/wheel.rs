@@ -3,8 +3,9 @@
 //! nack, not up to a millisecond later as a millisecond wheel would).
 //!
 //! Nine levels of 64 slots; level `n` slots are `64^n` ticks wide, so the
-//! wheel spans 64^9 µs (about 570 years). Insert is O(1): the level is picked from
-//! the highest bit in which the due time differs from the wheel's time. An
+//! wheel spans 64^9 µs (about 570 years); an entry due later waits in the
+//! top level and is placed again as it turns. Insert is O(1): the level is
+//! picked from the highest bit in which the due time differs from the wheel's time. An
 //! entry of a higher level is moved down ("cascaded") when its slot comes up,
 //! until it sits in a level-0 slot of exactly its tick. An entry fires
 //! only once `now >= due`: never early.
@@ -106,6 +107,17 @@ fn level_for(now: Ticks, due: Ticks) -> usize {
     (significant / BITS as usize).min(LEVELS - 1)
 }
 
+/// Whether `due` is further from `now` than the top level's slots reach:
+/// past the slot before `now`'s one in the next turn of the top level.
+fn beyond_reach(now: Ticks, due: Ticks) -> bool {
+    let top = LEVELS - 1;
+    let turn = now & !(level_width(top) - 1);
+    let reach = slot_of(now, top) as u64 * slot_width(top);
+    turn.checked_add(level_width(top))
+        .and_then(|next| next.checked_add(reach))
+        .is_some_and(|reach| due >= reach)
+}
+
 /// The wheel. `T` is what an entry carries (an id).
 pub struct Wheel<T> {
     now: Ticks,
@@ -159,7 +171,13 @@ impl<T> Wheel<T> {
 
     fn place(&mut self, due: Ticks, item: T) {
         let level = level_for(self.now, due);
-        let slot = slot_of(due, level);
+        let slot = match beyond_reach(self.now, due) {
+            // It waits in the top slot that comes up last, and is placed
+            // again from there: in its own slot it would come back into
+            // the one being polled (or one polled before its time).
+            true => (slot_of(self.now, level) + SLOTS - 1) % SLOTS,
+            false => slot_of(due, level),
+        };
         let l = &mut self.levels[level];
         l.slots[slot].push((due, item));
         l.occupied |= 1 << slot;

@@ -187,3 +187,92 @@ proptest::proptest! {
         proptest::prop_assert!(w.is_empty());
     }
 }
+
+/// A wheel given back by [`poll_or_hang`], with what fired.
+type Polled = (Wheel<u64>, Vec<(Ticks, u64)>);
+
+/// Polls `w` to `now` on a thread of its own: `None` if it has not
+/// returned after a few seconds (it loops).
+fn poll_or_hang(mut w: Wheel<u64>, now: Ticks) -> Option<Polled> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        w.poll(now, &mut out);
+        let _ = tx.send((w, out));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5)).ok()
+}
+
+/// An entry further ahead than the top level reaches (64^9 µs, about 570
+/// years: a damaged or hand-made due time) must wait, not come back into
+/// the top-level slot being polled: that slot then never empties and
+/// `poll` loops for ever, taking the engine with it.
+#[test]
+fn an_entry_beyond_the_wheel_span_waits_instead_of_looping() {
+    let span = level_width(LEVELS - 1);
+    let now: Ticks = 1_764_000_000_000_000; // a wall-clock-like origin, in µs
+    for due in [now + span, now + 3 * span + 12_345, u64::MAX] {
+        let mut w = Wheel::new(now);
+        w.insert(due, 7);
+        let deadline = w.next_deadline().unwrap();
+        assert!(deadline > now, "due {due}: a deadline of now ({deadline})");
+        let (w, fired) = poll_or_hang(w, now + 1).expect("poll returned");
+        assert!(fired.is_empty());
+        assert_eq!(w.len(), 1);
+    }
+    // The wheel's own top slot reached (u64::MAX sits in slot 63).
+    let now = 63 << (BITS as usize * (LEVELS - 1));
+    let mut w = Wheel::new(now);
+    w.insert(u64::MAX, 1);
+    let (w, fired) = poll_or_hang(w, now + 1).expect("poll returned");
+    assert!(fired.is_empty() && w.len() == 1);
+}
+
+proptest::proptest! {
+    /// Inserts between polls, at any time from the past to beyond the
+    /// span: same entries as a naive model, none early, none missed.
+    #[test]
+    fn interleaved_inserts_and_polls_match_a_naive_model(
+        start in 0u64..1u64 << 52,
+        ops in proptest::collection::vec(
+            (0u64..4, 0u64..1u64 << 40, proptest::bool::ANY), 1..300),
+    ) {
+        let mut w = Wheel::new(start);
+        let mut model: Vec<(Ticks, u64)> = Vec::new();
+        let mut now = start;
+        for (id, (scale, x, poll)) in ops.into_iter().enumerate() {
+            let id = id as u64;
+            let delta = x >> (scale * 12);
+            match poll {
+                true => {
+                    now += delta;
+                    let (back, fired) = poll_or_hang(w, now).expect("poll returned");
+                    w = back;
+                    let mut want: Vec<u64> = Vec::new();
+                    model.retain(|(due, id)| match *due <= now {
+                        true => { want.push(*id); false }
+                        false => true,
+                    });
+                    let mut got: Vec<u64> = fired.iter().map(|(_, id)| *id).collect();
+                    for (due, _) in &fired {
+                        proptest::prop_assert!(*due <= now, "early");
+                    }
+                    got.sort_unstable();
+                    want.sort_unstable();
+                    proptest::prop_assert_eq!(got, want);
+                }
+                false => {
+                    // Half in the past, half ahead.
+                    let due = match id % 2 {
+                        0 => now.saturating_sub(delta),
+                        _ => now.saturating_add(delta),
+                    };
+                    let given = w.insert(due, id);
+                    proptest::prop_assert_eq!(given, due.max(w.now()));
+                    model.push((given, id));
+                }
+            }
+            proptest::prop_assert_eq!(w.len(), model.len());
+        }
+    }
+}
