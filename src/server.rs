@@ -143,13 +143,15 @@ fn replica_config(
     };
     let tls_ca = match &config.upstream.tls {
         None => None,
-        Some(tls) => Some(std::fs::read_to_string(&tls.ca).map_err(|e| StartError::Tls {
-            key: "upstream.tls.ca",
-            source: TlsError::Pem {
-                path: tls.ca.display().to_string(),
-                reason: e.to_string(),
-            },
-        })?),
+        Some(tls) => Some(
+            std::fs::read_to_string(&tls.ca).map_err(|e| StartError::Tls {
+                key: "upstream.tls.ca",
+                source: TlsError::Pem {
+                    path: tls.ca.display().to_string(),
+                    reason: e.to_string(),
+                },
+            })?,
+        ),
     };
     Ok(Some(crate::replica::Config {
         instance: r.instance(),

@@ -44,6 +44,89 @@ fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
     assert!(stderr.contains("policy[0].delays"), "{stderr}");
 }
 
+/// Issue 25: `--check-config` fails exactly when startup does, naming the
+/// key, for every rejection that needs no network: each case below stops
+/// `nackd --config` with exit 2 and the key in its log, and `nackd
+/// --check-config` with exit 2 and the key; the base config passes both.
+#[test]
+fn check_config_rejects_what_startup_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let a_file = write(&dir, "not-a-dir", "x");
+    let base = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\n[metrics]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{}\"\n",
+        common::BROKER
+    );
+    let policy = "[[policy]]\nqueues = [\"q\"]\ndelays = [\"1s\"]\n";
+    let cases: Vec<(&str, String)> = vec![
+        (
+            "policy[0].delays",
+            "[[policy]]\nqueues = [\"q\"]\ndelays = [\"soon\"]\n".into(),
+        ),
+        (
+            "listen.tls",
+            "[listen.tls]\ncert = \"/nonexistent/cert.pem\"\nkey = \"/nonexistent/key.pem\"\n"
+                .into(),
+        ),
+        (
+            "upstream.tls",
+            "[upstream.tls]\nca = \"/nonexistent/ca.pem\"\n".into(),
+        ),
+        (
+            "republish.password_env",
+            "[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n".into(),
+        ),
+        ("metrics.admin_token_env", String::new()),
+        (
+            "store.path",
+            format!("[store]\npath = \"{}\"\n{policy}", a_file.display()),
+        ),
+    ];
+    let ok = write(&dir, "ok.toml", &format!("{base}{policy}"));
+    let out = Command::new(NACKD)
+        .arg("--check-config")
+        .arg(&ok)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (i, (key, extra)) in cases.iter().enumerate() {
+        // `[metrics]` is in the base: its case adds the key there.
+        let text = match *key {
+            "metrics.admin_token_env" => base.replacen(
+                "[metrics]\n",
+                "[metrics]\nadmin_token_env = \"NACKD_TEST_UNSET_TOKEN_1\"\n",
+                1,
+            ),
+            _ => format!("{base}{extra}"),
+        };
+        let path = write(&dir, &format!("case{i}.toml"), &text);
+        let check = Command::new(NACKD)
+            .arg("--check-config")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&check.stderr);
+        assert_eq!(
+            check.status.code(),
+            Some(2),
+            "--check-config, {key}: {said}"
+        );
+        assert!(said.contains(key), "--check-config names {key}: {said}");
+        let start = Command::new(NACKD)
+            .arg("--config")
+            .arg(&path)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&start.stderr);
+        assert_eq!(start.status.code(), Some(2), "startup, {key}: {said}");
+        assert!(said.contains(key), "startup names {key}: {said}");
+    }
+}
+
 #[test]
 fn a_bad_config_stops_startup_with_the_key() {
     let dir = tempfile::tempdir().unwrap();

@@ -61,9 +61,9 @@ enum LogFormat {
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
-        let checked = Config::load(path).map_err(|e| e.to_string()).and_then(|config| {
-            nackd::server::preflight(&config).map_err(|e| e.to_string())
-        });
+        let checked = Config::load(path)
+            .map_err(|e| e.to_string())
+            .and_then(|config| nackd::server::preflight(&config).map_err(|e| e.to_string()));
         return match checked {
             Ok(()) => {
                 println!("{}: ok", path.display());
@@ -100,7 +100,10 @@ fn main() -> ExitCode {
     match runtime(&config).block_on(run(config, args.config)) {
         Ok(()) => ExitCode::SUCCESS,
         // What --check-config finds too: a configuration error.
-        Err(e) if e.downcast_ref::<nackd::server::StartError>().is_some_and(|e| e.is_config()) => {
+        Err(e)
+            if e.downcast_ref::<nackd::server::StartError>()
+                .is_some_and(|e| e.is_config()) =>
+        {
             tracing::error!("invalid configuration: {e}");
             ExitCode::from(2)
         }
