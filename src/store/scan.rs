@@ -86,7 +86,7 @@ impl Harm {
             Self::Missing => "the segment is shorter than it was sealed at: messages in the missing bytes are lost, deleted ones may come back",
             Self::Beyond => "bytes past the length the segment was sealed at: ignored",
             Self::Gone => "a whole segment is missing: messages in it are lost, deleted ones may come back, and the length of the segment before it cannot be checked",
-            Self::IdsBehind => "NEXT_ID was behind the ids in the store (edited or restored by hand): a message parked since the start may share its id with an older one, and one of such a pair is lost at the next restart",
+            Self::IdsBehind => "NEXT_ID was behind the ids in the store (edited or restored by hand): a message parked since the start may share its id with an older one: the older one of such a pair is dropped (released from the store, not republished)",
         }
     }
 

@@ -320,8 +320,14 @@ impl<C> Thread<C> {
 
     /// Deletes that did not fit go into the reserve's space: the reserve
     /// goes and they are written again at once. Firing pauses from now
-    /// ([`Thread::report`]), so what still comes is bounded by what the
-    /// republishers already have.
+    /// ([`Thread::report`]) while the free space does not hold every held
+    /// message's delete, so what still comes is bounded by what the
+    /// republishers already have. Once it does (space came back, but not
+    /// enough to make the reserve again), firing goes on without a reserve:
+    /// if another process then takes that space, the deletes of what the
+    /// republishers have (two confirm windows per vhost) may go unwritten,
+    /// and those messages are republished once more only if nackd is also
+    /// killed before they are written.
     fn use_reserve(&mut self) {
         if !self.log.has_unwritten() || !self.reserve.release() {
             return;
