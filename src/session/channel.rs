@@ -149,8 +149,9 @@ pub struct Channel {
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
     pub settled_again: BTreeSet<u64>,
-    /// Acks to send once the client's publish in flight on this channel ends.
-    pub deferred: Vec<(Bytes, Option<u64>)>,
+    /// Frames of nackd's own (acks, nacks) to send once the client's publish
+    /// in flight on this channel ends, with the held id an ack stands for.
+    pub after_publish: Vec<(Bytes, Option<u64>)>,
     /// The publish in flight began while client frames waited behind a
     /// barrier: all of its frames wait there, none has gone upstream yet.
     pub publish_behind_barrier: bool,
@@ -403,11 +404,11 @@ impl Channels {
         taken
     }
 
-    /// Takes every deferred frame; returns the held ids their acks stood for.
-    pub fn take_all_deferred(&mut self) -> Vec<u64> {
+    /// Takes every frame waiting for a publish to end; returns the held ids their acks stood for.
+    pub fn take_all_after_publish(&mut self) -> Vec<u64> {
         self.open
             .values_mut()
-            .flat_map(|c| std::mem::take(&mut c.deferred))
+            .flat_map(|c| std::mem::take(&mut c.after_publish))
             .filter_map(|(_, id)| id)
             .collect()
     }

@@ -470,7 +470,7 @@ impl Session {
         let content_open =
             channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier);
         if content_open {
-            channel.deferred.push((frame, held));
+            channel.after_publish.push((frame, held));
         } else {
             self.to_upstream.extend_from_slice(&frame);
         }
@@ -626,9 +626,9 @@ impl Session {
 
     /// The broker closed channel `channel_id`: acks waiting behind a client
     /// publish there will never be applied; their copies are cancelled.
-    pub(super) fn cancel_deferred(&mut self, channel_id: u16) {
-        let deferred = std::mem::take(&mut self.channels.get(channel_id).deferred);
-        for id in deferred.into_iter().filter_map(|(_, id)| id) {
+    pub(super) fn cancel_after_publish(&mut self, channel_id: u16) {
+        let waiting = std::mem::take(&mut self.channels.get(channel_id).after_publish);
+        for id in waiting.into_iter().filter_map(|(_, id)| id) {
             self.effects.push_back(Effect::Cancel(id));
         }
     }

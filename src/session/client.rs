@@ -72,8 +72,8 @@ impl Session {
             return;
         }
         self.to_upstream.extend_from_slice(raw);
-        if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
-            for (frame, _) in std::mem::take(&mut channel.deferred) {
+        if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
+            for (frame, _) in std::mem::take(&mut channel.after_publish) {
                 self.to_upstream.extend_from_slice(&frame);
             }
             // The broker's time to apply these acks runs from now.

@@ -216,7 +216,7 @@ impl Session {
     pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
         let mut cancel: Vec<u64> = late.into_iter().filter_map(|p| p.result.ok()).collect();
         // Acks that waited for a client publish that never ended.
-        cancel.extend(self.channels.take_all_deferred());
+        cancel.extend(self.channels.take_all_after_publish());
         for id in cancel {
             tracing::debug!(id, "session ended before the ack: cancelling the hold");
             self.effects.push_back(Effect::Cancel(id));

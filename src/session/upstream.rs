@@ -64,7 +64,7 @@ impl Session {
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) if channel_id != 0 => {
                 self.channels.get(channel_id).closing = true;
-                self.cancel_deferred(channel_id);
+                self.cancel_after_publish(channel_id);
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
