@@ -108,6 +108,9 @@ pub struct Claimed {
     pub settle: Settle,
     /// The claim's number in its session.
     pub seq: u64,
+    /// The delay it is parked for (a deferral waits as long, if the store
+    /// refuses it).
+    pub delay: std::time::Duration,
 }
 
 /// One channel of one client connection.
@@ -384,9 +387,9 @@ impl Channels {
         self.open.values().map(|c| c.pending.len()).sum()
     }
 
-    /// Takes the claims numbered in `seqs`: (channel, tag, settle, settled
+    /// Takes the claims numbered in `seqs`: (channel, tag, claim, settled
     /// again by the client).
-    pub fn take_claims(&mut self, seqs: &BTreeSet<u64>) -> Vec<(u16, u64, Settle, bool)> {
+    pub fn take_claims(&mut self, seqs: &BTreeSet<u64>) -> Vec<(u16, u64, Claimed, bool)> {
         let mut taken = Vec::new();
         for (id, c) in &mut self.open {
             let tags: Vec<u64> = c
@@ -398,7 +401,7 @@ impl Channels {
             for tag in tags {
                 let claimed = c.pending.remove(&tag).expect("listed above");
                 let again = c.settled_again.contains(&tag);
-                taken.push((*id, tag, claimed.settle, again));
+                taken.push((*id, tag, claimed, again));
             }
         }
         taken
