@@ -46,7 +46,9 @@ pub struct VhostLabels {
 /// One fixed `name="value"` label.
 type Label = [(&'static str, &'static str); 1];
 
-/// Why a nack or reject went to the broker as the client sent it.
+/// Why nackd did not hold a nack or reject: it went to the broker as the
+/// client sent it, or (for the reasons that [`PassReason::defers`]) it was
+/// deferred: left unacked and nacked upstream with `requeue=true` later.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PassReason {
     /// No policy covers the delivery's queue (or no policy at all).
@@ -86,6 +88,23 @@ impl PassReason {
         Self::NoLease,
         Self::Closing,
     ];
+
+    /// Whether nackd would hold the nack but cannot right now (store,
+    /// engine, budget, headers): then the delivery stays unacked and is
+    /// nacked with `requeue=true` later, instead of being settled as sent
+    /// (which, with `requeue=false` and no dead-letter exchange, drops it).
+    /// The other reasons are what the user configured or the only thing
+    /// nackd can do: the settle goes as sent.
+    pub fn defers(self) -> bool {
+        matches!(
+            self,
+            Self::OverBudget
+                | Self::StoreUnavailable
+                | Self::BadHeaders
+                | Self::Recovering
+                | Self::NoLease
+        )
+    }
 
     /// The `reason` label value.
     pub fn label(self) -> &'static str {
@@ -227,6 +246,10 @@ pub struct Metrics {
     /// Nacks/rejects nackd took over (stored, acked upstream).
     pub intercepted: Counter,
     passed: Vec<Counter>,
+    deferred: Vec<Counter>,
+    /// Deliveries whose nack nackd could not hold and gives back to the
+    /// broker later (`basic.nack`, requeue): unacked at the broker now.
+    pub deferred_now: Gauge,
     /// Held messages by vhost and queue (owned by the retry engine).
     pub held: Family<QueueLabels, Gauge>,
     /// Held bytes by vhost and queue (owned by the retry engine).
@@ -323,6 +346,7 @@ struct Families {
     frames: Family<Label, Counter>,
     bytes: Family<Label, Counter>,
     passed: Family<Label, Counter>,
+    deferred: Family<Label, Counter>,
     exhausted: Family<Label, Counter>,
     reloads: Family<Label, Counter>,
     blocked_total: Family<Label, Counter>,
@@ -377,6 +401,11 @@ impl Metrics {
                 .iter()
                 .map(|r| one(&f.passed, "reason", r.label()))
                 .collect(),
+            deferred: PassReason::ALL
+                .iter()
+                .map(|r| one(&f.deferred, "reason", r.label()))
+                .collect(),
+            deferred_now: Gauge::default(),
             held: Family::default(),
             held_bytes: Family::default(),
             published: Counter::default(),
@@ -484,6 +513,16 @@ impl Metrics {
             "nackd_nacks_passed",
             "Nacks and rejects forwarded to the broker as sent, by reason",
             f.passed.clone(),
+        );
+        r.register(
+            "nackd_nacks_deferred",
+            "Nacks and rejects nackd could not hold: left unacked and nacked upstream (requeue) later, by reason",
+            f.deferred.clone(),
+        );
+        r.register(
+            "nackd_deferred_nacks",
+            "Deliveries unacked at the broker now, waiting for nackd's deferred nack",
+            self.deferred_now.clone(),
         );
     }
 
@@ -706,6 +745,16 @@ impl Metrics {
     /// Nacks passed through for `reason` so far.
     pub fn passed(&self, reason: PassReason) -> u64 {
         self.passed[reason as usize].get()
+    }
+
+    /// Counts a nack nackd could not hold for `reason` and gives back later.
+    pub fn defer(&self, reason: PassReason) {
+        self.deferred[reason as usize].inc();
+    }
+
+    /// Nacks deferred for `reason` so far.
+    pub fn deferred(&self, reason: PassReason) -> u64 {
+        self.deferred[reason as usize].get()
     }
 
     /// Nacks passed through, all reasons.

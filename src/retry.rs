@@ -154,4 +154,9 @@ pub(crate) mod testing {
         ready.set(supervisor::Ready::Ready);
         RetryHandle { tx, ready }
     }
+
+    /// Interception of `handle` stops: its replica's lease is lost.
+    pub fn lose_lease(handle: &RetryHandle) {
+        handle.ready.set(supervisor::Ready::NoLease);
+    }
 }

@@ -27,6 +27,7 @@ mod claim;
 mod client;
 mod close;
 mod core;
+mod defer;
 mod frames;
 mod lifecycle;
 mod pump;

@@ -423,7 +423,7 @@ async fn admin_api_is_off_without_a_token() {
 }
 
 #[tokio::test]
-async fn every_pass_through_reason_is_counted() {
+async fn every_pass_through_and_deferral_reason_is_counted() {
     let (tx_q, pass_q, big_q) = (
         unique("reason-tx"),
         unique("reason-pass"),
@@ -486,15 +486,18 @@ async fn every_pass_through_reason_is_counted() {
     let mut c = consume(&ch, &big_q, Some(20)).await;
     let d = next_in_10s(&mut c).await;
     d.nack(nack()).await.unwrap();
-    let s = until(&nackd, "an over-budget pass", |s| {
-        s.sum("nackd_nacks_passed_total") == 1.0
+    // Not captured, so not held: deferred (unacked, nacked with requeue
+    // later), not passed as sent (requeue=false, no DLX: dropped).
+    let s = until(&nackd, "an over-budget deferral", |s| {
+        s.get("nackd_nacks_deferred_total", &[("reason", "over_budget")]) == 1.0
     })
     .await;
-    assert_eq!(
-        s.get("nackd_nacks_passed_total", &[("reason", "over_budget")]),
-        1.0
-    );
+    assert_eq!(s.sum("nackd_nacks_passed_total"), 0.0);
     assert_eq!(s.get("nackd_nacks_intercepted_total", &[]), 0.0);
+    let again = next_in_10s(&mut c).await;
+    assert!(again.redelivered, "the broker requeued it");
+    assert_eq!(again.data, vec![7u8; 1000]);
+    again.ack(BasicAckOptions::default()).await.unwrap();
     conn.close(200, "".into()).await.unwrap();
     nackd.stop().await;
 }

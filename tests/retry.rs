@@ -823,10 +823,10 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
 }
 
 /// Issue 12, item 4: the store refuses a claimed nack while the client's
-/// publish on the same channel is half sent. nackd's fallback nack waits
-/// for the publish's last frame: the broker sees no frame inside the
-/// content (it would close the connection with 505) and requeues the
-/// message as the client asked.
+/// publish on the same channel is half sent. nackd's deferred nack
+/// (requeue) waits for the publish's last frame: the broker sees no frame
+/// inside the content (it would close the connection with 505) and
+/// requeues the message.
 #[tokio::test]
 async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     use amq_protocol::protocol::{basic, AMQPClass};
@@ -838,7 +838,7 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     let q = unique("refused-mid-publish");
     let store = tempfile::tempdir().unwrap();
     let nackd = start(&format!(
-        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"10m\"]\n",
+        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"300ms\"]\n",
         store.path().display()
     ))
     .await;
@@ -867,11 +867,13 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     raw.send(&bytes).await;
     common::ops::until(nackd.metrics, "the store refusing the nack", |s| {
         s.get(
-            "nackd_nacks_passed_total",
+            "nackd_nacks_deferred_total",
             &[("reason", "store_unavailable")],
         ) == 1.0
     })
     .await;
+    // Past the deferral's delay: its nack is due, and waits for the body.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let mut body = bytes::BytesMut::new();
     put_frame(&mut body, FrameType::Body, 1, b"hello");
     raw.send(&body).await;

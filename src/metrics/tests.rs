@@ -17,6 +17,8 @@ fn every_series_follows_the_naming_conventions_and_starts_at_zero() {
         "nackd_proxied_bytes_total{direction=\"to_client\"}",
         "nackd_nacks_intercepted_total",
         "nackd_nacks_passed_total{reason=\"over_budget\"}",
+        "nackd_nacks_deferred_total{reason=\"store_unavailable\"}",
+        "nackd_deferred_nacks",
         "nackd_retries_published_total",
         "nackd_retries_confirmed_total",
         "nackd_retries_returned_total",

@@ -29,6 +29,11 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
         .iter()
         .map(|r| (r.label().to_string(), json!(m.passed(*r))))
         .collect();
+    let deferred: serde_json::Map<String, serde_json::Value> = PassReason::ALL
+        .iter()
+        .filter(|r| r.defers())
+        .map(|r| (r.label().to_string(), json!(m.deferred(*r))))
+        .collect();
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "intercepting": ops.intercepting,
@@ -49,6 +54,8 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
             "gone_dead_lettered": m.gone_dead_lettered.get(),
         },
         "passed": passed,
+        "deferred": deferred,
+        "deferred_now": m.deferred_now.get(),
         "policy_exchanges_missing": m.exchanges_missing.get(),
         "engine": engine,
         "recent": m.recent.newest_first(),

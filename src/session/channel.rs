@@ -108,6 +108,9 @@ pub struct Claimed {
     pub settle: Settle,
     /// The claim's number in its session.
     pub seq: u64,
+    /// The delay it is parked for (a deferral waits as long, if the store
+    /// refuses it).
+    pub delay: std::time::Duration,
 }
 
 /// One channel of one client connection.
@@ -149,8 +152,9 @@ pub struct Channel {
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
     pub settled_again: BTreeSet<u64>,
-    /// Acks to send once the client's publish in flight on this channel ends.
-    pub deferred: Vec<(Bytes, Option<u64>)>,
+    /// Frames of nackd's own (acks, nacks) to send once the client's publish
+    /// in flight on this channel ends, with the held id an ack stands for.
+    pub after_publish: Vec<(Bytes, Option<u64>)>,
     /// The publish in flight began while client frames waited behind a
     /// barrier: all of its frames wait there, none has gone upstream yet.
     pub publish_behind_barrier: bool,
@@ -383,9 +387,9 @@ impl Channels {
         self.open.values().map(|c| c.pending.len()).sum()
     }
 
-    /// Takes the claims numbered in `seqs`: (channel, tag, settle, settled
+    /// Takes the claims numbered in `seqs`: (channel, tag, claim, settled
     /// again by the client).
-    pub fn take_claims(&mut self, seqs: &BTreeSet<u64>) -> Vec<(u16, u64, Settle, bool)> {
+    pub fn take_claims(&mut self, seqs: &BTreeSet<u64>) -> Vec<(u16, u64, Claimed, bool)> {
         let mut taken = Vec::new();
         for (id, c) in &mut self.open {
             let tags: Vec<u64> = c
@@ -397,17 +401,17 @@ impl Channels {
             for tag in tags {
                 let claimed = c.pending.remove(&tag).expect("listed above");
                 let again = c.settled_again.contains(&tag);
-                taken.push((*id, tag, claimed.settle, again));
+                taken.push((*id, tag, claimed, again));
             }
         }
         taken
     }
 
-    /// Takes every deferred frame; returns the held ids their acks stood for.
-    pub fn take_all_deferred(&mut self) -> Vec<u64> {
+    /// Takes every frame waiting for a publish to end; returns the held ids their acks stood for.
+    pub fn take_all_after_publish(&mut self) -> Vec<u64> {
         self.open
             .values_mut()
-            .flat_map(|c| std::mem::take(&mut c.deferred))
+            .flat_map(|c| std::mem::take(&mut c.after_publish))
             .filter_map(|(_, id)| id)
             .collect()
     }

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::{debug, warn};
 
@@ -74,12 +75,15 @@ impl Scope {
 
 /// What claiming one delivery came to.
 enum Claim {
-    /// Sent to the store; its ack waits for the answer.
-    Parked,
+    /// Sent to the store, to be held this long; its ack waits for the answer.
+    Parked(std::time::Duration),
     /// Schedule exhausted with `on_exhausted = "reject"` (after this many retries).
     Reject(u32),
     /// Not intercepted after all: forward the client's settle.
     Pass(PassReason),
+    /// nackd would hold it but cannot now: it stays unacked and is nacked
+    /// upstream later (after the policy's delay, when known).
+    Defer(PassReason, Option<std::time::Duration>),
 }
 
 /// Where a claimed message goes, by its policy and retry number.
@@ -210,13 +214,16 @@ impl Session {
         multiple: bool,
     ) -> bool {
         let intercepting = self.scope.is_some();
+        let deferred_again =
+            intercepting && !multiple && self.settled_again_deferred(channel_id, tag);
         let channel = self.channels.get(channel_id);
-        let again = intercepting && !multiple && channel.pending.contains_key(&tag);
-        if again {
+        let claimed_again = intercepting && !multiple && channel.pending.contains_key(&tag);
+        if claimed_again {
             // A second settle of a claimed tag: the broker gets it as sent
             // and nackd steps back (no ack of its own, no held copy).
             channel.settled_again.insert(tag);
         }
+        let again = claimed_again || deferred_again;
         if !intercepting || channel.tx || again {
             // Not ours (or a second settle of a held tag: the broker answers it).
             let reason = match (intercepting, channel.tx) {
@@ -230,9 +237,13 @@ impl Session {
             }
             return true;
         }
-        let holds = channel.claims_within(tag, multiple);
+        let holds = channel.claims_within(tag, multiple)
+            || self.deferrals.within(channel_id, tag, multiple);
         let covered = channel.take_covered(tag, multiple);
-        let claimable = settle != Settle::Ack && covered.iter().any(|(_, d)| d.capture.is_some());
+        let claimable = settle != Settle::Ack
+            && covered
+                .iter()
+                .any(|(_, d)| d.capture.is_some() || d.over_budget);
         if !holds && !claimable {
             if settle != Settle::Ack {
                 self.count_passed(&covered, PassReason::NotConfigured);
@@ -259,8 +270,9 @@ impl Session {
         for (t, delivery) in covered {
             let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
-                Claim::Parked => self.note_claim(channel_id, t, settle),
+                Claim::Parked(delay) => self.note_claim(channel_id, t, settle, delay),
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
+                Claim::Defer(reason, delay) => self.defer(channel_id, t, reason, delay),
                 Claim::Pass(reason) => {
                     if settle != Settle::Ack {
                         self.metrics.pass(reason, 1);
@@ -273,14 +285,18 @@ impl Session {
             self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
         }
-        let lowest_held = self.channels.get(channel_id).pending.keys().next().copied();
+        let lowest_claimed = self.channels.get(channel_id).pending.keys().next().copied();
+        let lowest_held = match (lowest_claimed, self.deferrals.lowest(channel_id)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         for f in settle::settle_frames(channel_id, settle, &forward, lowest_held, multiple) {
             self.emit_upstream(&f);
         }
     }
 
     /// Tag `tag` was claimed: its settle waits for the store's answer.
-    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle) {
+    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle, delay: Duration) {
         debug!(
             tag,
             ?settle,
@@ -288,7 +304,7 @@ impl Session {
         );
         let seq = self.claims;
         let channel = self.channels.get(channel_id);
-        channel.pending.insert(tag, Claimed { settle, seq });
+        channel.pending.insert(tag, Claimed { settle, seq, delay });
         channel.last_claim = seq;
     }
 
@@ -326,11 +342,13 @@ impl Session {
     }
 
     /// Claims one delivery the client nacked: passes it on if nackd may
-    /// not, else parks it (or rejects it, its schedule exhausted).
+    /// not, defers it if nackd cannot hold it now, else parks it (or
+    /// rejects it, its schedule exhausted: that needs no store).
     fn claim(&mut self, channel_id: u16, tag: u64, delivery: Delivery, settle: Settle) -> Claim {
         let queue = delivery.queue.clone();
         let captured = match self.claimable(channel_id, delivery, settle) {
             Ok(captured) => captured,
+            Err(reason) if reason.defers() => return Claim::Defer(reason, None),
             Err(reason) => return Claim::Pass(reason),
         };
         let retry = headers::retry_count(&captured.header).saturating_add(1);
@@ -340,6 +358,9 @@ impl Session {
         let Some(state) = self.scope.as_ref() else {
             return Claim::Pass(PassReason::NotConfigured);
         };
+        if let Err(reason) = state.shared.retry.ready.may_claim() {
+            return Claim::Defer(reason, Some(plan.delay));
+        }
         let info = Retry {
             queue: &queue,
             exchange: &captured.exchange,
@@ -352,8 +373,8 @@ impl Session {
         let header = match headers::rewrite(&captured.header, &info) {
             Ok(h) => bytes::Bytes::from(h),
             Err(e) => {
-                warn!(error = %e, queue = %queue, "cannot rewrite headers: nack passes through");
-                return Claim::Pass(PassReason::BadHeaders);
+                warn!(error = %e, queue = %queue, "cannot rewrite headers: the nack is deferred");
+                return Claim::Defer(PassReason::BadHeaders, Some(plan.delay));
             }
         };
         let key = ClaimKey {
@@ -373,30 +394,33 @@ impl Session {
             header,
             body: captured.body.clone(),
         };
+        let delay = park.delay;
         self.effects.push_back(Effect::Park(park));
         self.claims += 1;
         self.unanswered.insert(self.claims, self.now);
-        Claim::Parked
+        Claim::Parked(delay)
     }
 
-    /// The captured message of a delivery nackd may claim now, else why
-    /// its settle passes through.
+    /// The captured message of a delivery nackd may claim, else why its
+    /// settle passes through (or is deferred: [`PassReason::defers`]).
+    /// Whether the engine takes claims now is checked by the caller.
     fn claimable(
-        &self,
+        &mut self,
         channel_id: u16,
         delivery: Delivery,
         settle: Settle,
     ) -> Result<Captured, PassReason> {
-        let not_captured = match delivery.over_budget {
-            true => PassReason::OverBudget,
-            false => PassReason::NotConfigured,
+        if settle == Settle::Ack {
+            return Err(PassReason::NotConfigured);
+        }
+        let state = self.scope.as_mut().ok_or(PassReason::NotConfigured)?;
+        let policy = match (&delivery.capture, delivery.over_budget) {
+            (Some(captured), _) => captured.policy.clone(),
+            (None, true) => state
+                .policy(&delivery.queue)
+                .ok_or(PassReason::NotConfigured)?,
+            (None, false) => return Err(PassReason::NotConfigured),
         };
-        let captured = match delivery.capture {
-            Some(captured) if settle != Settle::Ack => captured,
-            _ => return Err(not_captured),
-        };
-        let state = self.scope.as_ref().ok_or(PassReason::NotConfigured)?;
-        state.shared.retry.ready.may_claim()?;
         let closing = self
             .channels
             .peek(channel_id)
@@ -405,10 +429,10 @@ impl Session {
             // An ack would come after the close (or recover) the client sent.
             return Err(PassReason::Closing);
         }
-        if !captured.policy.wants(settle.requeue()) {
+        if !policy.wants(settle.requeue()) {
             return Err(PassReason::RequeuePass);
         }
-        Ok(captured)
+        delivery.capture.ok_or(PassReason::OverBudget)
     }
 
     /// The store answered for a claimed delivery.
@@ -423,7 +447,7 @@ impl Session {
             .and_then(|c| {
                 let claimed = c.pending.remove(&key.tag);
                 claimed
-                    .map(|c| c.settle)
+                    .map(|c| (c.settle, c.delay))
                     .filter(|_| !c.settled_again.remove(&key.tag))
             });
         match (settle, parked.result) {
@@ -443,10 +467,14 @@ impl Session {
                 let ack = method::ack(key.channel, key.tag, false);
                 self.send_own(key.channel, ack, Some(id));
             }
-            (Some(settle), Err(e)) => {
-                warn!(error = %e, "cannot hold the message: the nack goes to the broker as sent");
-                self.metrics.pass(PassReason::StoreUnavailable, 1);
-                self.send_own(key.channel, settle.frame(key.channel, key.tag, false), None);
+            (Some((_, delay)), Err(e)) => {
+                warn!(error = %e, "cannot hold the message: it stays unacked, nacked (requeue) later");
+                self.defer(
+                    key.channel,
+                    key.tag,
+                    PassReason::StoreUnavailable,
+                    Some(delay),
+                );
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
@@ -464,13 +492,13 @@ impl Session {
     /// going upstream: then it waits for that content's last frame.
     /// `held` is the id of the stored copy an ack stands for: if the ack
     /// never goes, the copy is cancelled (see [`Session::end`]).
-    fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes, held: Option<u64>) {
+    pub(super) fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes, held: Option<u64>) {
         let barrier_up = self.barrier_up;
         let channel = self.channels.get(channel_id);
         let content_open =
             channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier);
         if content_open {
-            channel.deferred.push((frame, held));
+            channel.after_publish.push((frame, held));
         } else {
             self.to_upstream.extend_from_slice(&frame);
         }
@@ -604,19 +632,19 @@ impl Session {
         }
     }
 
-    /// The store did not answer these claims in time: their nacks go to
-    /// the broker as the client sent them (unless the client settled them
-    /// again itself); a later answer cancels the copy.
+    /// The store did not answer these claims in time: they are deferred
+    /// (unless the client settled them again itself), which requeues them
+    /// at once ahead of a close that waits; a later answer cancels the copy.
     fn give_up_claims(&mut self, seqs: &BTreeSet<u64>) {
         let taken = self.channels.take_claims(seqs);
         warn!(
             claims = taken.len(),
-            "the store did not answer within the settle timeout: those nacks go to the broker as sent"
+            "the store did not answer within the settle timeout: those deliveries go back to the broker"
         );
-        for (channel, tag, settle, again) in taken {
+        for (channel, tag, claimed, again) in taken {
             if !again {
-                self.metrics.pass(PassReason::StoreUnavailable, 1);
-                self.send_own(channel, settle.frame(channel, tag, false), None);
+                let delay = Some(claimed.delay);
+                self.defer(channel, tag, PassReason::StoreUnavailable, delay);
             }
         }
         for seq in seqs {
@@ -626,9 +654,9 @@ impl Session {
 
     /// The broker closed channel `channel_id`: acks waiting behind a client
     /// publish there will never be applied; their copies are cancelled.
-    pub(super) fn cancel_deferred(&mut self, channel_id: u16) {
-        let deferred = std::mem::take(&mut self.channels.get(channel_id).deferred);
-        for id in deferred.into_iter().filter_map(|(_, id)| id) {
+    pub(super) fn cancel_after_publish(&mut self, channel_id: u16) {
+        let waiting = std::mem::take(&mut self.channels.get(channel_id).after_publish);
+        for id in waiting.into_iter().filter_map(|(_, id)| id) {
             self.effects.push_back(Effect::Cancel(id));
         }
     }

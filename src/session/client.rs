@@ -72,8 +72,8 @@ impl Session {
             return;
         }
         self.to_upstream.extend_from_slice(raw);
-        if !channel.publishing.in_flight() && !channel.deferred.is_empty() {
-            for (frame, _) in std::mem::take(&mut channel.deferred) {
+        if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
+            for (frame, _) in std::mem::take(&mut channel.after_publish) {
                 self.to_upstream.extend_from_slice(&frame);
             }
             // The broker's time to apply these acks runs from now.
@@ -87,6 +87,9 @@ impl Session {
 
     /// Observes a decoded client method; `false` means "do not forward it".
     pub(super) fn on_client_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
+        if channel_id != 0 {
+            self.on_client_channel_end(channel_id, class);
+        }
         match class {
             AMQPClass::Connection(method) => return self.on_client_connection_method(method),
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
@@ -121,6 +124,23 @@ impl Session {
         true
     }
 
+    /// A close or recover of the client's channel makes the broker requeue
+    /// its unacked deliveries: its deferred tags are forgotten. A
+    /// `tx.select` would make their nacks part of a transaction: they go
+    /// now, ahead of it.
+    fn on_client_channel_end(&mut self, channel_id: u16, class: &AMQPClass) {
+        match class {
+            AMQPClass::Channel(
+                amqp_channel::AMQPMethod::Close(_) | amqp_channel::AMQPMethod::CloseOk(_),
+            )
+            | AMQPClass::Basic(
+                basic::AMQPMethod::Recover(_) | basic::AMQPMethod::RecoverAsync(_),
+            ) => self.forget_deferred(channel_id),
+            AMQPClass::Tx(tx::AMQPMethod::Select(_)) => self.requeue_deferred_now(channel_id),
+            _ => {}
+        }
+    }
+
     /// A `connection.*` method of the client; `false`: do not forward it.
     fn on_client_connection_method(&mut self, method: &connection::AMQPMethod) -> bool {
         match method {
@@ -140,6 +160,9 @@ impl Session {
                     text = c.reply_text.as_str(),
                     "client closes the connection"
                 );
+                // The broker requeues every unacked delivery with the
+                // connection: nothing deferred is nacked any more.
+                self.forget_all_deferred();
                 // Asked before the close is recorded: once it is, and not
                 // behind a barrier, acks no longer count.
                 let wait = self.must_wait();

@@ -4,7 +4,8 @@
 //!
 //! The handlers live beside this file, one concern each: `frames` (cutting
 //! and checking frames), `client` and `upstream` (what each side's methods
-//! mean), `claim` (claim, park, ack, barriers), `lifecycle` (faults,
+//! mean), `claim` (claim, park, ack, barriers), `defer` (nacks nackd
+//! cannot hold, given back to the broker later), `lifecycle` (faults,
 //! sides gone, shutdown, timers). `channel` tracks each channel, `close`
 //! the closing handshake.
 
@@ -17,6 +18,7 @@ use bytes::BytesMut;
 use super::channel::Channels;
 use super::claim::{Interception, Scope};
 use super::close::Close;
+use super::defer::Deferrals;
 use super::frames::Peer;
 use super::{Limits, HIGH_WATER, TICK};
 use crate::metrics::Metrics;
@@ -72,6 +74,8 @@ pub(crate) struct Session {
     pub(super) barrier_acked_at: Option<Instant>,
     /// When the frames held back may go on (see [`super::ACK_GRACE`]).
     pub(super) release_at: Option<Instant>,
+    /// Deliveries nackd could not hold, unacked until their nack (see `defer`).
+    pub(super) deferrals: Deferrals,
     pub(super) metrics: Arc<Metrics>,
 }
 
@@ -112,6 +116,7 @@ impl Session {
             barrier: None,
             barrier_acked_at: None,
             release_at: None,
+            deferrals: Deferrals::new(metrics.deferred_now.clone()),
             metrics,
         }
     }
@@ -163,10 +168,10 @@ impl Session {
 
     /// When the core wants [`Session::handle_timeout`] called.
     pub fn poll_timeout(&self) -> Instant {
-        match self.release_at {
-            Some(at) => at.min(self.next_tick),
-            None => self.next_tick,
-        }
+        [self.release_at, self.deferrals.next_wake()]
+            .into_iter()
+            .flatten()
+            .fold(self.next_tick, Instant::min)
     }
 
     /// The next thing to ask of the retry engine.
@@ -216,7 +221,7 @@ impl Session {
     pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
         let mut cancel: Vec<u64> = late.into_iter().filter_map(|p| p.result.ok()).collect();
         // Acks that waited for a client publish that never ended.
-        cancel.extend(self.channels.take_all_deferred());
+        cancel.extend(self.channels.take_all_after_publish());
         for id in cancel {
             tracing::debug!(id, "session ended before the ack: cancelling the hold");
             self.effects.push_back(Effect::Cancel(id));

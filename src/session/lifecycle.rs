@@ -72,6 +72,8 @@ impl Session {
         }
         self.close.upstream_gone = true;
         self.close.begin(self.now);
+        // The broker requeued every unacked delivery.
+        self.forget_all_deferred();
         if self.close.upstream_close_ok() == Some(Origin::Client) {
             // The client asked to close: it gets its close-ok.
             self.to_client
@@ -109,6 +111,8 @@ impl Session {
             self.close.upstream_gone = true;
             return;
         }
+        // The broker requeues every unacked delivery with the connection.
+        self.forget_all_deferred();
         let text = format!("nackd: {why}");
         self.to_upstream
             .extend_from_slice(&method::connection_close(ReplyCode::Success, &text, None));
@@ -118,6 +122,8 @@ impl Session {
     pub(super) fn on_force(&mut self) {
         self.close.forced = true;
         info!("closing: nackd is shutting down");
+        // Deferred nacks go now, ahead of the close (see the function).
+        self.requeue_all_deferred_now();
         self.close_client(
             ReplyCode::ConnectionForced,
             "CONNECTION_FORCED - nackd is shutting down",
@@ -134,6 +140,7 @@ impl Session {
         let now: Instant = self.now;
         // Held-back frames have a deadline even if the store never answers.
         self.release_if_settled();
+        self.fire_deferred();
         if !self.open && now >= self.handshake_deadline && !self.close.started() {
             warn!(timeout = ?self.limits.handshake_timeout, "handshake timed out");
             self.close.begin(self.now);

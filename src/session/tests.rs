@@ -12,6 +12,7 @@ use amq_protocol::types::FieldTable;
 use bytes::BytesMut;
 
 use super::core::{Effect, Session};
+use super::defer::{FALLBACK_DELAY, MAX_DELAY, RATE_BURST, RATE_INTERVAL};
 use super::frames::Peer;
 use super::{Limits, ACK_GRACE, SETTLE_TIMEOUT};
 use crate::clock::Clock;
@@ -41,12 +42,18 @@ struct Pair {
 }
 
 fn pair() -> Pair {
-    let text = format!("[[policy]]\nqueues = [\"{Q}\"]\ndelays = [\"1m\"]\n");
+    pair_with("delays = [\"1m\"]", 1 << 20)
+}
+
+/// A pair whose policy of the intercepted queue has `policy` (e.g. its
+/// delays), with a capture budget of `budget` bytes.
+fn pair_with(policy: &str, budget: usize) -> Pair {
+    let text = format!("[[policy]]\nqueues = [\"{Q}\"]\n{policy}\n");
     let config = Config::parse(&text, Path::new("t.toml")).unwrap();
     let (policies, watch) = tokio::sync::watch::channel(Arc::new(Policies::new(&config.policies)));
     let shared = Arc::new(Interception {
         policies: watch,
-        budget: Budget::new(1 << 20),
+        budget: Budget::new(budget),
         retry: testing::ready_handle(),
         clock: Clock::start(),
     });
@@ -270,7 +277,8 @@ fn describe(frame: &Frame) -> String {
             format!("ack {}{}", a.delivery_tag, plus(a.multiple))
         }
         AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
-            format!("nack {}{}", n.delivery_tag, plus(n.multiple))
+            let drop = if n.requeue { "" } else { " no-requeue" };
+            format!("nack {}{}{drop}", n.delivery_tag, plus(n.multiple))
         }
         AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => format!("reject {}", r.delivery_tag),
         AMQPClass::Basic(basic::AMQPMethod::Publish(_)) => format!("publish {ch}"),
@@ -374,12 +382,14 @@ fn an_ack_waits_for_the_clients_publish_on_its_channel() {
 }
 
 #[test]
-fn a_refused_nack_waits_for_the_clients_publish_too() {
+fn a_deferred_nack_waits_for_the_clients_publish_too() {
     let mut p = claimed();
+    p.store(false);
     p.client(&publish_start(1, 5));
     p.upstream();
-    p.store(false);
-    assert!(p.upstream().is_empty());
+    p.time_passes(MAX_DELAY);
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "no frame inside the content");
     p.client(&body(1, b"hello"));
     assert_eq!(p.upstream(), ["body 1", "nack 1"]);
 }
@@ -715,4 +725,183 @@ fn a_pair_that_never_opens_ends_at_the_handshake_deadline() {
     p.time_passes(Duration::from_secs(1));
     p.timer_fires();
     assert!(p.s.is_finished(p.now), "both sides dropped at the deadline");
+}
+
+/// A pair (policy delay 2 s) whose client consumes on channel 1, got
+/// deliveries 1 to `n`, and nacked (requeue=false) tag 1: claimed, and the
+/// store refused it.
+fn refused(n: u64) -> Pair {
+    let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
+    p.consume(1);
+    for tag in 1..=n {
+        p.deliver(1, tag);
+    }
+    p.client(&method::nack(1, 1, false, false));
+    p.store(false);
+    p
+}
+
+#[test]
+fn a_nack_the_store_refuses_is_requeued_after_the_policy_delay() {
+    let mut p = refused(1);
+    assert!(p.upstream().is_empty(), "not settled as sent (no drop)");
+    p.time_passes(Duration::from_millis(1_999));
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "never before the delay");
+    p.time_passes(Duration::from_millis(1));
+    assert_eq!(p.s.poll_timeout(), p.now, "the core wakes at the due time");
+    p.timer_fires();
+    assert_eq!(
+        p.upstream(),
+        ["nack 1"],
+        "requeue=true, whatever the client sent"
+    );
+    assert_eq!(p.s.metrics.deferred(PassReason::StoreUnavailable), 1);
+    assert_eq!(p.s.metrics.passed_total(), 0);
+    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+}
+
+#[test]
+fn a_multiple_ack_does_not_cover_a_deferred_tag() {
+    let mut p = refused(3);
+    assert_eq!(p.s.metrics.deferred_now.get(), 1);
+    p.client(&method::ack(1, 3, true));
+    assert_eq!(p.upstream(), ["ack 2", "ack 3"], "tag 1 is nackd's to nack");
+    p.client(&method::nack(1, 0, true, false));
+    assert!(
+        p.upstream().is_empty(),
+        "a nack of all does not drop it either"
+    );
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+}
+
+#[test]
+fn a_second_settle_of_a_deferred_tag_is_the_brokers_alone() {
+    let mut p = refused(1);
+    p.client(&method::ack(1, 1, false));
+    assert_eq!(p.upstream(), ["ack 1"], "the client's own ack, as sent");
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "no nack after it");
+    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+}
+
+#[test]
+fn a_close_or_recover_forgets_deferred_tags_and_is_not_held_by_them() {
+    let recover = frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
+    );
+    let broker_close = method::channel_close(1, ReplyCode::ChannelError, "x").to_vec();
+    for (what, ending) in [("close", channel_close(1)), ("recover", recover)] {
+        let mut p = refused(1);
+        p.client(&ending);
+        assert_eq!(p.upstream().len(), 1, "{what} goes at once");
+        p.time_passes(Duration::from_secs(2));
+        p.timer_fires();
+        assert!(p.upstream().is_empty(), "{what}: the broker requeued it");
+        assert_eq!(p.s.metrics.deferred_now.get(), 0, "{what}");
+    }
+    let mut p = refused(1);
+    p.broker(&broker_close);
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "the broker closed the channel");
+    let mut p = refused(1);
+    p.s.handle_gone(Peer::Upstream, None, p.now);
+    assert_eq!(p.s.metrics.deferred_now.get(), 0, "upstream gone");
+}
+
+#[test]
+fn deferred_nacks_go_at_a_bounded_rate() {
+    let mut p = pair_with("delays = [\"1s\"]", 1 << 20);
+    p.consume(1);
+    let n = u64::from(RATE_BURST) + 20;
+    for tag in 1..=n {
+        p.deliver(1, tag);
+    }
+    p.client(&method::nack(1, n, true, false));
+    p.store(false);
+    assert_eq!(p.s.metrics.deferred_now.get(), n as i64);
+    p.time_passes(Duration::from_secs(1));
+    p.timer_fires();
+    assert_eq!(
+        p.upstream().len(),
+        RATE_BURST as usize,
+        "a burst, then the rate"
+    );
+    assert_eq!(p.s.poll_timeout(), p.now + RATE_INTERVAL);
+    p.time_passes(RATE_INTERVAL * 10);
+    p.timer_fires();
+    assert_eq!(p.upstream().len(), 10);
+    p.time_passes(RATE_INTERVAL * 10);
+    p.timer_fires();
+    assert_eq!(p.upstream().len(), 10);
+    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+}
+
+#[test]
+fn without_a_lease_a_nack_is_deferred_not_dropped() {
+    let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
+    crate::retry::testing::lose_lease(&p.s.scope.as_ref().unwrap().shared.retry);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.client(&method::reject(1, 1, false));
+    assert!(p.take_parks().is_empty(), "nothing parked without a lease");
+    assert!(p.upstream().is_empty(), "not rejected as sent");
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+    assert_eq!(p.s.metrics.deferred(PassReason::NoLease), 1);
+}
+
+#[test]
+fn over_the_capture_budget_a_nack_is_deferred_by_the_fallback_delay() {
+    let mut p = pair_with("delays = [\"5s\"]", 1);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.client(&method::nack(1, 1, false, false));
+    assert!(p.upstream().is_empty(), "not nacked as sent");
+    p.time_passes(FALLBACK_DELAY);
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+    assert_eq!(p.s.metrics.deferred(PassReason::OverBudget), 1);
+}
+
+#[test]
+fn a_requeue_pass_policy_still_forwards_as_sent() {
+    let mut p = pair_with("delays = [\"5s\"]\nrequeue = \"pass\"", 1);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    assert_eq!(
+        p.upstream(),
+        ["nack 1"],
+        "over budget, but pass is what the user asked"
+    );
+    assert_eq!(p.s.metrics.passed(PassReason::RequeuePass), 1);
+}
+
+#[test]
+fn a_refused_nack_behind_a_tx_select_goes_back_before_it() {
+    use amq_protocol::protocol::tx;
+    let mut p = claimed();
+    p.client(&frame_of(
+        1,
+        AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})),
+    ));
+    p.store(false);
+    p.grace_passes();
+    let sent = p.upstream();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[0], "nack 1", "not inside the transaction: {sent:?}");
+}
+
+#[test]
+fn at_shutdown_deferred_nacks_go_before_the_close() {
+    let mut p = refused(1);
+    p.s.handle_force(p.now);
+    assert_eq!(p.upstream(), ["nack 1", "connection.close"]);
 }

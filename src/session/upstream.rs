@@ -53,6 +53,7 @@ impl Session {
                 );
                 self.close.expect_client_close_ok(Origin::Broker, self.now);
                 self.close.broker_closed = true;
+                self.forget_all_deferred();
                 // Nothing held back can still be acked: let it go.
                 self.release_if_settled();
             }
@@ -60,11 +61,14 @@ impl Session {
                 return self.close.upstream_close_ok() == Some(Origin::Client);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
+                self.forget_deferred(channel_id);
                 self.channels.remove(channel_id);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) if channel_id != 0 => {
+                // The broker requeues the channel's unacked deliveries.
+                self.forget_deferred(channel_id);
                 self.channels.get(channel_id).closing = true;
-                self.cancel_deferred(channel_id);
+                self.cancel_after_publish(channel_id);
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);

@@ -1,0 +1,279 @@
+//! Deferred nacks: a nack nackd would claim but cannot hold right now (the
+//! store full or failing, no lease, the capture budget spent, headers it
+//! cannot rewrite) is not settled upstream as the client sent it. With the
+//! usual `requeue=false` and no dead-letter exchange that would drop the
+//! message, and an immediate requeue spends a quorum queue's delivery-limit
+//! in a tight loop. The delivery stays unacked at the broker instead (a
+//! crash of nackd loses nothing: the broker requeues it) and, after a
+//! delay, the session sends `basic.nack(tag, requeue=true)`, rate-limited.
+//!
+//! A deferred tag is the broker's to requeue when its channel or
+//! connection goes (a close, `basic.recover`, the broker gone): then it is
+//! simply forgotten, and it never holds a close or a barrier open.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::gauge::Gauge;
+use tracing::debug;
+
+use super::close::Origin;
+use super::core::Session;
+use crate::metrics::PassReason;
+use crate::protocol::method;
+
+/// The delay of a deferral when the policy's is not known (the message
+/// was not captured, so its retry number is not known either).
+pub(super) const FALLBACK_DELAY: Duration = Duration::from_secs(1);
+/// The shortest deferral: a policy delay of zero must not make a loop.
+pub(super) const MIN_DELAY: Duration = Duration::from_millis(100);
+/// The longest deferral: the delivery counts against the consumer's
+/// prefetch meanwhile, so long policy delays are not waited out in full.
+pub(super) const MAX_DELAY: Duration = Duration::from_secs(30);
+/// Deferred nacks a session sends at most: one per this interval...
+pub(super) const RATE_INTERVAL: Duration = Duration::from_millis(10);
+/// ... after a burst of this many.
+pub(super) const RATE_BURST: u32 = 50;
+
+/// The deferred tags of one session, by channel and by due time, and the
+/// rate their nacks go at.
+pub(super) struct Deferrals {
+    /// (channel, tag) → when its nack is due.
+    tags: BTreeMap<(u16, u64), Instant>,
+    /// The same, in due order.
+    due: BTreeSet<(Instant, u16, u64)>,
+    /// The rate limit as a GCRA: the theoretical time of the next nack
+    /// (`None` until the first).
+    next_at: Option<Instant>,
+    /// `nackd_deferred_nacks`, shared by every session.
+    gauge: Gauge,
+}
+
+impl Deferrals {
+    pub fn new(gauge: Gauge) -> Self {
+        Self {
+            tags: BTreeMap::new(),
+            due: BTreeSet::new(),
+            next_at: None,
+            gauge,
+        }
+    }
+
+    /// Defers `tag` of `channel` until `due`.
+    pub fn insert(&mut self, channel: u16, tag: u64, due: Instant) {
+        match self.tags.insert((channel, tag), due) {
+            Some(old) => {
+                self.due.remove(&(old, channel, tag));
+            }
+            None => {
+                self.gauge.inc();
+            }
+        }
+        self.due.insert((due, channel, tag));
+    }
+
+    /// Forgets `tag` of `channel`; whether it was deferred.
+    pub fn remove(&mut self, channel: u16, tag: u64) -> bool {
+        let Some(due) = self.tags.remove(&(channel, tag)) else {
+            return false;
+        };
+        self.due.remove(&(due, channel, tag));
+        self.gauge.dec();
+        true
+    }
+
+    /// Whether `tag` of `channel` is deferred.
+    pub fn contains(&self, channel: u16, tag: u64) -> bool {
+        self.tags.contains_key(&(channel, tag))
+    }
+
+    /// The lowest deferred tag of `channel`.
+    pub fn lowest(&self, channel: u16) -> Option<u64> {
+        self.of(channel).next()
+    }
+
+    /// Whether a deferred tag of `channel` is at or below `tag` (any, with
+    /// `multiple` and 0), as a settle covers them.
+    pub fn within(&self, channel: u16, tag: u64, multiple: bool) -> bool {
+        match (multiple, tag) {
+            (true, 0) => self.lowest(channel).is_some(),
+            (true, tag) => self.lowest(channel).is_some_and(|t| t <= tag),
+            (false, tag) => self.contains(channel, tag),
+        }
+    }
+
+    /// Takes the deferred tags of `channel`.
+    pub fn take_channel(&mut self, channel: u16) -> Vec<u64> {
+        let tags: Vec<u64> = self.of(channel).collect();
+        for tag in &tags {
+            self.remove(channel, *tag);
+        }
+        tags
+    }
+
+    /// Takes every deferred tag.
+    pub fn take_all(&mut self) -> Vec<(u16, u64)> {
+        let all: Vec<(u16, u64)> = self.tags.keys().copied().collect();
+        self.gauge.dec_by(all.len() as i64);
+        (self.tags, self.due) = Default::default();
+        all
+    }
+
+    /// Takes the tags due at `now` whose nacks the rate allows now, in due order.
+    pub fn take_due(&mut self, now: Instant) -> Vec<(u16, u64)> {
+        let mut taken = Vec::new();
+        while let Some(&(due, channel, tag)) = self.due.first() {
+            if due > now || !self.rate_allows(now) {
+                break;
+            }
+            self.remove(channel, tag);
+            let next = self.next_at.map_or(now, |at| at.max(now));
+            self.next_at = Some(next + RATE_INTERVAL);
+            taken.push((channel, tag));
+        }
+        taken
+    }
+
+    /// When the next nack may go: when it is due, or later when the rate
+    /// limit holds it back.
+    pub fn next_wake(&self) -> Option<Instant> {
+        let &(due, _, _) = self.due.first()?;
+        Some(due.max(self.rate_free_at().unwrap_or(due)))
+    }
+
+    /// How many tags are deferred.
+    pub fn len(&self) -> usize {
+        self.tags.len()
+    }
+
+    fn of(&self, channel: u16) -> impl Iterator<Item = u64> + '_ {
+        self.tags
+            .range((channel, 0)..=(channel, u64::MAX))
+            .map(|((_, tag), _)| *tag)
+    }
+
+    /// Whether a nack may go at `now` (at most [`RATE_BURST`] ahead of the
+    /// rate).
+    fn rate_allows(&self, now: Instant) -> bool {
+        self.rate_free_at().is_none_or(|at| at <= now)
+    }
+
+    /// From when the rate lets the next nack go.
+    fn rate_free_at(&self) -> Option<Instant> {
+        let tolerance = RATE_INTERVAL * (RATE_BURST - 1);
+        self.next_at
+            .map(|at| at.checked_sub(tolerance).unwrap_or(at))
+    }
+}
+
+impl Drop for Deferrals {
+    fn drop(&mut self) {
+        // The session is over: the broker requeued what it still had.
+        self.gauge.dec_by(self.tags.len() as i64);
+    }
+}
+
+impl Session {
+    /// nackd would hold delivery `tag` but cannot now (`reason`): it stays
+    /// unacked at the broker and is nacked with `requeue=true` after
+    /// `delay` (the policy's for this retry when known), bounded.
+    pub(super) fn defer(
+        &mut self,
+        channel_id: u16,
+        tag: u64,
+        reason: PassReason,
+        delay: Option<Duration>,
+    ) {
+        self.metrics.defer(reason);
+        let channel_closing = self
+            .channels
+            .peek(channel_id)
+            .is_some_and(|c| c.barrier_raised || c.closing);
+        let connection_closing =
+            self.deferred_close.is_some() || self.close.awaiting_upstream() == Some(Origin::Client);
+        if channel_closing || connection_closing {
+            // A close, recover or tx.select waits to go upstream: the close
+            // and recover would requeue it anyway, and after a tx.select a
+            // later nack would be part of the client's transaction. It goes
+            // back now, ahead of them.
+            debug!(
+                tag,
+                reason = reason.label(),
+                "cannot hold: requeued now, before the close"
+            );
+            let nack = method::nack(channel_id, tag, false, true);
+            self.send_own(channel_id, nack, None);
+            return;
+        }
+        let delay = delay.unwrap_or(FALLBACK_DELAY).clamp(MIN_DELAY, MAX_DELAY);
+        debug!(
+            tag,
+            reason = reason.label(),
+            ?delay,
+            "cannot hold: left unacked, nacked (requeue) after the delay"
+        );
+        self.deferrals.insert(channel_id, tag, self.now + delay);
+    }
+
+    /// Sends the nacks (requeue) of the deferred tags that are due, as the
+    /// rate allows; the rest wait for [`Deferrals::next_wake`].
+    pub(super) fn fire_deferred(&mut self) {
+        if self.deferrals.len() == 0 {
+            return;
+        }
+        if !self.upstream_takes_acks() {
+            // The broker takes the deliveries back with the connection.
+            self.deferrals.take_all();
+            return;
+        }
+        for (channel, tag) in self.deferrals.take_due(self.now) {
+            debug!(channel, tag, "deferred nack: requeued at the broker");
+            self.send_own(channel, method::nack(channel, tag, false, true), None);
+        }
+    }
+
+    /// The client settles a deferred tag a second time: that settle goes
+    /// to the broker as sent (as for a claimed tag), and nackd steps back.
+    pub(super) fn settled_again_deferred(&mut self, channel_id: u16, tag: u64) -> bool {
+        self.deferrals.remove(channel_id, tag)
+    }
+
+    /// Channel `channel_id` closes or recovers: the broker requeues its
+    /// unacked deliveries itself, so its deferred tags are forgotten.
+    pub(super) fn forget_deferred(&mut self, channel_id: u16) {
+        let forgotten = self.deferrals.take_channel(channel_id);
+        if !forgotten.is_empty() {
+            debug!(
+                channel = channel_id,
+                tags = forgotten.len(),
+                "deferred nacks forgotten: the broker requeues them"
+            );
+        }
+    }
+
+    /// The connection ends: the broker requeues every unacked delivery.
+    pub(super) fn forget_all_deferred(&mut self) {
+        self.deferrals.take_all();
+    }
+
+    /// Sends the nacks (requeue) of the deferred tags of `channel_id` now
+    /// (before a `tx.select`, after which they would be transactional).
+    pub(super) fn requeue_deferred_now(&mut self, channel_id: u16) {
+        for tag in self.deferrals.take_channel(channel_id) {
+            self.send_own(channel_id, method::nack(channel_id, tag, false, true), None);
+        }
+    }
+
+    /// nackd shuts down: every deferred tag is nacked (requeue) now, ahead
+    /// of the connection close. The close would requeue them too, but on
+    /// RabbitMQ 4.3 quorum queues an explicit nack does not count toward
+    /// the delivery-limit and a return on disconnect does.
+    pub(super) fn requeue_all_deferred_now(&mut self) {
+        if !self.upstream_takes_acks() {
+            return self.forget_all_deferred();
+        }
+        for (channel, tag) in self.deferrals.take_all() {
+            self.send_own(channel, method::nack(channel, tag, false, true), None);
+        }
+    }
+}
