@@ -267,12 +267,19 @@ impl Session {
     ) {
         let mut forward = Vec::new();
         let mut rejects = Vec::new();
+        let mut requeues = Vec::new();
         for (t, delivery) in covered {
             let queue = delivery.queue.clone();
             match self.claim(channel_id, t, delivery, settle) {
                 Claim::Parked(delay) => self.note_claim(channel_id, t, settle, delay),
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
                 Claim::Defer(reason, delay) => self.defer(channel_id, t, reason, delay),
+                // Behind a close, recover or tx.select nothing can be held or
+                // deferred; as sent, a requeue=false nack would drop it.
+                Claim::Pass(PassReason::Closing) if settle != Settle::Ack => {
+                    self.metrics.pass(PassReason::Closing, 1);
+                    requeues.push(t)
+                }
                 Claim::Pass(reason) => {
                     if settle != Settle::Ack {
                         self.metrics.pass(reason, 1);
@@ -284,6 +291,9 @@ impl Session {
         for (t, queue, retries) in rejects {
             self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
+        }
+        for t in requeues {
+            self.emit_upstream(&method::nack(channel_id, t, false, true));
         }
         let lowest_claimed = self.channels.get(channel_id).pending.keys().next().copied();
         let lowest_held = match (lowest_claimed, self.deferrals.lowest(channel_id)) {

@@ -643,6 +643,24 @@ fn nacks_after_a_held_recover_on_their_channel_pass_through() {
     assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
 }
 
+/// A nack nackd cannot claim behind a held recover goes to the broker with
+/// requeue, whatever the client asked: as sent (requeue=false, no DLX) the
+/// broker would drop the message.
+#[test]
+fn a_nack_behind_a_held_recover_is_requeued_not_dropped() {
+    let mut p = claimed();
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
+    ));
+    p.deliver(1, 2);
+    p.client(&method::nack(1, 2, false, false));
+    p.store(true);
+    p.grace_passes();
+    assert_eq!(p.upstream(), ["ack 1", "recover 1", "nack 2"]);
+    assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
+}
+
 #[test]
 fn tx_select_after_a_claim_waits_for_its_ack() {
     use amq_protocol::protocol::tx;
