@@ -72,11 +72,14 @@ pub enum PassReason {
     /// The channel or connection is closing (a close, recover or
     /// `tx.select` of the client waits to go upstream, or a close went).
     Closing,
+    /// The broker cancelled the delivery's consumer and took its
+    /// deliveries back (a consumer timeout on RabbitMQ 4.3 quorum queues).
+    Returned,
 }
 
 impl PassReason {
     /// Every reason, in label order.
-    pub const ALL: [PassReason; 10] = [
+    pub const ALL: [PassReason; 11] = [
         Self::NotConfigured,
         Self::OverBudget,
         Self::StoreUnavailable,
@@ -87,6 +90,7 @@ impl PassReason {
         Self::Recovering,
         Self::NoLease,
         Self::Closing,
+        Self::Returned,
     ];
 
     /// Whether nackd would hold the nack but cannot right now (store,
@@ -119,6 +123,7 @@ impl PassReason {
             Self::Recovering => "recovering",
             Self::NoLease => "no_lease",
             Self::Closing => "closing",
+            Self::Returned => "returned",
         }
     }
 }

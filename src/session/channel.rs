@@ -31,6 +31,13 @@ pub struct Consumer {
 pub struct Delivery {
     /// Queue the message came from.
     pub queue: Arc<str>,
+    /// The consumer it was delivered to (`None`: a `basic.get`).
+    pub consumer: Option<Arc<str>>,
+    /// The broker cancelled that consumer since: RabbitMQ 4.3 returns a
+    /// timed-out consumer's deliveries to the queue and sends
+    /// `basic.cancel`, so the message is in the queue again and holding a
+    /// copy too would deliver it twice.
+    pub returned: bool,
     /// The message, when its queue is intercepted and the budget allowed.
     pub capture: Option<Captured>,
     /// Its queue is intercepted but the capture budget was spent.
@@ -263,9 +270,17 @@ impl Channel {
             AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
                 self.consumers.remove(ok.consumer_tag.as_str());
             }
-            // The broker cancels a consumer (queue deleted, failover).
+            // The broker cancels a consumer (queue deleted, failover, a
+            // consumer timeout on 4.3, which returns its deliveries).
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
                 self.consumers.remove(c.consumer_tag.as_str());
+                let tag = c.consumer_tag.as_str();
+                for d in self.outstanding.values_mut() {
+                    if d.consumer.as_deref() == Some(tag) {
+                        d.returned = true;
+                        d.capture = None;
+                    }
+                }
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
                 if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
@@ -275,6 +290,8 @@ impl Channel {
                             d.delivery_tag,
                             Delivery {
                                 queue,
+                                consumer: Some(Arc::from(d.consumer_tag.as_str())),
+                                returned: false,
                                 capture: None,
                                 over_budget: false,
                             },
@@ -289,6 +306,8 @@ impl Channel {
                             ok.delivery_tag,
                             Delivery {
                                 queue: get.queue,
+                                consumer: None,
+                                returned: false,
                                 capture: None,
                                 over_budget: false,
                             },

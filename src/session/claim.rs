@@ -243,7 +243,7 @@ impl Session {
         let claimable = settle != Settle::Ack
             && covered
                 .iter()
-                .any(|(_, d)| d.capture.is_some() || d.over_budget);
+                .any(|(_, d)| !d.returned && (d.capture.is_some() || d.over_budget));
         if !holds && !claimable {
             if settle != Settle::Ack {
                 self.count_passed(&covered, PassReason::NotConfigured);
@@ -325,10 +325,10 @@ impl Session {
             return self.metrics.pass(PassReason::UnknownTag, 1);
         }
         for (_, d) in covered {
-            let reason = if d.over_budget {
-                PassReason::OverBudget
-            } else {
-                default
+            let reason = match (d.returned, d.over_budget) {
+                (true, _) => PassReason::Returned,
+                (false, true) => PassReason::OverBudget,
+                (false, false) => default,
             };
             self.metrics.pass(reason, 1);
         }
@@ -422,6 +422,10 @@ impl Session {
     ) -> Result<Captured, PassReason> {
         if settle == Settle::Ack {
             return Err(PassReason::NotConfigured);
+        }
+        if delivery.returned {
+            // Back in its queue: the client's settle is the broker's alone.
+            return Err(PassReason::Returned);
         }
         let state = self.scope.as_mut().ok_or(PassReason::NotConfigured)?;
         let policy = match (&delivery.capture, delivery.over_budget) {

@@ -643,6 +643,31 @@ fn nacks_after_a_held_recover_on_their_channel_pass_through() {
     assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
 }
 
+/// Issue 20, item 2: RabbitMQ 4.3 returns a timed-out consumer's deliveries
+/// to their quorum queue and sends `basic.cancel`. A nack of one of them
+/// afterwards must not be claimed (the queue has the message again: a held
+/// copy would be a duplicate); it goes to the broker as sent.
+#[test]
+fn a_delivery_of_a_consumer_the_broker_cancelled_is_not_claimed() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.deliver(1, 2);
+    p.nack(1, 1);
+    assert_eq!(p.take_parks().len(), 1, "claimed while its consumer lives");
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+            consumer_tag: "c1".into(),
+            nowait: true,
+        })),
+    ));
+    p.client(&method::nack(1, 2, false, false));
+    assert!(p.take_parks().is_empty(), "not claimed once the broker took it back");
+    assert_eq!(p.upstream(), ["nack 2 no-requeue"]);
+    assert_eq!(p.s.metrics.passed(PassReason::Returned), 1);
+}
+
 /// A nack nackd cannot claim behind a held recover goes to the broker with
 /// requeue, whatever the client asked: as sent (requeue=false, no DLX) the
 /// broker would drop the message.
