@@ -279,14 +279,14 @@ fn login_config(dir: &std::path::Path, password: &str, vhosts: &[&str]) -> std::
     path
 }
 
-/// `/readyz` until `done` holds for its status and JSON body (10 s).
+/// `/readyz` until `done` holds for its status and JSON body (20 s).
 async fn readyz_until(
     metrics: std::net::SocketAddr,
     what: &str,
     done: impl Fn(u16, &serde_json::Value) -> bool,
 ) -> serde_json::Value {
     let r = wait_for(
-        Duration::from_secs(10),
+        Duration::from_secs(20),
         what,
         || get(metrics, "/readyz"),
         |r| done(r.status, &serde_json::from_str(&r.body).unwrap_or_default()),
@@ -377,6 +377,60 @@ async fn readiness_fails_while_the_republish_login_is_refused() {
         serde_json::json!({ "/": "ok" }),
         "{body}"
     );
+}
+
+/// After the start, the republishers' own connects keep readiness true: a
+/// permission taken away once nackd is ready shows as not ready (530 and the
+/// user) when a held message is due, and ready again once it is given back,
+/// the message then republished.
+#[tokio::test]
+async fn a_republisher_refused_after_the_start_makes_nackd_not_ready_until_it_gets_in() {
+    let q = unique("refused-later");
+    let user = unique("republisher");
+    BROKER.ctl_ok(&["add_user", &user, "secret-pw"]);
+    let grant = || BROKER.ctl_ok(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    grant();
+    let nackd = start(&format!(
+        "[republish]\nusername = \"{user}\"\npassword = \"secret-pw\"\n\
+         [[policy]]\nqueues = [\"{q}\"]\ndelays = [\"200ms\"]\n"
+    ))
+    .await;
+    readyz_until(nackd.metrics, "ready", |status, _| status == 200).await;
+    BROKER.ctl_ok(&["clear_permissions", "-p", "/", &user]);
+
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_durable(&ch, &q).await;
+    publish(&ch, &q, b"held while refused").await;
+    let mut c = consume(&ch, &q, Some(10)).await;
+    next_in_10s(&mut c).await.nack(nack()).await.unwrap();
+    let body = readyz_until(
+        nackd.metrics,
+        "not ready: republisher refused",
+        |status, b| {
+            status == 503
+                && b["republish"]["/"]
+                    .as_str()
+                    .is_some_and(|r| r.starts_with("530 NOT_ALLOWED"))
+        },
+    )
+    .await;
+    let reason = body["republish"]["/"].as_str().unwrap();
+    assert!(reason.contains(&user), "{body}");
+
+    grant();
+    readyz_until(nackd.metrics, "ready again", |status, _| status == 200).await;
+    let back = next(&mut c, Duration::from_secs(30))
+        .await
+        .expect("republished once the permission is back");
+    assert_eq!(retry_count(&back), 1);
+    back.ack(BasicAckOptions::default()).await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    nackd.stop().await;
+    BROKER.ctl_ok(&["delete_user", &user]);
 }
 
 #[tokio::test]
