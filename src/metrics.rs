@@ -19,8 +19,10 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
 mod damage;
+mod logins;
 mod recent;
 pub use damage::{DamageList, Damaged};
+pub use logins::{Login, Logins};
 pub use recent::{Event, EventKind, Recent};
 
 /// Content type of [`Metrics::encode`]'s output (OpenMetrics text, which
@@ -314,6 +316,8 @@ pub struct Metrics {
     pub republisher_channel_errors: Family<VhostLabels, Counter>,
     /// Bytes of due messages read from the store and not yet settled, by vhost.
     pub republish_pending_bytes: Family<VhostLabels, Gauge>,
+    /// Whether the republish login gets into each intercepted vhost (`/readyz`).
+    pub republish_logins: Logins,
     blocked_total: Vec<Counter>,
     blocked_now: Vec<Gauge>,
     firing_paused: Vec<Gauge>,
@@ -440,6 +444,7 @@ impl Metrics {
             republisher_connects: Family::default(),
             republisher_channel_errors: Family::default(),
             republish_pending_bytes: Family::default(),
+            republish_logins: Logins::default(),
             blocked_total: BlockReason::ALL
                 .iter()
                 .map(|r| one(&f.blocked_total, "reason", r.label()))
@@ -677,6 +682,11 @@ impl Metrics {
             "nackd_republisher_connects",
             "Republisher connections opened, by vhost",
             self.republisher_connects.clone(),
+        );
+        r.register(
+            "nackd_republish_login_failed",
+            "1 while nackd's republish login into the vhost is refused or cannot be made (see /readyz)",
+            self.republish_logins.failed.clone(),
         );
         r.register(
             "nackd_republisher_channel_errors",

@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::metrics::{Metrics, CONTENT_TYPE};
+use crate::metrics::{Login, Metrics, CONTENT_TYPE};
 use crate::retry::RetryHandle;
 use crate::session::capture::Budget;
 
@@ -145,7 +145,15 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     let nodes = ops.upstream_check().await;
     let upstream = nodes.summary();
     let draining = ops.draining.load(Ordering::Relaxed);
-    let ready = upstream == "ok" && matches!(store, "ok" | "not used") && !draining;
+    // Each vhost the policies intercept for: can nackd's own login get
+    // in? If not, what it holds there can never be republished.
+    let logins = ops.metrics.republish_logins.all();
+    let republish_ok = logins.values().all(|l| *l == Login::Ok);
+    let republish: serde_json::Map<String, serde_json::Value> = logins
+        .into_iter()
+        .map(|(vhost, l)| (vhost, l.text().into()))
+        .collect();
+    let ready = upstream == "ok" && matches!(store, "ok" | "not used") && republish_ok && !draining;
     let code = if ready {
         StatusCode::OK
     } else {
@@ -155,7 +163,7 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // usual, what those segments hold fires once they are read.
     let recovering = ops.metrics.store_recovering.get() == 1;
     let mut body = json!({ "ready": ready, "upstream": upstream, "store": store,
-        "store_recovering": recovering, "draining": draining });
+        "store_recovering": recovering, "republish": republish, "draining": draining });
     if nodes.0.len() > 1 {
         body["nodes"] = nodes.to_json();
     }

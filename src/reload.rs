@@ -6,10 +6,11 @@
 //! keeps the policy (and the due time) it was taken with. An invalid file
 //! changes nothing: the error names the key, the old policies stay.
 //!
-//! At startup and after each reload, [`ExchangeCheck`] declares every
-//! exchange the policies send exhausted messages to (passively, on a
-//! connection of its own) and warns, naming the policy, about each one the
-//! broker does not have.
+//! At startup and after each reload, [`BrokerCheck`] logs in to every
+//! vhost the policies intercept for (what `/readyz` reports under
+//! `"republish"`), declares every exchange the policies send exhausted
+//! messages to (passively, on a connection of its own) and warns, naming
+//! the policy, about each one the broker does not have.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use crate::config::policy::Policies;
 use crate::config::{Config, ConfigError, GoneAction, OnExhausted};
 use crate::metrics::Metrics;
 use crate::net::Connector;
-use crate::retry::republish::{check_exchanges, Credentials, ExchangeToCheck};
+use crate::retry::republish::{check_exchanges, Credentials, ExchangeToCheck, LoginCheck};
 
 /// The policies in force, shared by every session.
 #[derive(Debug)]
@@ -64,7 +65,7 @@ pub enum ReloadError {
 pub struct Reloader {
     live: Option<Arc<LivePolicies>>,
     metrics: Arc<Metrics>,
-    check: Option<ExchangeCheck>,
+    check: Option<BrokerCheck>,
 }
 
 impl Reloader {
@@ -77,8 +78,8 @@ impl Reloader {
         }
     }
 
-    /// Checks the exchanges of each reloaded file with `check`.
-    pub fn with_check(mut self, check: ExchangeCheck) -> Self {
+    /// Checks the logins and exchanges of each reloaded file with `check`.
+    pub fn with_check(mut self, check: BrokerCheck) -> Self {
         self.check = Some(check);
         self
     }
@@ -108,39 +109,47 @@ impl Reloader {
     }
 }
 
-/// Checks, in the background, that the exchanges a configuration sends
-/// messages to exist: `on_exhausted` of each policy, and
-/// `republish.queue_gone.exchange`. Each missing one is a warning naming
-/// the setting, and counts in `nackd_policy_exchanges_missing`.
+/// Checks, in the background, what a configuration needs from the broker:
+/// that the republish login gets into each policy vhost (see
+/// [`LoginCheck`]), and that the exchanges it sends messages to exist
+/// (`on_exhausted` of each policy, and `republish.queue_gone.exchange`).
+/// Each missing exchange is a warning naming the setting, and counts in
+/// `nackd_policy_exchanges_missing`.
 #[derive(Clone)]
-pub struct ExchangeCheck {
+pub struct BrokerCheck {
     connector: Connector,
     login: Credentials,
     metrics: Arc<Metrics>,
+    logins: LoginCheck,
 }
 
-impl std::fmt::Debug for ExchangeCheck {
+impl std::fmt::Debug for BrokerCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExchangeCheck")
+        f.debug_struct("BrokerCheck")
             .field("upstream", &self.connector.address())
             .field("user", &self.login.username)
             .finish()
     }
 }
 
-impl ExchangeCheck {
+impl BrokerCheck {
     /// A check through `connector`, logged in as the republisher.
     pub fn new(connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> Self {
         Self {
+            logins: LoginCheck::new(connector.clone(), login.clone(), metrics.clone()),
             connector,
             login,
             metrics,
         }
     }
 
-    /// Starts checking the exchanges `config` names (needs a tokio runtime;
-    /// does nothing outside one).
+    /// Starts checking the logins and exchanges `config` needs (needs a
+    /// tokio runtime; outside one, only marks its vhosts `checking`).
     pub fn spawn(&self, config: &Config) {
+        let mut vhosts: Vec<String> = config.policies.iter().map(|p| p.vhost.clone()).collect();
+        vhosts.sort_unstable();
+        vhosts.dedup();
+        self.logins.spawn(vhosts);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };

@@ -17,7 +17,7 @@ use crate::config::Config;
 use crate::metrics::{Metrics, Open};
 use crate::net::{self, Connector, Io, TlsError};
 use crate::ops::{self, Ops};
-use crate::reload::{ExchangeCheck, LivePolicies, Reloader};
+use crate::reload::{BrokerCheck, LivePolicies, Reloader};
 use crate::retry;
 use crate::session::capture::Budget;
 use crate::session::{self, Interception};
@@ -31,13 +31,13 @@ async fn interception(
     connector: &Connector,
     live: &LivePolicies,
     metrics: &Arc<Metrics>,
-) -> Result<(Interception, ExchangeCheck, Stopper), StartError> {
+) -> Result<(Interception, BrokerCheck, Stopper), StartError> {
     let password = config
         .republish
         .password()
         .map_err(StartError::Credentials)?;
     let retry_options = retry::Options::new(&config.republish, password.clone());
-    let check = ExchangeCheck::new(
+    let check = BrokerCheck::new(
         connector.clone(),
         retry_options.republish.login.clone(),
         metrics.clone(),

@@ -226,10 +226,18 @@ async fn health_and_readiness() {
     let nackd = start("[[policy]]\nqueues = [\"r\"]\ndelays = [\"1s\"]\n").await;
     let h = get(nackd.metrics, "/healthz").await;
     assert_eq!((h.status, h.body.as_str()), (200, "ok\n"));
-    let r = json(nackd.metrics, "GET", "/readyz", None).await;
+    // The republish login into "/" is checked right after the start.
+    let r = wait_for(
+        Duration::from_secs(10),
+        "ready",
+        || get(nackd.metrics, "/readyz"),
+        |r| r.status == 200,
+    )
+    .await;
     assert_eq!(
-        r,
-        serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "store_recovering": false, "draining": false })
+        serde_json::from_str::<serde_json::Value>(&r.body).unwrap(),
+        serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "store_recovering": false,
+            "republish": { "/": "ok" }, "draining": false })
     );
     nackd.stop().await;
 
@@ -252,6 +260,177 @@ async fn health_and_readiness() {
         "{body}"
     );
     lost.stop().await;
+}
+
+/// nackd as a process on `dir`, its republish login `guest` with
+/// `password`, intercepting in "/" and in each of `vhosts`.
+fn login_config(dir: &std::path::Path, password: &str, vhosts: &[&str]) -> std::path::PathBuf {
+    let path = dir.join("nackd.toml");
+    let mut text = format!(
+        "[upstream]\naddress = \"{BROKER}\"\n[store]\npath = \"{}\"\n\
+         [republish]\nusername = \"guest\"\npassword = \"{password}\"\n\
+         [[policy]]\nqueues = [\"r\"]\ndelays = [\"1s\"]\n",
+        dir.join("store").display()
+    );
+    for vhost in vhosts {
+        text += &format!("[[policy]]\nvhost = \"{vhost}\"\nqueues = [\"r\"]\ndelays = [\"1s\"]\n");
+    }
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `/readyz` until `done` holds for its status and JSON body (20 s).
+async fn readyz_until(
+    metrics: std::net::SocketAddr,
+    what: &str,
+    done: impl Fn(u16, &serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let r = wait_for(
+        Duration::from_secs(20),
+        what,
+        || get(metrics, "/readyz"),
+        |r| done(r.status, &serde_json::from_str(&r.body).unwrap_or_default()),
+    )
+    .await;
+    serde_json::from_str(&r.body).unwrap()
+}
+
+/// Issue 25 item 1: with a `[republish]` password the broker refuses,
+/// nothing held could ever be republished: `/readyz` says so (503, the
+/// broker's reply and the user under `"republish"`) and the log names the
+/// refused login; a vhost nackd's user cannot open makes it not ready after
+/// a reload; the right password after a restart makes it ready again.
+#[tokio::test]
+async fn readiness_fails_while_the_republish_login_is_refused() {
+    require_broker();
+    let dir = tempfile::tempdir().unwrap();
+    let nackd = common::process::Process::start(&login_config(dir.path(), "not-the-password", &[]));
+    let body = readyz_until(nackd.metrics, "not ready: login refused", |status, b| {
+        status == 503
+            && b["republish"]["/"]
+                .as_str()
+                .is_some_and(|r| r.contains("ACCESS_REFUSED"))
+    })
+    .await;
+    assert_eq!(body["ready"], false, "{body}");
+    assert_eq!(
+        (&body["upstream"], &body["store"]),
+        (&"ok".into(), &"ok".into()),
+        "{body}"
+    );
+    let reason = body["republish"]["/"].as_str().unwrap();
+    assert!(
+        reason.starts_with("403 ACCESS_REFUSED") && reason.contains("guest"),
+        "{body}"
+    );
+    let line = nackd.wait_for_log(&["ACCESS_REFUSED", "\"user\":\"guest\"", "\"vhost\":\"/\""]);
+    assert!(line.contains("WARN"), "{line}");
+    drop(nackd);
+
+    // The right password, on the same store: ready.
+    let path = login_config(dir.path(), "guest", &[]);
+    let nackd = common::process::Process::start(&path);
+    let body = readyz_until(nackd.metrics, "ready", |status, _| status == 200).await;
+    assert_eq!(
+        body["republish"],
+        serde_json::json!({ "/": "ok" }),
+        "{body}"
+    );
+
+    // A reload adds a policy for a vhost the broker does not have: not
+    // ready, naming that vhost; reloaded without it, ready again.
+    let missing = unique("no-vhost");
+    login_config(dir.path(), "guest", &[&missing]);
+    let hup = |pid: u32| {
+        common::process::wait_for_handler(pid, 1);
+        let sent = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    hup(nackd.child.id());
+    let body = readyz_until(nackd.metrics, "not ready: vhost refused", |status, b| {
+        status == 503
+            && b["republish"][&missing]
+                .as_str()
+                .is_some_and(|r| r.contains("NOT_ALLOWED"))
+    })
+    .await;
+    assert_eq!(body["republish"]["/"], "ok", "{body}");
+    assert!(
+        body["republish"][&missing]
+            .as_str()
+            .unwrap()
+            .starts_with("530 "),
+        "{body}"
+    );
+    nackd.wait_for_log(&["NOT_ALLOWED", &format!("\"vhost\":\"{missing}\"")]);
+    login_config(dir.path(), "guest", &[]);
+    hup(nackd.child.id());
+    let body = readyz_until(nackd.metrics, "ready after the reload", |status, _| {
+        status == 200
+    })
+    .await;
+    assert_eq!(
+        body["republish"],
+        serde_json::json!({ "/": "ok" }),
+        "{body}"
+    );
+}
+
+/// After the start, the republishers' own connects keep readiness true: a
+/// permission taken away once nackd is ready shows as not ready (530 and the
+/// user) when a held message is due, and ready again once it is given back,
+/// the message then republished.
+#[tokio::test]
+async fn a_republisher_refused_after_the_start_makes_nackd_not_ready_until_it_gets_in() {
+    let q = unique("refused-later");
+    let user = unique("republisher");
+    BROKER.ctl_ok(&["add_user", &user, "secret-pw"]);
+    let grant = || BROKER.ctl_ok(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    grant();
+    let nackd = start(&format!(
+        "[republish]\nusername = \"{user}\"\npassword = \"secret-pw\"\n\
+         [[policy]]\nqueues = [\"{q}\"]\ndelays = [\"200ms\"]\n"
+    ))
+    .await;
+    readyz_until(nackd.metrics, "ready", |status, _| status == 200).await;
+    BROKER.ctl_ok(&["clear_permissions", "-p", "/", &user]);
+
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_durable(&ch, &q).await;
+    publish(&ch, &q, b"held while refused").await;
+    let mut c = consume(&ch, &q, Some(10)).await;
+    next_in_10s(&mut c).await.nack(nack()).await.unwrap();
+    let body = readyz_until(
+        nackd.metrics,
+        "not ready: republisher refused",
+        |status, b| {
+            status == 503
+                && b["republish"]["/"]
+                    .as_str()
+                    .is_some_and(|r| r.starts_with("530 NOT_ALLOWED"))
+        },
+    )
+    .await;
+    let reason = body["republish"]["/"].as_str().unwrap();
+    assert!(reason.contains(&user), "{body}");
+
+    grant();
+    readyz_until(nackd.metrics, "ready again", |status, _| status == 200).await;
+    let back = next(&mut c, Duration::from_secs(30))
+        .await
+        .expect("republished once the permission is back");
+    assert_eq!(retry_count(&back), 1);
+    back.ack(BasicAckOptions::default()).await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    nackd.stop().await;
+    BROKER.ctl_ok(&["delete_user", &user]);
 }
 
 #[tokio::test]

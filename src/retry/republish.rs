@@ -25,7 +25,8 @@
 //!
 //! See `lane` for the per-channel rules, `returned` for matching a
 //! `basic.return` to its publish, `conn` for the handshake and heartbeats,
-//! `task` for the I/O loop and `check` for the passive declares of startup.
+//! `task` for the I/O loop, `check` for the passive declares of startup and
+//! `login` for the login check behind `/readyz`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,6 +43,7 @@ use crate::store::Route;
 mod check;
 mod conn;
 mod lane;
+mod login;
 mod precheck;
 mod returned;
 mod task;
@@ -49,6 +51,7 @@ mod task;
 mod tests;
 
 pub use check::{check_exchanges, ExchangeToCheck, Missing};
+pub use login::LoginCheck;
 
 /// One message to publish.
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 pub const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
@@ -38,6 +38,8 @@ pub struct Process {
     pub child: Child,
     pub addr: SocketAddr,
     pub metrics: SocketAddr,
+    /// Every line it logged so far.
+    pub log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Process {
@@ -71,6 +73,8 @@ impl Process {
             .expect("nackd starts");
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let keep = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
@@ -85,6 +89,7 @@ impl Process {
                 if std::env::var_os("NACKD_TEST_ECHO").is_some() {
                     eprintln!("nackd: {line}");
                 }
+                keep.lock().unwrap().push(line);
             }
         });
         let (addr, metrics) = rx
@@ -94,6 +99,24 @@ impl Process {
             child,
             addr: addr.parse().unwrap(),
             metrics: metrics.parse().unwrap(),
+            log,
+        }
+    }
+
+    /// Waits (15 s at most) for a log line containing every one of `parts`.
+    pub fn wait_for_log(&self, parts: &[&str]) -> String {
+        let started = std::time::Instant::now();
+        loop {
+            let log = self.log.lock().unwrap();
+            if let Some(line) = log.iter().find(|l| parts.iter().all(|p| l.contains(p))) {
+                return line.clone();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "no log line with {parts:?}: {log:#?}"
+            );
+            drop(log);
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 

@@ -145,7 +145,7 @@ async fn close_channel(conn: &mut Conn, ch: u16) -> Result<(), ConnError> {
 }
 
 /// Closes the connection; its `close-ok` is waited for but not required.
-async fn close_connection(conn: &mut Conn) -> Result<(), ConnError> {
+pub(super) async fn close_connection(conn: &mut Conn) -> Result<(), ConnError> {
     let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
         reply_code: 200,
         reply_text: "checked".into(),

@@ -36,6 +36,18 @@ pub(super) enum ConnError {
     Silent(Duration),
 }
 
+impl ConnError {
+    /// The broker's reply when it closed the connection during the
+    /// handshake: a refused login (`403 ACCESS_REFUSED - ...`), a vhost the
+    /// user may not open (`530 NOT_ALLOWED - ...`).
+    pub(super) fn refusal(&self) -> Option<&str> {
+        match self {
+            Self::Closed(reply) => Some(reply),
+            _ => None,
+        }
+    }
+}
+
 /// An open connection.
 pub(super) struct Conn {
     pub reader: ReadHalf<Io>,
@@ -147,6 +159,13 @@ fn start_ok(login: &Credentials, vhost: &str) -> AMQPClass {
     let mut capabilities = FieldTable::default();
     capabilities.insert("publisher_confirms".into(), AMQPValue::Boolean(true));
     capabilities.insert("connection.blocked".into(), AMQPValue::Boolean(true));
+    // Without it, RabbitMQ answers a refused login by dropping the socket
+    // ("connection reset"); with it, by `connection.close 403
+    // ACCESS_REFUSED`, which nackd can log and report in `/readyz`.
+    capabilities.insert(
+        "authentication_failure_close".into(),
+        AMQPValue::Boolean(true),
+    );
     props.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
     let response = format!("\0{}\0{}", login.username, login.password);
     AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
@@ -200,5 +219,32 @@ impl Handshake {
         tokio::time::timeout(HANDSHAKE_TIMEOUT, read)
             .await
             .map_err(|_| ConnError::Protocol("handshake timed out".into()))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// RabbitMQ answers a refused login with `connection.close 403` only to
+    /// a client that announces this capability; else it drops the socket.
+    #[test]
+    fn start_ok_asks_for_a_close_on_a_refused_login() {
+        let login = Credentials {
+            username: "nackd".into(),
+            password: "x".into(),
+        };
+        let AMQPClass::Connection(connection::AMQPMethod::StartOk(ok)) = start_ok(&login, "/")
+        else {
+            panic!("not a start-ok");
+        };
+        let Some(AMQPValue::FieldTable(caps)) = ok.client_properties.inner().get("capabilities")
+        else {
+            panic!("no capabilities");
+        };
+        assert_eq!(
+            caps.inner().get("authentication_failure_close"),
+            Some(&AMQPValue::Boolean(true))
+        );
     }
 }

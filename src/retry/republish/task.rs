@@ -17,8 +17,9 @@ use tracing::{debug, info, warn};
 
 use super::conn::{Conn, ConnError};
 use super::lane::{Impersonation, Lane, Limits, State};
+use super::login;
 use super::{Publish, Report, SetAside, Settings};
-use crate::metrics::{BlockReason, Metrics, Open, VhostLabels};
+use crate::metrics::{BlockReason, Login, Metrics, Open, VhostLabels};
 use crate::net::{Connector, Io};
 use crate::protocol::frame::FrameType;
 use crate::protocol::method;
@@ -101,6 +102,8 @@ impl Task {
                 Ok(conn) => {
                     let since = Instant::now();
                     info!(vhost = %self.vhost, heartbeat = ?conn.heartbeat, "republisher connected");
+                    let user = &self.settings.login.username;
+                    login::record(&self.metrics, &self.vhost, user, Login::Ok);
                     self.connects.inc();
                     let _up = Open::track(&self.metrics.republishers);
                     self.connected.set(1);
@@ -119,7 +122,15 @@ impl Task {
                     }
                 }
                 Err(e) => {
-                    warn!(vhost = %self.vhost, error = %e, retry_in = ?backoff, "republisher cannot connect")
+                    let user = &self.settings.login.username;
+                    warn!(vhost = %self.vhost, user, error = %e, retry_in = ?backoff, "republisher cannot connect");
+                    // A refused login or vhost makes nackd not ready; a
+                    // broker that cannot be reached is `/readyz`'s
+                    // "upstream" already.
+                    if e.refusal().is_some() {
+                        let failed = Login::Failed(login::failure(&e, user));
+                        login::record(&self.metrics, &self.vhost, user, failed);
+                    }
                 }
             }
             if !self.wait(backoff).await {
