@@ -663,7 +663,10 @@ fn a_delivery_of_a_consumer_the_broker_cancelled_is_not_claimed() {
         })),
     ));
     p.client(&method::nack(1, 2, false, false));
-    assert!(p.take_parks().is_empty(), "not claimed once the broker took it back");
+    assert!(
+        p.take_parks().is_empty(),
+        "not claimed once the broker took it back"
+    );
     assert_eq!(p.upstream(), ["nack 2 no-requeue"]);
     assert_eq!(p.s.metrics.passed(PassReason::Returned), 1);
 }
