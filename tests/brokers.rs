@@ -1,0 +1,96 @@
+//! RabbitMQ 4.x behaviours that touch nackd (issue 20), run on whichever
+//! broker the suite runs against (3.10, and 4.3 in its second pass): each
+//! test says what that broker does and asserts nackd's part on each.
+
+mod common;
+
+use std::time::Duration;
+
+use common::ops::scrape;
+use common::*;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable};
+
+/// RabbitMQ 4.3 times out a quorum queue's consumer that holds a delivery
+/// too long by cancelling it and returning its deliveries to the queue
+/// (earlier brokers close the channel, and 3.10 has no per-queue timeout).
+/// A nack the client sends after that must not be claimed: the queue has
+/// the message again, and nackd's retry would be a second copy (issue 20,
+/// item 2: two copies on main). On every broker: exactly one copy comes
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
+    let q = unique("consumer-timeout");
+    let nackd = start(&format!(
+        "[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n"
+    ))
+    .await;
+    let times_out = BROKER.at_least(4, 3);
+    let broker = direct().await;
+    let bch = broker.create_channel().await.unwrap();
+    bch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    if times_out {
+        args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(2000));
+    }
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    bch.queue_declare(q.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    publish(&bch, &q, b"once").await;
+
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut c = consume(&ch, &q, Some(1)).await;
+    let d = next(&mut c, Duration::from_secs(10))
+        .await
+        .expect("the message");
+    if times_out {
+        // The broker cancels the consumer (its stream ends) and returns
+        // the delivery to the queue.
+        assert!(
+            next(&mut c, Duration::from_secs(60)).await.is_none(),
+            "nothing else is delivered to a cancelled consumer"
+        );
+    }
+    d.nack(BasicNackOptions {
+        requeue: false,
+        multiple: false,
+    })
+    .await
+    .unwrap();
+
+    // Everything the queue gets within the delay and well after it.
+    let rch = broker.create_channel().await.unwrap();
+    let mut r = consume(&rch, &q, Some(10)).await;
+    let mut copies = Vec::new();
+    while let Some(d) = next(&mut r, Duration::from_secs(4)).await {
+        copies.push(retry_count(&d));
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let s = scrape(nackd.metrics).await;
+    match times_out {
+        true => {
+            assert_eq!(copies, [0], "the broker's copy only, not nackd's too");
+            assert_eq!(
+                s.get("nackd_nacks_passed_total", &[("reason", "returned")]),
+                1.0
+            );
+        }
+        false => assert_eq!(copies, [1], "nackd's retry, once"),
+    }
+    assert_eq!(s.sum("nackd_held_messages"), 0.0);
+    bch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    nackd.stop().await;
+}
