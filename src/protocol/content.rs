@@ -214,6 +214,15 @@ pub fn raw_headers(payload: &[u8]) -> Result<Option<&[u8]>, FrameError> {
 /// every key of `set` replaced (or added) and every other entry, property and
 /// flag kept byte for byte.
 pub fn rewrite_headers(payload: &[u8], set: &[(&str, AMQPValue)]) -> Result<Vec<u8>, FrameError> {
+    rewrite_headers_without(payload, set, &[])
+}
+
+/// [`rewrite_headers`], also leaving out the entries named in `drop`.
+pub fn rewrite_headers_without(
+    payload: &[u8],
+    set: &[(&str, AMQPValue)],
+    drop: &[&str],
+) -> Result<Vec<u8>, FrameError> {
     let layout = layout(payload)?;
     let old = match layout.flags & HEADERS_FLAG {
         0 => &[][..],
@@ -221,7 +230,8 @@ pub fn rewrite_headers(payload: &[u8], set: &[(&str, AMQPValue)]) -> Result<Vec<
     };
     let mut table = BytesMut::with_capacity(old.len() + 64 * set.len());
     for entry in table_entries(old)? {
-        if !set.iter().any(|(key, _)| key.as_bytes() == entry.key) {
+        let replaced = set.iter().any(|(key, _)| key.as_bytes() == entry.key);
+        if !replaced && !drop.iter().any(|key| key.as_bytes() == entry.key) {
             table.extend_from_slice(entry.bytes);
         }
     }

@@ -18,6 +18,11 @@ pub const RETRY_DELAY: &str = "x-retry-delay-ms";
 pub const X_DEATH: &str = "x-death";
 /// Why a message went to the dead-letter exchange (nackd's `on_exhausted`).
 pub const EXHAUSTED_REASON: &str = "x-exhausted-reason";
+/// What a quorum queue counted for the delivery nackd holds (RabbitMQ 4.x
+/// adds them): the retry is a new message, so a copy would be stale, and a
+/// consumer using them as a poison counter would count nackd's retries as
+/// deliveries. Left out of every retry.
+pub const BROKER_COUNTS: [&str; 2] = ["x-delivery-count", "x-acquired-count"];
 
 /// What happened to the message, for the headers.
 #[derive(Clone, Debug)]
@@ -145,7 +150,7 @@ pub fn rewrite(payload: &[u8], r: &Retry<'_>) -> Result<Vec<u8>, FrameError> {
     if let Some(reason) = r.exhausted {
         set.push((EXHAUSTED_REASON, long_string(reason)));
     }
-    content::rewrite_headers(payload, &set)
+    content::rewrite_headers_without(payload, &set, &BROKER_COUNTS)
 }
 
 #[cfg(test)]

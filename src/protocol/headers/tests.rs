@@ -141,3 +141,20 @@ fn retry_count_of_other_integer_types_and_junk() {
         assert_eq!(retry_count(&payload), n);
     }
 }
+
+/// Issue 20, item 5: a quorum queue's delivery count of the nacked delivery
+/// is not copied into the retry (a consumer counting deliveries with it
+/// would see a stale number); the consumer's own headers are kept.
+#[test]
+fn the_brokers_delivery_counts_are_not_copied_into_the_retry() {
+    let mut original = FieldTable::default();
+    original.insert("x-delivery-count".into(), AMQPValue::LongLongInt(4));
+    original.insert("x-acquired-count".into(), AMQPValue::LongLongInt(5));
+    original.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+    let payload = content::encode_header(60, 3, &AMQPProperties::default().with_headers(original));
+    let out = headers(&rewrite(&payload, &retry(1)).unwrap());
+    assert!(out.inner().get("x-delivery-count").is_none());
+    assert!(out.inner().get("x-acquired-count").is_none());
+    assert_eq!(get(&out, "tenant"), &AMQPValue::LongString("acme".into()));
+    assert_eq!(get(&out, RETRY_COUNT), &AMQPValue::LongLongInt(1));
+}
