@@ -520,6 +520,11 @@ fn default_max_connections() -> usize {
 fn default_handshake_timeout() -> Duration {
     Duration::from_secs(10)
 }
+/// The smallest `limits.max_frame`: nackd offers it to clients as the
+/// negotiated `frame_max` when the broker proposes more, and RabbitMQ 4.1+
+/// resets a connection whose `tune-ok` asks for less than this.
+const MIN_MAX_FRAME: u32 = 8192;
+
 fn default_max_frame() -> u32 {
     16 * 1024 * 1024
 }
@@ -600,12 +605,11 @@ impl Config {
         if self.limits.max_connections == 0 {
             return Err(("limits.max_connections".into(), "must be at least 1".into()));
         }
-        if self.limits.max_frame < crate::protocol::frame::FRAME_MIN_SIZE {
+        if self.limits.max_frame < MIN_MAX_FRAME {
             return Err((
                 "limits.max_frame".into(),
                 format!(
-                    "must be at least {}",
-                    crate::protocol::frame::FRAME_MIN_SIZE
+                    "must be at least {MIN_MAX_FRAME} (RabbitMQ 4.1+ refuses a smaller frame_max)"
                 ),
             ));
         }

@@ -205,3 +205,13 @@ fn replica_keys_have_defaults_and_are_checked_by_name() {
     let e = err("[replica]\ninstance = \"a\"\nheartbeat = \"5s\"\nadopt_after = \"10s\"\n");
     assert!(e.contains("replica.adopt_after"), "{e}");
 }
+
+/// Issue 20, item 5: RabbitMQ 4.1+ resets a connection that tunes a
+/// `frame_max` below 8192, and nackd hands `limits.max_frame` to clients
+/// when the broker proposes more: a smaller one stops startup, naming it.
+#[test]
+fn a_max_frame_below_what_rabbitmq_4_1_accepts_is_refused() {
+    let e = err("[limits]\nmax_frame = 4096\n");
+    assert!(e.contains("limits.max_frame") && e.contains("8192"), "{e}");
+    assert!(Config::parse("[limits]\nmax_frame = 8192\n", Path::new("x")).is_ok());
+}
