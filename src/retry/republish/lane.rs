@@ -125,6 +125,10 @@ pub(super) struct Lane {
     alone: Option<u64>,
     /// What that answer taught, for the connection to take.
     learned: Option<Impersonation>,
+    /// The passive declare is not made: the broker refused it (403) while
+    /// it may take publishes (RabbitMQ 4.3 wants `configure` permission for
+    /// a passive declare, publishing only `write`).
+    no_declare: bool,
 }
 
 impl Lane {
@@ -140,6 +144,7 @@ impl Lane {
             returning: None,
             alone: None,
             learned: None,
+            no_declare: false,
         }
     }
 
@@ -292,7 +297,7 @@ impl Lane {
                 self.state = State::Opening(ch, Step::Select);
             }
             (Step::Select, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {
-                if self.exchange.is_empty() {
+                if self.exchange.is_empty() || self.no_declare {
                     self.state = State::Open(ch);
                 } else {
                     let declare =
@@ -414,6 +419,19 @@ impl Lane {
     /// The broker closed the channel: decides what becomes of each message.
     fn closed(&mut self, channel: u16, code: u16, text: &str, reports: &mut Vec<Report>) -> Closed {
         let reply = format!("{code} {text}");
+        if code == 403 && self.state == State::Opening(channel, Step::Declare) {
+            // Only the check is refused: the next channel publishes without
+            // it, the first message alone, and a refused publish (403, or a
+            // 404 for a missing exchange) still sets the lane aside.
+            self.state = State::Closed;
+            self.no_declare = true;
+            return Closed {
+                channel,
+                reply,
+                set_aside: 0,
+                again: 0,
+            };
+        }
         let was_open = matches!(self.state, State::Open(_));
         let alone = self.alone.take();
         self.state = State::Closed;

@@ -253,6 +253,42 @@ fn a_return_matching_nothing_exactly_keeps_every_candidate() {
     assert_eq!(settled[2].outcome, Outcome::Confirmed);
 }
 
+/// Issue 20, item 4: RabbitMQ 4.3 refuses a passive declare (403) to a user
+/// without `configure` permission who may still publish (`write`). The
+/// lane must not set its messages aside for that: it opens a channel
+/// without the check and publishes; what the publish meets still counts.
+#[test]
+fn a_refused_passive_declare_does_not_stop_the_publishes() {
+    let mut lane = Lane::new(Arc::from("dlx"));
+    (1..=2).for_each(|i| lane.push(to_exchange(i, "dlx", "q", "x")));
+    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
+    lane.open(1, &mut out);
+    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
+    lane.on_method(ok, &mut out, &mut reports);
+    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
+    lane.on_method(ok, &mut out, &mut reports);
+    assert_eq!(lane.state(), State::Opening(1, Step::Declare));
+    let (closed, reports) = close(
+        &mut lane,
+        403,
+        "ACCESS_REFUSED - access to exchange 'dlx' in vhost '/' refused for user 'pub'",
+    );
+    assert_eq!((closed.set_aside, closed.again), (0, 0));
+    assert!(reports.is_empty(), "nothing set aside");
+    assert!(lane.wants_channel());
+    // The next channel skips the check and publishes.
+    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
+    lane.open(2, &mut out);
+    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
+    lane.on_method(ok, &mut out, &mut reports);
+    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
+    lane.on_method(ok, &mut out, &mut reports);
+    assert_eq!(lane.state(), State::Open(2));
+    assert_eq!(send(&mut lane, &mut reports), 1, "the first one alone");
+    let settled = ack(&mut lane, 1, false);
+    assert_eq!(ids(&settled), vec![1]);
+}
+
 #[test]
 fn a_missing_exchange_found_by_the_passive_declare_sets_the_lane_aside_unsent() {
     let mut lane = Lane::new(Arc::from("typo"));
