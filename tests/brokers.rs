@@ -94,3 +94,87 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
         .unwrap();
     nackd.stop().await;
 }
+
+/// Issue 20, item 1: while nackd cannot hold (here its store is full), a
+/// consumer that keeps failing nacks (`requeue=false`, a quorum queue
+/// without a dead-letter exchange). As sent, the broker would drop the
+/// message at once; requeued at once, RabbitMQ 4.0–4.2 would count every
+/// requeue toward the quorum queue's delivery limit (20) and drop it within
+/// milliseconds. Deferred, each nack goes back after the policy's delay:
+/// over 10 s the message is delivered about ten times, and it is still in
+/// its queue afterwards, on every broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_consumer_does_not_spend_the_delivery_limit_while_nackd_cannot_hold() {
+    let q = unique("failing-quorum");
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start(&format!(
+        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n",
+        store.path().display()
+    ))
+    .await;
+    let broker = direct().await;
+    let bch = broker.create_channel().await.unwrap();
+    bch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    bch.queue_declare(q.as_str().into(), durable, args.clone())
+        .await
+        .unwrap();
+    publish(&bch, &q, b"keeps failing").await;
+
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut c = consume(&ch, &q, Some(1)).await;
+    let began = std::time::Instant::now();
+    let mut deliveries = 0;
+    while began.elapsed() < Duration::from_secs(10) {
+        let Some(d) = next(&mut c, Duration::from_millis(500)).await else {
+            continue;
+        };
+        deliveries += 1;
+        d.nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    }
+    ch.close(200, "done".into()).await.unwrap();
+    assert!(
+        (5..=15).contains(&deliveries),
+        "about one delivery per second of delay, not a tight loop: {deliveries}"
+    );
+    let passive = QueueDeclareOptions {
+        passive: true,
+        durable: true,
+        ..Default::default()
+    };
+    // The last delivery comes back to the queue with the closed channel
+    // (the broker applies it a moment later).
+    let mut left = 0;
+    for _ in 0..50 {
+        left = bch
+            .queue_declare(q.as_str().into(), passive, args.clone())
+            .await
+            .unwrap()
+            .message_count();
+        if left == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 1, "the message is still in its queue");
+    bch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    nackd.stop().await;
+}
