@@ -292,8 +292,10 @@ impl Session {
             self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
         }
+        // Ahead of the held close or recover, not behind it: after a recover
+        // the broker has forgotten these tags (406 unknown delivery tag).
         for t in requeues {
-            self.emit_upstream(&method::nack(channel_id, t, false, true));
+            self.send_own(channel_id, method::nack(channel_id, t, false, true), None);
         }
         let lowest_claimed = self.channels.get(channel_id).pending.keys().next().copied();
         let lowest_held = match (lowest_claimed, self.deferrals.lowest(channel_id)) {
