@@ -12,7 +12,7 @@ use amq_protocol::types::FieldTable;
 use bytes::BytesMut;
 
 use super::core::{Effect, Session};
-use super::defer::{FALLBACK_DELAY, MAX_DELAY, RATE_BURST, RATE_INTERVAL};
+use super::defer::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY, RATE_BURST, RATE_INTERVAL};
 use super::frames::Peer;
 use super::{Limits, ACK_GRACE, SETTLE_TIMEOUT};
 use crate::clock::Clock;
@@ -927,4 +927,47 @@ fn at_shutdown_deferred_nacks_go_before_the_close() {
     let mut p = refused(1);
     p.s.handle_force(p.now);
     assert_eq!(p.upstream(), ["nack 1", "connection.close"]);
+}
+
+/// A retry whose schedule is exhausted goes to the dead-letter exchange at
+/// once (its plan has no delay). When the store refuses it, its deferral
+/// must not be the 100 ms floor: the client nacks the redelivery again,
+/// the store refuses again, and ten requeues a second spend a quorum
+/// queue's delivery-limit (20 on RabbitMQ 4.0-4.2) in two seconds, after
+/// which the broker drops the message. It waits the fallback delay.
+#[test]
+fn an_exhausted_nack_the_store_refuses_waits_the_fallback_delay_not_the_floor() {
+    use amq_protocol::protocol::basic::AMQPProperties;
+    use amq_protocol::types::AMQPValue;
+    let mut p = pair_with(
+        "delays = [\"2s\"]\non_exhausted = { exchange = \"dlx\" }",
+        1 << 20,
+    );
+    p.consume(1);
+    // Retried once already: the next retry is past the schedule.
+    let mut headers = FieldTable::default();
+    headers.insert("x-retry-count".into(), AMQPValue::LongLongInt(1));
+    let props = AMQPProperties::default().with_headers(headers);
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "c1".into(),
+            delivery_tag: 1,
+            redelivered: true,
+            exchange: "".into(),
+            routing_key: Q.into(),
+        })),
+    ));
+    put_frame(&mut out, FrameType::Header, 1, &encode_header(60, 3, &props));
+    put_frame(&mut out, FrameType::Body, 1, b"abc");
+    p.broker(&out);
+    p.client(&method::nack(1, 1, false, false));
+    assert_eq!(p.store(false).len(), 1, "parked for the dead-letter exchange");
+    p.time_passes(MIN_DELAY);
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "not requeued after the floor");
+    p.time_passes(FALLBACK_DELAY - MIN_DELAY);
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
 }
