@@ -959,11 +959,20 @@ fn an_exhausted_nack_the_store_refuses_waits_the_fallback_delay_not_the_floor() 
             routing_key: Q.into(),
         })),
     ));
-    put_frame(&mut out, FrameType::Header, 1, &encode_header(60, 3, &props));
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        1,
+        &encode_header(60, 3, &props),
+    );
     put_frame(&mut out, FrameType::Body, 1, b"abc");
     p.broker(&out);
     p.client(&method::nack(1, 1, false, false));
-    assert_eq!(p.store(false).len(), 1, "parked for the dead-letter exchange");
+    assert_eq!(
+        p.store(false).len(),
+        1,
+        "parked for the dead-letter exchange"
+    );
     p.time_passes(MIN_DELAY);
     p.timer_fires();
     assert!(p.upstream().is_empty(), "not requeued after the floor");
