@@ -193,7 +193,7 @@ impl Session {
                         warn!(
                             refused,
                             used = budget.used(),
-                            "capture budget spent: nacks of such deliveries pass through"
+                            "capture budget spent: nacks of such deliveries are deferred"
                         );
                     }
                     return;
@@ -605,8 +605,8 @@ impl Session {
     /// Lets held-back frames and a deferred close go on once every claim
     /// of the barrier is answered and the broker had [`ACK_GRACE`] to apply
     /// nackd's acks (at once if the broker takes no more acks). A claim
-    /// unanswered for [`SETTLE_TIMEOUT`] is given up: its nack goes to the
-    /// broker as the client sent it.
+    /// unanswered for [`SETTLE_TIMEOUT`] is given up: it is deferred, its
+    /// nack (requeue) sent at once ahead of a close or recover that waits.
     pub(super) fn release_if_settled(&mut self) {
         if !(self.barrier_up || self.deferred_close.is_some()) {
             return;
