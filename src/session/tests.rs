@@ -980,3 +980,18 @@ fn an_exhausted_nack_the_store_refuses_waits_the_fallback_delay_not_the_floor() 
     p.timer_fires();
     assert_eq!(p.upstream(), ["nack 1"]);
 }
+
+/// A deferred nack that waited for the client's publish is no ack the
+/// broker needs time to apply: a close right after it is not held back.
+#[test]
+fn a_deferred_nack_after_a_publish_does_not_hold_a_close() {
+    let mut p = refused(1);
+    p.client(&publish_start(1, 5));
+    p.upstream();
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    p.client(&body(1, b"hello"));
+    assert_eq!(p.upstream(), ["body 1", "nack 1"]);
+    p.client(&channel_close(1));
+    assert_eq!(p.upstream(), ["channel.close 1"], "no grace to wait");
+}
