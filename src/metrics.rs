@@ -189,8 +189,8 @@ impl BlockReason {
 }
 
 /// Why due messages are not fired: what they would need to be completed
-/// cannot be recorded. Held messages wait; new nacks pass through to the
-/// broker until the store takes them again.
+/// cannot be recorded. Held messages wait; new nacks the store refuses are
+/// deferred (requeued at the broker later) until it takes them again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PauseReason {
     /// The disk is full: the store's reserve took the completions of what

@@ -136,7 +136,7 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
             crate::retry::Ready::NoLease => "no lease",
             crate::retry::Ready::Failed => "closed",
             crate::retry::Ready::Ready if ops.metrics.store_open.get() == 1 => {
-                // Firing paused: held messages wait, new nacks pass through.
+                // Firing paused: held messages wait, new nacks are deferred.
                 ops.metrics.firing_paused().map_or("ok", |r| r.text())
             }
             crate::retry::Ready::Ready => "closed",

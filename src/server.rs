@@ -25,7 +25,7 @@ use crate::shutdown::Stopper;
 
 /// Starts the retry engine for the configured policies. The store is
 /// recovered (and the replica synced) on the engine's thread while clients
-/// are already served: their nacks pass through until it is ready.
+/// are already served: their claims wait in the engine's queue meanwhile.
 async fn interception(
     config: &Config,
     connector: &Connector,

@@ -60,11 +60,12 @@ impl Readiness {
         self.0.store(ready as u8, Ordering::Release);
     }
 
-    /// Whether a nack may be claimed now, else why it passes through.
+    /// Whether a nack may be claimed now, else why it cannot be held (it is
+    /// deferred: left unacked and requeued at the broker later).
     /// While the store opens, claims are made: their parks wait in the
     /// engine's queue until it runs (a session gives a park up after its
     /// settle timeout, and the broker keeps the delivery meanwhile), so no
-    /// nack passes through because nackd just started.
+    /// nack is deferred because nackd just started.
     pub fn may_claim(&self) -> Result<(), PassReason> {
         match self.get() {
             Ready::Ready | Ready::Recovering => Ok(()),
@@ -233,7 +234,7 @@ async fn open(start: &Start) -> Option<(Log, store::Recovered)> {
 }
 
 /// Without a store, answers what comes until nackd stops: parks are
-/// refused (their nacks pass through), admin calls get nothing.
+/// refused (their nacks are deferred), admin calls get nothing.
 async fn drain(mut commands: mpsc::UnboundedReceiver<Command>, stop: CancellationToken) {
     loop {
         let command = tokio::select! {

@@ -115,9 +115,9 @@ pub struct Claimed {
     pub settle: Settle,
     /// The claim's number in its session.
     pub seq: u64,
-    /// The delay it is parked for (a deferral waits as long, if the store
-    /// refuses it).
-    pub delay: std::time::Duration,
+    /// How long a deferral waits if the store refuses it (the delay it is
+    /// parked for; `None`, the fallback, once its schedule is exhausted).
+    pub delay: Option<std::time::Duration>,
 }
 
 /// One channel of one client connection.

@@ -75,8 +75,9 @@ impl Scope {
 
 /// What claiming one delivery came to.
 enum Claim {
-    /// Sent to the store, to be held this long; its ack waits for the answer.
-    Parked(std::time::Duration),
+    /// Sent to the store; its ack waits for the answer. With how long a
+    /// deferral waits if the store refuses it ([`Plan::deferral`]).
+    Parked(Option<Duration>),
     /// Schedule exhausted with `on_exhausted = "reject"` (after this many retries).
     Reject(u32),
     /// Not intercepted after all: forward the client's settle.
@@ -101,6 +102,13 @@ struct Plan {
 }
 
 impl Plan {
+    /// How long a deferral of this retry waits: the policy's delay for it,
+    /// unknown (the fallback) once the schedule is exhausted, as the plan's
+    /// zero delay would make a requeue loop at the floor.
+    fn deferral(&self) -> Option<Duration> {
+        self.exhausted.is_none().then_some(self.delay)
+    }
+
     /// The plan for retry number `retry` of a message from `queue`; `None`
     /// when the schedule is exhausted and the policy rejects.
     fn of(policy: &Policy, queue: &str, retry: u32) -> Option<Self> {
@@ -185,7 +193,7 @@ impl Session {
                         warn!(
                             refused,
                             used = budget.used(),
-                            "capture budget spent: nacks of such deliveries pass through"
+                            "capture budget spent: nacks of such deliveries are deferred"
                         );
                     }
                     return;
@@ -292,8 +300,10 @@ impl Session {
             self.on_exhausted_reject(&queue, retries);
             self.emit_upstream(&method::reject(channel_id, t, false));
         }
+        // Ahead of the held close or recover, not behind it: after a recover
+        // the broker has forgotten these tags (406 unknown delivery tag).
         for t in requeues {
-            self.emit_upstream(&method::nack(channel_id, t, false, true));
+            self.send_own(channel_id, method::nack(channel_id, t, false, true), None);
         }
         let lowest_claimed = self.channels.get(channel_id).pending.keys().next().copied();
         let lowest_held = match (lowest_claimed, self.deferrals.lowest(channel_id)) {
@@ -306,7 +316,7 @@ impl Session {
     }
 
     /// Tag `tag` was claimed: its settle waits for the store's answer.
-    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle, delay: Duration) {
+    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle, delay: Option<Duration>) {
         debug!(
             tag,
             ?settle,
@@ -369,7 +379,7 @@ impl Session {
             return Claim::Pass(PassReason::NotConfigured);
         };
         if let Err(reason) = state.shared.retry.ready.may_claim() {
-            return Claim::Defer(reason, Some(plan.delay));
+            return Claim::Defer(reason, plan.deferral());
         }
         let info = Retry {
             queue: &queue,
@@ -384,7 +394,7 @@ impl Session {
             Ok(h) => bytes::Bytes::from(h),
             Err(e) => {
                 warn!(error = %e, queue = %queue, "cannot rewrite headers: the nack is deferred");
-                return Claim::Defer(PassReason::BadHeaders, Some(plan.delay));
+                return Claim::Defer(PassReason::BadHeaders, plan.deferral());
             }
         };
         let key = ClaimKey {
@@ -393,6 +403,7 @@ impl Session {
             tag,
             seq: self.claims + 1,
         };
+        let deferral = plan.deferral();
         let park = Park {
             key,
             vhost: state.vhost.clone(),
@@ -404,11 +415,10 @@ impl Session {
             header,
             body: captured.body.clone(),
         };
-        let delay = park.delay;
         self.effects.push_back(Effect::Park(park));
         self.claims += 1;
         self.unanswered.insert(self.claims, self.now);
-        Claim::Parked(delay)
+        Claim::Parked(deferral)
     }
 
     /// The captured message of a delivery nackd may claim, else why its
@@ -483,12 +493,7 @@ impl Session {
             }
             (Some((_, delay)), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: it stays unacked, nacked (requeue) later");
-                self.defer(
-                    key.channel,
-                    key.tag,
-                    PassReason::StoreUnavailable,
-                    Some(delay),
-                );
+                self.defer(key.channel, key.tag, PassReason::StoreUnavailable, delay);
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
@@ -604,8 +609,8 @@ impl Session {
     /// Lets held-back frames and a deferred close go on once every claim
     /// of the barrier is answered and the broker had [`ACK_GRACE`] to apply
     /// nackd's acks (at once if the broker takes no more acks). A claim
-    /// unanswered for [`SETTLE_TIMEOUT`] is given up: its nack goes to the
-    /// broker as the client sent it.
+    /// unanswered for [`SETTLE_TIMEOUT`] is given up: it is deferred, its
+    /// nack (requeue) sent at once ahead of a close or recover that waits.
     pub(super) fn release_if_settled(&mut self) {
         if !(self.barrier_up || self.deferred_close.is_some()) {
             return;
@@ -657,8 +662,7 @@ impl Session {
         );
         for (channel, tag, claimed, again) in taken {
             if !again {
-                let delay = Some(claimed.delay);
-                self.defer(channel, tag, PassReason::StoreUnavailable, delay);
+                self.defer(channel, tag, PassReason::StoreUnavailable, claimed.delay);
             }
         }
         for seq in seqs {

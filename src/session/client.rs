@@ -73,8 +73,14 @@ impl Session {
         }
         self.to_upstream.extend_from_slice(raw);
         if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
-            for (frame, _) in std::mem::take(&mut channel.after_publish) {
+            let mut acks = false;
+            for (frame, held) in std::mem::take(&mut channel.after_publish) {
                 self.to_upstream.extend_from_slice(&frame);
+                acks |= held.is_some();
+            }
+            if !acks {
+                // Deferred nacks only: nothing the broker must apply first.
+                return;
             }
             // The broker's time to apply these acks runs from now.
             let now = self.now;

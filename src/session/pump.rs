@@ -222,7 +222,7 @@ impl Pump {
                 Effect::Park(park) => {
                     let key = park.key;
                     if !link.retry.park(park, &link.reply) {
-                        warn!("retry engine is gone: nack passes through");
+                        warn!("retry engine is gone: the nack is deferred");
                         let result = Err(StoreError::Io("the retry engine is gone".into()));
                         self.core
                             .handle_parked(Parked { key, result }, Instant::now());

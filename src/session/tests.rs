@@ -12,7 +12,7 @@ use amq_protocol::types::FieldTable;
 use bytes::BytesMut;
 
 use super::core::{Effect, Session};
-use super::defer::{FALLBACK_DELAY, MAX_DELAY, RATE_BURST, RATE_INTERVAL};
+use super::defer::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY, RATE_BURST, RATE_INTERVAL};
 use super::frames::Peer;
 use super::{Limits, ACK_GRACE, SETTLE_TIMEOUT};
 use crate::clock::Clock;
@@ -673,7 +673,11 @@ fn a_delivery_of_a_consumer_the_broker_cancelled_is_not_claimed() {
 
 /// A nack nackd cannot claim behind a held recover goes to the broker with
 /// requeue, whatever the client asked: as sent (requeue=false, no DLX) the
-/// broker would drop the message.
+/// broker would drop the message. And it goes at once, ahead of the
+/// recover: after it, RabbitMQ has requeued delivery 2 and forgotten its
+/// tag, and a nack of it closes the channel (406 unknown delivery tag),
+/// a break the client did not cause (the broker sent 2 only because nackd
+/// held the recover back).
 #[test]
 fn a_nack_behind_a_held_recover_is_requeued_not_dropped() {
     let mut p = claimed();
@@ -683,9 +687,10 @@ fn a_nack_behind_a_held_recover_is_requeued_not_dropped() {
     ));
     p.deliver(1, 2);
     p.client(&method::nack(1, 2, false, false));
+    assert_eq!(p.upstream(), ["nack 2"], "at once, ahead of the recover");
     p.store(true);
     p.grace_passes();
-    assert_eq!(p.upstream(), ["ack 1", "recover 1", "nack 2"]);
+    assert_eq!(p.upstream(), ["ack 1", "recover 1"]);
     assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
 }
 
@@ -950,4 +955,71 @@ fn at_shutdown_deferred_nacks_go_before_the_close() {
     let mut p = refused(1);
     p.s.handle_force(p.now);
     assert_eq!(p.upstream(), ["nack 1", "connection.close"]);
+}
+
+/// A retry whose schedule is exhausted goes to the dead-letter exchange at
+/// once (its plan has no delay). When the store refuses it, its deferral
+/// must not be the 100 ms floor: the client nacks the redelivery again,
+/// the store refuses again, and ten requeues a second spend a quorum
+/// queue's delivery-limit (20 on RabbitMQ 4.0-4.2) in two seconds, after
+/// which the broker drops the message. It waits the fallback delay.
+#[test]
+fn an_exhausted_nack_the_store_refuses_waits_the_fallback_delay_not_the_floor() {
+    use amq_protocol::protocol::basic::AMQPProperties;
+    use amq_protocol::types::AMQPValue;
+    let mut p = pair_with(
+        "delays = [\"2s\"]\non_exhausted = { exchange = \"dlx\" }",
+        1 << 20,
+    );
+    p.consume(1);
+    // Retried once already: the next retry is past the schedule.
+    let mut headers = FieldTable::default();
+    headers.insert("x-retry-count".into(), AMQPValue::LongLongInt(1));
+    let props = AMQPProperties::default().with_headers(headers);
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "c1".into(),
+            delivery_tag: 1,
+            redelivered: true,
+            exchange: "".into(),
+            routing_key: Q.into(),
+        })),
+    ));
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        1,
+        &encode_header(60, 3, &props),
+    );
+    put_frame(&mut out, FrameType::Body, 1, b"abc");
+    p.broker(&out);
+    p.client(&method::nack(1, 1, false, false));
+    assert_eq!(
+        p.store(false).len(),
+        1,
+        "parked for the dead-letter exchange"
+    );
+    p.time_passes(MIN_DELAY);
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "not requeued after the floor");
+    p.time_passes(FALLBACK_DELAY - MIN_DELAY);
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+}
+
+/// A deferred nack that waited for the client's publish is no ack the
+/// broker needs time to apply: a close right after it is not held back.
+#[test]
+fn a_deferred_nack_after_a_publish_does_not_hold_a_close() {
+    let mut p = refused(1);
+    p.client(&publish_start(1, 5));
+    p.upstream();
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    p.client(&body(1, b"hello"));
+    assert_eq!(p.upstream(), ["body 1", "nack 1"]);
+    p.client(&channel_close(1));
+    assert_eq!(p.upstream(), ["channel.close 1"], "no grace to wait");
 }

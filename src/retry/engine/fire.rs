@@ -52,7 +52,7 @@ impl Engine {
         match (was, paused) {
             (_, Some(reason)) if was.map(|w| w.0) != paused => warn!(
                 reason = reason.label(), held = self.ledger.len(), handed,
-                "{}; held messages wait, what is already handed to the republishers completes, new nacks pass through to the broker", reason.text()
+                "{}; held messages wait, what is already handed to the republishers completes, new nacks the store refuses are deferred (requeued at the broker later)", reason.text()
             ),
             (Some((was, paused_for)), None) => info!(
                 was = was.label(), ?paused_for, "firing resumed: the store records completions again"
