@@ -68,6 +68,9 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
     })
     .await
     .unwrap();
+    // Gone, so that whatever the queue gets next comes to the reader below
+    // (nackd holds the close until its ack of a held nack is applied).
+    ch.close(200, "done".into()).await.unwrap();
 
     // Everything the queue gets within the delay and well after it.
     let rch = broker.create_channel().await.unwrap();
@@ -89,6 +92,7 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
         false => assert_eq!(copies, [1], "nackd's retry, once"),
     }
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
+    conn.close(200, "".into()).await.unwrap();
     bch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
@@ -173,6 +177,7 @@ async fn a_failing_consumer_does_not_spend_the_delivery_limit_while_nackd_cannot
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(left, 1, "the message is still in its queue");
+    conn.close(200, "".into()).await.unwrap();
     bch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
