@@ -14,6 +14,17 @@ use std::collections::HashMap;
 const PAGE_BITS: u32 = 6;
 const PAGE: u64 = 1 << PAGE_BITS;
 
+/// The room a page's vector is given, growing and shrinking: four
+/// allocations fill a page (not 64 one-entry reallocations), in a few
+/// sizes the allocator reuses, and a page with one message left keeps
+/// room for one.
+const ROOM: [usize; 4] = [1, 4, 16, 64];
+
+/// The smallest room that holds `n`.
+fn room_for(n: usize) -> usize {
+    ROOM.into_iter().find(|r| *r >= n).unwrap_or(n)
+}
+
 /// The entries of 64 consecutive ids.
 struct Page<V> {
     /// Bit `i`: id `page * 64 + i` is present.
@@ -65,9 +76,10 @@ impl<V> IdMap<V> {
         if page.mask & (1 << bit) != 0 {
             return Some(std::mem::replace(&mut page.values[at], value));
         }
-        // Exact growth: a page holds at most 64, and doubling would leave
-        // up to half of a large book's memory unused.
-        page.values.reserve_exact(1);
+        if page.values.len() == page.values.capacity() {
+            let len = page.values.len();
+            page.values.reserve_exact(room_for(len + 1) - len);
+        }
         page.values.insert(at, value);
         page.mask |= 1 << bit;
         self.len += 1;
@@ -86,8 +98,8 @@ impl<V> IdMap<V> {
         self.len -= 1;
         if page.mask == 0 {
             self.pages.remove(&key);
-        } else if page.values.capacity() > page.values.len() + 4 {
-            page.values.shrink_to_fit();
+        } else if page.values.len() * 4 <= page.values.capacity() {
+            page.values.shrink_to(room_for(page.values.len()));
         }
         Some(value)
     }
@@ -179,6 +191,32 @@ mod tests {
             want.sort_unstable();
             prop_assert_eq!(all, want);
         }
+    }
+
+    #[test]
+    fn a_page_grows_and_shrinks_by_steps() {
+        let mut map = IdMap::default();
+        let rooms: Vec<usize> = (0..64)
+            .map(|id| {
+                map.insert(id, id);
+                map.pages[&0].values.capacity()
+            })
+            .collect();
+        assert_eq!(&rooms[..5], [1, 4, 4, 4, 16]);
+        assert_eq!(rooms[63], 64);
+        for id in 0..60 {
+            map.remove(id);
+        }
+        assert_eq!(
+            map.pages[&0].values.capacity(),
+            4,
+            "shrunk whenever a quarter is left"
+        );
+        for id in 60..63 {
+            map.remove(id);
+        }
+        assert_eq!(map.pages[&0].values.capacity(), 1);
+        assert_eq!(map.get(63), Some(&63));
     }
 
     #[test]
