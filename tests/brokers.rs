@@ -183,3 +183,91 @@ async fn a_failing_consumer_does_not_spend_the_delivery_limit_while_nackd_cannot
         .unwrap();
     nackd.stop().await;
 }
+
+/// Issue 20, item 4: the least privilege nackd's republish user needs, on
+/// every broker: `write` only (no `configure`, no `read`). RabbitMQ 4.3
+/// wants some permission on an exchange for the passive declare nackd's
+/// republisher makes before it publishes to an `on_exhausted` exchange;
+/// `write` is enough, so this passes on 4.3 with or without the lane's
+/// handling of a refused declare (unit-tested in republish/tests.rs:
+/// `a_refused_passive_declare_does_not_stop_the_publishes`). The exhausted
+/// message reaches the dead-letter exchange's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_republish_user_that_may_only_write_reaches_the_dead_letter_exchange() {
+    let (q, dlq, dlx) = (
+        unique("writer-src"),
+        unique("writer-dst"),
+        unique("writer-x"),
+    );
+    let user = unique("nackd-writer");
+    BROKER.ctl_ok(&["add_user", &user, "secret-pw"]);
+    // Write on every exchange (the default one for retries, the DLX), no
+    // configure, no read.
+    BROKER.ctl_ok(&["set_permissions", "-p", "/", &user, "^$", ".*", "^$"]);
+    let nackd = start(&format!(
+        "[republish]\nusername = \"{user}\"\npassword = \"secret-pw\"\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"30ms\"]\non_exhausted = {{ exchange = \"{dlx}\", routing_key = \"dead\" }}\n"
+    ))
+    .await;
+    let broker = direct().await;
+    let bch = broker.create_channel().await.unwrap();
+    bch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    bch.exchange_declare(
+        dlx.as_str().into(),
+        lapin::ExchangeKind::Direct,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    declare_durable(&bch, &dlq).await;
+    declare_durable(&bch, &q).await;
+    bch.queue_bind(
+        dlq.as_str().into(),
+        dlx.as_str().into(),
+        "dead".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    publish(&bch, &q, b"to the dlx").await;
+
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut c = consume(&ch, &q, Some(10)).await;
+    for _ in 0..2 {
+        // The first nack is retried after 30 ms, the second is exhausted.
+        let d = next(&mut c, Duration::from_secs(10))
+            .await
+            .expect("a delivery");
+        d.nack(BasicNackOptions {
+            requeue: false,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    }
+    let rch = broker.create_channel().await.unwrap();
+    let mut dead = consume(&rch, &dlq, Some(10)).await;
+    let d = next(&mut dead, Duration::from_secs(15))
+        .await
+        .expect("the exhausted message in the dead-letter exchange's queue");
+    assert_eq!(d.data, b"to the dlx");
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+    for queue in [&q, &dlq] {
+        bch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+    bch.exchange_delete(dlx.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    BROKER.ctl_ok(&["delete_user", &user]);
+}
