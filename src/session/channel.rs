@@ -21,6 +21,9 @@ pub struct Consumer {
     pub queue: Arc<str>,
     /// Deliveries are acked by the broker on send.
     pub no_ack: bool,
+    /// Which `basic.consume` of the channel it is (0: a `basic.get`): a
+    /// tag is free again once its consumer is cancelled.
+    started: u64,
     /// The empty name means the queue of this declare (counted on the
     /// channel), whose `declare-ok` has not named it yet.
     after_declare: Option<u64>,
@@ -31,8 +34,9 @@ pub struct Consumer {
 pub struct Delivery {
     /// Queue the message came from.
     pub queue: Arc<str>,
-    /// The consumer it was delivered to (`None`: a `basic.get`).
-    pub consumer: Option<Arc<str>>,
+    /// The consumer it was delivered to, by tag and which consume of the
+    /// channel it was (`None`: a `basic.get`).
+    pub consumer: Option<(Arc<str>, u64)>,
     /// The broker cancelled that consumer since: RabbitMQ 4.3 returns a
     /// timed-out consumer's deliveries to the queue and sends
     /// `basic.cancel`, so the message is in the queue again and holding a
@@ -145,6 +149,8 @@ pub struct Channel {
     /// Broker to client content (a delivery, get-ok or return).
     pub delivering: ContentState,
     outstanding: BTreeMap<u64, Delivery>,
+    /// `basic.consume`s the client sent on the channel.
+    consumes: u64,
     /// Which opening of this channel number this is.
     pub epoch: u64,
     /// The delivery whose content is being captured.
@@ -188,6 +194,7 @@ impl Channel {
         Consumer {
             queue,
             no_ack,
+            started: 0,
             after_declare,
         }
     }
@@ -222,7 +229,11 @@ impl Channel {
                 self.named_nowait_at = Some(self.declares_sent);
             }
             AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
-                let consumer = self.consumer_of(c.queue.as_str(), c.no_ack);
+                self.consumes += 1;
+                let consumer = Consumer {
+                    started: self.consumes,
+                    ..self.consumer_of(c.queue.as_str(), c.no_ack)
+                };
                 if c.nowait {
                     self.consumers.insert(c.consumer_tag.to_string(), consumer);
                 } else {
@@ -273,24 +284,18 @@ impl Channel {
             // The broker cancels a consumer (queue deleted, failover, a
             // consumer timeout on 4.3, which returns its deliveries).
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
-                self.consumers.remove(c.consumer_tag.as_str());
-                let tag = c.consumer_tag.as_str();
-                for d in self.outstanding.values_mut() {
-                    if d.consumer.as_deref() == Some(tag) {
-                        d.returned = true;
-                        d.capture = None;
-                    }
-                }
+                self.on_broker_cancel(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
                 if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
                     if !consumer.no_ack {
                         let queue = consumer.queue.clone();
+                        let tag = Arc::from(d.consumer_tag.as_str());
                         self.outstanding.insert(
                             d.delivery_tag,
                             Delivery {
                                 queue,
-                                consumer: Some(Arc::from(d.consumer_tag.as_str())),
+                                consumer: Some((tag, consumer.started)),
                                 returned: false,
                                 capture: None,
                                 over_budget: false,
@@ -320,6 +325,28 @@ impl Channel {
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {}
             _ => {}
+        }
+    }
+
+    /// The broker cancelled consumer `tag` and may have taken its
+    /// deliveries back: they are marked `returned`. Only that consumer's:
+    /// an earlier consumer with the same tag (cancelled by the client, the
+    /// tag reused) keeps its deliveries. If the client's own nowait cancel
+    /// crossed this one, the consumer is the latest with that tag.
+    fn on_broker_cancel(&mut self, tag: &str) {
+        let of_tag = |d: &Delivery| match &d.consumer {
+            Some((t, started)) if &**t == tag => Some(*started),
+            _ => None,
+        };
+        let started = match self.consumers.remove(tag) {
+            Some(consumer) => Some(consumer.started),
+            None => self.outstanding.values().filter_map(of_tag).max(),
+        };
+        for d in self.outstanding.values_mut() {
+            if started.is_some() && of_tag(d) == started {
+                d.returned = true;
+                d.capture = None;
+            }
         }
     }
 

@@ -671,6 +671,51 @@ fn a_delivery_of_a_consumer_the_broker_cancelled_is_not_claimed() {
     assert_eq!(p.s.metrics.passed(PassReason::Returned), 1);
 }
 
+/// A consumer tag is the channel's to reuse once cancelled: the client
+/// cancels `c1` on the intercepted queue (its deliveries stay unacked) and
+/// consumes another queue as `c1`. The broker cancelling that second
+/// consumer (its queue deleted) takes back none of the first one's
+/// deliveries: a nack of one is still claimed, not passed as sent (which,
+/// requeue=false without a DLX, drops the message).
+#[test]
+fn a_broker_cancel_of_a_reused_tag_leaves_the_first_consumers_deliveries() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    let cancel = basic::Cancel {
+        consumer_tag: "c1".into(),
+        nowait: false,
+    };
+    p.client(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel))));
+    let ok = basic::CancelOk {
+        consumer_tag: "c1".into(),
+    };
+    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok))));
+    let consume = basic::Consume {
+        queue: "other".into(),
+        consumer_tag: "c1".into(),
+        no_local: false,
+        no_ack: false,
+        exclusive: false,
+        nowait: false,
+        arguments: FieldTable::default(),
+    };
+    p.client(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume))));
+    let ok = basic::ConsumeOk {
+        consumer_tag: "c1".into(),
+    };
+    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok))));
+    let cancel = basic::Cancel {
+        consumer_tag: "c1".into(),
+        nowait: true,
+    };
+    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel))));
+    p.upstream();
+    p.client(&method::nack(1, 1, false, false));
+    assert_eq!(p.take_parks().len(), 1, "the first consumer's delivery is claimed");
+    assert_eq!(p.s.metrics.passed(PassReason::Returned), 0);
+}
+
 /// A nack nackd cannot claim behind a held recover goes to the broker with
 /// requeue, whatever the client asked: as sent (requeue=false, no DLX) the
 /// broker would drop the message. And it goes at once, ahead of the
