@@ -102,17 +102,21 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
         listen_tls(tls)?;
     }
     upstream(config)?;
-    let password = config
-        .republish
-        .password()
-        .map_err(StartError::Credentials)?;
     config
         .metrics
         .admin_token()
         .map_err(StartError::Credentials)?;
+    if config.policies.is_empty() {
+        // Nothing is intercepted: no republisher, no store, no replica.
+        return Ok(());
+    }
+    let password = config
+        .republish
+        .password()
+        .map_err(StartError::Credentials)?;
     replica_config(config, password)?;
     let store = &config.store.path;
-    if !config.policies.is_empty() && store.exists() && !store.is_dir() {
+    if store.exists() && !store.is_dir() {
         let e = format!("store.path: {} is not a directory", store.display());
         return Err(StartError::Store(e));
     }

@@ -73,7 +73,7 @@ fn check_config_rejects_what_startup_rejects() {
         ),
         (
             "republish.password_env",
-            "[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n".into(),
+            format!("[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n{policy}"),
         ),
         ("metrics.admin_token_env", String::new()),
         (
@@ -85,6 +85,22 @@ fn check_config_rejects_what_startup_rejects() {
     let out = Command::new(NACKD)
         .arg("--check-config")
         .arg(&ok)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without a policy nothing is republished: its secret need not be set.
+    let proxy_only = write(
+        &dir,
+        "proxy-only.toml",
+        &format!("{base}[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n"),
+    );
+    let out = Command::new(NACKD)
+        .arg("--check-config")
+        .arg(&proxy_only)
         .output()
         .unwrap();
     assert!(

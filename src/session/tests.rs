@@ -686,11 +686,17 @@ fn a_broker_cancel_of_a_reused_tag_leaves_the_first_consumers_deliveries() {
         consumer_tag: "c1".into(),
         nowait: false,
     };
-    p.client(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel))));
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel)),
+    ));
     let ok = basic::CancelOk {
         consumer_tag: "c1".into(),
     };
-    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok))));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)),
+    ));
     let consume = basic::Consume {
         queue: "other".into(),
         consumer_tag: "c1".into(),
@@ -700,19 +706,32 @@ fn a_broker_cancel_of_a_reused_tag_leaves_the_first_consumers_deliveries() {
         nowait: false,
         arguments: FieldTable::default(),
     };
-    p.client(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume))));
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(consume)),
+    ));
     let ok = basic::ConsumeOk {
         consumer_tag: "c1".into(),
     };
-    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok))));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)),
+    ));
     let cancel = basic::Cancel {
         consumer_tag: "c1".into(),
         nowait: true,
     };
-    p.broker(&frame_of(1, AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel))));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel)),
+    ));
     p.upstream();
     p.client(&method::nack(1, 1, false, false));
-    assert_eq!(p.take_parks().len(), 1, "the first consumer's delivery is claimed");
+    assert_eq!(
+        p.take_parks().len(),
+        1,
+        "the first consumer's delivery is claimed"
+    );
     assert_eq!(p.s.metrics.passed(PassReason::Returned), 0);
 }
 
