@@ -11,6 +11,25 @@ use common::*;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 
+/// Declares the durable quorum queue `q` with `args` besides its type.
+async fn declare_quorum(ch: &lapin::Channel, q: &str, mut args: FieldTable) {
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(q.into(), durable, args).await.unwrap();
+}
+
+/// A nack asking the broker to drop the message (no dead-letter exchange).
+const DROP: BasicNackOptions = BasicNackOptions {
+    requeue: false,
+    multiple: false,
+};
+
 /// RabbitMQ 4.3 times out a quorum queue's consumer that holds a delivery
 /// too long by cancelling it and returning its deliveries to the queue
 /// (earlier brokers close the channel, and 3.10 has no per-queue timeout).
@@ -32,20 +51,10 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
         .await
         .unwrap();
     let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
     if times_out {
         args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(2000));
     }
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    bch.queue_declare(q.as_str().into(), durable, args)
-        .await
-        .unwrap();
+    declare_quorum(&bch, &q, args).await;
     publish(&bch, &q, b"once").await;
 
     let conn = nackd.connect().await;
@@ -62,12 +71,7 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
             "nothing else is delivered to a cancelled consumer"
         );
     }
-    d.nack(BasicNackOptions {
-        requeue: false,
-        multiple: false,
-    })
-    .await
-    .unwrap();
+    d.nack(DROP).await.unwrap();
     // Gone, so that whatever the queue gets next comes to the reader below
     // (nackd holds the close until its ack of a held nack is applied).
     ch.close(200, "done".into()).await.unwrap();
@@ -110,29 +114,13 @@ async fn a_nack_after_the_broker_took_the_delivery_back_leaves_one_copy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_consumer_does_not_spend_the_delivery_limit_while_nackd_cannot_hold() {
     let q = unique("failing-quorum");
-    let store = tempfile::tempdir().unwrap();
-    let nackd = start(&format!(
-        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n",
-        store.path().display()
-    ))
-    .await;
+    let (nackd, _store) = start_with_full_store(&q, "1s").await;
     let broker = direct().await;
     let bch = broker.create_channel().await.unwrap();
     bch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    bch.queue_declare(q.as_str().into(), durable, args.clone())
-        .await
-        .unwrap();
+    declare_quorum(&bch, &q, FieldTable::default()).await;
     publish(&bch, &q, b"keeps failing").await;
 
     let conn = nackd.connect().await;
@@ -145,38 +133,22 @@ async fn a_failing_consumer_does_not_spend_the_delivery_limit_while_nackd_cannot
             continue;
         };
         deliveries += 1;
-        d.nack(BasicNackOptions {
-            requeue: false,
-            multiple: false,
-        })
-        .await
-        .unwrap();
+        d.nack(DROP).await.unwrap();
     }
     ch.close(200, "done".into()).await.unwrap();
     assert!(
         (5..=15).contains(&deliveries),
         "about one delivery per second of delay, not a tight loop: {deliveries}"
     );
-    let passive = QueueDeclareOptions {
-        passive: true,
-        durable: true,
-        ..Default::default()
-    };
     // The last delivery comes back to the queue with the closed channel
     // (the broker applies it a moment later).
-    let mut left = 0;
-    for _ in 0..50 {
-        left = bch
-            .queue_declare(q.as_str().into(), passive, args.clone())
-            .await
-            .unwrap()
-            .message_count();
-        if left == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(left, 1, "the message is still in its queue");
+    wait_for(
+        Duration::from_secs(5),
+        "the message still in its queue",
+        || message_count(&bch, &q),
+        |left| *left == 1,
+    )
+    .await;
     conn.close(200, "".into()).await.unwrap();
     bch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
         .await
@@ -246,12 +218,7 @@ async fn a_republish_user_that_may_only_write_reaches_the_dead_letter_exchange()
         let d = next(&mut c, Duration::from_secs(10))
             .await
             .expect("a delivery");
-        d.nack(BasicNackOptions {
-            requeue: false,
-            multiple: false,
-        })
-        .await
-        .unwrap();
+        d.nack(DROP).await.unwrap();
     }
     let rch = broker.create_channel().await.unwrap();
     let mut dead = consume(&rch, &dlq, Some(10)).await;

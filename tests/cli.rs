@@ -9,6 +9,15 @@ use std::time::{Duration, Instant};
 
 const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
 
+/// `nackd --check-config path`, run to its end.
+fn check_config(path: &std::path::Path) -> std::process::Output {
+    Command::new(NACKD)
+        .arg("--check-config")
+        .arg(path)
+        .output()
+        .unwrap()
+}
+
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
     let path = dir.path().join(name);
     std::fs::write(&path, text).unwrap();
@@ -18,10 +27,7 @@ fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf 
 #[test]
 fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
     let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nackd.toml");
-    let ok = Command::new(NACKD)
-        .args(["--check-config", shipped])
-        .output()
-        .unwrap();
+    let ok = check_config(std::path::Path::new(shipped));
     assert!(
         ok.status.success(),
         "{}",
@@ -34,11 +40,7 @@ fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
         "bad.toml",
         "[[policy]]\nqueues = [\"q\"]\ndelays = [\"soon\"]\n",
     );
-    let out = Command::new(NACKD)
-        .arg("--check-config")
-        .arg(&bad)
-        .output()
-        .unwrap();
+    let out = check_config(&bad);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("policy[0].delays"), "{stderr}");
@@ -82,11 +84,7 @@ fn check_config_rejects_what_startup_rejects() {
         ),
     ];
     let ok = write(&dir, "ok.toml", &format!("{base}{policy}"));
-    let out = Command::new(NACKD)
-        .arg("--check-config")
-        .arg(&ok)
-        .output()
-        .unwrap();
+    let out = check_config(&ok);
     assert!(
         out.status.success(),
         "{}",
@@ -98,11 +96,7 @@ fn check_config_rejects_what_startup_rejects() {
         "proxy-only.toml",
         &format!("{base}[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n"),
     );
-    let out = Command::new(NACKD)
-        .arg("--check-config")
-        .arg(&proxy_only)
-        .output()
-        .unwrap();
+    let out = check_config(&proxy_only);
     assert!(
         out.status.success(),
         "{}",
@@ -119,11 +113,7 @@ fn check_config_rejects_what_startup_rejects() {
             _ => format!("{base}{extra}"),
         };
         let path = write(&dir, &format!("case{i}.toml"), &text);
-        let check = Command::new(NACKD)
-            .arg("--check-config")
-            .arg(&path)
-            .output()
-            .unwrap();
+        let check = check_config(&path);
         let said = String::from_utf8_lossy(&check.stderr);
         assert_eq!(
             check.status.code(),

@@ -23,13 +23,8 @@ const DELAY: Duration = Duration::from_secs(1);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_the_full_store_refuses_comes_back_after_the_delay_not_dropped() {
     let q = unique("deferred-full");
-    let store = tempfile::tempdir().unwrap();
-    let nackd = start(&format!(
-        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"{}ms\"]\n",
-        store.path().display(),
-        DELAY.as_millis()
-    ))
-    .await;
+    let delay = format!("{}ms", DELAY.as_millis());
+    let (nackd, _store) = start_with_full_store(&q, &delay).await;
     let broker = direct().await;
     let bch = broker.create_channel().await.unwrap();
     bch.confirm_select(ConfirmSelectOptions::default())
@@ -109,12 +104,7 @@ async fn a_nack_the_full_store_refuses_comes_back_after_the_delay_not_dropped() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multiple_ack_does_not_settle_a_deferred_delivery() {
     let q = unique("deferred-prefetch");
-    let store = tempfile::tempdir().unwrap();
-    let nackd = start(&format!(
-        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"2s\"]\n",
-        store.path().display()
-    ))
-    .await;
+    let (nackd, _store) = start_with_full_store(&q, "2s").await;
     let broker = direct().await;
     let bch = broker.create_channel().await.unwrap();
     bch.confirm_select(ConfirmSelectOptions::default())

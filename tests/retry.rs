@@ -836,12 +836,7 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     use nackd::protocol::method::{self, put_frame};
 
     let q = unique("refused-mid-publish");
-    let store = tempfile::tempdir().unwrap();
-    let nackd = start(&format!(
-        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"300ms\"]\n",
-        store.path().display()
-    ))
-    .await;
+    let (nackd, _store) = start_with_full_store(&q, "300ms").await;
     let direct = direct().await;
     let dch = direct.create_channel().await.unwrap();
     declare_durable(&dch, &q).await;

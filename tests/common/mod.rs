@@ -70,6 +70,19 @@ pub async fn start(extra: &str) -> Nackd {
     start_upstream(BROKER.addr(), extra).await
 }
 
+/// Starts nackd whose store refuses every message (`store.max_bytes = 1`, in
+/// a directory of its own, returned with it), with a policy for `queue` of
+/// one `delay`: every nack it cannot hold.
+pub async fn start_with_full_store(queue: &str, delay: &str) -> (Nackd, tempfile::TempDir) {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start(&format!(
+        "[store]\npath = \"{}\"\nmax_bytes = 1\n[[policy]]\nqueues = [\"{queue}\"]\ndelays = [\"{delay}\"]\n",
+        store.path().display()
+    ))
+    .await;
+    (nackd, store)
+}
+
 /// Like [`start`], with nackd's upstream at `upstream` (e.g. a test relay).
 pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     init_logs();

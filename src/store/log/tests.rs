@@ -697,6 +697,20 @@ fn a_segment_created_again_after_a_failed_attempt_starts_afresh() {
     assert_eq!(ids(&rec), (1..=id).collect::<Vec<_>>());
 }
 
+/// A store of ids 1..=40 whose NEXT_ID was lowered by hand to 30, opened
+/// deferred.
+fn open_with_next_id_lowered(dir: &std::path::Path) -> (Log, Backlog) {
+    {
+        let (mut log, _) = Log::open(dir, Options::default()).unwrap();
+        for id in 1..=40 {
+            log.put(&held(id, id, 10), None).unwrap();
+        }
+        log.commit().unwrap();
+    }
+    std::fs::write(dir.join("NEXT_ID"), "ahead 30\n").unwrap();
+    Log::open_deferred(dir, Options::default()).unwrap()
+}
+
 /// Review 2, finding 6: a NEXT_ID lowered by hand lets new messages take
 /// ids older records have. Nothing can tell before the older segments are
 /// read; once they are, it is reported (not silently passed), and ids
@@ -704,15 +718,7 @@ fn a_segment_created_again_after_a_failed_attempt_starts_afresh() {
 #[test]
 fn a_next_id_lowered_by_hand_is_reported_at_the_merge() {
     let dir = tempfile::tempdir().unwrap();
-    {
-        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-        for id in 1..=40 {
-            log.put(&held(id, id, 10), None).unwrap();
-        }
-        log.commit().unwrap();
-    }
-    std::fs::write(dir.path().join("NEXT_ID"), "ahead 30\n").unwrap();
-    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (mut log, mut backlog) = open_with_next_id_lowered(dir.path());
     assert_eq!(
         log.next_id(),
         30,
@@ -741,15 +747,7 @@ fn a_next_id_lowered_by_hand_is_reported_at_the_merge() {
 #[test]
 fn a_low_next_id_costs_nothing_when_no_id_was_given_before_the_merge() {
     let dir = tempfile::tempdir().unwrap();
-    {
-        let (mut log, _) = Log::open(dir.path(), Options::default()).unwrap();
-        for id in 1..=40 {
-            log.put(&held(id, id, 10), None).unwrap();
-        }
-        log.commit().unwrap();
-    }
-    std::fs::write(dir.path().join("NEXT_ID"), "ahead 30\n").unwrap();
-    let (mut log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
+    let (mut log, mut backlog) = open_with_next_id_lowered(dir.path());
     let (_, segments) = backlog.read().unwrap();
     log.merge(segments);
     let report = log.take_report().unwrap_or_default();
