@@ -47,16 +47,26 @@ fn to_exchange(id: u64, exchange: &str, key: &str, body: &str) -> Publish {
     }
 }
 
+/// Opens channel `ch` for `lane` and answers its `channel.open` and
+/// `confirm.select`; nothing closes or is reported meanwhile.
+fn open_and_select(lane: &mut Lane, ch: u16) {
+    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
+    lane.open(ch, &mut out);
+    for ok in [
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+    ] {
+        assert!(lane.on_method(ok, &mut out, &mut reports).is_none());
+    }
+    assert!(reports.is_empty());
+}
+
 /// Drives a lane through channel.open, confirm.select (and the passive
 /// declare of a named exchange) on channel 1.
 fn opened(exchange: &str) -> Lane {
     let mut lane = Lane::new(Arc::from(exchange));
+    open_and_select(&mut lane, 1);
     let (mut out, mut reports) = (BytesMut::new(), Vec::new());
-    lane.open(1, &mut out);
-    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
-    assert!(lane.on_method(ok, &mut out, &mut reports).is_none());
-    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
-    assert!(lane.on_method(ok, &mut out, &mut reports).is_none());
     if !exchange.is_empty() {
         assert_eq!(lane.state(), State::Opening(1, Step::Declare));
         let ok = AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {}));
@@ -261,12 +271,7 @@ fn a_return_matching_nothing_exactly_keeps_every_candidate() {
 fn a_refused_passive_declare_does_not_stop_the_publishes() {
     let mut lane = Lane::new(Arc::from("dlx"));
     (1..=2).for_each(|i| lane.push(to_exchange(i, "dlx", "q", "x")));
-    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
-    lane.open(1, &mut out);
-    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
-    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
+    open_and_select(&mut lane, 1);
     assert_eq!(lane.state(), State::Opening(1, Step::Declare));
     let (closed, reports) = close(
         &mut lane,
@@ -277,13 +282,8 @@ fn a_refused_passive_declare_does_not_stop_the_publishes() {
     assert!(reports.is_empty(), "nothing set aside");
     assert!(lane.wants_channel());
     // The next channel skips the check and publishes.
-    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
-    lane.open(2, &mut out);
-    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
-    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
-    assert_eq!(lane.state(), State::Open(2));
+    let mut lane = reopen(lane);
+    let mut reports = Vec::new();
     assert_eq!(send(&mut lane, &mut reports), 1, "the first one alone");
     let settled = ack(&mut lane, 1, false);
     assert_eq!(ids(&settled), vec![1]);
@@ -293,12 +293,8 @@ fn a_refused_passive_declare_does_not_stop_the_publishes() {
 fn a_missing_exchange_found_by_the_passive_declare_sets_the_lane_aside_unsent() {
     let mut lane = Lane::new(Arc::from("typo"));
     (1..=3).for_each(|i| lane.push(to_exchange(i, "typo", "q", "x")));
-    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
-    lane.open(1, &mut out);
-    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
-    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
+    open_and_select(&mut lane, 1);
+    let mut reports = Vec::new();
     assert_eq!(
         send(&mut lane, &mut reports),
         0,
@@ -395,12 +391,7 @@ fn a_channel_error_with_several_in_flight_sends_them_again_one_at_a_time() {
 }
 
 fn reopen(mut lane: Lane) -> Lane {
-    let (mut out, mut reports) = (BytesMut::new(), Vec::new());
-    lane.open(2, &mut out);
-    let ok = AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
-    let ok = AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}));
-    lane.on_method(ok, &mut out, &mut reports);
+    open_and_select(&mut lane, 2);
     assert_eq!(lane.state(), State::Open(2));
     lane
 }
