@@ -312,6 +312,7 @@ async fn count_eventually(ch: &Channel, q: &str, n: u32, what: &str) {
 #[tokio::test]
 async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     let (q, dlq, dlx) = (unique("dlx-src"), unique("dlx-dst"), unique("dlx-x"));
+    let origin = unique("dlx-origin");
     let nackd = start(&policy(
         &[&q],
         "\"30ms\", \"60ms\"",
@@ -330,7 +331,33 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
         AMQPValue::LongString(dlx.as_str().into()),
     );
     queue(&ch, &q, args).await;
-    publish(&ch, "", &q, b"doomed", BasicProperties::default()).await;
+    // Published through an exchange of its own, so that where it came from
+    // is something the dead-letter consumer can lose.
+    ch.exchange_declare(
+        origin.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        q.as_str().into(),
+        origin.as_str().into(),
+        "order.7".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    publish(
+        &ch,
+        &origin,
+        "order.7",
+        b"doomed",
+        BasicProperties::default(),
+    )
+    .await;
     let consumer_ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&consumer_ch, &q, Some(10)).await;
     // basic.reject this time: 1 delivery + 2 retries, then the queue's DLX.
@@ -338,6 +365,29 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     let dead = get_eventually(&ch, &dlq, "the message in the DLX queue").await;
     assert_eq!(dead.data, b"doomed");
     assert_eq!(retry_count(&dead), Some(2));
+    // What survives the broker's own dead-lettering on every version.
+    assert_eq!(
+        header(&dead, "x-original-exchange"),
+        Some(&AMQPValue::LongString(origin.as_str().into()))
+    );
+    assert_eq!(
+        header(&dead, "x-original-routing-key"),
+        Some(&AMQPValue::LongString("order.7".into()))
+    );
+    // x-death is the broker's when it dead-letters: 3.x counts on from
+    // nackd's entry, 4.x replaces the header with a single entry of its own
+    // (count 1, exchange "" of the retry), as the README says.
+    let first_exchange = header(&dead, "x-first-death-exchange");
+    if BROKER.at_least(4, 0) {
+        assert_eq!(x_death_count(&dead, &q), Some(1), "{}", BROKER.label());
+        assert_eq!(first_exchange, Some(&AMQPValue::LongString("".into())));
+    } else {
+        assert_eq!(x_death_count(&dead, &q), Some(3), "{}", BROKER.label());
+        assert_eq!(
+            first_exchange,
+            Some(&AMQPValue::LongString(origin.as_str().into()))
+        );
+    }
     assert!(
         next(&mut consumer, Duration::from_millis(500))
             .await
@@ -346,6 +396,9 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     );
     assert_eq!(message_count(&ch, &q).await, 0);
     delete(&ch, &[&q, &dlq]).await;
+    ch.exchange_delete(origin.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]

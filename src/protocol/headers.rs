@@ -18,6 +18,14 @@ pub const RETRY_DELAY: &str = "x-retry-delay-ms";
 pub const X_DEATH: &str = "x-death";
 /// Why a message went to the dead-letter exchange (nackd's `on_exhausted`).
 pub const EXHAUSTED_REASON: &str = "x-exhausted-reason";
+/// The exchange and routing key the message was first published with, set
+/// on the first retry (unless the application set them) and never changed: RabbitMQ 4.x replaces `x-death`
+/// and `x-first-death-*` when it dead-letters a message itself, and the
+/// retry went out on exchange `""`, so without these a dead-letter consumer
+/// could not tell where the message came from.
+pub const ORIGINAL_EXCHANGE: &str = "x-original-exchange";
+/// See [`ORIGINAL_EXCHANGE`].
+pub const ORIGINAL_ROUTING_KEY: &str = "x-original-routing-key";
 /// What a quorum queue counted for the delivery nackd holds (RabbitMQ 4.x
 /// adds them): the retry is a new message, so a copy would be stale, and a
 /// consumer using them as a poison counter would count nackd's retries as
@@ -146,6 +154,12 @@ pub fn rewrite(payload: &[u8], r: &Retry<'_>) -> Result<Vec<u8>, FrameError> {
         set.push(("x-first-death-queue", long_string(r.queue)));
         set.push(("x-first-death-reason", long_string("rejected")));
         set.push(("x-first-death-exchange", long_string(r.exchange)));
+    }
+    // Only the first retry sees the message as it was published; a message
+    // retried by an older nackd that did not write them gets none.
+    if r.count == 1 && header_value(payload, ORIGINAL_EXCHANGE)?.is_none() {
+        set.push((ORIGINAL_EXCHANGE, long_string(r.exchange)));
+        set.push((ORIGINAL_ROUTING_KEY, long_string(r.routing_key)));
     }
     if let Some(reason) = r.exhausted {
         set.push((EXHAUSTED_REASON, long_string(reason)));

@@ -158,3 +158,46 @@ fn the_brokers_delivery_counts_are_not_copied_into_the_retry() {
     assert_eq!(get(&out, "tenant"), &AMQPValue::LongString("acme".into()));
     assert_eq!(get(&out, RETRY_COUNT), &AMQPValue::LongLongInt(1));
 }
+
+#[test]
+fn the_first_retry_records_where_the_message_was_published_and_later_ones_keep_it() {
+    let mut payload = content::encode_header(60, 3, &AMQPProperties::default());
+    payload = rewrite(&payload, &retry(1)).unwrap();
+    let mut later = retry(2);
+    later.exchange = "";
+    later.routing_key = "email-queue";
+    payload = rewrite(&payload, &later).unwrap();
+    let h = headers(&payload);
+    assert_eq!(
+        get(&h, ORIGINAL_EXCHANGE),
+        &AMQPValue::LongString("notifications".into())
+    );
+    assert_eq!(
+        get(&h, ORIGINAL_ROUTING_KEY),
+        &AMQPValue::LongString("user.7".into())
+    );
+}
+
+#[test]
+fn original_exchange_is_neither_invented_for_a_later_retry_nor_overwritten() {
+    // A message an older nackd retried once already: its delivery now comes
+    // from exchange "", which is not where it was published.
+    let mut older = FieldTable::default();
+    older.insert(RETRY_COUNT.into(), AMQPValue::LongLongInt(1));
+    let payload = content::encode_header(60, 3, &AMQPProperties::default().with_headers(older));
+    let h = headers(&rewrite(&payload, &retry(2)).unwrap());
+    assert!(h.inner().get(ORIGINAL_EXCHANGE).is_none());
+    assert!(h.inner().get(ORIGINAL_ROUTING_KEY).is_none());
+    // The application's own value stays.
+    let mut own = FieldTable::default();
+    own.insert(
+        ORIGINAL_EXCHANGE.into(),
+        AMQPValue::LongString("app".into()),
+    );
+    let payload = content::encode_header(60, 3, &AMQPProperties::default().with_headers(own));
+    let h = headers(&rewrite(&payload, &retry(1)).unwrap());
+    assert_eq!(
+        get(&h, ORIGINAL_EXCHANGE),
+        &AMQPValue::LongString("app".into())
+    );
+}
