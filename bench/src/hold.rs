@@ -304,7 +304,7 @@ pub(crate) async fn declare_hold_queue(
     let mut qargs = FieldTable::default();
     qargs.insert("x-expires".into(), AMQPValue::LongInt(expires_ms));
     admin_ch
-        .queue_declare(queue.into(), QueueDeclareOptions::default(), qargs)
+        .queue_declare(queue.into(), super::load::durable(), qargs)
         .await?;
     admin_ch
         .confirm_select(ConfirmSelectOptions::default())

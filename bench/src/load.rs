@@ -143,9 +143,18 @@ pub async fn connect(addr: &str) -> BenchResult<Connection> {
 pub async fn declare_queue(ch: &Channel, name: &str) -> BenchResult<()> {
     let mut args = FieldTable::default();
     args.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-    ch.queue_declare(name.into(), QueueDeclareOptions::default(), args)
-        .await?;
+    ch.queue_declare(name.into(), durable(), args).await?;
     Ok(())
+}
+
+/// Options of every queue the benchmarks declare: durable, because
+/// RabbitMQ 4.3 refuses transient non-exclusive queues (the messages stay
+/// transient, so nothing is written to disk on 3.x either).
+pub fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    }
 }
 
 /// Consumes `queue` on a new channel of `conn`, 2 000 unacked deliveries

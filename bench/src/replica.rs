@@ -220,6 +220,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         rates: args.rates.clone(),
         delays: args.delays.clone(),
         knee_ms: args.knee_ms,
+        mechanisms: vec![retry::Mechanism::Nackd],
+        quorum: false,
     };
     let mut runs: HashMap<(Replica, u64), Vec<RateFigures>> = HashMap::new();
     let mut parks: HashMap<Replica, Vec<Park>> = HashMap::new();

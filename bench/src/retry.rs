@@ -5,7 +5,17 @@
 //! - `ttl-queue-per-level`: the consumer republishes to one wait queue per
 //!   delay (`x-message-ttl`, dead-lettered back to the work queue) and acks;
 //! - `per-message-ttl`: the consumer republishes to a single wait queue with
-//!   a per-message `expiration` (dead-lettered back) and acks.
+//!   a per-message `expiration` (dead-lettered back) and acks;
+//! - `broker-delayed-retry` (RabbitMQ 4.3+, quorum queues, asked for with
+//!   `--mechanisms`): the work queue is declared with
+//!   `x-delayed-retry-type = failed`, `x-delayed-retry-min` = the first delay
+//!   and `x-delayed-retry-max` = the last, and the consumer calls
+//!   `basic.reject(requeue=true)`; the broker holds the message back
+//!   `min(min × delivery-count, max)`. Its schedule is linear, so this
+//!   mechanism needs `--delays` of the form d, 2d, 3d, ...
+//!
+//! `--quorum` declares every work queue as a quorum queue, so all
+//! mechanisms run on the same kind of queue.
 //!
 //! Messages are published at a fixed rate; each is retried once per delay of
 //! the schedule, then acked. Lateness = actual delay − scheduled delay,
@@ -22,7 +32,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use super::load::{close, connect, consume_queue, unique_queue};
+use super::load::{close, connect, consume_queue, durable, unique_queue};
 use super::machine::Machine;
 use super::stats::percentile;
 use super::{print_footer, print_header, BenchResult, Common, Targets};
@@ -41,14 +51,29 @@ pub struct Args {
     /// p99 lateness (ms) a rate must keep to count below the knee.
     #[arg(long, default_value_t = 20)]
     pub knee_ms: u64,
+    /// The mechanisms to compare (nackd always comes first).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "nackd,ttl-queue-per-level,per-message-ttl"
+    )]
+    pub mechanisms: Vec<Mechanism>,
+    /// Declare the work queues as quorum queues (durable).
+    #[arg(long)]
+    pub quorum: bool,
 }
 
-/// The three ways of retrying later.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mechanism {
+/// The ways of retrying later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Mechanism {
+    /// Nack through nackd.
     Nackd,
+    /// One TTL wait queue per delay, dead-lettered back.
     TtlQueuePerLevel,
+    /// One wait queue, per-message `expiration`, dead-lettered back.
     PerMessageTtl,
+    /// RabbitMQ 4.3's own quorum-queue delayed retry.
+    BrokerDelayedRetry,
 }
 
 impl Mechanism {
@@ -57,15 +82,41 @@ impl Mechanism {
             Self::Nackd => "nackd",
             Self::TtlQueuePerLevel => "ttl-queue-per-level",
             Self::PerMessageTtl => "per-message-ttl",
+            Self::BrokerDelayedRetry => "broker-delayed-retry",
         }
     }
 }
 
-const MECHANISMS: [Mechanism; 3] = [
-    Mechanism::Nackd,
-    Mechanism::TtlQueuePerLevel,
-    Mechanism::PerMessageTtl,
-];
+/// Checks the options that only some mechanisms accept.
+fn check(args: &mut Args) -> BenchResult<()> {
+    args.mechanisms.sort_unstable();
+    args.mechanisms.dedup();
+    if args.mechanisms.first() != Some(&Mechanism::Nackd) {
+        return Err("--mechanisms must include nackd (the others are compared with it)".into());
+    }
+    if args.delays.is_empty() || args.rates.is_empty() {
+        return Err("--delays and --rates need at least one value each".into());
+    }
+    if args.mechanisms.contains(&Mechanism::BrokerDelayedRetry) {
+        if !args.quorum {
+            return Err("broker-delayed-retry works on quorum queues only: add --quorum".into());
+        }
+        let d = args.delays[0];
+        if args
+            .delays
+            .iter()
+            .enumerate()
+            .any(|(i, x)| *x != d * (i as u64 + 1))
+        {
+            return Err(format!(
+                "broker-delayed-retry delays linearly (min × delivery-count): --delays must be d, 2d, 3d, ..., not {:?}",
+                args.delays
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
 
 /// One round of one mechanism at one rate, as printed.
 struct Run {
@@ -102,6 +153,7 @@ impl Outcome {
 /// Runs the scenario and prints one line per mechanism and rate.
 pub async fn run(mut args: Args) -> BenchResult<()> {
     args.rates.sort_unstable();
+    check(&mut args)?;
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
     let delays: Vec<String> = args.delays.iter().map(|d| format!("\"{d}ms\"")).collect();
@@ -112,18 +164,21 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     let targets = Targets::start(common, &policy)?;
     print_header("retry", common, &machine, &targets);
     println!(
-        "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; knee = highest rate with p99 <= {} ms",
-        args.delays, common.seconds, args.knee_ms
+        "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; {} work queues; knee = highest rate with p99 <= {} ms",
+        args.delays,
+        common.seconds,
+        if args.quorum { "quorum" } else { "classic" },
+        args.knee_ms
     );
     let rounds = common.rounds.max(1);
     println!(
-        "method      {rounds} rounds; each round runs every rate with the three mechanisms in turn; per mechanism and rate the median of the rounds' p50/p99 counts"
+        "method      {rounds} rounds; each round runs every rate with the mechanisms in turn; per mechanism and rate the median of the rounds' p50/p99 counts"
     );
-    println!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished");
+    println!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  earliest ms  deliveries/s  finished");
     let mut runs: HashMap<(usize, u64), Vec<Run>> = HashMap::new();
     for round in 1..=rounds {
         for &rate in &args.rates {
-            for (m, mechanism) in MECHANISMS.iter().enumerate() {
+            for (m, mechanism) in args.mechanisms.iter().enumerate() {
                 let addr = match mechanism {
                     Mechanism::Nackd => targets.proxy.to_string(),
                     _ => targets.broker.clone(),
@@ -136,8 +191,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                     early: o.early,
                     complete: o.finished == o.published,
                 };
+                // How early the earliest redelivery came (0: none early).
+                let earliest = o.lateness_us.iter().min().copied().unwrap_or(0).min(0);
                 println!(
-                    "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>12.0}  {}/{}",
+                    "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>11.1}  {:>12.0}  {}/{}",
                     mechanism.label(),
                     round,
                     rate,
@@ -145,6 +202,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                     run.p99,
                     run.max,
                     run.early,
+                    earliest as f64 / 1000.0,
                     o.deliveries as f64 / o.seconds,
                     o.finished,
                     o.published
@@ -156,7 +214,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
     println!("median      mechanism             retries/s  p50 ms   p99 ms   max ms  early  all finished");
     let mut knees = Vec::new();
-    for (m, mechanism) in MECHANISMS.iter().enumerate() {
+    for (m, mechanism) in args.mechanisms.iter().enumerate() {
         let mut knee = None;
         for &rate in &args.rates {
             let runs = &runs[&(m, rate)];
@@ -270,9 +328,25 @@ async fn declare(
     ch: &Channel,
     mechanism: Mechanism,
     queue: &str,
-    delays: &[u64],
+    args: &Args,
 ) -> BenchResult<Vec<String>> {
-    ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args_with(&[]))
+    let delays = &args.delays;
+    let mut work = Vec::new();
+    if args.quorum {
+        work.push(("x-queue-type", AMQPValue::LongString("quorum".into())));
+    }
+    if mechanism == Mechanism::BrokerDelayedRetry {
+        let (min, max) = (delays[0], delays[delays.len() - 1]);
+        work.extend([
+            (
+                "x-delayed-retry-type",
+                AMQPValue::LongString("failed".into()),
+            ),
+            ("x-delayed-retry-min", AMQPValue::LongLongInt(min as i64)),
+            ("x-delayed-retry-max", AMQPValue::LongLongInt(max as i64)),
+        ]);
+    }
+    ch.queue_declare(queue.into(), durable(), args_with(&work))
         .await?;
     let back = |extra: Option<(&str, AMQPValue)>| {
         let mut pairs = vec![
@@ -287,28 +361,20 @@ async fn declare(
     };
     let mut waits = Vec::new();
     match mechanism {
-        Mechanism::Nackd => {}
+        Mechanism::Nackd | Mechanism::BrokerDelayedRetry => {}
         Mechanism::TtlQueuePerLevel => {
             for (i, d) in delays.iter().enumerate() {
                 let name = format!("{queue}-wait-{i}");
                 let ttl = ("x-message-ttl", AMQPValue::LongInt(*d as i32));
-                ch.queue_declare(
-                    name.as_str().into(),
-                    QueueDeclareOptions::default(),
-                    back(Some(ttl)),
-                )
-                .await?;
+                ch.queue_declare(name.as_str().into(), durable(), back(Some(ttl)))
+                    .await?;
                 waits.push(name);
             }
         }
         Mechanism::PerMessageTtl => {
             let name = format!("{queue}-wait");
-            ch.queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions::default(),
-                back(None),
-            )
-            .await?;
+            ch.queue_declare(name.as_str().into(), durable(), back(None))
+                .await?;
             waits.push(name);
         }
     }
@@ -343,7 +409,7 @@ async fn one_rate(
     let queue = unique_queue("retry");
     let admin = connect(broker).await?;
     let ach = admin.create_channel().await?;
-    let waits = declare(&ach, mechanism, &queue, delays).await?;
+    let waits = declare(&ach, mechanism, &queue, args).await?;
     let consumer_conn = connect(addr).await?;
     let (cch, mut deliveries) = consume_queue(&consumer_conn, &queue).await?;
     let rate = (retries as f64 / delays.len() as f64).max(1.0);
@@ -355,6 +421,9 @@ async fn one_rate(
     )));
     let began = Instant::now();
     let mut waiting: HashMap<u64, (Instant, u64)> = HashMap::new();
+    // The broker's own delayed retry writes no attempt header of ours: the
+    // consumer counts its rejects of each message.
+    let mut rejects: HashMap<u64, usize> = HashMap::new();
     let mut o = Outcome {
         lateness_us: Vec::new(),
         early: 0,
@@ -392,7 +461,10 @@ async fn one_rate(
         let now = Instant::now();
         o.deliveries += 1;
         let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
-        let n = attempt(&d, mechanism);
+        let n = match mechanism {
+            Mechanism::BrokerDelayedRetry => rejects.get(&id).copied().unwrap_or(0),
+            _ => attempt(&d, mechanism),
+        };
         if n > 0 {
             if let Some((asked, delay_ms)) = waiting.remove(&id) {
                 let late = now.duration_since(asked).as_micros() as i64 - (delay_ms as i64) * 1000;
@@ -404,9 +476,13 @@ async fn one_rate(
         }
         if n < delays.len() {
             waiting.insert(id, (Instant::now(), delays[n]));
+            if mechanism == Mechanism::BrokerDelayedRetry {
+                rejects.insert(id, n + 1);
+            }
             retry_later(&cch, &d, mechanism, &queue, &waits, n, delays[n]).await?;
         } else {
             d.ack(BasicAckOptions::default()).await?;
+            rejects.remove(&id);
             o.finished += 1;
         }
     }
@@ -431,13 +507,22 @@ async fn retry_later(
     n: usize,
     delay_ms: u64,
 ) -> BenchResult<()> {
-    if mechanism == Mechanism::Nackd {
-        d.nack(BasicNackOptions {
-            requeue: false,
-            multiple: false,
-        })
-        .await?;
-        return Ok(());
+    match mechanism {
+        Mechanism::Nackd => {
+            d.nack(BasicNackOptions {
+                requeue: false,
+                multiple: false,
+            })
+            .await?;
+            return Ok(());
+        }
+        // A reject counts as a failed delivery (a nack would not raise the
+        // delivery-count that the broker's delay grows with).
+        Mechanism::BrokerDelayedRetry => {
+            d.reject(BasicRejectOptions { requeue: true }).await?;
+            return Ok(());
+        }
+        _ => {}
     }
     let mut headers = FieldTable::default();
     headers.insert("x-attempt".into(), AMQPValue::LongLongInt(n as i64 + 1));
