@@ -326,7 +326,7 @@ const MEASURE: &str = r##"(() => {
   for (const el of document.body.querySelectorAll("*")) {
     const r = el.getBoundingClientRect();
     if (r.width === 0 && r.height === 0) continue;
-    if (r.left < -0.5 || r.right > vw + 0.5) outside.push(box(el));
+    if (r.left < -0.5 || r.right > vw + 0.5) outside.push(name(el) + ": " + Math.round(r.left) + ".." + Math.round(r.right));
     if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1) overflowing.push(name(el) + ": " + el.scrollWidth + " > " + el.clientWidth);
   }
   return {
@@ -352,11 +352,13 @@ fn assert_fits(m: &serde_json::Value, width: u32) {
     assert_eq!(
         (m["innerWidth"].as_f64(), m["clientWidth"].as_f64()),
         (Some(width), Some(width)),
-        "the page is shown at {width} px, not zoomed out to fit: {m}"
+        "the page is shown at {width} px, not zoomed out to fit its {} px",
+        m["scrollWidth"]
     );
     assert!(
         m["scrollWidth"].as_f64().unwrap() <= width,
-        "the document scrolls sideways: {m}"
+        "the document scrolls sideways: {} px",
+        m["scrollWidth"]
     );
     assert_eq!(
         m["outside"],
