@@ -148,12 +148,12 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // Each vhost the policies intercept for: can nackd's own login get
     // in? If not, what it holds there can never be republished.
     let logins = ops.metrics.republish_logins.all();
-    let republish_ok = logins.values().all(|l| *l == Login::Ok);
+    let reasons = unready_reasons(&upstream, store, &logins, draining);
     let republish: serde_json::Map<String, serde_json::Value> = logins
         .into_iter()
         .map(|(vhost, l)| (vhost, l.text().into()))
         .collect();
-    let ready = upstream == "ok" && matches!(store, "ok" | "not used") && republish_ok && !draining;
+    let ready = reasons.is_empty();
     let code = if ready {
         StatusCode::OK
     } else {
@@ -163,11 +163,39 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // usual, what those segments hold fires once they are read.
     let recovering = ops.metrics.store_recovering.get() == 1;
     let mut body = json!({ "ready": ready, "upstream": upstream, "store": store,
-        "store_recovering": recovering, "republish": republish, "draining": draining });
+        "store_recovering": recovering, "republish": republish, "draining": draining,
+        "reasons": reasons });
     if nodes.0.len() > 1 {
         body["nodes"] = nodes.to_json();
     }
     (code, Json(body)).into_response()
+}
+
+/// Why nackd is not ready, one sentence per failed check (none: ready):
+/// what the status page shows at its top, and `/readyz` under `"reasons"`.
+fn unready_reasons(
+    upstream: &str,
+    store: &str,
+    logins: &std::collections::BTreeMap<String, Login>,
+    draining: bool,
+) -> Vec<String> {
+    let mut reasons = Vec::new();
+    if upstream != "ok" {
+        reasons.push(format!("broker {upstream}"));
+    }
+    if !matches!(store, "ok" | "not used") {
+        reasons.push(format!("store: {store}"));
+    }
+    for (vhost, login) in logins.iter().filter(|(_, l)| **l != Login::Ok) {
+        reasons.push(format!(
+            "republish login into vhost {vhost:?}: {}",
+            login.text()
+        ));
+    }
+    if draining {
+        reasons.push("draining: nackd is shutting down".into());
+    }
+    reasons
 }
 
 /// What each broker node answered: `ok` or `unreachable: why`.
@@ -220,5 +248,41 @@ impl Ops {
         let result = Nodes(answers.into_iter().map(|(_, n, a)| (n, a)).collect());
         *last = Some((Instant::now(), result.clone()));
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_has_no_reason_and_each_failed_check_names_one() {
+        let ok = [("/".to_string(), Login::Ok)].into();
+        assert!(unready_reasons("ok", "ok", &ok, false).is_empty());
+        assert!(unready_reasons("ok", "not used", &ok, false).is_empty());
+        let logins = [
+            ("/".to_string(), Login::Ok),
+            (
+                "shop".to_string(),
+                Login::Failed("403 ACCESS_REFUSED (user nackd)".into()),
+            ),
+            ("new".to_string(), Login::Checking),
+        ]
+        .into();
+        assert_eq!(
+            unready_reasons(
+                "unreachable: connection refused",
+                "recovering",
+                &logins,
+                true
+            ),
+            [
+                "broker unreachable: connection refused",
+                "store: recovering",
+                "republish login into vhost \"new\": checking",
+                "republish login into vhost \"shop\": 403 ACCESS_REFUSED (user nackd)",
+                "draining: nackd is shutting down",
+            ]
+        );
     }
 }

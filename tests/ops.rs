@@ -237,7 +237,7 @@ async fn health_and_readiness() {
     assert_eq!(
         serde_json::from_str::<serde_json::Value>(&r.body).unwrap(),
         serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "store_recovering": false,
-            "republish": { "/": "ok" }, "draining": false })
+            "republish": { "/": "ok" }, "draining": false, "reasons": [] })
     );
     nackd.stop().await;
 
@@ -252,12 +252,12 @@ async fn health_and_readiness() {
     assert_eq!(r.status, 503, "{}", r.body);
     let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(body["store"], "not used");
-    assert!(
-        body["upstream"]
-            .as_str()
-            .unwrap()
-            .starts_with("unreachable"),
-        "{body}"
+    let upstream = body["upstream"].as_str().unwrap();
+    assert!(upstream.starts_with("unreachable"), "{body}");
+    assert_eq!(
+        body["reasons"],
+        serde_json::json!([format!("broker {upstream}")]),
+        "the one failed check, and why"
     );
     lost.stop().await;
 }

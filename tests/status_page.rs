@@ -1,10 +1,15 @@
 //! The status page in a real headless Chromium: after real traffic, the
 //! numbers the page renders (its script ran, `--dump-dom`) are the numbers
-//! `/metrics` gives, and a screenshot is kept in `target/tmp/` to look at.
+//! `/metrics` gives, and a screenshot is kept in `target/tmp/` to look at;
+//! on a phone 420 px wide nothing overflows or is cut off (measured in the
+//! page over the DevTools protocol, see [`browser`]); what `/readyz` says,
+//! and why, is at the top.
 //!
 //! Chromium is provisioned by `scripts/test` (scripts/ensure-chromium.sh);
 //! this test fails, never skips, when it is missing.
 
+#[path = "status_page/browser.rs"]
+mod browser;
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -17,22 +22,22 @@ use lapin::options::*;
 use lapin::{BasicProperties, Consumer};
 
 const CHROMIUM: &str = "chromium";
+const CHROMIUM_FLAGS: [&str; 9] = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+];
 
 async fn chromium(url: &str, profile: &Path, output: &[&str]) -> std::process::Output {
     let run = tokio::process::Command::new(CHROMIUM)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-            "--virtual-time-budget=3000",
-            "--window-size=1200,900",
-        ])
+        .args(CHROMIUM_FLAGS)
+        .args(["--virtual-time-budget=3000", "--window-size=1200,900"])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(output)
         .arg(url)
@@ -302,5 +307,207 @@ async fn status_page_in_headless_chromium_shows_what_metrics_say() {
         "a screenshot of a rendered page, not a blank one: {size} bytes"
     );
     conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+}
+
+/// A phone's viewport, CSS pixels.
+const PHONE: (u32, u32) = (420, 900);
+
+/// Measures the page's layout where it is shown: the viewport and document
+/// widths, every element reaching past the viewport's sides or whose
+/// content overflows its own box, the links and buttons, the due chart's
+/// labels, and where the readiness box is.
+const MEASURE: &str = r##"(() => {
+  const root = document.documentElement, vw = root.clientWidth;
+  const name = (el) => el.tagName.toLowerCase() + (el.id ? "#" + el.id : "")
+    + (typeof el.className === "string" && el.className ? "." + el.className.trim().split(/\s+/).join(".") : "");
+  const box = (el) => { const r = el.getBoundingClientRect(); return { name: name(el), left: r.left, right: r.right, top: r.top, bottom: r.bottom }; };
+  const outside = [], overflowing = [];
+  for (const el of document.body.querySelectorAll("*")) {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 && r.height === 0) continue;
+    if (r.left < -0.5 || r.right > vw + 0.5) outside.push(name(el) + ": " + Math.round(r.left) + ".." + Math.round(r.right));
+    if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1) overflowing.push(name(el) + ": " + el.scrollWidth + " > " + el.clientWidth);
+  }
+  return {
+    innerWidth, innerHeight, clientWidth: vw, scrollWidth: root.scrollWidth, scrollHeight: root.scrollHeight,
+    outside, overflowing,
+    controls: [...document.querySelectorAll("a, button, input, select, textarea")].map(box),
+    buckets: document.querySelectorAll("#due [data-bucket]").length,
+    labels: [...document.querySelectorAll("#due text:not(.count)")].map(box),
+    readiness: box(document.getElementById("readiness")),
+  };
+})()"##;
+
+/// The page has rendered `/status.json` and `/readyz`.
+const RENDERED: &str = "Number(document.body.dataset.rendered) >= 1 \
+    && document.getElementById('readiness').dataset.ready !== ''";
+
+/// Asserts the page measured by [`MEASURE`] fits a viewport `width` wide:
+/// not zoomed out, no horizontal scrolling, nothing past the sides or cut
+/// off, every control on screen, the chart's labels apart, and the
+/// readiness box on the first screen.
+fn assert_fits(m: &serde_json::Value, width: u32) {
+    let width = f64::from(width);
+    assert_eq!(
+        (m["innerWidth"].as_f64(), m["clientWidth"].as_f64()),
+        (Some(width), Some(width)),
+        "the page is shown at {width} px, not zoomed out to fit its {} px",
+        m["scrollWidth"]
+    );
+    assert!(
+        m["scrollWidth"].as_f64().unwrap() <= width,
+        "the document scrolls sideways: {} px",
+        m["scrollWidth"]
+    );
+    assert_eq!(
+        m["outside"],
+        serde_json::json!([]),
+        "past the viewport's sides"
+    );
+    assert_eq!(
+        m["overflowing"],
+        serde_json::json!([]),
+        "content wider than its box"
+    );
+    let controls = m["controls"].as_array().unwrap();
+    assert!(!controls.is_empty(), "the page has links: {m}");
+    for c in controls {
+        let (l, r, t) = (
+            c["left"].as_f64().unwrap(),
+            c["right"].as_f64().unwrap(),
+            c["top"].as_f64().unwrap(),
+        );
+        assert!(
+            l >= 0.0 && r <= width && t >= 0.0,
+            "control off screen: {c}"
+        );
+    }
+    let labels = m["labels"].as_array().unwrap();
+    assert!(
+        labels.len() == m["buckets"].as_u64().unwrap() as usize && labels.len() > 1,
+        "one label per bucket of the due chart: {m}"
+    );
+    for pair in labels.windows(2) {
+        assert!(
+            pair[0]["right"].as_f64() <= pair[1]["left"].as_f64(),
+            "the due chart's labels overlap: {pair:?}"
+        );
+    }
+    let readiness = &m["readiness"];
+    assert!(
+        readiness["top"].as_f64().unwrap() >= 0.0
+            && readiness["bottom"].as_f64().unwrap() <= m["innerHeight"].as_f64().unwrap(),
+        "readiness is on the first screen: {readiness}"
+    );
+}
+
+/// Issue 25 item 6: at 420 px wide, with real traffic in every table (and
+/// the tests' long queue names), the page fits the phone; a screenshot of
+/// the whole page is 420 px wide. At 1200 px it still fits.
+#[tokio::test]
+async fn status_page_fits_a_phone_420_px_wide() {
+    let queues = [
+        unique("phone-hour"),
+        unique("phone-minute"),
+        unique("phone-short"),
+        unique("phone-plain"),
+    ];
+    let policies = format!(
+        "[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1h\"]\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"115s\"]\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"50ms\"]\n",
+        queues[0], queues[1], queues[2]
+    );
+    let nackd = start(&policies).await;
+    let conn = traffic(&nackd, &queues).await;
+    settled(&nackd).await;
+    let readyz = common::ops::get(nackd.metrics, "/readyz").await;
+    assert_eq!(readyz.status, 200, "{}", readyz.body);
+
+    let profile = tempfile::tempdir().unwrap();
+    let mut page = browser::Browser::start(profile.path(), PHONE.0, PHONE.1).await;
+    page.open(&format!("http://{}/", nackd.metrics)).await;
+    page.until("rendered", RENDERED).await;
+    let shown = page
+        .eval("[...document.querySelectorAll('#queues [data-queue], #recent [data-kind]')].length")
+        .await;
+    assert_eq!(shown, 2 + 2, "the queue and recent tables have rows");
+    assert_eq!(
+        page.eval("[document.getElementById('readiness').dataset.ready, document.getElementById('ready').textContent, document.getElementById('ready-reasons').children.length]").await,
+        serde_json::json!(["true", "ready", 0]),
+        "/readyz said 200"
+    );
+    let m = page.eval(MEASURE).await;
+    std::fs::write(artifact("status-page-420.json"), m.to_string()).unwrap();
+    let png = page.screenshot().await;
+    std::fs::write(artifact("status-page-420.png"), &png).unwrap();
+    assert_fits(&m, PHONE.0);
+    assert_eq!(
+        browser::png_size(&png),
+        (PHONE.0, m["scrollHeight"].as_u64().unwrap() as u32),
+        "the whole page is as wide as the phone"
+    );
+
+    page.resize(1200, 900).await;
+    page.until("redrawn at 1200 px", "innerWidth === 1200")
+        .await;
+    assert_fits(&page.eval(MEASURE).await, 1200);
+    page.close().await;
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+}
+
+/// Issue 25 item 6: with a `[republish]` password the broker refuses, the
+/// top of the page says "not ready", the code `/readyz` answers and its
+/// reasons (the broker's reply and the user), and the long reason wraps on
+/// a phone.
+#[tokio::test]
+async fn status_page_shows_not_ready_and_why() {
+    let q = unique("phone-refused");
+    let nackd = start(&format!(
+        "[republish]\nusername = \"guest\"\npassword = \"not-the-password\"\n\
+         [[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n"
+    ))
+    .await;
+    let readyz = wait_for(
+        Duration::from_secs(20),
+        "/readyz: the republish login refused",
+        || common::ops::get(nackd.metrics, "/readyz"),
+        |r| r.status == 503 && r.body.contains("ACCESS_REFUSED"),
+    )
+    .await;
+    let body: serde_json::Value = serde_json::from_str(&readyz.body).unwrap();
+    let reasons = body["reasons"].as_array().unwrap();
+    assert!(
+        reasons.len() == 1
+            && reasons[0]
+                .as_str()
+                .unwrap()
+                .starts_with("republish login into vhost \"/\": 403 ACCESS_REFUSED")
+            && reasons[0].as_str().unwrap().contains("(user guest)"),
+        "{body}"
+    );
+
+    let profile = tempfile::tempdir().unwrap();
+    let mut page = browser::Browser::start(profile.path(), PHONE.0, PHONE.1).await;
+    page.open(&format!("http://{}/", nackd.metrics)).await;
+    page.until("rendered", RENDERED).await;
+    let shown = page
+        .eval(
+            "[document.getElementById('readiness').dataset.ready, \
+              document.getElementById('ready').textContent, \
+              document.getElementById('ready-code').textContent, \
+              [...document.querySelectorAll('#ready-reasons li')].map((li) => li.textContent)]",
+        )
+        .await;
+    assert_eq!(
+        shown,
+        serde_json::json!(["false", "not ready", "/readyz: 503", reasons]),
+        "the page says what /readyz says"
+    );
+    let m = page.eval(MEASURE).await;
+    let png = page.screenshot().await;
+    std::fs::write(artifact("status-page-not-ready-420.png"), &png).unwrap();
+    assert_fits(&m, PHONE.0);
+    page.close().await;
     nackd.stop().await;
 }
