@@ -164,7 +164,7 @@ impl Broker {
 const HINT: &str = "run the test command from README.md (scripts/test), which starts the brokers";
 
 /// Reads `connection.start` from `addr` and returns its `version`.
-fn probe_version(addr: &str) -> Result<String, String> {
+pub fn probe_version(addr: &str) -> Result<String, String> {
     let sock = addr
         .parse()
         .map_err(|e| format!("bad address {addr:?}: {e}"))?;

@@ -1,6 +1,12 @@
 //! A local 3-node RabbitMQ cluster (`scripts/cluster`) for tests of
 //! replication and upstream failover, beside the default broker on 5672.
 //!
+//! Its release follows `NACKD_TEST_BROKER` like the single broker's (see
+//! [`super::broker`]): 3.10 by default (`ha1..ha3@localhost` on
+//! 127.0.0.1:5681..5683, the machine's RabbitMQ), `4.3` for RabbitMQ 4.3
+//! from `scripts/broker4`'s root (`ha43_1..ha43_3@localhost` on
+//! 127.0.0.1:5691..5693). A 4.3 cluster must answer as 4.3.
+//!
 //! [`cluster`] starts it (or reuses it) once per test binary and leaves it
 //! running, so the next binary finds it up in a second or two; run
 //! `scripts/cluster stop` to free its ~400 MB. The script serialises itself
@@ -20,9 +26,29 @@ use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster");
 
-/// The three nodes, numbered 1..=3 like ha1..ha3 in `scripts/cluster`.
+/// The release `scripts/cluster` runs (`NACKD_CLUSTER_BROKER`), from
+/// `NACKD_TEST_BROKER`; panics on one it has no cluster of (tests never
+/// skip).
+fn release() -> &'static str {
+    match std::env::var("NACKD_TEST_BROKER")
+        .unwrap_or_default()
+        .trim()
+    {
+        "" | "3.10" => "3.10",
+        "4.3" => "4.3",
+        other => panic!(
+            "NACKD_TEST_BROKER={other:?}: scripts/cluster runs 3.10 or 4.3 clusters, \
+             and this test needs a cluster"
+        ),
+    }
+}
+
+/// The three nodes, numbered 1..=3 like ha1..ha3 (ha43_1..ha43_3) in
+/// `scripts/cluster`.
 pub struct Cluster {
     addrs: Vec<String>,
+    /// What node 1 says in `connection.start`, e.g. "4.3.6".
+    version: String,
     /// Readers: tests that need every node; writer: a test that stops one.
     nodes: RwLock<()>,
 }
@@ -39,21 +65,57 @@ pub fn cluster() -> &'static Cluster {
         if addrs.len() != 3 {
             return Err(format!("scripts/cluster start printed {addrs:?}"));
         }
+        let version = check_release(&addrs)?;
         Ok(Cluster {
             addrs,
+            version,
             nodes: RwLock::const_new(()),
         })
     });
-    match got {
+    let cluster = match got {
         Ok(c) => c,
-        Err(e) => panic!("no RabbitMQ cluster for this test: {e}"),
+        Err(e) => panic!("no RabbitMQ {} cluster for this test: {e}", release()),
+    };
+    // From then on, a failing test names the cluster it ran against.
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let label = cluster.label();
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            eprintln!("(this test ran against the {label})");
+            default(info);
+        }));
+    });
+    cluster
+}
+
+/// Every node's version, which must be one, and the release asked for
+/// when it is not the default: a suite meant for 4.3 never passes on 3.10.
+fn check_release(addrs: &[String]) -> Result<String, String> {
+    let mut versions = Vec::new();
+    for addr in addrs {
+        versions.push(super::broker::probe_version(addr).map_err(|e| format!("{addr}: {e}"))?);
     }
+    let version = versions[0].clone();
+    if versions.iter().any(|v| *v != version) {
+        return Err(format!(
+            "the nodes {addrs:?} answer as RabbitMQ {versions:?}"
+        ));
+    }
+    if release() != "3.10" && !version.starts_with(&format!("{}.", release())) {
+        return Err(format!(
+            "NACKD_TEST_BROKER={} but the cluster answers as RabbitMQ {version}",
+            release()
+        ));
+    }
+    Ok(version)
 }
 
 /// Runs `scripts/cluster ARGS`; its stdout, or an error with its stderr.
 fn run(args: &[&str]) -> Result<String, String> {
     let start = Instant::now();
     let out = Command::new(SCRIPT)
+        .env("NACKD_CLUSTER_BROKER", release())
         .args(args)
         .output()
         .map_err(|e| format!("cannot run {SCRIPT}: {e}"))?;
@@ -61,7 +123,8 @@ fn run(args: &[&str]) -> Result<String, String> {
     eprint!("{stderr}");
     if !out.status.success() {
         return Err(format!(
-            "`scripts/cluster {}` failed ({}) after {:?}:\n{stderr}",
+            "`NACKD_CLUSTER_BROKER={} scripts/cluster {}` failed ({}) after {:?}:\n{stderr}",
+            release(),
             args.join(" "),
             out.status,
             start.elapsed()
@@ -86,7 +149,16 @@ fn port_open(addr: &str) -> bool {
 }
 
 impl Cluster {
-    /// Node `n`'s AMQP address, `127.0.0.1:568n`.
+    /// "RabbitMQ 4.3.6 cluster at 127.0.0.1:5691, ...", for messages.
+    pub fn label(&self) -> String {
+        format!(
+            "RabbitMQ {} cluster at {}",
+            self.version,
+            self.addrs.join(", ")
+        )
+    }
+
+    /// Node `n`'s AMQP address, `127.0.0.1:568n` (`569n` on 4.3).
     pub fn addr(&self, n: usize) -> &str {
         assert!((1..=3).contains(&n), "nodes are 1, 2 and 3, not {n}");
         &self.addrs[n - 1]
