@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 mod adopt;
 pub mod client;
 mod compact;
+pub mod fence;
 mod local;
 pub mod record;
 mod task;
@@ -112,6 +113,7 @@ pub struct ReplicaError(pub String);
 pub struct Replica {
     tx: mpsc::UnboundedSender<task::Command>,
     state: watch::Receiver<State>,
+    fence: std::sync::Arc<fence::Fence>,
     /// This instance's id.
     pub instance: String,
 }
@@ -128,12 +130,26 @@ impl Replica {
         let (tx, rx) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(State::Connecting);
         let instance = config.instance.clone();
-        tokio::spawn(task::run(config, rx, state_tx, metrics, adopt));
+        let fence = fence::Fence::closed();
+        tokio::spawn(task::run(
+            config,
+            rx,
+            state_tx,
+            metrics,
+            adopt,
+            fence.clone(),
+        ));
         Self {
             tx,
             state,
+            fence,
             instance,
         }
+    }
+
+    /// Until when this process may act for its id (see [`fence`]).
+    pub fn fence(&self) -> std::sync::Arc<fence::Fence> {
+        self.fence.clone()
     }
 
     /// Where the replica stands, as it changes.

@@ -477,3 +477,87 @@ async fn consume_forever(
         }
     }
 }
+
+/// Sends `signal` (e.g. "STOP", "CONT") to `p`.
+fn signal(p: &Process, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &p.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal}");
+}
+
+/// Issue 21, item 2: a holder frozen (SIGSTOP) past `adopt_after` while
+/// it holds messages; a peer adopts and fires them; the holder runs again
+/// with every message due and its republisher connection still open. On
+/// main its engine fired on the state it last saw before its replica task
+/// noticed the lost lease: up to 2 × `confirm_window` duplicates. Fenced
+/// (the lease's fence is read on the monotonic clock, which ran on while
+/// the process was stopped), it publishes nothing: every message arrives
+/// exactly once, from the adopter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, warm) = (unique("cluster-frozen"), unique("cluster-frozen-warm"));
+    let (frozen, live) = (unique("frozen"), unique("live"));
+    let n = 2000;
+    // The republisher connection outlives the freeze (no heartbeat), as it
+    // does with the default heartbeat of 10 s and a shorter freeze.
+    let extra = format!(
+        "[republish]\nheartbeat = \"0s\"\n[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n"
+    );
+    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
+    let a = Process::start(&config(dir.path(), &frozen, &q, "8s", &extra));
+    // One retry through A first, so that its republisher is connected.
+    publish(&warm, 1).await;
+    let through_a = connect(&format!("amqp://guest:guest@{}/%2f", a.addr)).await;
+    let (_wch, mut w) = consumer(&through_a, &warm, 1).await;
+    let d = next(&mut w, Duration::from_secs(10)).await.expect("warm-up");
+    d.nack(BasicNackOptions::default()).await.unwrap();
+    let d = next(&mut w, Duration::from_secs(10)).await.expect("its retry");
+    assert_eq!(retry_count(&d), 1);
+    d.ack(BasicAckOptions::default()).await.unwrap();
+    let _ = through_a.close(200, "".into()).await;
+    publish(&q, n).await;
+    let nacked = park_all(&a, &q, n).await;
+    signal(&a, "STOP");
+    // A's lease is free after about two heartbeats (1 s), B adopts 5 s
+    // later and fires what is due (8 s after the nacks).
+    let conn = cluster().connect(2).await;
+    let (_ch, mut c) = consumer(&conn, &q, 500).await;
+    let mut seen: HashMap<u32, u32> = HashMap::new();
+    let began = Instant::now();
+    while seen.len() < n as usize && began.elapsed() < Duration::from_secs(60) {
+        if let Some(d) = next(&mut c, Duration::from_secs(1)).await {
+            *seen.entry(id_of(&d.data)).or_default() += 1;
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+    assert_eq!(seen.len(), nacked.len(), "every message adopted and fired");
+    // A runs again, every message due in its engine.
+    signal(&a, "CONT");
+    let resumed = Instant::now();
+    while resumed.elapsed() < Duration::from_secs(10) {
+        if let Some(d) = next(&mut c, Duration::from_millis(500)).await {
+            *seen.entry(id_of(&d.data)).or_default() += 1;
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+    let twice = seen.values().filter(|k| **k > 1).count();
+    assert_eq!(
+        twice, 0,
+        "messages delivered twice after the holder ran again"
+    );
+    let s = scrape(a.metrics).await;
+    assert_eq!(
+        s.get("nackd_retries_published_total", &[]),
+        1.0,
+        "the frozen holder handed only its warm-up retry to a republisher"
+    );
+    let _ = conn.close(200, "".into()).await;
+    drop(a);
+    drop(b);
+    delete(&q).await;
+    delete(&warm).await;
+}

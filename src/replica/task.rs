@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -14,6 +14,7 @@ use tracing::{error, info, info_span, warn, Instrument};
 
 use super::adopt::Adopt;
 use super::client::{Client, ClientError};
+use super::fence::Fence;
 use super::local::{self, Synced};
 use super::record::{Fold, Record, Step, DONE_MAX};
 use super::{Config, ReplicaError, State};
@@ -74,6 +75,11 @@ struct Task {
     appended: u64,
     /// A switch to a new generation in progress.
     compaction: Option<Compaction>,
+    /// Until when this process may act: extended by each answer of the
+    /// broker to a lease probe, while active.
+    fence: Arc<Fence>,
+    /// When the last lease probe (or acquisition) the broker answered was sent.
+    heard: Option<Instant>,
 }
 
 /// A generation switch in progress: copies come from the copier; every new
@@ -93,9 +99,10 @@ pub(super) async fn run(
     state: watch::Sender<State>,
     metrics: Arc<Metrics>,
     adopt: mpsc::Sender<Adopt>,
+    fence: Arc<Fence>,
 ) {
     let span = info_span!("replica", instance = %config.instance);
-    let task = Task::new(config, state, metrics);
+    let task = Task::new(config, state, metrics, fence);
     // Adoption runs beside the task, on its own connection: it waits on
     // the engine, which waits on this task for its appends. A spawned task
     // does not inherit a span: its own is made a child of the replica's.
@@ -141,8 +148,15 @@ fn gather_puts(
 
 impl Task {
     /// Not connected yet, no generation.
-    fn new(config: Config, state: watch::Sender<State>, metrics: Arc<Metrics>) -> Self {
+    fn new(
+        config: Config,
+        state: watch::Sender<State>,
+        metrics: Arc<Metrics>,
+        fence: Arc<Fence>,
+    ) -> Self {
         Self {
+            fence,
+            heard: None,
             config,
             state,
             metrics,
@@ -212,6 +226,11 @@ impl Task {
     }
 
     fn set(&self, state: State) {
+        // The fence follows the state: only an active holder acts.
+        match (&state, self.heard) {
+            (State::Active, Some(asked)) => self.fence.extend(asked, self.config.target.heartbeat),
+            _ => self.fence.revoke(),
+        }
         self.state.send_if_modified(|s| {
             let changed = *s != state;
             *s = state;
@@ -433,6 +452,8 @@ impl Task {
     }
 
     fn lost(&mut self, why: &str) {
+        self.heard = None;
+        self.fence.revoke();
         if self.compaction.take().is_some() {
             warn!("replica stream compaction abandoned with the lease");
         }
@@ -455,7 +476,13 @@ impl Task {
         // heartbeat without an answer, before anyone else can take over.
         if let Some(client) = &self.client {
             let lease = Config::lease(&self.config.instance);
-            if !client.probe(&lease, self.config.target.heartbeat).await {
+            let asked = Instant::now();
+            if client.probe(&lease, self.config.target.heartbeat).await {
+                self.heard = Some(asked);
+                if self.active() {
+                    self.fence.extend(asked, self.config.target.heartbeat);
+                }
+            } else {
                 self.lost("the broker did not answer within a heartbeat");
             }
         }
@@ -487,12 +514,14 @@ impl Task {
             }
         };
         self.next_node += 1;
+        let asked = Instant::now();
         match client
             .try_lease(&Config::lease(&self.config.instance))
             .await
         {
             Ok(true) => {
                 info!(node = client.node, "lease taken");
+                self.heard = Some(asked);
                 self.client = Some(client);
                 true
             }

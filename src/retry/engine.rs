@@ -29,6 +29,7 @@ use super::wheel::Wheel;
 use super::{Clock, Command, Options, Park, Parked};
 use crate::metrics::{Metrics, VhostLabels};
 use crate::net::Connector;
+use crate::replica::fence::Fence;
 use crate::store::{
     self, Held, HeldMeta, Loc, Log, Reader, Recovered, Relocation, StoreError, WriteOp, Written,
 };
@@ -110,6 +111,10 @@ pub(super) struct Engine {
     reports: mpsc::UnboundedReceiver<Report>,
     /// The replica and the parks waiting on it, when there is one.
     pub(super) link: Option<link::Link>,
+    /// Until when this process may hand messages to its republishers: the
+    /// replica's lease, checked on the monotonic clock at each firing, so a
+    /// process that was stopped fires nothing on the state it last saw.
+    fence: Arc<Fence>,
     ready: Arc<super::Readiness>,
     pub(super) reader: Reader,
     pub(super) ledger: Ledger,
@@ -178,7 +183,13 @@ impl Engine {
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone());
         let paused = writer.paused;
+        let fence = replica
+            .as_ref()
+            .map_or_else(Fence::always, crate::replica::Replica::fence);
+        let mut options = options;
+        options.republish.fence = fence.clone();
         let mut engine = Self {
+            fence,
             reader,
             writer: writer.tx.clone(),
             store: Some(writer),
@@ -351,7 +362,12 @@ impl Engine {
                 false => None,
             };
             alarm.set(wake);
+            let fence = self.fence.clone();
+            let extended = fence.extended();
+            tokio::pin!(extended);
+            let fenced = self.fenced();
             tokio::select! {
+                _ = &mut extended, if fenced => {}
                 _ = stop.cancelled() => {
                     self.apply_queued(commands);
                     break Exit::Stopped;
@@ -431,7 +447,14 @@ impl Engine {
     /// Whether due messages may fire: while the store can record their
     /// completion, and the replica's lease is held if there is one.
     fn may_fire(&self) -> bool {
-        self.paused.is_none() && self.has_lease()
+        self.paused.is_none() && self.has_lease() && self.fence.holds()
+    }
+
+    /// The lease is held but its fence lapsed (the broker's answer to the
+    /// last probe is late, or this process was stopped): firing waits for
+    /// the next answer.
+    fn fenced(&self) -> bool {
+        self.paused.is_none() && self.has_lease() && !self.fence.holds()
     }
 
     /// Whether this instance acts for its id: always without a replica.

@@ -38,6 +38,7 @@ use tracing::{info_span, Instrument};
 
 use crate::metrics::{BlockReason, Metrics};
 use crate::net::Connector;
+use crate::replica::fence::Fence;
 use crate::store::Route;
 
 mod check;
@@ -143,6 +144,8 @@ pub struct Settings {
     pub heartbeat: Option<Duration>,
     /// Publishes awaiting a confirm, per lane.
     pub confirm_window: u32,
+    /// Publishes are written only while it holds (the replica's lease).
+    pub fence: Arc<Fence>,
 }
 
 impl Settings {
@@ -155,6 +158,7 @@ impl Settings {
             },
             heartbeat: (!config.heartbeat.is_zero()).then_some(config.heartbeat),
             confirm_window: config.confirm_window,
+            fence: Fence::always(),
         }
     }
 }

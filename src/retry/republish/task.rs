@@ -23,6 +23,7 @@ use crate::metrics::{BlockReason, Login, Metrics, Open, VhostLabels};
 use crate::net::{Connector, Io};
 use crate::protocol::frame::FrameType;
 use crate::protocol::method;
+use crate::replica::fence::Fence;
 
 /// Bytes queued for the socket beyond which nothing new is added.
 const OUT_HIGH: usize = 1024 * 1024;
@@ -188,8 +189,17 @@ impl Task {
         let heartbeat = conn.heartbeat;
         let (mut last_read, mut last_write) = (Instant::now(), Instant::now());
         let mut unflushed = false;
+        let fence = self.settings.fence.clone();
         loop {
-            self.drive(&mut wire, conn.frame_max, conn.channel_max);
+            // Nothing is written while the fence does not hold (the lease
+            // is lost, or this process was stopped past it): a publish
+            // already encoded waits in `wire.out`, new ones in their lanes.
+            let extended = fence.extended();
+            tokio::pin!(extended);
+            let fenced = !fence.holds();
+            if !fenced {
+                self.drive(&mut wire, conn.frame_max, conn.channel_max);
+            }
             self.send_reports();
             // Send a heartbeat after half an interval without writing (none
             // is needed while bytes wait to go); give up after two silent ones.
@@ -207,7 +217,8 @@ impl Task {
                         self.on_frame(frame, &mut wire, &mut conn).await?;
                     }
                 }
-                wrote = push(&mut conn.writer, &mut wire.out), if unflushed || !wire.out.is_empty() => {
+                _ = &mut extended, if fenced => {}
+                wrote = push_fenced(&fence, &mut conn.writer, &mut wire.out), if !fenced && (unflushed || !wire.out.is_empty()) => {
                     unflushed = wrote?;
                     last_write = Instant::now();
                 }
@@ -352,6 +363,19 @@ impl Task {
 /// Writes some of `out`, or flushes once it is empty (TLS keeps bytes
 /// until flushed). Cancel-safe: nothing is lost if another branch wins.
 /// `true` while a flush is still owed.
+/// [`push`], if the fence still holds when the write starts (the task may
+/// have been stopped since the loop looked).
+async fn push_fenced(
+    fence: &Fence,
+    writer: &mut WriteHalf<Io>,
+    out: &mut BytesMut,
+) -> std::io::Result<bool> {
+    match fence.holds() {
+        true => push(writer, out).await,
+        false => Ok(true), // still to flush, once it holds again
+    }
+}
+
 async fn push(writer: &mut WriteHalf<Io>, out: &mut BytesMut) -> std::io::Result<bool> {
     if out.is_empty() {
         writer.flush().await?;

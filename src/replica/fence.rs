@@ -1,0 +1,130 @@
+//! Fencing: until when this process may still act for its id.
+//!
+//! The broker frees the lease (an exclusive queue) when it has not heard
+//! from the holder's connection for about two heartbeats. The replica task
+//! extends the fence each time the broker answers a lease probe, to the
+//! time the probe was *sent* plus one and a half heartbeats: by then the
+//! broker may not have freed the lease yet, whatever happened since. The
+//! retry engine hands a message to a republisher, and a republisher writes
+//! a publish to its socket, only while the fence holds. The fence is read
+//! on the monotonic clock, which runs on while the process is stopped: a
+//! holder frozen (SIGSTOP, a stalled VM) past its lease finds the fence
+//! expired the moment it runs again, before its replica task could notice
+//! anything.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+/// `until_us` of a fence that always holds (no replica).
+const ALWAYS: u64 = u64::MAX;
+
+/// Until when this process may act for its id.
+#[derive(Debug)]
+pub struct Fence {
+    origin: Instant,
+    /// µs after `origin` until which the fence holds; 0: it does not.
+    until_us: AtomicU64,
+    extended: Notify,
+}
+
+impl Fence {
+    /// A fence that always holds: nackd without a replica.
+    pub fn always() -> Arc<Self> {
+        Arc::new(Self::with(ALWAYS))
+    }
+
+    /// A fence that holds once extended: the replica's.
+    pub fn closed() -> Arc<Self> {
+        Arc::new(Self::with(0))
+    }
+
+    fn with(until_us: u64) -> Self {
+        Self {
+            origin: Instant::now(),
+            until_us: AtomicU64::new(until_us),
+            extended: Notify::new(),
+        }
+    }
+
+    /// The broker confirmed the lease to a probe sent at `asked`: the
+    /// fence holds until `asked + 1.5 × heartbeat`.
+    pub fn extend(&self, asked: Instant, heartbeat: Duration) {
+        let until = asked + heartbeat + heartbeat / 2;
+        let us = until.saturating_duration_since(self.origin).as_micros() as u64;
+        self.until_us.store(us.max(1), Ordering::Release);
+        self.extended.notify_waiters();
+    }
+
+    /// The lease is lost (or not agreed on): nothing more goes out.
+    pub fn revoke(&self) {
+        self.until_us.store(0, Ordering::Release);
+    }
+
+    /// Whether this process may act for its id now.
+    pub fn holds(&self) -> bool {
+        self.holds_at(Instant::now())
+    }
+
+    /// Whether it may act at `at`.
+    pub fn holds_at(&self, at: Instant) -> bool {
+        match self.until_us.load(Ordering::Acquire) {
+            ALWAYS => true,
+            0 => false,
+            us => at < self.origin + Duration::from_micros(us),
+        }
+    }
+
+    /// Resolves at the next extension (register it before checking
+    /// [`Fence::holds`] to miss none).
+    pub async fn extended(&self) {
+        self.extended.notified().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_replica_the_fence_always_holds() {
+        let f = Fence::always();
+        assert!(f.holds_at(Instant::now() + Duration::from_secs(86_400 * 365)));
+    }
+
+    #[test]
+    fn a_replica_fence_holds_only_once_extended_and_until_one_and_a_half_heartbeats_after_the_probe(
+    ) {
+        let f = Fence::closed();
+        assert!(!f.holds());
+        let asked = Instant::now();
+        let hb = Duration::from_secs(2);
+        f.extend(asked, hb);
+        assert!(f.holds_at(asked));
+        assert!(f.holds_at(asked + Duration::from_millis(2_999)));
+        assert!(!f.holds_at(asked + Duration::from_millis(3_000)));
+    }
+
+    #[test]
+    fn a_process_frozen_past_its_fence_does_not_hold_it_when_it_runs_again() {
+        // What a SIGSTOP looks like to the process: the monotonic clock
+        // jumped between two reads.
+        let f = Fence::closed();
+        let asked = Instant::now();
+        f.extend(asked, Duration::from_secs(1));
+        assert!(f.holds_at(asked + Duration::from_millis(10)));
+        assert!(!f.holds_at(asked + Duration::from_secs(40)));
+    }
+
+    #[test]
+    fn a_revoked_fence_holds_no_more_until_extended_again() {
+        let f = Fence::closed();
+        f.extend(Instant::now(), Duration::from_secs(60));
+        f.revoke();
+        assert!(!f.holds());
+        f.extend(Instant::now(), Duration::from_secs(60));
+        assert!(f.holds());
+    }
+}
