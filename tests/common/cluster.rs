@@ -221,6 +221,19 @@ impl Cluster {
         run_async(vec!["start-node".into(), self.number(n)]).await;
     }
 
+    /// `rabbitmqctl ARGS` against node `n` (through its root on 4.3): its
+    /// output.
+    pub async fn ctl(&self, n: usize, args: &[&str]) -> String {
+        let mut all = vec!["ctl".to_string(), self.number(n)];
+        all.extend(args.iter().map(|a| a.to_string()));
+        tokio::task::spawn_blocking(move || {
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            run(&all).unwrap_or_else(|e| panic!("{e}"))
+        })
+        .await
+        .unwrap()
+    }
+
     fn number(&self, n: usize) -> String {
         self.addr(n); // checks the range
         n.to_string()
