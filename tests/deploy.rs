@@ -89,3 +89,55 @@ fn the_container_config_is_valid() {
     );
     assert!(deploy("nackd.service").contains("ExecReload=/bin/kill -HUP $MAINPID"));
 }
+
+#[test]
+fn the_systemd_unit_runs_as_the_nackd_user_and_checks_its_config_first() {
+    let unit = deploy("nackd.service");
+    for line in [
+        "User=nackd",
+        "Group=nackd",
+        "StateDirectory=nackd",
+        "ProtectSystem=strict",
+        "ExecStartPre=/usr/bin/nackd --check-config /etc/nackd/nackd.toml",
+        "ExecStart=/usr/bin/nackd --config /etc/nackd/nackd.toml --log-format json",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "the unit has {line}");
+    }
+    assert!(
+        !unit.lines().any(|l| l.starts_with("DynamicUser=")),
+        "a dynamic user could not be in the config file's group"
+    );
+}
+
+/// The settings of a TOML file: its lines without comments or blanks.
+fn settings(toml: &str) -> Vec<&str> {
+    toml.lines()
+        .map(|l| l.split(" #").next().unwrap().trim())
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect()
+}
+
+#[test]
+fn the_system_config_is_the_example_config_with_the_store_in_var_lib() {
+    let system = deploy("nackd.system.toml");
+    let config = Config::parse(&system, Path::new("nackd.system.toml")).unwrap();
+    assert_eq!(config.store.path, Path::new("/var/lib/nackd"));
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/nackd.toml"))
+            .unwrap();
+    let expected: Vec<&str> = settings(&example)
+        .into_iter()
+        .map(|l| {
+            if l.starts_with("path = ") {
+                "path = \"/var/lib/nackd\""
+            } else {
+                l
+            }
+        })
+        .collect();
+    assert_eq!(
+        settings(&system),
+        expected,
+        "config/nackd.toml changed: change deploy/nackd.system.toml too"
+    );
+}
