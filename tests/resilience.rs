@@ -115,8 +115,10 @@ async fn negotiated_frame_max_is_enforced_after_tuning() {
         ),
     );
     client.send(&open_channel).await;
-    // A body frame one byte larger in all than negotiated.
-    let frame = Frame::new(FrameType::Body, 1, &vec![0u8; frame_max as usize + 1 - 8]);
+    // A body frame one byte larger than RabbitMQ takes: a payload of
+    // frame_max + 1 (it takes 8 octets over frame_max in all, and so does
+    // nackd: tests/proxy.rs).
+    let frame = Frame::new(FrameType::Body, 1, &vec![0u8; frame_max as usize + 1]);
     client.send(&frame.raw).await;
     match client.ending().await {
         Ending::Close(code, text) => {

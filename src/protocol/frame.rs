@@ -34,6 +34,12 @@ pub const HANDSHAKE_FRAME_MAX: u32 = 128 * 1024;
 /// `frame_max` for every peer that sent just a header. A frame up to this
 /// size is still reserved in one step; a larger one grows as its bytes come.
 pub const RESERVE_STEP: usize = HANDSHAKE_FRAME_MAX as usize;
+/// How far beyond the negotiated `frame_max` RabbitMQ still takes a frame:
+/// 8 octets, a payload of `frame_max` (its reader's `FRAME_SIZE_FUDGE`,
+/// "quite a few [clients] get it wrong - off-by 1 or 8"; rabbitpy sends
+/// body frames of `frame_max` octets of payload). nackd must not refuse
+/// what the broker behind it takes: see [`FrameDecoder::relaying`].
+pub const RABBITMQ_OVERSHOOT: u32 = FRAME_OVERHEAD as u32;
 
 /// The four frame types of AMQP 0-9-1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -184,6 +190,9 @@ fn frame_header(input: &[u8]) -> nom::IResult<&[u8], (u8, u16, u32)> {
 #[derive(Clone, Debug)]
 pub struct FrameDecoder {
     frame_max: u32,
+    /// Octets a frame may exceed `frame_max` by (0, or
+    /// [`RABBITMQ_OVERSHOOT`] for a relayed stream).
+    overshoot: u32,
 }
 
 impl Default for FrameDecoder {
@@ -198,6 +207,17 @@ impl FrameDecoder {
     pub fn new(frame_max: u32) -> Self {
         Self {
             frame_max: if frame_max == 0 { u32::MAX } else { frame_max },
+            overshoot: 0,
+        }
+    }
+
+    /// A decoder for a stream nackd relays between a client and RabbitMQ:
+    /// like [`FrameDecoder::new`], but it takes frames up to
+    /// [`RABBITMQ_OVERSHOOT`] octets beyond `frame_max`, as the broker does.
+    pub fn relaying(frame_max: u32) -> Self {
+        Self {
+            overshoot: RABBITMQ_OVERSHOOT,
+            ..Self::new(frame_max)
         }
     }
 
@@ -206,9 +226,10 @@ impl FrameDecoder {
         self.frame_max
     }
 
-    /// Changes the limit, once `connection.tune-ok` has fixed it.
+    /// Changes the limit, once `connection.tune-ok` has fixed it (a
+    /// relaying decoder keeps relaying).
     pub fn set_frame_max(&mut self, frame_max: u32) {
-        *self = Self::new(frame_max);
+        self.frame_max = Self::new(frame_max).frame_max;
     }
 
     /// Takes one frame from the front of `buf`.
@@ -224,7 +245,7 @@ impl FrameDecoder {
         };
         let kind = FrameType::from_octet(kind).ok_or(FrameError::UnknownType(kind))?;
         let total = size as u64 + FRAME_OVERHEAD as u64;
-        if total > self.frame_max as u64 {
+        if total > self.frame_max as u64 + self.overshoot as u64 {
             return Err(FrameError::TooLarge {
                 size: total,
                 max: self.frame_max,
@@ -354,6 +375,28 @@ mod tests {
             decoder.decode(&mut buf),
             Err(FrameError::TooLarge { .. })
         ));
+    }
+
+    /// RabbitMQ takes a payload of `frame_max` octets (8 over the limit in
+    /// all); a relaying decoder does too, and nothing more.
+    #[test]
+    fn relaying_decoder_takes_what_rabbitmq_takes() {
+        let mut decoder = FrameDecoder::relaying(HANDSHAKE_FRAME_MAX);
+        decoder.set_frame_max(4096);
+        let mut buf = BytesMut::from(&Frame::new(FrameType::Body, 1, &[0u8; 4096]).raw[..]);
+        let frame = decoder.decode(&mut buf).unwrap().unwrap();
+        assert_eq!(frame.raw.len(), 4096 + FRAME_OVERHEAD);
+        let mut buf = BytesMut::from(&Frame::new(FrameType::Body, 1, &[0u8; 4097]).raw[..]);
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Err(FrameError::TooLarge {
+                size: 4097 + 8,
+                max: 4096
+            })
+        );
+        // A plain decoder holds to the limit.
+        let mut buf = BytesMut::from(&Frame::new(FrameType::Body, 1, &[0u8; 4096]).raw[..]);
+        assert!(FrameDecoder::new(4096).decode(&mut buf).is_err());
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::defer::Deferrals;
 use super::frames::Peer;
 use super::{Limits, HIGH_WATER, TICK};
 use crate::metrics::Metrics;
-use crate::protocol::frame::FrameDecoder;
+use crate::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
 use crate::retry::{Park, Parked};
 
 /// What the session asks of the retry engine.
@@ -46,6 +46,7 @@ pub(crate) struct Session {
     pub(super) to_client: BytesMut,
     pub(super) to_upstream: BytesMut,
     pub(super) effects: VecDeque<Effect>,
+    /// Both [`FrameDecoder::relaying`]: they take the frames RabbitMQ takes.
     pub(super) client_decoder: FrameDecoder,
     pub(super) upstream_decoder: FrameDecoder,
     pub(super) channels: Channels,
@@ -97,8 +98,8 @@ impl Session {
             to_client: BytesMut::new(),
             to_upstream: BytesMut::new(),
             effects: VecDeque::new(),
-            client_decoder: FrameDecoder::default(),
-            upstream_decoder: FrameDecoder::default(),
+            client_decoder: FrameDecoder::relaying(HANDSHAKE_FRAME_MAX),
+            upstream_decoder: FrameDecoder::relaying(HANDSHAKE_FRAME_MAX),
             channels: Channels::default(),
             channel_max: 0,
             heartbeat: Duration::ZERO,

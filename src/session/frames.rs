@@ -5,7 +5,7 @@
 
 use amq_protocol::protocol::AMQPClass;
 use bytes::BytesMut;
-use tracing::Span;
+use tracing::{debug, Span};
 
 use super::core::Session;
 use super::lifecycle::Fault;
@@ -50,7 +50,14 @@ impl Session {
                 if let Some(fault) = fault {
                     // The rest of what the client sent is not read.
                     input.clear();
-                    self.on_client_fault(fault);
+                    if self.close.client_failed {
+                        // Answered with connection.close already; what
+                        // follows may not even be frames (the rest of an
+                        // oversized body): one close, one warning.
+                        debug!(error = %fault, "client bytes after its protocol error dropped");
+                    } else {
+                        self.on_client_fault(fault);
+                    }
                 }
             }
             Peer::Upstream => {

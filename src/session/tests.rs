@@ -504,6 +504,24 @@ fn a_client_fault_closes_upstream_only_after_the_acks() {
     assert_eq!(p.upstream(), ["ack 1", "connection.close"]);
 }
 
+/// A client stream that lost its framing (here the rest of an oversized
+/// body, read by read) gets one connection.close, not one per read.
+#[test]
+fn a_client_stream_past_its_protocol_error_gets_one_connection_close() {
+    let mut p = pair();
+    p.client(&[3, 0, 1, 0, 0x10, 0, 0]); // a body frame of 1 MiB: too large
+    p.client(&[b'X'; 64]);
+    p.client(&[b'X'; 64]);
+    let mut to_client = std::mem::take(p.s.transmit().0);
+    let decoder = FrameDecoder::default();
+    let mut closes = 0;
+    while let Some(frame) = decoder.decode(&mut to_client).unwrap() {
+        assert_eq!(describe(&frame), "connection.close");
+        closes += 1;
+    }
+    assert_eq!(closes, 1);
+}
+
 #[test]
 fn an_ack_is_not_sent_after_nackds_connection_close() {
     let mut p = claimed();
