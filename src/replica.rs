@@ -40,6 +40,8 @@ pub use adopt::Adopt;
 pub use client::{ClientError, Target};
 pub use local::Synced;
 pub use record::{Fold, Record, Step};
+#[cfg(test)]
+pub(crate) use task::Command;
 pub use task::SyncOutcome;
 
 /// `[replica]`, resolved.
@@ -173,6 +175,26 @@ impl Replica {
     /// Records a completed message (written in batches).
     pub fn done(&self, id: u64) {
         let _ = self.tx.send(task::Command::Done(id));
+    }
+
+    /// A handle whose task is the test: it gets the commands, and sets
+    /// the state.
+    #[cfg(test)]
+    pub(crate) fn detached(
+        instance: &str,
+    ) -> (
+        Self,
+        mpsc::UnboundedReceiver<task::Command>,
+        watch::Sender<State>,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (state_tx, state) = watch::channel(State::Connecting);
+        let replica = Self {
+            tx,
+            state,
+            instance: instance.into(),
+        };
+        (replica, rx, state_tx)
     }
 }
 

@@ -26,7 +26,7 @@ const RETRY: Duration = Duration::from_secs(1);
 const REBUILD_BATCH: usize = 512;
 
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
-pub(super) enum Command {
+pub(crate) enum Command {
     Sync {
         log: Log,
         reply: oneshot::Sender<Result<SyncOutcome, ReplicaError>>,
