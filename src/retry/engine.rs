@@ -375,6 +375,7 @@ impl Engine {
                     link::Event::Answer(answer) => self.on_replicated(answer),
                     link::Event::Lease => self.on_lease(),
                     link::Event::Stale => break Exit::Stale(self.stop_store()),
+                    link::Event::Resync => break Exit::Stale(self.hand_back().await),
                 },
                 _ = alarm.rings(), if wake.is_some() => {}
             }
@@ -436,16 +437,29 @@ impl Engine {
 
     /// Whether this instance acts for its id: always without a replica.
     fn has_lease(&self) -> bool {
-        self.link.as_ref().is_none_or(link::Link::active)
+        self.link.as_ref().is_none_or(link::Link::holds_lease)
     }
 
-    /// The lease came or went: sessions may claim (or not) from now on.
+    /// The lease came or went, or the stream: sessions may claim (or not)
+    /// from now on.
     fn on_lease(&mut self) {
-        let ready = match self.has_lease() {
-            true => super::Ready::Ready,
-            false => super::Ready::NoLease,
-        };
+        let ready = self
+            .link
+            .as_ref()
+            .map_or(super::Ready::Ready, link::Link::ready);
         self.ready.set(ready);
+    }
+
+    /// Stops for a reseed: nothing more is fired, what the republishers
+    /// got confirmed meanwhile is completed, and the store is handed back
+    /// with everything committed.
+    async fn hand_back(&mut self) -> Log {
+        self.ready.set(super::Ready::NoReplica);
+        self.stop_republishers().await;
+        while let Ok(report) = self.reports.try_recv() {
+            self.on_report(report);
+        }
+        self.stop_store()
     }
 
     /// Ends the store thread once everything sent to it is committed, and
@@ -973,7 +987,11 @@ mod tests {
         let ready = crate::retry::Readiness::new();
         let engine = Engine::new(log, recovered, &start, None, ready.clone());
         let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle { tx, ready };
+        let handle = RetryHandle {
+            tx,
+            ready,
+            reseeds: mpsc::unbounded_channel().0,
+        };
         let (_adopt_tx, mut adopts) = mpsc::channel(1);
         let stop = CancellationToken::new();
         let wait = |what: &'static str, f: Box<dyn Fn() -> bool>| async move {
@@ -1081,7 +1099,11 @@ mod tests {
         let mut engine = Engine::new(log, recovered, &start, None, ready.clone());
         engine.read_backlog(backlog);
         let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle { tx, ready };
+        let handle = RetryHandle {
+            tx,
+            ready,
+            reseeds: mpsc::unbounded_channel().0,
+        };
         let (_adopt_tx, mut adopts) = mpsc::channel(1);
         let stop = CancellationToken::new();
         let test = async {
