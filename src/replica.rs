@@ -205,6 +205,13 @@ impl Replica {
     /// Asks for a new generation seeded from the local store, in place of
     /// a missing one; `reply` gets the outcome once it is written.
     pub fn reseed(&self, reply: ReseedReply) {
+        let state = self.state.borrow().clone();
+        if matches!(state, State::Connecting | State::Standby) {
+            // The task may wait for the lease for ever: answer now.
+            let why = format!("the replica is {state:?}, not holding its lease: nothing to reseed");
+            let _ = reply.send(Err(ReplicaError(why)));
+            return;
+        }
         if let Err(mpsc::error::SendError(task::Command::Reseed(reply))) =
             self.tx.send(task::Command::Reseed(reply))
         {

@@ -379,7 +379,7 @@ impl Task {
             )),
             State::Reseeding => Some("a reseed is already under way".to_string()),
             other => Some(format!(
-                "the replica is not holding its lease ({other:?}): nothing to reseed now"
+                "the replica is {other:?}, not missing its stream: nothing to reseed now"
             )),
         };
         if let Some(why) = refused {
