@@ -26,7 +26,8 @@
 //! - [`record`]: what the streams hold, and how a generation is folded.
 //! - [`client`]: the connection (lapin): streams, lease, probes.
 //! - `local`: the local store's last agreement with the cluster.
-//! - `task`: the connection's life: lease, sync, appends, completions.
+//! - `task`: the connection's life: lease, appends, completions; its
+//!   `sync` lines the local store up with the stream.
 //! - `completions`: completed ids until the broker confirmed them.
 
 use std::path::PathBuf;
