@@ -21,9 +21,11 @@ use prometheus_client::registry::{Registry, Unit};
 mod damage;
 mod logins;
 mod recent;
+mod replica;
 pub use damage::{DamageList, Damaged};
 pub use logins::{Login, Logins};
 pub use recent::{Event, EventKind, Recent};
+pub use replica::ReplicaMissing;
 
 /// Content type of [`Metrics::encode`]'s output (OpenMetrics text, which
 /// Prometheus scrapes natively).
@@ -71,6 +73,9 @@ pub enum PassReason {
     Recovering,
     /// The replica's lease is not held (a standby, or the broker was lost).
     NoLease,
+    /// The replica stream is missing (deleted): nothing is held until an
+    /// operator reseeds it.
+    NoReplica,
     /// The channel or connection is closing (a close, recover or
     /// `tx.select` of the client waits to go upstream, or a close went).
     Closing,
@@ -81,7 +86,7 @@ pub enum PassReason {
 
 impl PassReason {
     /// Every reason, in label order.
-    pub const ALL: [PassReason; 11] = [
+    pub const ALL: [PassReason; 12] = [
         Self::NotConfigured,
         Self::OverBudget,
         Self::StoreUnavailable,
@@ -91,6 +96,7 @@ impl PassReason {
         Self::UnknownTag,
         Self::Recovering,
         Self::NoLease,
+        Self::NoReplica,
         Self::Closing,
         Self::Returned,
     ];
@@ -109,6 +115,7 @@ impl PassReason {
                 | Self::BadHeaders
                 | Self::Recovering
                 | Self::NoLease
+                | Self::NoReplica
         )
     }
 
@@ -124,6 +131,7 @@ impl PassReason {
             Self::UnknownTag => "unknown_tag",
             Self::Recovering => "recovering",
             Self::NoLease => "no_lease",
+            Self::NoReplica => "no_replica",
             Self::Closing => "closing",
             Self::Returned => "returned",
         }
@@ -304,6 +312,13 @@ pub struct Metrics {
     pub replica_rebuilt: Counter,
     /// Replica generations replaced by a compacted one.
     pub replica_generations: Counter,
+    /// Replica records the broker returned (their stream does not exist).
+    pub replica_returns: Counter,
+    /// Whether this instance's replica stream is missing.
+    pub replica_missing: ReplicaMissing,
+    /// Other instances whose lease is free but whose replica stream is
+    /// missing: their messages cannot be adopted.
+    pub replica_unadoptable: Gauge,
     /// Republisher connections up now (all vhosts).
     pub republishers: Gauge,
     /// 1 while the republisher of a vhost is connected.
@@ -438,6 +453,9 @@ impl Metrics {
             store_damage: DamageList::default(),
             replica_rebuilt: Counter::default(),
             replica_generations: Counter::default(),
+            replica_returns: Counter::default(),
+            replica_missing: ReplicaMissing::default(),
+            replica_unadoptable: Gauge::default(),
             republishers: Gauge::default(),
             republisher_connected: Family::default(),
             republisher_blocked: Family::default(),
@@ -647,8 +665,23 @@ impl Metrics {
         );
     }
 
-    /// The replica: compactions and rebuilds.
+    /// The replica: compactions, rebuilds, a missing stream.
     fn register_replica(&self, r: &mut Registry) {
+        r.register(
+            "nackd_replica_returns",
+            "Replica records the broker returned as unroutable: their stream does not exist (deleted?)",
+            self.replica_returns.clone(),
+        );
+        r.register(
+            "nackd_replica_missing",
+            "1 while this instance's replica stream is missing: nacks are deferred until `nackd admin replica reseed`",
+            self.replica_missing.gauge.clone(),
+        );
+        r.register(
+            "nackd_replica_unadoptable",
+            "Instances of the group whose lease is free but whose replica stream is missing: their messages cannot be adopted",
+            self.replica_unadoptable.clone(),
+        );
         r.register(
             "nackd_replica_compactions",
             "Replica generation streams replaced by a compacted one",

@@ -87,6 +87,7 @@ pub fn router(ops: Arc<Ops>) -> Router {
         .route("/api/held", get(admin::list))
         .route("/api/fire", post(admin::fire))
         .route("/api/purge", post(admin::purge))
+        .route("/api/replica/reseed", post(admin::reseed))
         .route_layer(middleware::from_fn_with_state(
             ops.clone(),
             admin::authorize,
@@ -129,17 +130,24 @@ async fn healthz() -> &'static str {
 
 async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     let store = match (ops.intercepting, ops.engine.get()) {
-        (false, _) => "not used",
-        (true, None) => "recovering",
+        (false, _) => "not used".to_string(),
+        (true, None) => "recovering".to_string(),
         (true, Some((retry, _))) => match retry.ready.get() {
-            crate::retry::Ready::Recovering => "recovering",
-            crate::retry::Ready::NoLease => "no lease",
-            crate::retry::Ready::Failed => "closed",
+            crate::retry::Ready::Recovering => "recovering".to_string(),
+            crate::retry::Ready::NoLease => "no lease".to_string(),
+            // The stream and what to do about it.
+            crate::retry::Ready::NoReplica => ops
+                .metrics
+                .replica_missing
+                .reason()
+                .unwrap_or_else(|| "no replica: reseeding".to_string()),
+            crate::retry::Ready::Failed => "closed".to_string(),
             crate::retry::Ready::Ready if ops.metrics.store_open.get() == 1 => {
                 // Firing paused: held messages wait, new nacks are deferred.
-                ops.metrics.firing_paused().map_or("ok", |r| r.text())
+                let paused = ops.metrics.firing_paused();
+                paused.map_or("ok", |r| r.text()).to_string()
             }
-            crate::retry::Ready::Ready => "closed",
+            crate::retry::Ready::Ready => "closed".to_string(),
         },
     };
     let nodes = ops.upstream_check().await;
@@ -148,7 +156,7 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // Each vhost the policies intercept for: can nackd's own login get
     // in? If not, what it holds there can never be republished.
     let logins = ops.metrics.republish_logins.all();
-    let reasons = unready_reasons(&upstream, store, &logins, draining);
+    let reasons = unready_reasons(&upstream, &store, &logins, draining);
     let republish: serde_json::Map<String, serde_json::Value> = logins
         .into_iter()
         .map(|(vhost, l)| (vhost, l.text().into()))

@@ -18,11 +18,17 @@
 //!   instance: it takes the lease, parks every message of it under its own
 //!   id (same due times and retry counts), marks the directory adopted and
 //!   deletes the generation stream.
+//! - Every write is `mandatory`: a generation stream someone deleted makes
+//!   the broker return writes instead of confirming them. Then nothing new
+//!   is held (nacks are deferred) until an operator reseeds: a new
+//!   generation written from the local store (`nackd admin replica reseed`).
 //!
 //! - [`record`]: what the streams hold, and how a generation is folded.
 //! - [`client`]: the connection (lapin): streams, lease, probes.
 //! - `local`: the local store's last agreement with the cluster.
-//! - `task`: the connection's life: lease, sync, appends, completions.
+//! - `task`: the connection's life: lease, appends, completions; its
+//!   `sync` lines the local store up with the stream.
+//! - `completions`: completed ids until the broker confirmed them.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -32,6 +38,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 mod adopt;
 pub mod client;
 mod compact;
+mod completions;
 pub mod fence;
 mod local;
 pub mod record;
@@ -41,6 +48,8 @@ pub use adopt::Adopt;
 pub use client::{ClientError, Target};
 pub use local::Synced;
 pub use record::{Fold, Record, Step};
+#[cfg(test)]
+pub(crate) use task::Command;
 pub use task::SyncOutcome;
 
 /// `[replica]`, resolved.
@@ -101,7 +110,26 @@ pub enum State {
     /// The lease was held again after it was lost, and another holder
     /// acted in between: the local store must be rebuilt ([`Replica::sync`]).
     Stale,
+    /// The lease is held but the generation stream is gone (deleted by
+    /// someone): held messages fire, nothing new is held, until an
+    /// operator reseeds ([`Replica::reseed`]).
+    Missing,
+    /// A reseed was asked for: the local store must be handed back
+    /// ([`Replica::sync`] writes the new generation from it).
+    Reseeding,
 }
+
+/// A reseed done: how many held messages the new generation got, and its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reseeded {
+    /// Messages written to the new stream (what the local store holds).
+    pub seeded: u64,
+    /// The new generation stream.
+    pub stream: String,
+}
+
+/// Where a reseed is answered.
+pub type ReseedReply = oneshot::Sender<Result<Reseeded, ReplicaError>>;
 
 /// Why a replica write failed.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -189,6 +217,45 @@ impl Replica {
     /// Records a completed message (written in batches).
     pub fn done(&self, id: u64) {
         let _ = self.tx.send(task::Command::Done(id));
+    }
+
+    /// Asks for a new generation seeded from the local store, in place of
+    /// a missing one; `reply` gets the outcome once it is written.
+    pub fn reseed(&self, reply: ReseedReply) {
+        let state = self.state.borrow().clone();
+        if matches!(state, State::Connecting | State::Standby) {
+            // The task may wait for the lease for ever: answer now.
+            let why = format!("the replica is {state:?}, not holding its lease: nothing to reseed");
+            let _ = reply.send(Err(ReplicaError(why)));
+            return;
+        }
+        if let Err(mpsc::error::SendError(task::Command::Reseed(reply))) =
+            self.tx.send(task::Command::Reseed(reply))
+        {
+            let _ = reply.send(Err(ReplicaError("the replica task is gone".into())));
+        }
+    }
+
+    /// A handle whose task is the test: it gets the commands, and sets
+    /// the state.
+    #[cfg(test)]
+    pub(crate) fn detached(
+        instance: &str,
+    ) -> (
+        Self,
+        mpsc::UnboundedReceiver<task::Command>,
+        watch::Sender<State>,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (state_tx, state) = watch::channel(State::Connecting);
+        let replica = Self {
+            tx,
+            state,
+            // No lease probes here: the test's state is the lease.
+            fence: fence::Fence::always(),
+            instance: instance.into(),
+        };
+        (replica, rx, state_tx)
     }
 }
 

@@ -92,6 +92,8 @@ pub struct RetryHandle {
     tx: mpsc::UnboundedSender<Command>,
     /// Where interception stands (recovering, ready, no lease).
     pub ready: Arc<Readiness>,
+    /// Reseeds for the replica (closed without one).
+    reseeds: mpsc::UnboundedSender<crate::replica::ReseedReply>,
 }
 
 impl RetryHandle {
@@ -104,6 +106,19 @@ impl RetryHandle {
     /// Drops a parked message (its delivery went back to the broker anyway).
     pub fn cancel(&self, id: u64) {
         let _ = self.tx.send(Command::Cancel(id));
+    }
+
+    /// Replaces a missing replica stream by a new one written from the
+    /// local store; answers once it is written (and nackd intercepts again).
+    pub async fn reseed(&self) -> Result<crate::replica::Reseeded, crate::replica::ReplicaError> {
+        use crate::replica::ReplicaError;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        if self.reseeds.send(reply).is_err() {
+            return Err(ReplicaError("nackd has no [replica]".into()));
+        }
+        answer
+            .await
+            .map_err(|_| ReplicaError("the replica task is gone".into()))?
     }
 }
 
@@ -135,10 +150,12 @@ impl Options {
 /// and joins the store writer.
 pub fn start(start: Start) -> (RetryHandle, Stopper) {
     let (tx, rx) = mpsc::unbounded_channel();
+    let (reseeds, reseeds_rx) = mpsc::unbounded_channel();
     let stop = CancellationToken::new();
-    let (ready, thread) = supervisor::spawn(start, rx, stop.clone());
+    let (ready, thread) = supervisor::spawn(start, rx, reseeds_rx, stop.clone());
     let engine = Stopper::thread("retry engine", stop, thread);
-    (RetryHandle { tx, ready }, engine)
+    let handle = RetryHandle { tx, ready, reseeds };
+    (handle, engine)
 }
 
 /// A retry handle without an engine, for the session's unit tests (the
@@ -150,9 +167,10 @@ pub(crate) mod testing {
     /// A handle whose interception is ready.
     pub fn ready_handle() -> RetryHandle {
         let (tx, _) = mpsc::unbounded_channel();
+        let (reseeds, _) = mpsc::unbounded_channel();
         let ready = supervisor::Readiness::new();
         ready.set(supervisor::Ready::Ready);
-        RetryHandle { tx, ready }
+        RetryHandle { tx, ready, reseeds }
     }
 
     /// Interception of `handle` stops: its replica's lease is lost.

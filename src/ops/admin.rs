@@ -6,6 +6,7 @@
 //! GET  /api/held?queue=Q&vhost=V&limit=N   soonest due first (limit 100, at most 10000)
 //! POST /api/fire?id=N | ?queue=Q[&vhost=V]  publish now
 //! POST /api/purge?id=N | ?queue=Q[&vhost=V] forget (no republish)
+//! POST /api/replica/reseed                  a new replica stream from the local store
 //! ```
 
 use std::sync::Arc;
@@ -129,6 +130,20 @@ async fn act(ops: &Ops, p: &Params, what: &str) -> Response {
         Ok(0) => not_held(&target, what),
         Ok(n) => count(what, n),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e),
+    }
+}
+
+/// Replaces a missing replica stream by a new one written from what the
+/// local store holds; answers once it is written and nackd intercepts
+/// again: `{"reseeded": n, "stream": name}`. Refused (409) while the stream
+/// exists or the lease is not held.
+pub(super) async fn reseed(State(ops): State<Arc<Ops>>) -> Response {
+    let Some(retry) = ops.retry() else {
+        return error(StatusCode::CONFLICT, "nackd intercepts nothing: no replica");
+    };
+    match retry.reseed().await {
+        Ok(done) => Json(json!({ "reseeded": done.seeded, "stream": done.stream })).into_response(),
+        Err(e) => error(StatusCode::CONFLICT, e),
     }
 }
 

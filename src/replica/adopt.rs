@@ -9,16 +9,22 @@
 //! other instance, should it come back during the adoption, waits for that
 //! lease like any standby, then finds the directory adopted and discards
 //! its local copy.
+//!
+//! An instance whose generation stream is gone (deleted by someone) cannot
+//! be adopted: that is logged as an error once, counted in
+//! `nackd_replica_unadoptable`, and its lease is given back, so that it can
+//! come back with its store and reseed.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::client::{Client, ClientError};
 use super::record::{Fold, Record, Step};
 use super::{Config, State};
+use crate::metrics::Metrics;
 use crate::store::Held;
 
 /// What an adoption asks of the retry engine.
@@ -43,6 +49,7 @@ pub(super) async fn run(
     config: Config,
     state: watch::Receiver<State>,
     engine: mpsc::Sender<Adopt>,
+    metrics: std::sync::Arc<Metrics>,
 ) {
     let every = (config.adopt_after / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
     let mut tick = tokio::time::interval(every);
@@ -67,7 +74,20 @@ pub(super) async fn run(
             warn!(error = %e, "adoption check failed; trying again later");
             client = None;
         }
+        metrics
+            .replica_unadoptable
+            .set(watch.unadoptable.len() as i64);
     }
+}
+
+/// How an adoption attempt ended.
+enum Adoption {
+    /// Nothing is left to adopt.
+    Done,
+    /// Another instance adopts it, or it came back.
+    Busy,
+    /// Its generation stream is gone: its messages cannot be adopted.
+    Missing(String),
 }
 
 /// Which other instances' leases have been free, and since when.
@@ -86,6 +106,8 @@ pub(super) struct Watch {
     /// When the registry was last read, and this instance last registered.
     read_at: Option<Instant>,
     registered_at: Option<Instant>,
+    /// Instances whose lease is free but whose generation stream is gone.
+    unadoptable: HashSet<String>,
 }
 
 impl Watch {
@@ -151,6 +173,7 @@ impl Watch {
             // Alive (again): once it is gone again it is adopted again.
             self.free_since.remove(name);
             self.settled.remove(name);
+            self.unadoptable.remove(name);
             return Ok(());
         }
         if self.settled.contains(name) {
@@ -164,9 +187,23 @@ impl Watch {
             return Ok(());
         }
         let progress = self.progress.entry(name.to_owned()).or_default();
-        if adopt(client, config, name, engine, progress).await? {
-            self.settled.insert(name.to_owned());
-            self.progress.remove(name);
+        match adopt(client, config, name, engine, progress).await? {
+            Adoption::Done => {
+                self.settled.insert(name.to_owned());
+                self.progress.remove(name);
+            }
+            Adoption::Busy => {}
+            Adoption::Missing(stream) => {
+                error!(
+                    from = name,
+                    stream,
+                    "cannot adopt: the instance's replica stream is missing (deleted?), so its held messages are not in the cluster; if its store still exists, start it on that store and run `nackd admin replica reseed` there, else they are lost"
+                );
+                // Looked at again once it registers again (it came back).
+                self.settled.insert(name.to_owned());
+                self.unadoptable.insert(name.to_owned());
+                self.progress.remove(name);
+            }
         }
         self.free_since.remove(name);
         Ok(())
@@ -188,17 +225,17 @@ async fn registered(
     Ok(names)
 }
 
-/// Adopts `name`'s held messages; `true` when nothing is left to adopt.
+/// Adopts `name`'s held messages.
 async fn adopt(
     client: &Client,
     config: &Config,
     name: &str,
     engine: &mpsc::Sender<Adopt>,
     ours: &mut HashMap<u64, u64>,
-) -> Result<bool, ClientError> {
+) -> Result<Adoption, ClientError> {
     let lease = Config::lease(name);
     if !client.try_lease(&lease).await? {
-        return Ok(false); // another instance adopts it, or it came back
+        return Ok(Adoption::Busy); // another instance adopts it, or it came back
     }
     let directory = Config::directory(name);
     let mut generation = None;
@@ -213,6 +250,11 @@ async fn adopt(
         }
     }
     if let (Some(g), false) = (generation, adopted) {
+        let stream = Config::generation(name, g);
+        if !client.exists(&stream).await? {
+            client.delete(&lease).await?; // it may come back and reseed
+            return Ok(Adoption::Missing(stream));
+        }
         let count = match take_over(client, name, g, engine, ours).await {
             Ok(count) => count,
             Err(e) => {
@@ -221,6 +263,10 @@ async fn adopt(
                 // stream still has every one of them.
                 for id in std::mem::take(ours).into_values() {
                     let _ = engine.send(Adopt::Complete(id)).await;
+                }
+                if let ClientError::Returned(stream) = e {
+                    client.delete(&lease).await?;
+                    return Ok(Adoption::Missing(stream));
                 }
                 return Err(e);
             }
@@ -237,7 +283,7 @@ async fn adopt(
         );
     }
     client.delete(&lease).await?;
-    Ok(true)
+    Ok(Adoption::Done)
 }
 
 /// Parks every message of `name`'s generation `g` under our own ids.

@@ -6,7 +6,17 @@
 //! One connection carries both the lease and the stream writes: if the
 //! broker drops it, the lease goes with it and no write can follow, so a
 //! process that lost its lease can never append to the stream again.
+//!
+//! Every write is `mandatory`: a stream that was deleted routes nothing, and
+//! the broker would confirm a write that went nowhere. A returned write is
+//! [`ClientError::Returned`], never a success. The broker sends the return
+//! just before the confirm of its message, but lapin hands it to whichever
+//! confirm of that ack frame it completes first; so each write carries its
+//! number as `message_id`, confirms are settled in publish order, and a
+//! write is returned when its own number came back.
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -20,6 +30,7 @@ use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties, DefaultConnectionBuilder,
     PublisherConfirm,
 };
+use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 
 use super::record::Record;
@@ -41,6 +52,10 @@ pub enum ClientError {
     /// The broker did not confirm a write.
     #[error("the broker nacked a replica write")]
     Nacked,
+    /// The broker returned a write: the stream it names does not exist
+    /// (deleted by someone).
+    #[error("stream {0} does not exist: the broker returned the write")]
+    Returned(String),
     /// A stream holds something nackd did not write.
     #[error("stream {0}: a record nackd cannot read")]
     Malformed(String),
@@ -97,6 +112,17 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
+/// What a [`Client::probe`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The broker answered; the lease (and the stream asked about) exist.
+    Alive,
+    /// The broker answered; the stream asked about does not exist.
+    Missing,
+    /// No answer in time, or the lease is gone.
+    Silent,
+}
+
 /// A live connection with one confirm channel for writes.
 pub struct Client {
     conn: Connection,
@@ -104,6 +130,34 @@ pub struct Client {
     /// The node it is connected to.
     pub node: String,
     cluster_size: Option<u32>,
+    /// Number of the next write (its `message_id`).
+    next: AtomicU64,
+    /// Publishes and hands over the confirm as one step, so that the
+    /// settler sees confirms in delivery-tag order.
+    publishing: tokio::sync::Mutex<mpsc::UnboundedSender<Sent>>,
+}
+
+/// A write waiting for the broker, in publish order.
+struct Sent {
+    number: u64,
+    stream: String,
+    confirm: PublisherConfirm,
+    reply: oneshot::Sender<Result<(), ClientError>>,
+}
+
+/// The broker's answer to one write, once it came.
+pub struct Confirm(oneshot::Receiver<Result<(), ClientError>>);
+
+impl Confirm {
+    /// Waits for the answer: `Ok` once the stream has the record
+    /// (replicated), else why not.
+    pub async fn wait(self) -> Result<(), ClientError> {
+        self.0.await.unwrap_or_else(|_| {
+            Err(ClientError::Unreachable(
+                "the replica connection is gone".into(),
+            ))
+        })
+    }
 }
 
 impl Client {
@@ -130,11 +184,15 @@ impl Client {
                     writes
                         .confirm_select(ConfirmSelectOptions::default())
                         .await?;
+                    let (sent, settling) = mpsc::unbounded_channel();
+                    tokio::spawn(settle(settling));
                     return Ok(Self {
                         conn,
                         writes,
                         node: node.clone(),
                         cluster_size: target.cluster_size,
+                        next: AtomicU64::new(1),
+                        publishing: tokio::sync::Mutex::new(sent),
                     });
                 }
                 Err(e) => errors.push(format!("{node}: {e}")),
@@ -222,33 +280,43 @@ impl Client {
         Ok(())
     }
 
-    /// Appends a record; the returned confirm resolves once the broker has
-    /// it (replicated, for a stream).
-    pub async fn append(
-        &self,
-        stream: &str,
-        record: &Record,
-    ) -> Result<PublisherConfirm, ClientError> {
-        let properties = BasicProperties::default().with_delivery_mode(2);
-        Ok(self
+    /// Appends a record (`mandatory`); the returned confirm resolves once
+    /// the broker has it (replicated, for a stream), or returned it.
+    pub async fn append(&self, stream: &str, record: &Record) -> Result<Confirm, ClientError> {
+        let publishing = self.publishing.lock().await;
+        let number = self.next.fetch_add(1, Ordering::Relaxed);
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(number.to_string().into());
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let confirm = self
             .writes
             .basic_publish(
                 "".into(),
                 stream.into(),
-                BasicPublishOptions::default(),
+                mandatory,
                 &record.encode(),
                 properties,
             )
-            .await?)
+            .await?;
+        let (reply, answer) = oneshot::channel();
+        let sent = Sent {
+            number,
+            stream: stream.to_string(),
+            confirm,
+            reply,
+        };
+        // The settler ends only with this client: it is there.
+        let _ = publishing.send(sent);
+        Ok(Confirm(answer))
     }
 
     /// Appends a record and waits for the broker's confirm.
     pub async fn append_confirmed(&self, stream: &str, record: &Record) -> Result<(), ClientError> {
-        let confirm = self.append(stream, record).await?.await?;
-        match confirm.is_ack() {
-            true => Ok(()),
-            false => Err(ClientError::Nacked),
-        }
+        self.append(stream, record).await?.wait().await
     }
 
     /// Reads `stream` from its first record to its current end: appends a
@@ -312,8 +380,10 @@ impl Client {
     }
 
     /// One round trip to the broker on this connection: the lease is
-    /// still held if it answers (a passive declare of the lease queue).
-    pub async fn probe(&self, lease: &str, within: Duration) -> bool {
+    /// still held if it answers (a passive declare of the lease queue),
+    /// and `stream`, if given, still exists (a passive declare of it on
+    /// the same channel).
+    pub async fn probe(&self, lease: &str, stream: Option<&str>, within: Duration) -> Probe {
         let ask = async {
             let ch = self.conn.create_channel().await?;
             let passive = QueueDeclareOptions {
@@ -322,15 +392,64 @@ impl Client {
             };
             ch.queue_declare(lease.into(), passive, FieldTable::default())
                 .await?;
+            if let Some(stream) = stream {
+                let declared = ch
+                    .queue_declare(stream.into(), passive, FieldTable::default())
+                    .await;
+                match declared {
+                    Err(e) if reply_code(&e) == Some(404) => return Ok(Probe::Missing),
+                    declared => drop(declared?),
+                }
+            }
             let _ = ch.close(200, "".into()).await;
-            Ok::<_, lapin::Error>(())
+            Ok::<_, lapin::Error>(Probe::Alive)
         };
-        matches!(tokio::time::timeout(within, ask).await, Ok(Ok(())))
+        match tokio::time::timeout(within, ask).await {
+            Ok(Ok(probe)) => probe,
+            _ => Probe::Silent,
+        }
     }
 
     /// Closes the connection (the lease goes with it).
     pub async fn close(&self) {
         let _ = self.conn.close(200, "nackd: replica closing".into()).await;
+    }
+}
+
+/// Settles writes in publish order: a write is returned when its own
+/// number came back, on its confirm or on an earlier one of the same ack
+/// (which lapin completes first), else acked or nacked by its own confirm.
+async fn settle(mut sent: mpsc::UnboundedReceiver<Sent>) {
+    // Numbers the broker returned whose write is not settled yet.
+    let mut returned: HashSet<u64> = HashSet::new();
+    while let Some(s) = sent.recv().await {
+        let outcome = match s.confirm.await {
+            Ok(confirmation) => {
+                let acked = confirmation.is_ack();
+                if let Some(message) = confirmation.take_message() {
+                    let number = message.delivery.properties.message_id().as_ref();
+                    match number.and_then(|n| n.as_str().parse().ok()) {
+                        Some(n) => {
+                            returned.insert(n);
+                        }
+                        // Not one of ours: assume the worst for this write.
+                        None => {
+                            returned.insert(s.number);
+                        }
+                    }
+                }
+                match (returned.remove(&s.number), acked) {
+                    (true, _) => Err(ClientError::Returned(s.stream)),
+                    (false, true) => Ok(()),
+                    (false, false) => Err(ClientError::Nacked),
+                }
+            }
+            Err(e) => Err(ClientError::Amqp(e)),
+        };
+        // A return comes with the ack of its own write or before it: those
+        // settled so far cannot be met again.
+        returned.retain(|n| *n > s.number);
+        let _ = s.reply.send(outcome);
     }
 }
 

@@ -3,7 +3,6 @@
 //! store up with the stream, then append held messages and completions
 //! until the connection is lost, and start over.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,21 +12,28 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, info_span, warn, Instrument};
 
 use super::adopt::Adopt;
-use super::client::{Client, ClientError};
+use super::client::{Client, ClientError, Confirm, Probe};
+use super::completions::Completions;
 use super::fence::Fence;
 use super::local::{self, Synced};
-use super::record::{Fold, Record, Step, DONE_MAX};
-use super::{Config, ReplicaError, State};
+use super::record::Record;
+use super::{Config, ReplicaError, Reseeded, State};
 use crate::metrics::Metrics;
 use crate::store::{Log, Recovered};
+
+mod sync;
 
 /// How often a standby asks for the lease, and a lost connection is retried.
 const RETRY: Duration = Duration::from_secs(1);
 /// Steps of a rebuild committed together.
 const REBUILD_BATCH: usize = 512;
+/// Seed records of a new generation in flight at most.
+const SEED_WINDOW: usize = 512;
+/// How long a stop waits for the broker to confirm the last completions.
+const STOP_CONFIRMS: Duration = Duration::from_secs(2);
 
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
-pub(super) enum Command {
+pub(crate) enum Command {
     Sync {
         log: Log,
         reply: oneshot::Sender<Result<SyncOutcome, ReplicaError>>,
@@ -37,6 +43,28 @@ pub(super) enum Command {
         reply: oneshot::Sender<Result<(), ReplicaError>>,
     },
     Done(u64),
+    /// An operator asks for a new generation seeded from the local store
+    /// (the current one is missing).
+    Reseed(super::ReseedReply),
+}
+
+/// What the broker said about writes whose confirms are awaited beside
+/// the task.
+enum Event {
+    /// A record was returned: `stream` does not exist.
+    Returned(String),
+    /// A batch of completions was confirmed on every target, or not.
+    Done { batch: u64, confirmed: bool },
+}
+
+/// What the directory and the local store say after the lease came back.
+enum Current {
+    /// The local store is the last holder's and its stream exists.
+    Yes,
+    /// The local store is the last holder's, but its stream is gone.
+    Missing(String),
+    /// Another holder acted in between.
+    Stale,
 }
 
 /// The local store after [`super::Replica::sync`].
@@ -67,7 +95,15 @@ struct Task {
     client: Option<Client>,
     /// The generation stream appends go to, once synced.
     generation: Option<u64>,
-    done: Vec<u64>,
+    /// Completed ids until the broker confirmed them.
+    completions: Completions,
+    /// Confirms awaited beside the task report here.
+    events_tx: mpsc::UnboundedSender<Event>,
+    events: mpsc::UnboundedReceiver<Event>,
+    /// A reseed asked for, until a sync writes the new generation.
+    reseed: Option<super::ReseedReply>,
+    /// A reseed written, answered once the sync is done.
+    reseeded: Option<(super::ReseedReply, Reseeded)>,
     next_node: usize,
     /// The lease epoch held (with the generation, what replica.state says).
     epoch: u64,
@@ -106,7 +142,12 @@ pub(super) async fn run(
     // Adoption runs beside the task, on its own connection: it waits on
     // the engine, which waits on this task for its appends. A spawned task
     // does not inherit a span: its own is made a child of the replica's.
-    let adoption = super::adopt::run(task.config.clone(), task.state.subscribe(), adopt);
+    let adoption = super::adopt::run(
+        task.config.clone(),
+        task.state.subscribe(),
+        adopt,
+        task.metrics.clone(),
+    );
     tokio::spawn(adoption.instrument(info_span!(parent: &span, "adopt")));
     task.serve(commands).instrument(span).await
 }
@@ -154,6 +195,7 @@ impl Task {
         metrics: Arc<Metrics>,
         fence: Arc<Fence>,
     ) -> Self {
+        let (events_tx, events) = mpsc::unbounded_channel();
         Self {
             fence,
             heard: None,
@@ -162,7 +204,11 @@ impl Task {
             metrics,
             client: None,
             generation: None,
-            done: Vec::new(),
+            completions: Completions::default(),
+            events_tx,
+            events,
+            reseed: None,
+            reseeded: None,
             next_node: 0,
             epoch: 0,
             appended: 0,
@@ -170,9 +216,11 @@ impl Task {
         }
     }
 
-    /// The task's loop: commands, the periodic flush of completions (and
-    /// compaction check), the lease check, and compaction's progress; at
-    /// the end, the last completions go out and the connection is closed.
+    /// The task's loop: commands, what the broker said about writes, the
+    /// periodic flush of completions (and compaction check), the lease
+    /// check, and compaction's progress; at the end, the last completions
+    /// go out (and are confirmed, for a little while) and the connection
+    /// is closed.
     async fn serve(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         let mut flush = tokio::time::interval(self.config.done_every);
         let mut check = tokio::time::interval(RETRY);
@@ -182,6 +230,7 @@ impl Task {
                     Some(command) => self.on_received(command, &mut commands).await,
                     None => break,
                 },
+                Some(event) = self.events.recv() => self.on_event(event),
                 _ = flush.tick() => {
                     self.flush_done().await;
                     self.maybe_compact().await;
@@ -193,8 +242,17 @@ impl Task {
                 },
             }
         }
-        if let Some(client) = self.client.take() {
+        if self.client.is_some() {
             self.flush_done().await;
+            let until = tokio::time::Instant::now() + STOP_CONFIRMS;
+            while self.completions.unconfirmed() > 0 {
+                match tokio::time::timeout_at(until, self.events.recv()).await {
+                    Ok(Some(event)) => self.on_event(event),
+                    _ => break,
+                }
+            }
+        }
+        if let Some(client) = self.client.take() {
             client.close().await;
         }
     }
@@ -218,10 +276,10 @@ impl Task {
                 let (batch, next) = gather_puts(record, reply, commands);
                 self.append_puts(batch).await;
                 if let Some(command) = next {
-                    self.on_command(command).await;
+                    self.on_command(command, commands).await;
                 }
             }
-            command => self.on_command(command).await,
+            command => self.on_command(command, commands).await,
         }
     }
 
@@ -242,19 +300,115 @@ impl Task {
         *self.state.borrow() == State::Active
     }
 
-    async fn on_command(&mut self, command: Command) {
+    /// Why nothing is written now.
+    fn inactive(&self) -> &'static str {
+        match *self.state.borrow() {
+            State::Missing | State::Reseeding => "the replica stream is missing",
+            _ => "the lease is not held",
+        }
+    }
+
+    async fn on_command(
+        &mut self,
+        command: Command,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
+    ) {
         match command {
             Command::Sync { log, reply } => {
-                let _ = reply.send(self.sync(log).await);
+                let _ = reply.send(self.sync(log, commands).await);
             }
             Command::Append { record, reply } => self.append(record, reply).await,
             Command::Done(id) => {
-                self.done.push(id);
-                if self.done.len() >= DONE_MAX {
+                self.completions.add(id);
+                if self.completions.full() {
                     self.flush_done().await;
                 }
             }
+            Command::Reseed(reply) => self.on_reseed(reply),
         }
+    }
+
+    /// What the broker said about writes awaited beside the task.
+    fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Returned(stream) => self.on_returned(&stream),
+            Event::Done { batch, confirmed } => match confirmed {
+                true => self.completions.confirmed(batch),
+                false => self.completions.failed(batch),
+            },
+        }
+    }
+
+    /// The broker returned a record written to `stream`: it is gone.
+    fn on_returned(&mut self, stream: &str) {
+        self.metrics.replica_returns.inc();
+        let instance = &self.config.instance;
+        if self
+            .generation
+            .map(|g| Config::generation(instance, g))
+            .as_deref()
+            == Some(stream)
+        {
+            return self.missing(stream);
+        }
+        let next = self.compaction.as_ref().map(|c| c.next);
+        if next.map(|n| Config::generation(instance, n)).as_deref() == Some(stream) {
+            self.compaction = None;
+            warn!(
+                stream,
+                "replica stream compaction abandoned: its new stream is gone"
+            );
+        }
+    }
+
+    /// The current generation stream is gone (someone deleted it): what
+    /// the local store holds is held, and fires, but is not replicated any
+    /// more, so nothing new is held until an operator reseeds.
+    fn missing(&mut self, stream: &str) {
+        self.stream_gone(
+            stream,
+            "the replica stream is missing (deleted?): nacks are deferred, not held, until `nackd admin replica reseed` writes a new stream from the local store; held messages still fire, but a lost host would lose them",
+        )
+    }
+
+    /// The stream is gone, and says so once (with what to do).
+    fn stream_gone(&mut self, stream: &str, what: &str) {
+        if self.compaction.take().is_some() {
+            warn!("replica stream compaction abandoned: the current stream is gone");
+        }
+        if matches!(*self.state.borrow(), State::Missing | State::Reseeding) {
+            return;
+        }
+        self.metrics.replica_missing.set(Some(stream));
+        error!(stream, "{what}");
+        match self.reseed.is_some() {
+            true => self.set(State::Reseeding),
+            false => self.set(State::Missing),
+        }
+    }
+
+    /// An operator asks for a reseed: only a missing stream is replaced;
+    /// the engine hands its store back and [`Task::sync`] writes it.
+    fn on_reseed(&mut self, reply: super::ReseedReply) {
+        let state = self.state.borrow().clone();
+        let refused = match state {
+            State::Missing => None,
+            State::Active => Some(format!(
+                "nothing to reseed: the replica stream {} exists",
+                self.targets().first().cloned().unwrap_or_default()
+            )),
+            State::Reseeding => Some("a reseed is already under way".to_string()),
+            other => Some(format!(
+                "the replica is {other:?}, not missing its stream: nothing to reseed now"
+            )),
+        };
+        if let Some(why) = refused {
+            let _ = reply.send(Err(ReplicaError(why)));
+            return;
+        }
+        info!("reseed asked for: the engine hands the local store back");
+        self.reseed = Some(reply);
+        self.set(State::Reseeding);
     }
 
     /// The generation streams a new record goes to: the current one, and
@@ -300,7 +454,7 @@ impl Task {
             }
         };
         let (Some(client), true) = (&self.client, self.active()) else {
-            reply_all(replies, Err(ReplicaError("the lease is not held".into())));
+            reply_all(replies, Err(ReplicaError(self.inactive().into())));
             return;
         };
         let size = record.encode().len() as u64;
@@ -318,15 +472,11 @@ impl Task {
         if let Some(c) = &mut self.compaction {
             c.appended += size;
         }
+        let events = self.events_tx.clone();
         tokio::spawn(async move {
-            let mut result = Ok(());
-            for confirm in confirms {
-                result = result.and(match confirm.await {
-                    Ok(c) if c.is_ack() => Ok(()),
-                    Ok(_) => Err(ReplicaError("the broker nacked the write".into())),
-                    Err(e) => Err(ReplicaError(e.to_string())),
-                });
-            }
+            let result = confirmed(confirms, &events)
+                .await
+                .map_err(|e| ReplicaError(e.to_string()));
             reply_all(replies, result);
         });
     }
@@ -335,20 +485,17 @@ impl Task {
     async fn append_copy(&mut self, (record, reply): super::compact::Copy) {
         let active = self.active();
         let (Some(client), Some(c), true) = (&self.client, &mut self.compaction, active) else {
-            let _ = reply.send(Err("the lease is not held".into()));
+            let _ = reply.send(Err(self.inactive().into()));
             return;
         };
         let stream = Config::generation(&self.config.instance, c.next);
         c.appended += record.encode().len() as u64;
         match client.append(&stream, &record).await {
             Ok(confirm) => {
+                let events = self.events_tx.clone();
                 tokio::spawn(async move {
-                    let result = match confirm.await {
-                        Ok(c) if c.is_ack() => Ok(()),
-                        Ok(_) => Err("the broker nacked the copy".to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    let _ = reply.send(result);
+                    let result = confirmed(vec![confirm], &events).await;
+                    let _ = reply.send(result.map_err(|e| e.to_string()));
                 });
             }
             Err(e) => {
@@ -429,25 +576,42 @@ impl Task {
         info!(generation = c.next, copied, "replica stream compacted");
     }
 
+    /// Writes the completions waiting; each batch counts once every
+    /// target confirmed it ([`Event::Done`]), else it is written again.
     async fn flush_done(&mut self) {
-        if self.done.is_empty() {
-            return;
-        }
-        let (Some(client), true) = (&self.client, self.active()) else {
+        if !self.active() {
             return; // kept until the lease is held again
-        };
-        let ids = std::mem::take(&mut self.done);
-        let record = Record::Done(ids.clone());
-        let size = record.encode().len() as u64;
-        for stream in self.targets() {
-            if let Err(e) = client.append(&stream, &record).await {
-                self.done = ids;
+        }
+        while let Some((batch, ids)) = self.completions.take() {
+            let Some(client) = &self.client else {
+                return self.completions.failed(batch);
+            };
+            let record = Record::Done(ids);
+            let size = record.encode().len() as u64;
+            let mut confirms = Vec::new();
+            let mut failed = None;
+            for stream in self.targets() {
+                match client.append(&stream, &record).await {
+                    Ok(confirm) => confirms.push(confirm),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                self.completions.failed(batch);
                 return self.lost(&e.to_string());
             }
-        }
-        self.appended += size;
-        if let Some(c) = &mut self.compaction {
-            c.appended += size;
+            self.appended += size;
+            if let Some(c) = &mut self.compaction {
+                c.appended += size;
+            }
+            let events = self.events_tx.clone();
+            tokio::spawn(async move {
+                let confirmed = confirmed(confirms, &events).await.is_ok();
+                let _ = events.send(Event::Done { batch, confirmed });
+            });
         }
     }
 
@@ -460,7 +624,13 @@ impl Task {
         if self.client.take().is_some() {
             warn!(error = why, "replica connection lost: the lease is gone; not intercepting or firing until it is back");
         }
-        if matches!(*self.state.borrow(), State::Active | State::Syncing) {
+        // What the old connection did not confirm is written again on the next.
+        self.completions.lost();
+        let state = self.state.borrow().clone();
+        if matches!(
+            state,
+            State::Active | State::Syncing | State::Missing | State::Reseeding
+        ) {
             self.set(State::Connecting);
         }
     }
@@ -474,16 +644,27 @@ impl Task {
         // Fencing: the broker frees the lease about two heartbeats after it
         // last heard from this process; this process stops acting after one
         // heartbeat without an answer, before anyone else can take over.
+        // The same round trip checks that the stream still exists.
         if let Some(client) = &self.client {
             let lease = Config::lease(&self.config.instance);
+            let stream = match self.active() {
+                true => self.targets().into_iter().next(),
+                false => None,
+            };
+            let heartbeat = self.config.target.heartbeat;
             let asked = Instant::now();
-            if client.probe(&lease, self.config.target.heartbeat).await {
+            let probe = client.probe(&lease, stream.as_deref(), heartbeat).await;
+            if matches!(probe, Probe::Alive | Probe::Missing) {
+                // The lease is held either way: the fence moves on.
                 self.heard = Some(asked);
                 if self.active() {
-                    self.fence.extend(asked, self.config.target.heartbeat);
+                    self.fence.extend(asked, heartbeat);
                 }
-            } else {
-                self.lost("the broker did not answer within a heartbeat");
+            }
+            match probe {
+                Probe::Alive => {}
+                Probe::Missing => self.missing(stream.as_deref().unwrap_or_default()),
+                Probe::Silent => self.lost("the broker did not answer within a heartbeat"),
             }
         }
         if self.client.is_some() || self.generation.is_none() {
@@ -493,8 +674,9 @@ impl Task {
             return;
         }
         match self.check_current().await {
-            Ok(true) => self.set(State::Active),
-            Ok(false) => {
+            Ok(Current::Yes) => self.set(State::Active),
+            Ok(Current::Missing(stream)) => self.missing(&stream),
+            Ok(Current::Stale) => {
                 warn!("another holder acted while the lease was lost: the local store is stale and must be rebuilt");
                 self.set(State::Stale);
             }
@@ -594,8 +776,9 @@ impl Task {
     }
 
     /// After the lease came back: is the local store still the last
-    /// holder's? If so, a new epoch is written and it goes on.
-    async fn check_current(&mut self) -> Result<bool, ClientError> {
+    /// holder's? If so, a new epoch is written and it goes on (unless its
+    /// stream is gone meanwhile).
+    async fn check_current(&mut self) -> Result<Current, ClientError> {
         self.set(State::Syncing);
         let dir = self.directory().await?;
         let local = local::load(&self.config.store_dir);
@@ -606,11 +789,17 @@ impl Task {
                     && Some(l.generation) == dir.generation
                     && l.epoch == dir.epoch
             });
-        if current {
-            self.new_epoch(dir.epoch, dir.generation.expect("checked"))
-                .await?;
+        if !current {
+            return Ok(Current::Stale);
         }
-        Ok(current)
+        let g = dir.generation.expect("checked");
+        let stream = Config::generation(&self.config.instance, g);
+        let exists = self.client.as_ref().expect("held").exists(&stream).await?;
+        self.new_epoch(dir.epoch, g).await?;
+        Ok(match exists {
+            true => Current::Yes,
+            false => Current::Missing(stream),
+        })
     }
 
     async fn new_epoch(&mut self, last: u64, generation: u64) -> Result<u64, ClientError> {
@@ -642,162 +831,23 @@ impl Task {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
     }
+}
 
-    /// Takes the lease, then makes `log` agree with the stream. Broker
-    /// failures are retried; a store that cannot be written is an error.
-    async fn sync(&mut self, log: Log) -> Result<SyncOutcome, ReplicaError> {
-        let mut log = log;
-        loop {
-            if self.client.is_none() {
-                self.acquire().await;
-            }
-            self.set(State::Syncing);
-            match self.try_sync(log).await {
-                Ok(outcome) => {
-                    self.set(State::Active);
-                    return Ok(outcome);
-                }
-                Err(Failed::Broker(back, e)) => {
-                    warn!(error = %e, "replica sync failed; trying again");
-                    self.lost(&e.to_string());
-                    log = back;
-                    tokio::time::sleep(RETRY).await;
-                }
-                Err(Failed::Store(e)) => {
-                    self.lost("the local store failed");
-                    return Err(ReplicaError(format!("local store: {e}")));
-                }
-            }
+/// Waits for every confirm; the first failure, if any. A returned record
+/// is reported to the task too: its stream is gone.
+async fn confirmed(
+    confirms: Vec<Confirm>,
+    events: &mpsc::UnboundedSender<Event>,
+) -> Result<(), ClientError> {
+    let mut result = Ok(());
+    for confirm in confirms {
+        let outcome = confirm.wait().await;
+        if let Err(ClientError::Returned(stream)) = &outcome {
+            let _ = events.send(Event::Returned(stream.clone()));
         }
+        result = result.and(outcome);
     }
-
-    async fn try_sync(&mut self, log: Log) -> Result<SyncOutcome, Failed> {
-        let dir = match self.directory().await {
-            Ok(dir) => dir,
-            Err(e) => return Err(Failed::Broker(log, e)),
-        };
-        let local = local::load(&self.config.store_dir);
-        let instance = &self.config.instance;
-        let current = |g: u64| {
-            local.as_ref().is_some_and(|l| {
-                &l.instance == instance && l.generation == g && l.epoch == dir.epoch
-            })
-        };
-        let (log, generation, rebuilt) = match (&dir.generation, &dir.adopted_by) {
-            (Some(g), None) if current(*g) => (log, *g, false),
-            (Some(g), None) => (self.rebuild(log, *g).await?, *g, true),
-            (g, adopted) => {
-                let next = g.map_or(1, |g| g + 1);
-                let wipe = adopted.is_some();
-                (self.start_generation(log, next, wipe).await?, next, wipe)
-            }
-        };
-        let epoch = match self.new_epoch(dir.epoch, generation).await {
-            Ok(epoch) => epoch,
-            Err(e) => return Err(Failed::Broker(log, e)),
-        };
-        let (log, recovered) = reopen(log)?;
-        Ok(SyncOutcome {
-            log,
-            recovered,
-            rebuilt,
-            epoch,
-        })
-    }
-
-    /// A new generation stream: empty when `wipe` (the held messages were
-    /// adopted elsewhere), else seeded with what the local store holds.
-    async fn start_generation(&mut self, log: Log, n: u64, wipe: bool) -> Result<Log, Failed> {
-        let client = self.client.as_ref().expect("held");
-        let stream = Config::generation(&self.config.instance, n);
-        let (log, recovered) = reopen(log)?;
-        let log = match wipe {
-            true => {
-                warn!(
-                    "this id's messages were adopted by another instance: the local store is discarded"
-                );
-                forget_synced(&self.config.store_dir);
-                wipe_log(log)?
-            }
-            false => log,
-        };
-        if let Err(e) = client.declare_stream(&stream).await {
-            return Err(Failed::Broker(log, e));
-        }
-        if !wipe {
-            let reader = log.reader();
-            let mut seeded = 0;
-            for (_, _, loc) in &recovered.held {
-                let Ok(held) = reader.read(*loc) else {
-                    continue;
-                };
-                if let Err(e) = client
-                    .append_confirmed(&stream, &Record::put(&held, true))
-                    .await
-                {
-                    return Err(Failed::Broker(log, e));
-                }
-                seeded += 1;
-            }
-            info!(
-                seeded,
-                generation = n,
-                "new replica stream seeded from the local store"
-            );
-        }
-        let directory = Config::directory(&self.config.instance);
-        if let Err(e) = client
-            .append_confirmed(&directory, &Record::Generation(n))
-            .await
-        {
-            return Err(Failed::Broker(log, e));
-        }
-        Ok(log)
-    }
-
-    /// Wipes the local store and rebuilds it from generation `g`.
-    async fn rebuild(&mut self, log: Log, g: u64) -> Result<Log, Failed> {
-        warn!(
-            generation = g,
-            "local store is not the last holder's: rebuilding it from the stream"
-        );
-        forget_synced(&self.config.store_dir);
-        let mut log = wipe_log(log)?;
-        let client = self.client.as_ref().expect("held");
-        let stream = Config::generation(&self.config.instance, g);
-        let mut reader = match client.read(&stream).await {
-            Ok(r) => r,
-            Err(e) => return Err(Failed::Broker(log, e)),
-        };
-        let mut fold = Fold::default();
-        let mut locs = HashMap::new();
-        let mut staged = 0;
-        loop {
-            let record = match reader.next().await {
-                Ok(Some(r)) => r,
-                Ok(None) => break,
-                Err(e) => return Err(Failed::Broker(log, e)),
-            };
-            for step in fold.apply(record) {
-                apply(&mut log, &mut locs, step).map_err(Failed::Store)?;
-                staged += 1;
-            }
-            if staged >= REBUILD_BATCH {
-                staged = 0;
-                log.commit().map_err(|e| Failed::Store(e.to_string()))?;
-            }
-        }
-        log.commit().map_err(|e| Failed::Store(e.to_string()))?;
-        log.reserve_ids(fold.next_id())
-            .map_err(|e| Failed::Store(e.to_string()))?;
-        self.metrics.replica_rebuilt.inc_by(locs.len() as u64);
-        info!(
-            held = locs.len(),
-            generation = g,
-            "local store rebuilt from the stream"
-        );
-        Ok(log)
-    }
+    result
 }
 
 /// What a compaction in progress has for the task.
@@ -816,62 +866,4 @@ async fn compaction(c: &mut Option<Compaction>) -> Progress {
             finished.unwrap_or_else(|_| Err(ClientError::Unreachable("the copier is gone".into()))),
         ),
     }
-}
-
-/// Applies one step of a rebuild to the log (locations are valid once
-/// committed; a later put of the same id supersedes the earlier one).
-fn apply(
-    log: &mut Log,
-    locs: &mut HashMap<u64, crate::store::Loc>,
-    step: Step,
-) -> Result<(), String> {
-    match step {
-        Step::Put(held) => {
-            let replaces = locs.get(&held.id).copied();
-            let loc = log.put(&held, replaces).map_err(|e| e.to_string())?;
-            locs.insert(held.id, loc);
-        }
-        Step::Drop(id) => {
-            if let Some(loc) = locs.remove(&id) {
-                log.del(id, loc);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Why a sync attempt failed: the broker (try again, the store is back)
-/// or the local store (give up).
-#[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
-enum Failed {
-    Broker(Log, ClientError),
-    Store(String),
-}
-
-fn forget_synced(dir: &std::path::Path) {
-    let _ = std::fs::remove_file(dir.join("replica.state"));
-}
-
-/// Closes `log` and opens it again: what it holds, as recovery reads it.
-#[allow(clippy::result_large_err)] // the error gives the log back to its owner
-fn reopen(log: Log) -> Result<(Log, Recovered), Failed> {
-    let (dir, options) = (log.dir().to_owned(), log.options());
-    drop(log);
-    Log::open(&dir, options).map_err(|e| Failed::Store(e.to_string()))
-}
-
-/// Deletes every segment of `log` and opens it empty.
-#[allow(clippy::result_large_err)] // the error gives the log back to its owner
-fn wipe_log(log: Log) -> Result<Log, Failed> {
-    let (dir, options) = (log.dir().to_owned(), log.options());
-    drop(log);
-    let wiped = (|| {
-        for n in crate::store::segment_numbers(&dir)? {
-            std::fs::remove_file(crate::store::segment_path(&dir, n))?;
-        }
-        std::fs::File::open(&dir)?.sync_all()
-    })();
-    wiped.map_err(|e| Failed::Store(e.to_string()))?;
-    let (log, _) = Log::open(&dir, options).map_err(|e| Failed::Store(e.to_string()))?;
-    Ok(log)
 }

@@ -391,6 +391,7 @@ impl Engine {
                     link::Event::Answer(answer) => self.on_replicated(answer),
                     link::Event::Lease => self.on_lease(),
                     link::Event::Stale => break Exit::Stale(self.stop_store()),
+                    link::Event::Resync => break Exit::Stale(self.hand_back().await),
                 },
                 _ = alarm.rings(), if wake.is_some() => {}
             }
@@ -459,16 +460,29 @@ impl Engine {
 
     /// Whether this instance acts for its id: always without a replica.
     fn has_lease(&self) -> bool {
-        self.link.as_ref().is_none_or(link::Link::active)
+        self.link.as_ref().is_none_or(link::Link::holds_lease)
     }
 
-    /// The lease came or went: sessions may claim (or not) from now on.
+    /// The lease came or went, or the stream: sessions may claim (or not)
+    /// from now on.
     fn on_lease(&mut self) {
-        let ready = match self.has_lease() {
-            true => super::Ready::Ready,
-            false => super::Ready::NoLease,
-        };
+        let ready = self
+            .link
+            .as_ref()
+            .map_or(super::Ready::Ready, link::Link::ready);
         self.ready.set(ready);
+    }
+
+    /// Stops for a reseed: nothing more is fired, what the republishers
+    /// got confirmed meanwhile is completed, and the store is handed back
+    /// with everything committed.
+    async fn hand_back(&mut self) -> Log {
+        self.ready.set(super::Ready::NoReplica);
+        self.stop_republishers().await;
+        while let Ok(report) = self.reports.try_recv() {
+            self.on_report(report);
+        }
+        self.stop_store()
     }
 
     /// Ends the store thread once everything sent to it is committed, and
@@ -583,13 +597,21 @@ impl Engine {
                 ..w
             },
             (Ok(loc), Err(e)) => {
-                // Stored here but not in the replica: not held at all.
+                // Stored here but not surely in the replica: not held at
+                // all. The stream may have it all the same (a confirm lost
+                // with its connection): a completion keeps a rebuild or an
+                // adoption from bringing it back.
                 self.tell_store(StoreOp::Del { id: w.id, loc });
+                if let Some(link) = &self.link {
+                    link.replica.done(w.id);
+                }
                 let result = Err(StoreError::Io(format!("replica: {e}")));
                 Written { result, ..w }
             }
-            (Err(e), replicated) => {
-                if let (Ok(()), Some(link)) = (replicated, &self.link) {
+            (Err(e), _) => {
+                // Not held; the stream may have it (even if its answer was
+                // an error): completed there too.
+                if let Some(link) = &self.link {
                     link.replica.done(w.id);
                 }
                 Written {
@@ -860,6 +882,60 @@ mod tests {
         );
     }
 
+    /// Issue 21, item 6: a message stored here whose replica append
+    /// failed is not held (its nack is deferred): its local copy goes, and
+    /// a completion goes to the stream, which may have it all the same (a
+    /// confirm lost with its connection), so that no rebuild or adoption
+    /// brings it back while the broker redelivers it too.
+    #[tokio::test]
+    async fn a_failed_replica_append_deletes_the_copy_and_completes_it_in_the_stream() {
+        use crate::replica::{Command as ToReplica, Record, ReplicaError, State};
+        let dir = tempfile::tempdir().unwrap();
+        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        let start = start(dir.path());
+        let (replica, mut to_replica, state) = crate::replica::Replica::detached("test");
+        state.send(State::Active).unwrap();
+        let ready = crate::retry::Readiness::new();
+        let engine = Engine::new(log, recovered, &start, Some(replica), ready);
+        let (tx, mut commands) = mpsc::unbounded_channel();
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        tx.send(Command::Park(park(1), reply)).unwrap();
+        let stop = CancellationToken::new();
+        let (_adopt_tx, mut adopts) = mpsc::channel(1);
+        let replica_side = async {
+            let appended = match to_replica.recv().await {
+                Some(ToReplica::Append { record, reply }) => {
+                    let _ = reply.send(Err(ReplicaError("connection lost".into())));
+                    record
+                }
+                _ => panic!("the park is appended to the replica first"),
+            };
+            let Record::Put { record, .. } = appended else {
+                panic!("a put: {appended:?}");
+            };
+            let id = crate::store::record::id_of(&record).unwrap();
+            let answer = answers.recv().await.unwrap();
+            assert!(answer.result.is_err(), "not held: {:?}", answer.result);
+            let completed = tokio::time::timeout(Duration::from_secs(5), async {
+                loop {
+                    match to_replica.recv().await {
+                        Some(ToReplica::Done(done)) => return done,
+                        Some(_) => {}
+                        None => panic!("the engine dropped the replica"),
+                    }
+                }
+            })
+            .await
+            .expect("a completion for the message the replica may hold");
+            assert_eq!(completed, id);
+            stop.cancel();
+        };
+        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), replica_side);
+        assert!(matches!(exit, Exit::Stopped));
+        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        assert!(recovered.held.is_empty(), "the local copy is deleted");
+    }
+
     /// Writes messages 1..=`n` (due far ahead) to the store in `dir`, as a
     /// nackd that held them before a restart left it.
     fn hold_before_a_restart(dir: &std::path::Path, n: u64) {
@@ -934,7 +1010,11 @@ mod tests {
         let ready = crate::retry::Readiness::new();
         let engine = Engine::new(log, recovered, &start, None, ready.clone());
         let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle { tx, ready };
+        let handle = RetryHandle {
+            tx,
+            ready,
+            reseeds: mpsc::unbounded_channel().0,
+        };
         let (_adopt_tx, mut adopts) = mpsc::channel(1);
         let stop = CancellationToken::new();
         let wait = |what: &'static str, f: Box<dyn Fn() -> bool>| async move {
@@ -1042,7 +1122,11 @@ mod tests {
         let mut engine = Engine::new(log, recovered, &start, None, ready.clone());
         engine.read_backlog(backlog);
         let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle { tx, ready };
+        let handle = RetryHandle {
+            tx,
+            ready,
+            reseeds: mpsc::unbounded_channel().0,
+        };
         let (_adopt_tx, mut adopts) = mpsc::channel(1);
         let stop = CancellationToken::new();
         let test = async {

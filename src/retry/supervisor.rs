@@ -35,6 +35,9 @@ pub enum Ready {
     NoLease = 2,
     /// The store could not be opened: nackd is a plain proxy.
     Failed = 3,
+    /// The replica stream is missing: nothing new is held until an
+    /// operator reseeds it (held messages still fire once the engine runs).
+    NoReplica = 4,
 }
 
 /// Shared view of [`Ready`].
@@ -52,6 +55,7 @@ impl Readiness {
             1 => Ready::Ready,
             2 => Ready::NoLease,
             3 => Ready::Failed,
+            4 => Ready::NoReplica,
             _ => Ready::Recovering,
         }
     }
@@ -70,6 +74,7 @@ impl Readiness {
         match self.get() {
             Ready::Ready | Ready::Recovering => Ok(()),
             Ready::NoLease => Err(PassReason::NoLease),
+            Ready::NoReplica => Err(PassReason::NoReplica),
             Ready::Failed => Err(PassReason::StoreUnavailable),
         }
     }
@@ -98,6 +103,7 @@ pub struct Start {
 pub(super) fn spawn(
     start: Start,
     commands: mpsc::UnboundedReceiver<Command>,
+    reseeds: mpsc::UnboundedReceiver<replica::ReseedReply>,
     stop: CancellationToken,
 ) -> (Arc<Readiness>, std::thread::JoinHandle<()>) {
     let ready = Readiness::new();
@@ -112,7 +118,7 @@ pub(super) fn spawn(
                 .enable_all()
                 .build()
                 .expect("the retry engine's runtime");
-            let life = supervise(start, commands, shared, stop);
+            let life = supervise(start, commands, reseeds, shared, stop);
             runtime.block_on(life.instrument(info_span!("engine")));
             // The republishers and the replica run on this runtime: they
             // end with it.
@@ -125,6 +131,7 @@ pub(super) fn spawn(
 async fn supervise(
     start: Start,
     mut commands: mpsc::UnboundedReceiver<Command>,
+    reseeds: mpsc::UnboundedReceiver<replica::ReseedReply>,
     ready: Arc<Readiness>,
     stop: CancellationToken,
 ) {
@@ -144,12 +151,14 @@ async fn supervise(
         .replica
         .clone()
         .map(|config| Replica::spawn(config, start.metrics.clone(), adopt_tx));
+    if let Some(replica) = &replica {
+        tokio::spawn(forward_reseeds(reseeds, replica.clone()));
+    }
     loop {
         if let Some(replica) = &replica {
-            ready.set(Ready::NoLease);
             let synced = tokio::select! {
                 _ = stop.cancelled() => return,
-                synced = replica.sync(log) => synced,
+                synced = sync(replica, log, &ready) => synced,
             };
             match synced {
                 Ok(synced) => (log, recovered) = (synced.log, synced.recovered),
@@ -170,6 +179,40 @@ async fn supervise(
                 recovered = Default::default();
             }
         }
+    }
+}
+
+/// Lines the store up with the replica; meanwhile `/readyz` says why
+/// nothing is intercepted: no lease yet, or a missing stream.
+async fn sync(
+    replica: &Replica,
+    log: Log,
+    ready: &Readiness,
+) -> Result<replica::SyncOutcome, replica::ReplicaError> {
+    let mut state = replica.state();
+    let synced = replica.sync(log);
+    tokio::pin!(synced);
+    loop {
+        ready.set(match *state.borrow_and_update() {
+            replica::State::Missing | replica::State::Reseeding => Ready::NoReplica,
+            _ => Ready::NoLease,
+        });
+        tokio::select! {
+            synced = &mut synced => return synced,
+            changed = state.changed() => if changed.is_err() {
+                return synced.await;
+            },
+        }
+    }
+}
+
+/// An operator's reseeds (from the admin API) go to the replica task.
+async fn forward_reseeds(
+    mut reseeds: mpsc::UnboundedReceiver<replica::ReseedReply>,
+    replica: Replica,
+) {
+    while let Some(reply) = reseeds.recv().await {
+        replica.reseed(reply);
     }
 }
 

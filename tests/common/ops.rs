@@ -23,10 +23,13 @@ pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
 
 /// Whether `/readyz` says interception is past its start: the store is
 /// open and every message it held is scheduled again (its older segments
-/// read), and the replica lease held; or there is no store at all.
+/// read), and the replica lease held (and its stream there); or there is
+/// no store at all.
 fn intercepting(r: &HttpResponse) -> bool {
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-    !matches!(v["store"].as_str(), Some("recovering" | "no lease") | None)
+    let store = v["store"].as_str();
+    !matches!(store, Some("recovering" | "no lease") | None)
+        && !store.is_some_and(|s| s.starts_with("no replica"))
         && v["store_recovering"] != true
 }
 

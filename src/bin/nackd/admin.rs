@@ -1,5 +1,5 @@
-//! `nackd admin list|fire|purge`: the admin API of a running nackd from the
-//! command line, printed as lines an operator reads (or greps). Address and
+//! `nackd admin list|fire|purge|replica reseed`: the admin API of a running
+//! nackd from the command line, printed as lines an operator reads (or greps). Address and
 //! token come from the config file unless `--address` / `--token-env` say.
 
 use std::fmt::Write as _;
@@ -45,6 +45,19 @@ enum AdminAction {
     Fire(Which),
     /// Forget held messages: one (--id) or every message of a queue.
     Purge(Which),
+    /// The replica stream of this instance.
+    Replica {
+        #[command(subcommand)]
+        action: ReplicaAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ReplicaAction {
+    /// Replace a missing replica stream (deleted by someone) by a new one
+    /// written from what the local store holds; nackd intercepts again
+    /// once it is written. Refused while the stream exists.
+    Reseed,
 }
 
 #[derive(Args, Debug)]
@@ -74,6 +87,8 @@ impl Which {
 
 /// How long a whole call may take.
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a reseed may take: it writes every held message to the stream.
+const RESEED_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Runs the command against the nackd that the file `config` describes.
 pub fn run(config: &Path, args: &AdminArgs) -> ExitCode {
@@ -129,7 +144,7 @@ enum AdminError {
     #[error("{address}: {reason}")]
     Unreachable { address: String, reason: String },
     /// No answer in time.
-    #[error("{0}: no answer in 30 s")]
+    #[error("{0}: no answer in time")]
     Timeout(String),
     /// nackd answered with an error.
     #[error("HTTP {status}: {message}")]
@@ -172,6 +187,11 @@ fn call(address: &str, token: &str, action: &AdminAction) -> Result<String, Admi
         AdminAction::List { .. } => list_lines(&body),
         AdminAction::Fire(_) => format!("fired {}\n", body["fired"]),
         AdminAction::Purge(_) => format!("purged {}\n", body["purged"]),
+        AdminAction::Replica { .. } => format!(
+            "reseeded {} held messages into {}\n",
+            body["reseeded"],
+            body["stream"].as_str().unwrap_or("?")
+        ),
     })
 }
 
@@ -179,8 +199,12 @@ fn call(address: &str, token: &str, action: &AdminAction) -> Result<String, Admi
 fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String), ureq::Error> {
     // Straight to nackd: no proxy from the environment, and an error
     // status is an answer to read, not a transport error.
+    let timeout = match action {
+        AdminAction::Replica { .. } => RESEED_TIMEOUT,
+        _ => TIMEOUT,
+    };
     let agent: Agent = Agent::config_builder()
-        .timeout_global(Some(TIMEOUT))
+        .timeout_global(Some(timeout))
         .http_status_as_error(false)
         .proxy(None)
         .build()
@@ -208,6 +232,12 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
             .header("Authorization", &bearer)
             .send_empty()?,
         AdminAction::Purge(which) => with_target(agent.post(url("/api/purge")), &which.target())
+            .header("Authorization", &bearer)
+            .send_empty()?,
+        AdminAction::Replica {
+            action: ReplicaAction::Reseed,
+        } => agent
+            .post(url("/api/replica/reseed"))
             .header("Authorization", &bearer)
             .send_empty()?,
     };

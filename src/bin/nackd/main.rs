@@ -48,7 +48,7 @@ struct Args {
 enum Command {
     /// Inspect or edit the store of held messages (`store.path` of --config).
     Store(store::StoreArgs),
-    /// Ask a running nackd (its admin API) about held messages.
+    /// Ask a running nackd (its admin API) about held messages, or reseed its replica.
     Admin(admin::AdminArgs),
 }
 
@@ -182,8 +182,10 @@ impl Signals {
 
 /// What is logged when `NACKD_LOG` does not say. lapin (the replica's
 /// client) logs every channel a broker closes as an error, and nackd probes
-/// queues that may not exist on purpose (leases): nackd logs what matters.
-const DEFAULT_LOG: &str = "info,lapin=warn,lapin::channel=off";
+/// queues that may not exist on purpose (leases); it logs each returned
+/// message, body and all, as a warning, and a deleted replica stream
+/// returns every write: nackd logs what matters.
+const DEFAULT_LOG: &str = "info,lapin=warn,lapin::channel=off,lapin::returned_messages=off";
 
 /// Logs on stderr; text is coloured only on a terminal, so that
 /// `scripts/run > nackd.log 2>&1` writes plain lines.

@@ -1,7 +1,9 @@
 //! The engine's side of the replica: a new message is held once both the
 //! store and the replica stream have it (the session acks upstream only
 //! then); completions go to the stream in batches; and the lease says
-//! whether the engine may fire at all.
+//! whether the engine may fire at all. A stream that is gone stops new
+//! holds (nacks are deferred) but not firing: what the local store holds is
+//! still this instance's to republish.
 
 use std::collections::HashMap;
 
@@ -42,9 +44,19 @@ impl Link {
         }
     }
 
-    /// Whether the lease is held and the local store agrees with the stream.
-    pub(super) fn active(&self) -> bool {
-        *self.state.borrow() == State::Active
+    /// Whether this instance acts for its id: held messages may fire.
+    pub(super) fn holds_lease(&self) -> bool {
+        matches!(*self.state.borrow(), State::Active | State::Missing)
+    }
+
+    /// Where interception stands, as the replica sees it: new messages
+    /// are held only while the lease is held and the stream exists.
+    pub(super) fn ready(&self) -> crate::retry::Ready {
+        match *self.state.borrow() {
+            State::Active => crate::retry::Ready::Ready,
+            State::Missing | State::Reseeding => crate::retry::Ready::NoReplica,
+            _ => crate::retry::Ready::NoLease,
+        }
     }
 
     /// Appends a new message to the stream; its answer comes to the engine.
@@ -113,6 +125,9 @@ pub(super) enum Event {
     Lease,
     /// The local store went stale: the engine must stop, the store be rebuilt.
     Stale,
+    /// A reseed was asked for: the engine stops (cleanly: the lease is
+    /// held) and hands the store back, for a new generation from it.
+    Resync,
 }
 
 /// The next replica event (never, without a replica).
@@ -124,6 +139,7 @@ pub(super) async fn event(link: &mut Option<Link>) -> Event {
         Some(answer) = link.rx.recv() => Event::Answer(answer),
         Ok(()) = link.state.changed() => match *link.state.borrow() {
             State::Stale => Event::Stale,
+            State::Reseeding => Event::Resync,
             _ => Event::Lease,
         },
     }
