@@ -598,17 +598,19 @@ async fn close_replica_connection(instance: &str) -> bool {
 /// as a retry, none passed through, none twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_connection_closes_under_load_pass_no_nack_through() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
     let _all_up = cluster().steady().await;
     let dir = tempfile::tempdir().unwrap();
     let (q, id) = (unique("cluster-closes"), unique("closes"));
-    let n = 6000u32;
-    publish(&q, n).await;
+    let first = 3000u32;
+    publish(&q, first).await;
     let nackd = Process::start(&config(dir.path(), &id, &q, "1s", ""));
     let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
     let (_ch, mut c) = consumer(&conn, &q, 50).await;
     // Five closes, each once nackd has connected again, beside the load.
+    let closes_done = Arc::new(AtomicBool::new(false));
     let closer = {
-        let id = id.clone();
+        let (id, done) = (id.clone(), closes_done.clone());
         tokio::spawn(async move {
             let mut closes = 0;
             while closes < 5 {
@@ -617,34 +619,55 @@ async fn replica_connection_closes_under_load_pass_no_nack_through() {
                     closes += 1;
                 }
             }
+            done.store(true, Ordering::SeqCst);
+        })
+    };
+    // The load lasts as long as the closes do, however slow rabbitmqctl
+    // is on a busy machine: more messages are published until the fifth.
+    let published = Arc::new(AtomicU32::new(first));
+    let feeder = {
+        let (q, done, published) = (q.clone(), closes_done.clone(), published.clone());
+        tokio::spawn(async move {
+            while !done.load(Ordering::SeqCst) {
+                let from = published.load(Ordering::SeqCst);
+                publish_range(&q, from..from + 500).await;
+                published.store(from + 500, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
         })
     };
     let mut retried: HashMap<u32, u32> = HashMap::new();
+    let mut nacked_during_closes = 0u32;
     let began = Instant::now();
-    let mut closes_done_at = None;
-    while retried.len() < n as usize {
+    while !(feeder.is_finished() && retried.len() == published.load(Ordering::SeqCst) as usize) {
         assert!(
-            began.elapsed() < Duration::from_secs(180),
-            "{} of {n} retried",
-            retried.len()
+            began.elapsed() < Duration::from_secs(240),
+            "{} of {} retried",
+            retried.len(),
+            published.load(Ordering::SeqCst)
         );
-        if closes_done_at.is_none() && closer.is_finished() {
-            closes_done_at = Some(retried.len());
-        }
         let Some(d) = next(&mut c, Duration::from_millis(200)).await else {
             continue;
         };
         if retry_count(&d) == 0 {
             // The first delivery, or one a deferred nack gave back.
+            if !closes_done.load(Ordering::SeqCst) {
+                nacked_during_closes += 1;
+            }
             d.nack(BasicNackOptions::default()).await.unwrap();
         } else {
             *retried.entry(id_of(&d.data)).or_default() += 1;
             d.ack(BasicAckOptions::default()).await.unwrap();
         }
     }
+    let n = published.load(Ordering::SeqCst);
     closer.await.unwrap();
-    let under_load = closes_done_at.is_some_and(|k| k < n as usize);
-    assert!(under_load, "the five closes ended before the load did");
+    feeder.await.unwrap();
+    assert!(
+        nacked_during_closes > 0,
+        "no nack came in while the replica connection was being closed"
+    );
+    eprintln!("{n} messages, {nacked_during_closes} nacks while the closes went on");
     assert!(
         next(&mut c, Duration::from_secs(3)).await.is_none(),
         "nothing more after every message came back as a retry"

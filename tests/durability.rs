@@ -240,8 +240,9 @@ async fn sigkill_under_nack_load_loses_nothing() {
 #[tokio::test]
 async fn a_full_store_falls_back_to_the_broker_and_loses_nothing() {
     let q = unique("full");
-    // Room for about two held messages of 1 KiB.
-    let nackd = start(&format!("[store]\npath = \"{}\"\nmax_bytes = 3300\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"300ms\"]\n", tempfile::tempdir().unwrap().keep().display())).await;
+    // Room for two held messages of 1 KiB with their retry headers (each
+    // record is about 1.6 KB: two fit from 3 500 bytes, three do not in 5 000).
+    let nackd = start(&format!("[store]\npath = \"{}\"\nmax_bytes = 4000\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"300ms\"]\n", tempfile::tempdir().unwrap().keep().display())).await;
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())

@@ -728,6 +728,8 @@ async fn headers_properties_and_body_arrive_unchanged_on_the_retry() {
         "x-last-death-exchange",
         "x-last-death-queue",
         "x-last-death-reason",
+        "x-original-exchange",
+        "x-original-routing-key",
         "x-retry-count",
         "x-retry-delay-ms",
     ];
