@@ -14,9 +14,9 @@ use amq_protocol::protocol::{basic, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use nackd::protocol::content;
-use nackd::protocol::frame::{FrameDecoder, FrameType};
-use nackd::protocol::method::{self, MethodId};
+use nackd_core::protocol::content;
+use nackd_core::protocol::frame::{FrameDecoder, FrameType};
+use nackd_core::protocol::method::{self, MethodId};
 
 const MESSAGES: usize = 500;
 const BODY: usize = 1024;

@@ -44,12 +44,9 @@
 
 mod clock;
 pub mod config;
-#[cfg(feature = "fuzzing")]
-pub mod fuzzing;
 pub mod metrics;
 mod net;
 mod ops;
-pub mod protocol;
 pub mod reload;
 pub mod replica;
 pub mod retry;

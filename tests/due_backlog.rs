@@ -19,8 +19,8 @@ use common::ops::scrape;
 use common::process::Process;
 use common::*;
 use lapin::options::*;
-use nackd::protocol::content::encode_header;
 use nackd::store::{Held, Log, Options, Route};
+use nackd_core::protocol::content::encode_header;
 
 const BODY: usize = 1024;
 /// The bound under test.

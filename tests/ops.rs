@@ -199,7 +199,7 @@ fn handshake_frames() -> Vec<Vec<u8>> {
     ];
     methods
         .iter()
-        .map(|m| nackd::protocol::method::encode(0, m).to_vec())
+        .map(|m| nackd_core::protocol::method::encode(0, m).to_vec())
         .collect()
 }
 
@@ -208,7 +208,7 @@ async fn frames_and_bytes_are_counted_per_direction_exactly() {
     let nackd = start("").await;
     let client = common::raw::RawClient::open(nackd.addr, 131072, 0).await;
     // start-ok, tune-ok, open (the protocol header is not a frame); start, tune, open-ok.
-    let sent = nackd::protocol::frame::PROTOCOL_HEADER.len()
+    let sent = nackd_core::protocol::frame::PROTOCOL_HEADER.len()
         + handshake_frames().iter().map(Vec::len).sum::<usize>();
     let s = until(&nackd, "the handshake counted both ways", |s| {
         s.get("nackd_frames_total", &[("direction", "to_client")]) == 3.0

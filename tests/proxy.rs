@@ -460,8 +460,8 @@ async fn a_channel_error_closes_only_that_channel() {
 async fn body_frames_8_octets_over_frame_max_pass_as_rabbitmq_takes_them() {
     use amq_protocol::protocol::{channel, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::reply::ReplyCode;
-    use nackd::protocol::{content, method};
+    use nackd_core::protocol::reply::ReplyCode;
+    use nackd_core::protocol::{content, method};
 
     let nackd = start("").await;
     let q = unique("overshoot");

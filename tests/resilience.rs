@@ -10,7 +10,7 @@ use common::*;
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
-use nackd::protocol::frame::{Frame, FrameType};
+use nackd_core::protocol::frame::{Frame, FrameType};
 
 /// Declares, publishes one message and reads it back through `conn`.
 async fn round_trip(conn: &lapin::Connection) {
@@ -106,7 +106,7 @@ async fn negotiated_frame_max_is_enforced_after_tuning() {
     // tuned below 8192 (directly as through nackd), 3.x takes AMQP's 4096.
     let frame_max: u32 = if BROKER.at_least(4, 1) { 8192 } else { 4096 };
     let mut client = RawClient::open(nackd.addr, frame_max, 0).await;
-    let open_channel = nackd::protocol::method::encode(
+    let open_channel = nackd_core::protocol::method::encode(
         1,
         &amq_protocol::protocol::AMQPClass::Channel(
             amq_protocol::protocol::channel::AMQPMethod::Open(
@@ -180,7 +180,7 @@ async fn a_hung_broker_is_detected_by_heartbeat_and_the_client_told() {
     let mut client = RawClient::open(nackd.addr, 131072, 1).await;
     relay.set(RelayMode::Freeze);
     let began = Instant::now();
-    let heartbeat = nackd::protocol::method::heartbeat();
+    let heartbeat = nackd_core::protocol::method::heartbeat();
     let ending = loop {
         assert!(
             began.elapsed() < Duration::from_secs(15),
@@ -227,7 +227,9 @@ async fn max_connections_refuses_the_extra_client_and_frees_the_slot() {
     let nackd = start("[limits]\nmax_connections = 1\n").await;
     let first = nackd.connect().await;
     let mut extra = RawClient::connect(nackd.addr).await;
-    extra.send(nackd::protocol::frame::PROTOCOL_HEADER).await;
+    extra
+        .send(nackd_core::protocol::frame::PROTOCOL_HEADER)
+        .await;
     assert!(
         extra.frame().await.is_none(),
         "extra connection closed without a frame"
@@ -306,8 +308,8 @@ async fn after_close_ok_the_client_closes_its_socket_first() {
     let nackd = start("").await;
     let mut client = RawClient::open(nackd.addr, 131072, 0).await;
     client
-        .send(&nackd::protocol::method::connection_close(
-            nackd::protocol::reply::ReplyCode::Success,
+        .send(&nackd_core::protocol::method::connection_close(
+            nackd_core::protocol::reply::ReplyCode::Success,
             "bye",
             None,
         ))

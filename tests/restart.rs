@@ -34,8 +34,8 @@ use lapin::options::*;
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 use nackd::metrics::PassReason;
-use nackd::protocol::content::encode_header;
 use nackd::store::{Held, Log, Options, Route};
+use nackd_core::protocol::content::encode_header;
 
 /// Body size of every message here.
 const BODY: usize = 100;

@@ -816,7 +816,7 @@ async fn closing_the_channel_right_after_a_nack_does_not_deliver_twice() {
 async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
     use amq_protocol::protocol::{basic, queue, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::method;
+    use nackd_core::protocol::method;
 
     let nackd = start("[[policy]]\nqueues = [\"amq.gen-*\"]\ndelays = [\"10m\"]\n").await;
     let mut raw = RawClient::open(nackd.addr, 131072, 0).await;
@@ -886,9 +886,9 @@ async fn pipelined_declare_and_consume_hold_for_the_queue_the_broker_named() {
 async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
     use amq_protocol::protocol::{basic, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::content::encode_header;
-    use nackd::protocol::frame::FrameType;
-    use nackd::protocol::method::{self, put_frame};
+    use nackd_core::protocol::content::encode_header;
+    use nackd_core::protocol::frame::FrameType;
+    use nackd_core::protocol::method::{self, put_frame};
 
     let q = unique("refused-mid-publish");
     let (nackd, _store) = start_with_full_store(&q, "300ms").await;
@@ -949,7 +949,7 @@ async fn a_refused_nack_waits_for_the_publish_in_flight_on_its_channel() {
 async fn a_second_settle_of_a_claimed_tag_goes_to_the_broker_alone() {
     use amq_protocol::protocol::{basic, AMQPClass};
     use common::raw::RawClient;
-    use nackd::protocol::method;
+    use nackd_core::protocol::method;
 
     let q = unique("settled-twice");
     let nackd = start(&format!(

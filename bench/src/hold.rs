@@ -191,7 +191,7 @@ fn prefill(dir: &std::path::Path, n: u64) -> BenchResult<()> {
     use nackd::store::{Held, Log, Options, Route};
     let (mut log, _) = Log::open(dir, Options::default())?;
     let properties = amq_protocol::protocol::BasicProperties::default().with_delivery_mode(2);
-    let header = bytes::Bytes::from(nackd::protocol::content::encode_header(
+    let header = bytes::Bytes::from(nackd_core::protocol::content::encode_header(
         60,
         100,
         &properties,

@@ -9,8 +9,8 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use nackd::protocol::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
-use nackd::protocol::method;
+use nackd_core::protocol::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
+use nackd_core::protocol::method;
 
 /// The machine and broker a run measured.
 #[derive(Clone, Debug)]

@@ -176,7 +176,7 @@ fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
 
 /// The message's AMQP headers as plain JSON values.
 fn headers_json(held: &Held) -> Value {
-    let Ok(header) = crate::protocol::content::decode_header(&held.header) else {
+    let Ok(header) = nackd_core::protocol::content::decode_header(&held.header) else {
         return Value::Null;
     };
     match header.properties.headers() {

@@ -17,12 +17,12 @@ use crate::clock::Clock;
 use crate::config::policy::{Policies, Policy, Step};
 use crate::config::OnExhausted;
 use crate::metrics::{Event, EventKind, PassReason};
-use crate::protocol::frame::{Frame, FrameType};
-use crate::protocol::headers::{self, Retry};
-use crate::protocol::method;
 use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
 use crate::session::channel::{Claimed, Delivery};
 use crate::store::Route;
+use nackd_core::protocol::frame::{Frame, FrameType};
+use nackd_core::protocol::headers::{self, Retry};
+use nackd_core::protocol::method;
 
 /// What sessions share to intercept nacks.
 pub struct Interception {
@@ -181,7 +181,7 @@ impl Session {
         let payload = frame.payload_slice();
         match frame.kind {
             FrameType::Header => {
-                let size = crate::protocol::content::body_size(payload).unwrap_or(0);
+                let size = nackd_core::protocol::content::body_size(payload).unwrap_or(0);
                 if !capturing.header(payload, size, &budget) {
                     let tag = capturing.tag;
                     channel.capturing = None;

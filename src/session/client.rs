@@ -11,8 +11,8 @@ use super::core::Session;
 use super::frames::Peer;
 use super::lifecycle::Fault;
 use super::settle::Settle;
-use crate::protocol::frame::{self, Frame, FrameError, FrameType};
-use crate::protocol::method::{self, ids, MethodId};
+use nackd_core::protocol::frame::{self, Frame, FrameError, FrameType};
+use nackd_core::protocol::method::{self, ids, MethodId};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {

@@ -22,8 +22,8 @@ use super::defer::Deferrals;
 use super::frames::Peer;
 use super::{Limits, HIGH_WATER, TICK};
 use crate::metrics::Metrics;
-use crate::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
 use crate::retry::{Park, Parked};
+use nackd_core::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
 
 /// What the session asks of the retry engine.
 // Each effect is moved once, from the queue to the engine's channel.

@@ -20,7 +20,7 @@ use tracing::debug;
 use super::close::Origin;
 use super::core::Session;
 use crate::metrics::PassReason;
-use crate::protocol::method;
+use nackd_core::protocol::method;
 
 /// The delay of a deferral when the policy's is not known (the message
 /// was not captured, so its retry number is not known either).

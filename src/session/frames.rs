@@ -9,9 +9,9 @@ use tracing::{debug, Span};
 
 use super::core::Session;
 use super::lifecycle::Fault;
-use crate::protocol::frame::{Frame, FrameError, FrameType};
-use crate::protocol::method::{self, MethodId};
 use crate::session::channel::ContentState;
+use nackd_core::protocol::frame::{Frame, FrameError, FrameType};
+use nackd_core::protocol::method::{self, MethodId};
 
 /// A side of the pair, by who sent the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

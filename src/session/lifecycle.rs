@@ -7,9 +7,9 @@ use tracing::{debug, info, warn};
 use super::close::Origin;
 use super::core::Session;
 use super::frames::Peer;
-use crate::protocol::frame::FrameError;
-use crate::protocol::method;
-use crate::protocol::reply::ReplyCode;
+use nackd_core::protocol::frame::FrameError;
+use nackd_core::protocol::method;
+use nackd_core::protocol::reply::ReplyCode;
 
 /// A protocol fault of either side (closes the connection with its reply code).
 pub(super) type Fault = FrameError;

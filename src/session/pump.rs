@@ -21,9 +21,9 @@ use super::frames::Peer;
 use super::{Interception, Limits};
 use crate::metrics::{Metrics, Open};
 use crate::net::{Connector, Io};
-use crate::protocol::frame::{self, ProtocolHeader};
 use crate::retry::{ParkReply, Parked, RetryHandle};
 use crate::store::StoreError;
+use nackd_core::protocol::frame::{self, ProtocolHeader};
 
 /// Read buffer growth step.
 const READ_CHUNK: usize = 64 * 1024;

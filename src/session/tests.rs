@@ -19,13 +19,13 @@ use crate::clock::Clock;
 use crate::config::policy::Policies;
 use crate::config::Config;
 use crate::metrics::{Metrics, PassReason};
-use crate::protocol::content::encode_header;
-use crate::protocol::frame::{Frame, FrameDecoder, FrameType};
-use crate::protocol::method::{self, put_frame};
-use crate::protocol::reply::ReplyCode;
 use crate::retry::{testing, Park, Parked};
 use crate::session::capture::Budget;
 use crate::session::claim::Interception;
+use nackd_core::protocol::content::encode_header;
+use nackd_core::protocol::frame::{Frame, FrameDecoder, FrameType};
+use nackd_core::protocol::method::{self, put_frame};
+use nackd_core::protocol::reply::ReplyCode;
 
 const Q: &str = "jobs";
 

@@ -7,8 +7,8 @@ use super::close::Origin;
 use super::core::Session;
 use super::frames::Peer;
 use super::lifecycle::Fault;
-use crate::protocol::frame::{Frame, FrameType};
-use crate::protocol::method;
+use nackd_core::protocol::frame::{Frame, FrameType};
+use nackd_core::protocol::method;
 
 impl Session {
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {

@@ -92,7 +92,7 @@ pub fn list(dir: &Path, queue: Option<&str>) -> io::Result<String> {
         .iter()
         .filter(|h| queue.is_none_or(|q| &*h.queue == q))
     {
-        let headers = crate::protocol::content::decode_header(&h.header)
+        let headers = nackd_core::protocol::content::decode_header(&h.header)
             .ok()
             .and_then(|c| c.properties.headers().clone())
             .map(|t| format!("{:?}", t.inner()))

@@ -21,8 +21,8 @@ use std::time::Duration;
 use amq_protocol::protocol::{connection, AMQPClass};
 use amq_protocol::types::AMQPValue;
 use bytes::BytesMut;
-use nackd::protocol::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
-use nackd::protocol::method;
+use nackd_core::protocol::frame::{FrameDecoder, FrameType, PROTOCOL_HEADER};
+use nackd_core::protocol::method;
 
 /// The broker under test. Formats as its address (`"{BROKER}"` in a
 /// config); [`Broker::label`] says which broker it is.

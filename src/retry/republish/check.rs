@@ -12,8 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::conn::{Conn, ConnError};
 use super::Credentials;
 use crate::net::Connector;
-use crate::protocol::frame::FrameType;
-use crate::protocol::method;
+use nackd_core::protocol::frame::FrameType;
+use nackd_core::protocol::method;
 
 /// Time one vhost's checks may take.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(10);

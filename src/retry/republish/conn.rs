@@ -11,8 +11,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 
 use super::Credentials;
 use crate::net::{Connector, Io};
-use crate::protocol::frame::{self, Frame, FrameDecoder, FrameType};
-use crate::protocol::method;
+use nackd_core::protocol::frame::{self, Frame, FrameDecoder, FrameType};
+use nackd_core::protocol::method;
 
 /// Frame size nackd asks for on its own connections.
 const FRAME_MAX: u32 = 128 * 1024;

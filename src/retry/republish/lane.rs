@@ -31,8 +31,8 @@ use super::precheck::{foreign_user_id, precheck};
 use super::returned::{self, Match, Returning};
 use super::{Outcome, Publish, Report, SetAside};
 use crate::metrics::BlockReason;
-use crate::protocol::frame::{Frame, FrameType};
-use crate::protocol::method;
+use nackd_core::protocol::frame::{Frame, FrameType};
+use nackd_core::protocol::method;
 
 /// Where a lane's channel is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

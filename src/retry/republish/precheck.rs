@@ -5,7 +5,7 @@
 use super::lane::Limits;
 use super::{Publish, SetAside};
 use crate::metrics::BlockReason;
-use crate::protocol::frame::FRAME_OVERHEAD;
+use nackd_core::protocol::frame::FRAME_OVERHEAD;
 
 /// Flag bit of the `user-id` property.
 const USER_ID_FLAG: u16 = 1 << 4;
@@ -48,7 +48,7 @@ pub(super) fn foreign_user_id(p: &Publish, username: &str) -> Option<String> {
     if flags & USER_ID_FLAG == 0 {
         return None;
     }
-    let header = crate::protocol::content::decode_header(&p.header).ok()?;
+    let header = nackd_core::protocol::content::decode_header(&p.header).ok()?;
     let user = header.properties.user_id().clone()?;
     (user.as_str() != username).then(|| user.as_str().to_string())
 }

@@ -11,7 +11,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use crate::protocol::content;
+use nackd_core::protocol::content;
 
 use super::Publish;
 
@@ -50,7 +50,7 @@ impl Returning {
 
     /// Takes the content header; `true` when the return is complete.
     pub fn on_header(&mut self, payload: Bytes) -> bool {
-        self.body_size = crate::protocol::content::body_size(&payload).unwrap_or(0);
+        self.body_size = nackd_core::protocol::content::body_size(&payload).unwrap_or(0);
         self.oversized = self.body_size > self.limit;
         self.header = Some(payload);
         self.body_size == 0

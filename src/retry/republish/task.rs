@@ -21,9 +21,9 @@ use super::login;
 use super::{Publish, Report, SetAside, Settings};
 use crate::metrics::{BlockReason, Login, Metrics, Open, VhostLabels};
 use crate::net::{Connector, Io};
-use crate::protocol::frame::FrameType;
-use crate::protocol::method;
 use crate::replica::fence::Fence;
+use nackd_core::protocol::frame::FrameType;
+use nackd_core::protocol::method;
 
 /// Bytes queued for the socket beyond which nothing new is added.
 const OUT_HIGH: usize = 1024 * 1024;
@@ -282,7 +282,7 @@ impl Task {
 
     async fn on_frame(
         &mut self,
-        frame: crate::protocol::frame::Frame,
+        frame: nackd_core::protocol::frame::Frame,
         wire: &mut Wire,
         conn: &mut Conn,
     ) -> Result<(), ConnError> {
@@ -385,7 +385,7 @@ async fn push(writer: &mut WriteHalf<Io>, out: &mut BytesMut) -> std::io::Result
     Ok(true)
 }
 
-fn decode(frame: &crate::protocol::frame::Frame) -> Result<AMQPClass, ConnError> {
+fn decode(frame: &nackd_core::protocol::frame::Frame) -> Result<AMQPClass, ConnError> {
     method::decode_any(&frame.payload()).map_err(|e| ConnError::Protocol(e.to_string()))
 }
 

@@ -12,9 +12,9 @@ use super::lane::{Impersonation, Lane, Limits, State, Step};
 use super::returned::{self, Match, Returning};
 use super::{Outcome, Publish, Report};
 use crate::metrics::BlockReason;
-use crate::protocol::content::{encode_header, rewrite_headers};
-use crate::protocol::frame::{Frame, FrameType};
 use crate::store::Route;
+use nackd_core::protocol::content::{encode_header, rewrite_headers};
+use nackd_core::protocol::frame::{Frame, FrameType};
 
 const LIMITS: Limits<'static> = Limits {
     window: 100,

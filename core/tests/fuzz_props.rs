@@ -1,4 +1,4 @@
-//! The fuzz targets of `nackd::fuzzing` as property tests: random bytes,
+//! The fuzz targets of `nackd_core::fuzzing` as property tests: random bytes,
 //! mutations of the corpus captured from a real RabbitMQ session
 //! (`fuzz/corpus`), and random `FrameSpec`s for the round trip.
 
@@ -7,16 +7,16 @@ use std::sync::LazyLock;
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::BytesMut;
-use nackd::fuzzing::{self, FrameSpec};
-use nackd::protocol::content;
-use nackd::protocol::frame::{FrameDecoder, FrameType, HANDSHAKE_FRAME_MAX};
-use nackd::protocol::method::{self, MethodId};
+use nackd_core::fuzzing::{self, FrameSpec};
+use nackd_core::protocol::content;
+use nackd_core::protocol::frame::{FrameDecoder, FrameType, HANDSHAKE_FRAME_MAX};
+use nackd_core::protocol::method::{self, MethodId};
 use proptest::prelude::*;
 
 /// Every file of `fuzz/corpus/<target>` as (name, bytes), sorted by name.
 fn corpus_files(target: &str) -> Vec<(String, Vec<u8>)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
+        .join("../fuzz/corpus")
         .join(target);
     let mut paths: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
