@@ -8,9 +8,9 @@ use std::hint::black_box;
 use amq_protocol::protocol::basic;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use nackd::retry::wheel::Wheel;
 use nackd_core::protocol::content;
 use nackd_core::protocol::headers::{self, Retry};
+use nackd_core::wheel::Wheel;
 
 const N: u64 = 100_000;
 

@@ -9,12 +9,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub mod policy;
 mod replica;
-pub use policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
+pub use nackd_core::policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
 
-use policy::{Policy, MAX_DELAY};
+use nackd_core::policy::{Policy, MAX_DELAY};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -42,7 +42,6 @@
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
-mod clock;
 pub mod config;
 pub mod metrics;
 mod net;

@@ -20,11 +20,11 @@ use prometheus_client::registry::{Registry, Unit};
 
 mod damage;
 mod logins;
-mod recent;
 mod replica;
 pub use damage::{DamageList, Damaged};
 pub use logins::{Login, Logins};
-pub use recent::{Event, EventKind, Recent};
+pub use nackd_core::stats::{Directions, Event, EventKind, PassReason, Recent, SessionStats};
+use nackd_core::stats::{Label, SessionFamilies};
 pub use replica::ReplicaMissing;
 
 /// Content type of [`Metrics::encode`]'s output (OpenMetrics text, which
@@ -45,97 +45,6 @@ pub struct QueueLabels {
 pub struct VhostLabels {
     /// Virtual host.
     pub vhost: String,
-}
-
-/// One fixed `name="value"` label.
-type Label = [(&'static str, &'static str); 1];
-
-/// Why nackd did not hold a nack or reject: it went to the broker as the
-/// client sent it, or (for the reasons that [`PassReason::defers`]) it was
-/// deferred: left unacked and nacked upstream with `requeue=true` later.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PassReason {
-    /// No policy covers the delivery's queue (or no policy at all).
-    NotConfigured,
-    /// The capture budget was spent when the message was delivered.
-    OverBudget,
-    /// The store refused the message (full, I/O error) or the engine is gone.
-    StoreUnavailable,
-    /// The channel is in `tx` mode.
-    TxChannel,
-    /// A `requeue=true` nack with `requeue = "pass"` in the policy.
-    RequeuePass,
-    /// The message's headers cannot be rewritten.
-    BadHeaders,
-    /// nackd does not know the delivery tag (double settle, no-ack delivery).
-    UnknownTag,
-    /// The store (and replica) are still being recovered after a start.
-    Recovering,
-    /// The replica's lease is not held (a standby, or the broker was lost).
-    NoLease,
-    /// The replica stream is missing (deleted): nothing is held until an
-    /// operator reseeds it.
-    NoReplica,
-    /// The channel or connection is closing (a close, recover or
-    /// `tx.select` of the client waits to go upstream, or a close went).
-    Closing,
-    /// The broker cancelled the delivery's consumer and took its
-    /// deliveries back (a consumer timeout on RabbitMQ 4.3 quorum queues).
-    Returned,
-}
-
-impl PassReason {
-    /// Every reason, in label order.
-    pub const ALL: [PassReason; 12] = [
-        Self::NotConfigured,
-        Self::OverBudget,
-        Self::StoreUnavailable,
-        Self::TxChannel,
-        Self::RequeuePass,
-        Self::BadHeaders,
-        Self::UnknownTag,
-        Self::Recovering,
-        Self::NoLease,
-        Self::NoReplica,
-        Self::Closing,
-        Self::Returned,
-    ];
-
-    /// Whether nackd would hold the nack but cannot right now (store,
-    /// engine, budget, headers): then the delivery stays unacked and is
-    /// nacked with `requeue=true` later, instead of being settled as sent
-    /// (which, with `requeue=false` and no dead-letter exchange, drops it).
-    /// The other reasons are what the user configured or the only thing
-    /// nackd can do: the settle goes as sent.
-    pub fn defers(self) -> bool {
-        matches!(
-            self,
-            Self::OverBudget
-                | Self::StoreUnavailable
-                | Self::BadHeaders
-                | Self::Recovering
-                | Self::NoLease
-                | Self::NoReplica
-        )
-    }
-
-    /// The `reason` label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::NotConfigured => "not_configured",
-            Self::OverBudget => "over_budget",
-            Self::StoreUnavailable => "store_unavailable",
-            Self::TxChannel => "tx_channel",
-            Self::RequeuePass => "requeue_pass",
-            Self::BadHeaders => "bad_headers",
-            Self::UnknownTag => "unknown_tag",
-            Self::Recovering => "recovering",
-            Self::NoLease => "no_lease",
-            Self::NoReplica => "no_replica",
-            Self::Closing => "closing",
-            Self::Returned => "returned",
-        }
-    }
 }
 
 /// Why a held message was set aside instead of republished (it stays held
@@ -231,15 +140,6 @@ impl PauseReason {
     }
 }
 
-/// A pair of counters for the two directions of the proxy.
-#[derive(Clone, Debug, Default)]
-pub struct Directions {
-    /// Client to broker.
-    pub to_upstream: Counter,
-    /// Broker to client.
-    pub to_client: Counter,
-}
-
 /// Every metric nackd exports, with handles the hot paths update directly.
 #[derive(Debug)]
 pub struct Metrics {
@@ -254,17 +154,10 @@ pub struct Metrics {
     pub upstreams: Gauge,
     /// Upstream connects that failed.
     pub upstream_failures: Counter,
-    /// Frames proxied, by direction.
-    pub frames: Directions,
+    /// What the sessions count (frames, nacks held, passed, deferred).
+    pub session: Arc<SessionStats>,
     /// Bytes proxied, by direction.
     pub bytes: Directions,
-    /// Nacks/rejects nackd took over (stored, acked upstream).
-    pub intercepted: Counter,
-    passed: Vec<Counter>,
-    deferred: Vec<Counter>,
-    /// Deliveries whose nack nackd could not hold and gives back to the
-    /// broker later (`basic.nack`, requeue): unacked at the broker now.
-    pub deferred_now: Gauge,
     /// Held messages by vhost and queue (owned by the retry engine).
     pub held: Family<QueueLabels, Gauge>,
     /// Held bytes by vhost and queue (owned by the retry engine).
@@ -279,8 +172,6 @@ pub struct Metrics {
     pub nacked: Counter,
     /// Returned messages re-routed to their `on_exhausted` exchange.
     pub rerouted: Counter,
-    /// Schedules used up, handed back with `basic.reject`.
-    pub exhausted_reject: Counter,
     /// Messages confirmed on an `on_exhausted` exchange.
     pub exhausted_dead_letter: Counter,
     /// Time from due to handed to the republisher (first attempt).
@@ -350,8 +241,6 @@ pub struct Metrics {
     pub reloads_ok: Counter,
     /// Policy reloads refused (the old policies stay).
     pub reloads_failed: Counter,
-    /// Recent retries and exhaustions, for the status page.
-    pub recent: Recent,
 }
 
 /// Buckets of the lateness histogram, in seconds.
@@ -367,24 +256,13 @@ const FSYNC_BUCKETS: [f64; 13] = [
 /// registry holds the families, the hot paths the handles.
 #[derive(Default)]
 struct Families {
-    frames: Family<Label, Counter>,
+    session: SessionFamilies,
     bytes: Family<Label, Counter>,
-    passed: Family<Label, Counter>,
-    deferred: Family<Label, Counter>,
-    exhausted: Family<Label, Counter>,
     reloads: Family<Label, Counter>,
     blocked_total: Family<Label, Counter>,
     blocked_now: Family<Label, Gauge>,
     firing_paused: Family<Label, Gauge>,
     gone: Family<Label, Counter>,
-}
-
-/// The handles of both directions in `f`.
-fn directions(f: &Family<Label, Counter>) -> Directions {
-    Directions {
-        to_upstream: one(f, "direction", "to_upstream"),
-        to_client: one(f, "direction", "to_client"),
-    }
 }
 
 /// The handle of the series of `f` labelled `name="value"`.
@@ -418,18 +296,8 @@ impl Metrics {
             clients_refused: Counter::default(),
             upstreams: Gauge::default(),
             upstream_failures: Counter::default(),
-            frames: directions(&f.frames),
-            bytes: directions(&f.bytes),
-            intercepted: Counter::default(),
-            passed: PassReason::ALL
-                .iter()
-                .map(|r| one(&f.passed, "reason", r.label()))
-                .collect(),
-            deferred: PassReason::ALL
-                .iter()
-                .map(|r| one(&f.deferred, "reason", r.label()))
-                .collect(),
-            deferred_now: Gauge::default(),
+            session: Arc::new(SessionStats::new(&f.session)),
+            bytes: Directions::of(&f.bytes),
             held: Family::default(),
             held_bytes: Family::default(),
             published: Counter::default(),
@@ -437,8 +305,7 @@ impl Metrics {
             returned: Counter::default(),
             nacked: Counter::default(),
             rerouted: Counter::default(),
-            exhausted_reject: one(&f.exhausted, "route", "reject"),
-            exhausted_dead_letter: one(&f.exhausted, "route", "dead_letter"),
+            exhausted_dead_letter: one(&f.session.exhausted, "route", "dead_letter"),
             lateness: Histogram::new(LATENESS_BUCKETS),
             fsync: Histogram::new(FSYNC_BUCKETS),
             store_bytes: Gauge::default(),
@@ -485,7 +352,6 @@ impl Metrics {
             capture_bytes: Gauge::default(),
             reloads_ok: one(&f.reloads, "result", "ok"),
             reloads_failed: one(&f.reloads, "result", "error"),
-            recent: Recent::default(),
         }
     }
 
@@ -524,7 +390,7 @@ impl Metrics {
         r.register(
             "nackd_frames",
             "Frames proxied, by direction",
-            f.frames.clone(),
+            f.session.frames.clone(),
         );
         r.register_with_unit(
             "nackd_proxied",
@@ -535,22 +401,22 @@ impl Metrics {
         r.register(
             "nackd_nacks_intercepted",
             "Nacks and rejects nackd took over (stored, then acked upstream)",
-            self.intercepted.clone(),
+            self.session.intercepted.clone(),
         );
         r.register(
             "nackd_nacks_passed",
             "Nacks and rejects forwarded to the broker as sent, by reason",
-            f.passed.clone(),
+            f.session.passed.clone(),
         );
         r.register(
             "nackd_nacks_deferred",
             "Nacks and rejects nackd could not hold: left unacked and nacked upstream (requeue) later, by reason",
-            f.deferred.clone(),
+            f.session.deferred.clone(),
         );
         r.register(
             "nackd_deferred_nacks",
             "Deliveries unacked at the broker now, waiting for nackd's deferred nack",
-            self.deferred_now.clone(),
+            self.session.deferred_now.clone(),
         );
     }
 
@@ -595,7 +461,7 @@ impl Metrics {
         r.register(
             "nackd_exhausted",
             "Messages whose retry schedule is used up, by route",
-            f.exhausted.clone(),
+            f.session.exhausted.clone(),
         );
         r.register_with_unit(
             "nackd_redelivery_lateness",
@@ -781,33 +647,6 @@ impl Metrics {
             "Policy reloads (SIGHUP), by result",
             f.reloads.clone(),
         );
-    }
-
-    /// Counts `n` nacks passed through for `reason`.
-    pub fn pass(&self, reason: PassReason, n: u64) {
-        if n > 0 {
-            self.passed[reason as usize].inc_by(n);
-        }
-    }
-
-    /// Nacks passed through for `reason` so far.
-    pub fn passed(&self, reason: PassReason) -> u64 {
-        self.passed[reason as usize].get()
-    }
-
-    /// Counts a nack nackd could not hold for `reason` and gives back later.
-    pub fn defer(&self, reason: PassReason) {
-        self.deferred[reason as usize].inc();
-    }
-
-    /// Nacks deferred for `reason` so far.
-    pub fn deferred(&self, reason: PassReason) -> u64 {
-        self.deferred[reason as usize].get()
-    }
-
-    /// Nacks passed through, all reasons.
-    pub fn passed_total(&self) -> u64 {
-        self.passed.iter().map(Counter::get).sum()
     }
 
     /// Counts one republish set aside for `reason`.

@@ -22,7 +22,7 @@ use tracing::warn;
 
 use crate::metrics::{Login, Metrics, CONTENT_TYPE};
 use crate::retry::RetryHandle;
-use crate::session::capture::Budget;
+use nackd_core::session::Budget;
 
 mod admin;
 mod status;

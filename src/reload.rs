@@ -1,6 +1,6 @@
 //! Hot reload of the `[[policy]]` tables on SIGHUP.
 //!
-//! The policies live in a `watch` channel: every session holds a receiver
+//! The policies live in a [`LivePolicies`] cell: every session holds a view
 //! and, on its next delivery, sees that the version moved, takes the new
 //! set and drops its per-queue cache. A message already captured or held
 //! keeps the policy (and the due time) it was taken with. An invalid file
@@ -15,39 +15,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::config::policy::Policies;
 use crate::config::{Config, ConfigError, GoneAction, OnExhausted};
 use crate::metrics::Metrics;
 use crate::net::Connector;
 use crate::retry::republish::{check_exchanges, Credentials, ExchangeToCheck, LoginCheck};
+use nackd_core::policy::Policies;
 
-/// The policies in force, shared by every session.
-#[derive(Debug)]
-pub struct LivePolicies {
-    tx: watch::Sender<Arc<Policies>>,
-}
-
-impl LivePolicies {
-    /// Starts with `policies`.
-    pub fn new(policies: Policies) -> Arc<Self> {
-        Arc::new(Self {
-            tx: watch::Sender::new(Arc::new(policies)),
-        })
-    }
-
-    /// A receiver for one session.
-    pub fn subscribe(&self) -> watch::Receiver<Arc<Policies>> {
-        self.tx.subscribe()
-    }
-
-    /// Puts `policies` in force for every session.
-    pub fn replace(&self, policies: Policies) {
-        self.tx.send_replace(Arc::new(policies));
-    }
-}
+pub use nackd_core::policy::LivePolicies;
 
 /// Why a reload was refused (the old policies stay in force).
 #[derive(Debug, thiserror::Error)]

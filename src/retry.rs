@@ -4,7 +4,7 @@
 //!
 //! - `engine`: the task, and what it does with each event.
 //! - `ledger`: the book of held messages and per-queue totals.
-//! - [`wheel`]: the hierarchical timing wheel that says what is due.
+//! - the wheel (`nackd_core::wheel`) says what is due.
 //! - [`republish`]: nackd's own connection per vhost, with confirms, one
 //!   channel per destination exchange.
 //! - `blocks`: destinations that refuse publishes (a missing exchange, a
@@ -12,14 +12,11 @@
 //! - `admin`: list, fire now, purge, status, for operators.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 
-pub use crate::clock::Clock;
 use crate::shutdown::Stopper;
-use crate::store::{Route, StoreError};
+pub use nackd_core::clock::Clock;
 use tokio_util::sync::CancellationToken;
 
 mod admin;
@@ -29,53 +26,11 @@ pub(crate) mod ledger;
 pub mod republish;
 mod supervisor;
 mod timer;
-pub mod wheel;
+
 pub use admin::{BlockedStatus, DueBucket, ExchangeStatus, Listed, QueueStatus, Status, Target};
 pub use supervisor::{Readiness, Ready, Start};
 
-/// Identifies a claimed delivery inside its session.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ClaimKey {
-    /// Channel of the delivery.
-    pub channel: u16,
-    /// Which opening of that channel (channel numbers are reused).
-    pub epoch: u64,
-    /// Delivery tag.
-    pub tag: u64,
-    /// The claim's number in its session (claims are numbered in order).
-    pub seq: u64,
-}
-
-/// A claimed message to park.
-pub struct Park {
-    /// Answer goes back with this key.
-    pub key: ClaimKey,
-    /// Virtual host.
-    pub vhost: Arc<str>,
-    /// Queue it was nacked on.
-    pub queue: Arc<str>,
-    /// How long to hold it.
-    pub delay: Duration,
-    /// Retry number in its headers.
-    pub retry: u32,
-    /// Where it goes when due.
-    pub route: Route,
-    /// Where it goes if returned as unroutable.
-    pub on_return: Option<Route>,
-    /// Rewritten content header payload.
-    pub header: Bytes,
-    /// Body.
-    pub body: Bytes,
-}
-
-/// The engine's answer to a [`Park`].
-#[derive(Debug)]
-pub struct Parked {
-    /// The claim.
-    pub key: ClaimKey,
-    /// The store id once durable, or why it could not be stored.
-    pub result: Result<u64, StoreError>,
-}
+pub use nackd_core::held::{ClaimKey, Park, Parked};
 
 /// Where the engine answers a session's parks.
 pub type ParkReply = mpsc::UnboundedSender<Parked>;
@@ -156,25 +111,4 @@ pub fn start(start: Start) -> (RetryHandle, Stopper) {
     let engine = Stopper::thread("retry engine", stop, thread);
     let handle = RetryHandle { tx, ready, reseeds };
     (handle, engine)
-}
-
-/// A retry handle without an engine, for the session's unit tests (the
-/// session core never talks to the engine: the test plays it).
-#[cfg(test)]
-pub(crate) mod testing {
-    use super::*;
-
-    /// A handle whose interception is ready.
-    pub fn ready_handle() -> RetryHandle {
-        let (tx, _) = mpsc::unbounded_channel();
-        let (reseeds, _) = mpsc::unbounded_channel();
-        let ready = supervisor::Readiness::new();
-        ready.set(supervisor::Ready::Ready);
-        RetryHandle { tx, ready, reseeds }
-    }
-
-    /// Interception of `handle` stops: its replica's lease is lost.
-    pub fn lose_lease(handle: &RetryHandle) {
-        handle.ready.set(supervisor::Ready::NoLease);
-    }
 }

@@ -12,16 +12,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
-use crate::config::policy::Policies;
 use crate::config::Config;
 use crate::metrics::{Metrics, Open};
 use crate::net::{self, Connector, Io, TlsError};
 use crate::ops::{self, Ops};
-use crate::reload::{BrokerCheck, LivePolicies, Reloader};
+use crate::reload::{BrokerCheck, Reloader};
 use crate::retry;
-use crate::session::capture::Budget;
-use crate::session::{self, Interception};
+use crate::session::{self, Context, Intercept};
 use crate::shutdown::Stopper;
+use nackd_core::clock::Clock;
+use nackd_core::policy::{LivePolicies, Policies};
+use nackd_core::session::{Budget, Interception, Limits, FORCED_END};
 
 /// Starts the retry engine for the configured policies. The store is
 /// recovered (and the replica synced) on the engine's thread while clients
@@ -29,9 +30,10 @@ use crate::shutdown::Stopper;
 async fn interception(
     config: &Config,
     connector: &Connector,
-    live: &LivePolicies,
+    live: &Arc<LivePolicies>,
     metrics: &Arc<Metrics>,
-) -> Result<(Interception, BrokerCheck, Stopper), StartError> {
+    clock: &Clock,
+) -> Result<(Intercept, BrokerCheck, Stopper), StartError> {
     let password = config
         .republish
         .password()
@@ -42,8 +44,6 @@ async fn interception(
         retry_options.republish.login.clone(),
         metrics.clone(),
     );
-    // One clock for the engine and the sessions.
-    let clock = crate::clock::Clock::start();
     let start = retry::Start {
         dir: config.store.path.clone(),
         store: crate::store::Options {
@@ -54,16 +54,16 @@ async fn interception(
         connector: connector.clone(),
         options: retry_options,
         metrics: metrics.clone(),
-        clock,
+        clock: clock.clone(),
     };
     let (retry, engine) = retry::start(start);
-    let interception = Interception {
-        policies: live.subscribe(),
+    let shared = Arc::new(Interception {
+        policies: live.clone(),
         budget: Budget::new(config.limits.capture_budget),
-        retry,
-        clock,
-    };
-    Ok((interception, check, engine))
+        ready: retry.ready.clone(),
+        clock: clock.clone(),
+    });
+    Ok((Intercept { shared, retry }, check, engine))
 }
 
 /// Starts the operations listener (`/metrics`, `/readyz`, the status page,
@@ -226,10 +226,10 @@ pub struct Proxy {
     listener: TcpListener,
     acceptor: Option<TlsAcceptor>,
     connector: Connector,
-    limits: session::Limits,
+    /// What every session gets: limits, the clock, what to intercept.
+    context: Context,
     max_connections: usize,
     grace: Duration,
-    interception: Option<Arc<Interception>>,
     metrics: Arc<Metrics>,
     ops: Arc<Ops>,
     ops_addr: SocketAddr,
@@ -258,32 +258,39 @@ impl Proxy {
             start_ops(config, &connector, &metrics, intercepting).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
-        let (interception, engine) = match &live {
+        // One clock for the engine and the sessions.
+        let clock = Clock::start();
+        let (intercept, engine) = match &live {
             None => (None, None),
             Some(live) => {
-                let (i, check, engine) = interception(config, &connector, live, &metrics).await?;
+                let (i, check, engine) =
+                    interception(config, &connector, live, &metrics, &clock).await?;
                 check.spawn(config);
                 reloader = reloader.with_check(check);
-                (Some(Arc::new(i)), Some(engine))
+                (Some(i), Some(engine))
             }
         };
-        if let Some(i) = &interception {
-            ops.attach(i.retry.clone(), i.budget.clone());
+        if let Some(i) = &intercept {
+            ops.attach(i.retry.clone(), i.shared.budget.clone());
         }
         Ok(Self {
             listener,
             acceptor,
-            interception,
             reloader,
-            metrics,
+            metrics: metrics.clone(),
             ops,
             ops_addr,
             engine,
             ops_task,
             connector,
-            limits: session::Limits {
-                max_frame: config.limits.max_frame,
-                handshake_timeout: config.limits.handshake_timeout,
+            context: Context {
+                limits: Limits {
+                    max_frame: config.limits.max_frame,
+                    handshake_timeout: config.limits.handshake_timeout,
+                },
+                clock,
+                intercept,
+                metrics,
             },
             max_connections: config.limits.max_connections,
             grace: config.limits.shutdown_grace,
@@ -368,9 +375,7 @@ impl Proxy {
             tcp,
             self.acceptor.clone(),
             self.connector.clone(),
-            self.limits,
-            self.interception.clone(),
-            self.metrics.clone(),
+            self.context.clone(),
             sessions.force.clone(),
         );
         sessions.tracker.spawn(
@@ -416,7 +421,7 @@ impl Sessions {
             "grace period over; closing the remaining sessions"
         );
         self.force.cancel();
-        let _ = tokio::time::timeout(session::FORCED_END, self.tracker.wait()).await;
+        let _ = tokio::time::timeout(FORCED_END, self.tracker.wait()).await;
     }
 }
 
@@ -424,21 +429,19 @@ async fn accept(
     tcp: TcpStream,
     acceptor: Option<TlsAcceptor>,
     connector: Connector,
-    limits: session::Limits,
-    interception: Option<Arc<Interception>>,
-    metrics: Arc<Metrics>,
+    cx: Context,
     force: CancellationToken,
 ) {
     let _ = tcp.set_nodelay(true);
     let io: Io = match acceptor {
         None => Box::new(tcp),
         Some(acceptor) => {
-            match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+            match tokio::time::timeout(cx.limits.handshake_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => Box::new(tls),
                 Ok(Err(e)) => return warn!(error = %e, "TLS handshake failed"),
                 Err(_) => return warn!("TLS handshake timed out"),
             }
         }
     };
-    session::serve(io, connector, limits, interception, metrics, force).await;
+    session::serve(io, connector, cx, force).await;
 }

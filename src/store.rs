@@ -87,10 +87,6 @@
 //! RAM keeps, per held message, its location and a few bytes of liveness
 //! bookkeeping; bodies are read back when due.
 
-use std::sync::Arc;
-
-use bytes::Bytes;
-
 #[cfg(test)]
 mod damage_tests;
 mod header;
@@ -115,82 +111,4 @@ pub use scan::{scan, Damage, Harm};
 pub use segment::Loc;
 pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
 
-/// Where a held message goes when it is due.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Route {
-    /// Exchange `""`, routing key = the original queue: its tail.
-    Queue,
-    /// A dead-letter exchange (`on_exhausted = { exchange, routing_key }`).
-    Exchange {
-        /// Exchange name.
-        exchange: String,
-        /// Routing key.
-        routing_key: String,
-    },
-}
-
-/// A message nackd holds, as stored.
-#[derive(Clone, Debug)]
-pub struct Held {
-    /// Store id.
-    pub id: u64,
-    /// Virtual host it came from and goes back to.
-    pub vhost: Arc<str>,
-    /// Queue it was nacked on.
-    pub queue: Arc<str>,
-    /// When it is due, in ms since the Unix epoch.
-    pub due_ms: u64,
-    /// The retry number written in its headers.
-    pub retry: u32,
-    /// Where it goes when due.
-    pub route: Route,
-    /// Where it goes if the broker returns it as unroutable.
-    pub on_return: Option<Route>,
-    /// Content header payload, headers already rewritten.
-    pub header: Bytes,
-    /// Body.
-    pub body: Bytes,
-}
-
-impl Held {
-    /// Bytes it takes (header + body).
-    pub fn size(&self) -> usize {
-        self.header.len() + self.body.len()
-    }
-
-    /// What RAM keeps of it, with its queue interned as `queue`.
-    pub fn meta(&self, queue: u32) -> HeldMeta {
-        HeldMeta {
-            queue,
-            size: self.size() as u32,
-            retry: self.retry.try_into().unwrap_or(u16::MAX),
-            dead_letter: self.route != Route::Queue,
-        }
-    }
-}
-
-/// What RAM keeps of a held message besides its id, due time and place:
-/// the one record of it that recovery, the engine and its ledger share.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldMeta {
-    /// Interned `(vhost, queue)`.
-    pub queue: u32,
-    /// Header + body bytes.
-    pub size: u32,
-    /// Retry number in its headers (shown by the admin API and the recent
-    /// events; 65 535 stands for any higher one, which no schedule reaches).
-    pub retry: u16,
-    /// It goes to an exchange (`on_exhausted`), not back to its queue.
-    pub dead_letter: bool,
-}
-
-/// Why the store cannot take or give a message.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    /// The store is over its configured size.
-    #[error("store full: {0}")]
-    Full(String),
-    /// An I/O error.
-    #[error("store I/O error: {0}")]
-    Io(String),
-}
+pub use nackd_core::held::{Held, HeldMeta, Route, StoreError};

@@ -11,10 +11,28 @@
 //!   stream, nom), `method` (the few methods nackd decodes, the frames it
 //!   emits), `content` (properties, byte-exact header splicing), `headers`
 //!   (the retry headers nackd writes), `reply` (reply codes).
+//! - [`clock`]: the one clock every time read goes through.
+//! - [`held`]: the held-message model: a park, its answer, the record the
+//!   store keeps, where it goes when due.
+//! - [`policy`]: which queues are intercepted, with which schedule; the
+//!   set in force, which a reload replaces.
+//! - [`ready`]: where interception stands (recovering, ready, no lease, …).
+//! - [`session`]: one client/broker pair as a state machine: frames from
+//!   either side in, frames to either side and parks for the retry engine
+//!   out.
+//! - [`stats`]: what sessions count, as Prometheus handles.
+//! - [`wheel`]: the hierarchical timing wheel that says what is due.
 //! - `fuzzing` (feature `fuzzing`): the fuzz targets' code, shared by
 //!   `fuzz/` and the property tests; not in the product.
 #![forbid(unsafe_code)]
 
+pub mod clock;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod held;
+pub mod policy;
 pub mod protocol;
+pub mod ready;
+pub mod session;
+pub mod stats;
+pub mod wheel;

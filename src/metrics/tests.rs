@@ -42,10 +42,10 @@ fn every_series_follows_the_naming_conventions_and_starts_at_zero() {
 #[test]
 fn handles_update_the_exported_series() {
     let m = Metrics::new();
-    m.pass(PassReason::TxChannel, 3);
-    m.pass(PassReason::NotConfigured, 0);
-    m.frames.to_client.inc_by(7);
-    m.exhausted_reject.inc();
+    m.session.pass(PassReason::TxChannel, 3);
+    m.session.pass(PassReason::NotConfigured, 0);
+    m.session.frames.to_client.inc_by(7);
+    m.session.exhausted_reject.inc();
     Metrics::observe(&m.lateness, Duration::from_millis(3));
     let text = m.encode();
     assert_eq!(
@@ -80,7 +80,13 @@ fn handles_update_the_exported_series() {
         .next(),
         Some("1")
     );
-    assert_eq!((m.passed(PassReason::TxChannel), m.passed_total()), (3, 3));
+    assert_eq!(
+        (
+            m.session.passed(PassReason::TxChannel),
+            m.session.passed_total()
+        ),
+        (3, 3)
+    );
 }
 
 #[test]
@@ -92,25 +98,4 @@ fn open_counts_a_lifetime() {
     drop(a);
     drop(b);
     assert_eq!(m.clients.get(), 0);
-}
-
-#[test]
-fn recent_keeps_the_newest() {
-    let recent = Recent::default();
-    for i in 0..(recent::KEPT as u64 + 5) {
-        let (vhost, queue) = ("/".to_string(), "q".to_string());
-        recent.push(Event {
-            at_ms: i,
-            kind: EventKind::Retried,
-            vhost,
-            queue,
-            retry: 1,
-        });
-    }
-    let events = recent.newest_first();
-    assert_eq!(events.len(), recent::KEPT);
-    assert_eq!(
-        (events[0].at_ms, events.last().unwrap().at_ms),
-        (recent::KEPT as u64 + 4, 5)
-    );
 }

@@ -27,12 +27,12 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
     };
     let passed: serde_json::Map<String, serde_json::Value> = PassReason::ALL
         .iter()
-        .map(|r| (r.label().to_string(), json!(m.passed(*r))))
+        .map(|r| (r.label().to_string(), json!(m.session.passed(*r))))
         .collect();
     let deferred: serde_json::Map<String, serde_json::Value> = PassReason::ALL
         .iter()
         .filter(|r| r.defers())
-        .map(|r| (r.label().to_string(), json!(m.deferred(*r))))
+        .map(|r| (r.label().to_string(), json!(m.session.deferred(*r))))
         .collect();
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -43,22 +43,22 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
             "republishers": m.republishers.get(),
         },
         "totals": {
-            "intercepted": m.intercepted.get(),
-            "passed": m.passed_total(),
+            "intercepted": m.session.intercepted.get(),
+            "passed": m.session.passed_total(),
             "published": m.published.get(),
             "confirmed": m.confirmed.get(),
             "returned": m.returned.get(),
-            "exhausted_reject": m.exhausted_reject.get(),
+            "exhausted_reject": m.session.exhausted_reject.get(),
             "exhausted_dead_letter": m.exhausted_dead_letter.get(),
             "gone_dropped": m.gone_dropped.get(),
             "gone_dead_lettered": m.gone_dead_lettered.get(),
         },
         "passed": passed,
         "deferred": deferred,
-        "deferred_now": m.deferred_now.get(),
+        "deferred_now": m.session.deferred_now.get(),
         "policy_exchanges_missing": m.exchanges_missing.get(),
         "engine": engine,
-        "recent": m.recent.newest_first(),
+        "recent": m.session.recent.newest_first(),
         "store": {
             "damaged_bytes": m.store_damaged_bytes.get(),
             "damaged_ranges": m.store_damaged_ranges.get(),

@@ -25,7 +25,6 @@ use super::blocks::{Backoff, Blocks};
 use super::ledger::{Entry, Ledger, StoreOp};
 use super::republish::{Report, Republisher};
 use super::timer::Alarm;
-use super::wheel::Wheel;
 use super::{Clock, Command, Options, Park, Parked};
 use crate::metrics::{Metrics, VhostLabels};
 use crate::net::Connector;
@@ -33,6 +32,7 @@ use crate::replica::fence::Fence;
 use crate::store::{
     self, Held, HeldMeta, Loc, Log, Reader, Recovered, Relocation, StoreError, WriteOp, Written,
 };
+use nackd_core::wheel::Wheel;
 
 mod fire;
 mod link;
@@ -177,7 +177,7 @@ impl Engine {
     ) -> Self {
         let (reports_tx, reports) = mpsc::unbounded_channel();
         let (events_tx, events) = mpsc::unbounded_channel();
-        let (clock, connector) = (start.clock, start.connector.clone());
+        let (clock, connector) = (start.clock.clone(), start.connector.clone());
         let (options, metrics) = (start.options.clone(), start.metrics.clone());
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
         let reader = log.reader();
@@ -768,7 +768,7 @@ mod tests {
             connector: Connector::new(&upstream).unwrap(),
             options: crate::retry::Options::new(&Default::default(), "guest".into()),
             metrics: Metrics::new(),
-            clock: crate::clock::Clock::start(),
+            clock: nackd_core::clock::Clock::start(),
         }
     }
 

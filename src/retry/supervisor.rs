@@ -7,7 +7,6 @@
 //! engine runs wait in its queue (the broker keeps their deliveries).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use std::time::Duration;
@@ -18,67 +17,12 @@ use tracing::{error, info, info_span, Instrument};
 
 use super::engine::{Engine, Exit};
 use super::{Command, Options};
-use crate::metrics::{Metrics, PassReason};
+use crate::metrics::Metrics;
 use crate::net::Connector;
 use crate::replica::{self, Adopt, Replica};
 use crate::store::{self, Log};
 
-/// Where interception stands, as sessions and `/readyz` see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Ready {
-    /// The store is being recovered (or rebuilt from the replica).
-    Recovering = 0,
-    /// Claims are parked and due messages fire.
-    Ready = 1,
-    /// The replica's lease is not held: a standby, or the broker was lost.
-    NoLease = 2,
-    /// The store could not be opened: nackd is a plain proxy.
-    Failed = 3,
-    /// The replica stream is missing: nothing new is held until an
-    /// operator reseeds it (held messages still fire once the engine runs).
-    NoReplica = 4,
-}
-
-/// Shared view of [`Ready`].
-#[derive(Debug)]
-pub struct Readiness(AtomicU8);
-
-impl Readiness {
-    pub(super) fn new() -> Arc<Self> {
-        Arc::new(Self(AtomicU8::new(Ready::Recovering as u8)))
-    }
-
-    /// Where interception stands now.
-    pub fn get(&self) -> Ready {
-        match self.0.load(Ordering::Acquire) {
-            1 => Ready::Ready,
-            2 => Ready::NoLease,
-            3 => Ready::Failed,
-            4 => Ready::NoReplica,
-            _ => Ready::Recovering,
-        }
-    }
-
-    pub(super) fn set(&self, ready: Ready) {
-        self.0.store(ready as u8, Ordering::Release);
-    }
-
-    /// Whether a nack may be claimed now, else why it cannot be held (it is
-    /// deferred: left unacked and requeued at the broker later).
-    /// While the store opens, claims are made: their parks wait in the
-    /// engine's queue until it runs (a session gives a park up after its
-    /// settle timeout, and the broker keeps the delivery meanwhile), so no
-    /// nack is deferred because nackd just started.
-    pub fn may_claim(&self) -> Result<(), PassReason> {
-        match self.get() {
-            Ready::Ready | Ready::Recovering => Ok(()),
-            Ready::NoLease => Err(PassReason::NoLease),
-            Ready::NoReplica => Err(PassReason::NoReplica),
-            Ready::Failed => Err(PassReason::StoreUnavailable),
-        }
-    }
-}
+pub use nackd_core::ready::{Readiness, Ready};
 
 /// What the engine thread needs to start.
 pub struct Start {
@@ -95,7 +39,7 @@ pub struct Start {
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// nackd's clock (the sessions read the same one).
-    pub clock: crate::clock::Clock,
+    pub clock: nackd_core::clock::Clock,
 }
 
 /// Starts the engine's thread; returns where interception stands and the

@@ -103,7 +103,7 @@ impl Engine {
             };
             let (vhost, queue) = self.ledger.name(entry.meta.queue);
             let (vhost, queue) = (vhost.to_string(), queue.to_string());
-            self.metrics.recent.push(Event {
+            self.metrics.session.recent.push(Event {
                 at_ms: self.clock.now_ms(),
                 kind,
                 vhost,

@@ -1,6 +1,9 @@
-//! Retry policies: which queues nackd intercepts and with which schedule.
+//! Retry policies: which queues nackd intercepts and with which schedule
+//! (the `[[policy]]` tables of the configuration, checked and compiled),
+//! and [`LivePolicies`], the set in force, which a reload replaces.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -158,6 +161,67 @@ impl Policies {
     }
 }
 
+/// The policies in force, shared by every session; a reload replaces them.
+/// Readers hold a [`PolicyView`], which sees a replacement at its next
+/// look (one atomic load when nothing changed).
+#[derive(Debug)]
+pub struct LivePolicies {
+    current: RwLock<Arc<Policies>>,
+    version: AtomicU64,
+}
+
+impl LivePolicies {
+    /// Starts with `policies`.
+    pub fn new(policies: Policies) -> Arc<Self> {
+        Arc::new(Self {
+            current: RwLock::new(Arc::new(policies)),
+            version: AtomicU64::new(0),
+        })
+    }
+
+    /// A view for one session.
+    pub fn subscribe(self: &Arc<Self>) -> PolicyView {
+        let (version, current) = self.read();
+        PolicyView {
+            live: self.clone(),
+            version,
+            current,
+        }
+    }
+
+    /// Puts `policies` in force for every session.
+    pub fn replace(&self, policies: Policies) {
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        *current = Arc::new(policies);
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    fn read(&self) -> (u64, Arc<Policies>) {
+        let current = self.current.read().unwrap_or_else(|e| e.into_inner());
+        (self.version.load(Ordering::Acquire), current.clone())
+    }
+}
+
+/// One reader's view of [`LivePolicies`].
+#[derive(Debug, Clone)]
+pub struct PolicyView {
+    live: Arc<LivePolicies>,
+    version: u64,
+    current: Arc<Policies>,
+}
+
+impl PolicyView {
+    /// The policies in force; `true` with them when they changed since the
+    /// last look.
+    pub fn current(&mut self) -> (&Arc<Policies>, bool) {
+        let changed = self.live.version.load(Ordering::Acquire) != self.version;
+        if changed {
+            (self.version, self.current) = self.live.read();
+        }
+        (&self.current, changed)
+    }
+}
+
 /// One `[[policy]]` table, as written; [`Policy::new`] checks and compiles it.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -277,11 +341,32 @@ mod reject_literal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-    use std::path::Path;
 
+    /// The `[[policy]]` tables of `text`, compiled.
     fn policies(text: &str) -> Policies {
-        Policies::new(&Config::parse(text, Path::new("t.toml")).unwrap().policies)
+        #[derive(Deserialize)]
+        struct File {
+            policy: Vec<PolicyConfig>,
+        }
+        let file: File = toml::from_str(text).unwrap();
+        let compiled: Vec<Policy> = file
+            .policy
+            .iter()
+            .map(|p| Policy::new(p).unwrap())
+            .collect();
+        Policies::new(&compiled)
+    }
+
+    #[test]
+    fn a_view_sees_a_replacement_once() {
+        let live = LivePolicies::new(policies("[[policy]]\nqueues=[\"a\"]\ndelays=[\"1s\"]\n"));
+        let mut view = live.subscribe();
+        let (p, changed) = view.current();
+        assert!(p.find("/", "a").is_some() && !changed);
+        live.replace(policies("[[policy]]\nqueues=[\"b\"]\ndelays=[\"1s\"]\n"));
+        let (p, changed) = view.current();
+        assert!(p.find("/", "b").is_some() && p.find("/", "a").is_none() && changed);
+        assert!(!view.current().1, "seen once");
     }
 
     #[test]

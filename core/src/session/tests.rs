@@ -3,7 +3,6 @@
 //! writes upstream is read back frame by frame. The end-to-end tests (in
 //! `tests/`) check the same paths against RabbitMQ.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,21 +10,22 @@ use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use amq_protocol::types::FieldTable;
 use bytes::BytesMut;
 
-use super::core::{Effect, Session};
-use super::defer::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY, RATE_BURST, RATE_INTERVAL};
-use super::frames::Peer;
+use super::deferrals::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY, RATE_BURST, RATE_INTERVAL};
+use super::machine::{Effect, Session};
+use super::peer::Peer;
 use super::{Limits, ACK_GRACE, SETTLE_TIMEOUT};
 use crate::clock::Clock;
-use crate::config::policy::Policies;
-use crate::config::Config;
-use crate::metrics::{Metrics, PassReason};
-use crate::retry::{testing, Park, Parked};
+use crate::held::{Park, Parked, StoreError};
+use crate::policy::Policies;
+use crate::policy::{LivePolicies, Policy, PolicyConfig};
+use crate::protocol::content::encode_header;
+use crate::protocol::frame::{Frame, FrameDecoder, FrameType};
+use crate::protocol::method::{self, put_frame};
+use crate::protocol::reply::ReplyCode;
+use crate::ready::{Readiness, Ready};
 use crate::session::capture::Budget;
-use crate::session::claim::Interception;
-use nackd_core::protocol::content::encode_header;
-use nackd_core::protocol::frame::{Frame, FrameDecoder, FrameType};
-use nackd_core::protocol::method::{self, put_frame};
-use nackd_core::protocol::reply::ReplyCode;
+use crate::session::scope::Interception;
+use crate::stats::{PassReason, SessionStats};
 
 const Q: &str = "jobs";
 
@@ -38,7 +38,6 @@ struct Pair {
     /// Ids the session cancelled so far.
     cancelled: Vec<u64>,
     next_id: u64,
-    _policies: tokio::sync::watch::Sender<Arc<Policies>>,
 }
 
 fn pair() -> Pair {
@@ -49,12 +48,12 @@ fn pair() -> Pair {
 /// delays), with a capture budget of `budget` bytes.
 fn pair_with(policy: &str, budget: usize) -> Pair {
     let text = format!("[[policy]]\nqueues = [\"{Q}\"]\n{policy}\n");
-    let config = Config::parse(&text, Path::new("t.toml")).unwrap();
-    let (policies, watch) = tokio::sync::watch::channel(Arc::new(Policies::new(&config.policies)));
+    let ready = Readiness::new();
+    ready.set(Ready::Ready);
     let shared = Arc::new(Interception {
-        policies: watch,
+        policies: LivePolicies::new(policies(&text)),
         budget: Budget::new(budget),
-        retry: testing::ready_handle(),
+        ready,
         clock: Clock::start(),
     });
     let limits = Limits {
@@ -66,7 +65,7 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
         limits,
         now + limits.handshake_timeout,
         now,
-        Metrics::new(),
+        SessionStats::detached(),
         Some(&shared),
     );
     s.open = true;
@@ -76,8 +75,22 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
         parks: Vec::new(),
         cancelled: Vec::new(),
         next_id: 100,
-        _policies: policies,
     }
+}
+
+/// The `[[policy]]` tables of `text`, compiled.
+fn policies(text: &str) -> Policies {
+    #[derive(serde::Deserialize)]
+    struct File {
+        policy: Vec<PolicyConfig>,
+    }
+    let file: File = toml::from_str(text).unwrap();
+    let compiled: Vec<Policy> = file
+        .policy
+        .iter()
+        .map(|p| Policy::new(p).unwrap())
+        .collect();
+    Policies::new(&compiled)
 }
 
 /// A pair whose client consumes the intercepted queue on channel 1 and
@@ -149,7 +162,7 @@ impl Pair {
     }
 
     /// The engine answers the claim `key`.
-    fn answer(&mut self, park: &Park, result: Result<u64, crate::store::StoreError>) {
+    fn answer(&mut self, park: &Park, result: Result<u64, StoreError>) {
         let key = park.key;
         self.s.handle_parked(Parked { key, result }, self.now);
     }
@@ -231,7 +244,7 @@ impl Pair {
             ids.push(self.next_id);
             let result = match ok {
                 true => Ok(self.next_id),
-                false => Err(crate::store::StoreError::Full("test".into())),
+                false => Err(StoreError::Full("test".into())),
             };
             self.answer(&park, result);
         }
@@ -299,7 +312,7 @@ fn a_claimed_nack_is_acked_only_once_stored() {
     assert!(p.upstream().is_empty(), "nothing before the store answers");
     p.store(true);
     assert_eq!(p.upstream(), ["ack 1"]);
-    assert_eq!(p.s.metrics.intercepted.get(), 1);
+    assert_eq!(p.s.stats.intercepted.get(), 1);
 }
 
 #[test]
@@ -658,7 +671,7 @@ fn nacks_after_a_held_recover_on_their_channel_pass_through() {
         1,
         "only the nack before the recover is claimed"
     );
-    assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
+    assert_eq!(p.s.stats.passed(PassReason::Closing), 1);
 }
 
 /// Issue 20, item 2: RabbitMQ 4.3 returns a timed-out consumer's deliveries
@@ -686,7 +699,7 @@ fn a_delivery_of_a_consumer_the_broker_cancelled_is_not_claimed() {
         "not claimed once the broker took it back"
     );
     assert_eq!(p.upstream(), ["nack 2 no-requeue"]);
-    assert_eq!(p.s.metrics.passed(PassReason::Returned), 1);
+    assert_eq!(p.s.stats.passed(PassReason::Returned), 1);
 }
 
 /// A consumer tag is the channel's to reuse once cancelled: the client
@@ -750,7 +763,7 @@ fn a_broker_cancel_of_a_reused_tag_leaves_the_first_consumers_deliveries() {
         1,
         "the first consumer's delivery is claimed"
     );
-    assert_eq!(p.s.metrics.passed(PassReason::Returned), 0);
+    assert_eq!(p.s.stats.passed(PassReason::Returned), 0);
 }
 
 /// A nack nackd cannot claim behind a held recover goes to the broker with
@@ -773,7 +786,7 @@ fn a_nack_behind_a_held_recover_is_requeued_not_dropped() {
     p.store(true);
     p.grace_passes();
     assert_eq!(p.upstream(), ["ack 1", "recover 1"]);
-    assert_eq!(p.s.metrics.passed(PassReason::Closing), 1);
+    assert_eq!(p.s.stats.passed(PassReason::Closing), 1);
 }
 
 #[test]
@@ -889,15 +902,15 @@ fn a_nack_the_store_refuses_is_requeued_after_the_policy_delay() {
         ["nack 1"],
         "requeue=true, whatever the client sent"
     );
-    assert_eq!(p.s.metrics.deferred(PassReason::StoreUnavailable), 1);
-    assert_eq!(p.s.metrics.passed_total(), 0);
-    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+    assert_eq!(p.s.stats.deferred(PassReason::StoreUnavailable), 1);
+    assert_eq!(p.s.stats.passed_total(), 0);
+    assert_eq!(p.s.stats.deferred_now.get(), 0);
 }
 
 #[test]
 fn a_multiple_ack_does_not_cover_a_deferred_tag() {
     let mut p = refused(3);
-    assert_eq!(p.s.metrics.deferred_now.get(), 1);
+    assert_eq!(p.s.stats.deferred_now.get(), 1);
     p.client(&method::ack(1, 3, true));
     assert_eq!(p.upstream(), ["ack 2", "ack 3"], "tag 1 is nackd's to nack");
     p.client(&method::nack(1, 0, true, false));
@@ -918,7 +931,7 @@ fn a_second_settle_of_a_deferred_tag_is_the_brokers_alone() {
     p.time_passes(Duration::from_secs(2));
     p.timer_fires();
     assert!(p.upstream().is_empty(), "no nack after it");
-    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+    assert_eq!(p.s.stats.deferred_now.get(), 0);
 }
 
 #[test]
@@ -935,7 +948,7 @@ fn a_close_or_recover_forgets_deferred_tags_and_is_not_held_by_them() {
         p.time_passes(Duration::from_secs(2));
         p.timer_fires();
         assert!(p.upstream().is_empty(), "{what}: the broker requeued it");
-        assert_eq!(p.s.metrics.deferred_now.get(), 0, "{what}");
+        assert_eq!(p.s.stats.deferred_now.get(), 0, "{what}");
     }
     let mut p = refused(1);
     p.broker(&broker_close);
@@ -944,7 +957,7 @@ fn a_close_or_recover_forgets_deferred_tags_and_is_not_held_by_them() {
     assert!(p.upstream().is_empty(), "the broker closed the channel");
     let mut p = refused(1);
     p.s.handle_gone(Peer::Upstream, None, p.now);
-    assert_eq!(p.s.metrics.deferred_now.get(), 0, "upstream gone");
+    assert_eq!(p.s.stats.deferred_now.get(), 0, "upstream gone");
 }
 
 #[test]
@@ -957,7 +970,7 @@ fn deferred_nacks_go_at_a_bounded_rate() {
     }
     p.client(&method::nack(1, n, true, false));
     p.store(false);
-    assert_eq!(p.s.metrics.deferred_now.get(), n as i64);
+    assert_eq!(p.s.stats.deferred_now.get(), n as i64);
     p.time_passes(Duration::from_secs(1));
     p.timer_fires();
     assert_eq!(
@@ -972,13 +985,13 @@ fn deferred_nacks_go_at_a_bounded_rate() {
     p.time_passes(RATE_INTERVAL * 10);
     p.timer_fires();
     assert_eq!(p.upstream().len(), 10);
-    assert_eq!(p.s.metrics.deferred_now.get(), 0);
+    assert_eq!(p.s.stats.deferred_now.get(), 0);
 }
 
 #[test]
 fn without_a_lease_a_nack_is_deferred_not_dropped() {
     let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
-    crate::retry::testing::lose_lease(&p.s.scope.as_ref().unwrap().shared.retry);
+    p.s.scope.as_ref().unwrap().shared.ready.set(Ready::NoLease);
     p.consume(1);
     p.deliver(1, 1);
     p.client(&method::reject(1, 1, false));
@@ -987,7 +1000,7 @@ fn without_a_lease_a_nack_is_deferred_not_dropped() {
     p.time_passes(Duration::from_secs(2));
     p.timer_fires();
     assert_eq!(p.upstream(), ["nack 1"]);
-    assert_eq!(p.s.metrics.deferred(PassReason::NoLease), 1);
+    assert_eq!(p.s.stats.deferred(PassReason::NoLease), 1);
 }
 
 #[test]
@@ -1000,7 +1013,7 @@ fn over_the_capture_budget_a_nack_is_deferred_by_the_fallback_delay() {
     p.time_passes(FALLBACK_DELAY);
     p.timer_fires();
     assert_eq!(p.upstream(), ["nack 1"]);
-    assert_eq!(p.s.metrics.deferred(PassReason::OverBudget), 1);
+    assert_eq!(p.s.stats.deferred(PassReason::OverBudget), 1);
 }
 
 #[test]
@@ -1014,7 +1027,7 @@ fn a_requeue_pass_policy_still_forwards_as_sent() {
         ["nack 1"],
         "over budget, but pass is what the user asked"
     );
-    assert_eq!(p.s.metrics.passed(PassReason::RequeuePass), 1);
+    assert_eq!(p.s.stats.passed(PassReason::RequeuePass), 1);
 }
 
 #[test]

@@ -2,76 +2,23 @@
 //! claim their nacks, ack them upstream once stored, and keep every other
 //! settle meaning what the client meant.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use super::capture::{Budget, Captured, Capturing};
+use super::capture::{Captured, Capturing};
+use super::channel::{Claimed, Delivery};
 use super::close::Origin;
-use super::core::{Effect, Session};
+use super::machine::{Effect, Session};
 use super::settle::{self, Settle};
 use super::{ACK_GRACE, SETTLE_TIMEOUT};
-use crate::clock::Clock;
-use crate::config::policy::{Policies, Policy, Step};
-use crate::config::OnExhausted;
-use crate::metrics::{Event, EventKind, PassReason};
-use crate::retry::{ClaimKey, Park, Parked, RetryHandle};
-use crate::session::channel::{Claimed, Delivery};
-use crate::store::Route;
-use nackd_core::protocol::frame::{Frame, FrameType};
-use nackd_core::protocol::headers::{self, Retry};
-use nackd_core::protocol::method;
-
-/// What sessions share to intercept nacks.
-pub struct Interception {
-    /// Retry policies; a reload sends a new set.
-    pub policies: tokio::sync::watch::Receiver<Arc<Policies>>,
-    /// Bound on captured bytes.
-    pub budget: Arc<Budget>,
-    /// The retry engine (the pump talks to it; the core reads its readiness).
-    pub retry: RetryHandle,
-    /// nackd's clock, for the times written into headers and events.
-    pub clock: Clock,
-}
-
-/// What one session intercepts: its vhost, and the policies that apply
-/// to its queues (cached until a reload).
-pub(super) struct Scope {
-    pub shared: Arc<Interception>,
-    pub vhost: Arc<str>,
-    policies: tokio::sync::watch::Receiver<Arc<Policies>>,
-    current: Arc<Policies>,
-    cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
-}
-
-impl Scope {
-    pub fn new(shared: Arc<Interception>) -> Self {
-        let mut policies = shared.policies.clone();
-        let current = policies.borrow_and_update().clone();
-        Self {
-            shared,
-            vhost: Arc::from("/"),
-            policies,
-            current,
-            cache: HashMap::new(),
-        }
-    }
-
-    /// The policy of `queue`, cached per session until a reload.
-    fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
-        if self.policies.has_changed().unwrap_or(false) {
-            self.current = self.policies.borrow_and_update().clone();
-            self.cache.clear();
-        }
-        let (policies, vhost) = (&self.current, &self.vhost);
-        self.cache
-            .entry(queue.clone())
-            .or_insert_with(|| policies.find(vhost, queue).cloned())
-            .clone()
-    }
-}
+use crate::held::{ClaimKey, Park, Parked, Route};
+use crate::policy::{OnExhausted, Policy, Step};
+use crate::protocol::frame::{Frame, FrameType};
+use crate::protocol::headers::{self, Retry};
+use crate::protocol::method;
+use crate::stats::{Event, EventKind, PassReason};
 
 /// What claiming one delivery came to.
 enum Claim {
@@ -181,7 +128,7 @@ impl Session {
         let payload = frame.payload_slice();
         match frame.kind {
             FrameType::Header => {
-                let size = nackd_core::protocol::content::body_size(payload).unwrap_or(0);
+                let size = crate::protocol::content::body_size(payload).unwrap_or(0);
                 if !capturing.header(payload, size, &budget) {
                     let tag = capturing.tag;
                     channel.capturing = None;
@@ -285,12 +232,12 @@ impl Session {
                 // Behind a close, recover or tx.select nothing can be held or
                 // deferred; as sent, a requeue=false nack would drop it.
                 Claim::Pass(PassReason::Closing) if settle != Settle::Ack => {
-                    self.metrics.pass(PassReason::Closing, 1);
+                    self.stats.pass(PassReason::Closing, 1);
                     requeues.push(t)
                 }
                 Claim::Pass(reason) => {
                     if settle != Settle::Ack {
-                        self.metrics.pass(reason, 1);
+                        self.stats.pass(reason, 1);
                     }
                     forward.push(t)
                 }
@@ -332,7 +279,7 @@ impl Session {
     /// nackd does not know counts once.
     fn count_passed(&self, covered: &[(u64, Delivery)], default: PassReason) {
         if covered.is_empty() {
-            return self.metrics.pass(PassReason::UnknownTag, 1);
+            return self.stats.pass(PassReason::UnknownTag, 1);
         }
         for (_, d) in covered {
             let reason = match (d.returned, d.over_budget) {
@@ -340,19 +287,19 @@ impl Session {
                 (false, true) => PassReason::OverBudget,
                 (false, false) => default,
             };
-            self.metrics.pass(reason, 1);
+            self.stats.pass(reason, 1);
         }
     }
 
     fn on_exhausted_reject(&self, queue: &str, retry: u32) {
-        self.metrics.exhausted_reject.inc();
+        self.stats.exhausted_reject.inc();
         let Some(state) = self.scope.as_ref() else {
             return;
         };
         let vhost = state.vhost.to_string();
         let at_ms = state.shared.clock.ms_at(self.now);
         let (kind, queue) = (EventKind::ExhaustedReject, queue.to_string());
-        self.metrics.recent.push(Event {
+        self.stats.recent.push(Event {
             at_ms,
             kind,
             vhost,
@@ -378,7 +325,7 @@ impl Session {
         let Some(state) = self.scope.as_ref() else {
             return Claim::Pass(PassReason::NotConfigured);
         };
-        if let Err(reason) = state.shared.retry.ready.may_claim() {
+        if let Err(reason) = state.shared.ready.may_claim() {
             return Claim::Defer(reason, plan.deferral());
         }
         let info = Retry {
@@ -482,7 +429,7 @@ impl Session {
                     id,
                     "held; acking upstream"
                 );
-                self.metrics.intercepted.inc();
+                self.stats.intercepted.inc();
                 let now = self.now;
                 self.acked_at = Some(now);
                 if self.barrier.is_some_and(|b| key.seq <= b) {

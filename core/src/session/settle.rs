@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 
-use nackd_core::protocol::method;
+use crate::protocol::method;
 
 /// How the client settled deliveries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,8 +61,8 @@ pub fn settle_frames(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::frame::{Frame, FrameType};
     use amq_protocol::protocol::{basic, AMQPClass};
-    use nackd_core::protocol::frame::{Frame, FrameType};
 
     fn decode(bytes: &Bytes) -> AMQPClass {
         let payload = Frame {

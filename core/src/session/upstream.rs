@@ -4,11 +4,11 @@ use amq_protocol::protocol::{basic, channel as amqp_channel, connection, AMQPCla
 use tracing::info;
 
 use super::close::Origin;
-use super::core::Session;
-use super::frames::Peer;
-use super::lifecycle::Fault;
-use nackd_core::protocol::frame::{Frame, FrameType};
-use nackd_core::protocol::method;
+use super::machine::Session;
+use super::peer::Fault;
+use super::peer::Peer;
+use crate::protocol::frame::{Frame, FrameType};
+use crate::protocol::method;
 
 impl Session {
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {

@@ -7,12 +7,12 @@ use amq_protocol::protocol::{basic, channel as amqp_channel, connection, tx, AMQ
 use tracing::{debug, Span};
 
 use super::close::Origin;
-use super::core::Session;
-use super::frames::Peer;
-use super::lifecycle::Fault;
+use super::machine::Session;
+use super::peer::Fault;
+use super::peer::Peer;
 use super::settle::Settle;
-use nackd_core::protocol::frame::{self, Frame, FrameError, FrameType};
-use nackd_core::protocol::method::{self, ids, MethodId};
+use crate::protocol::frame::{self, Frame, FrameError, FrameType};
+use crate::protocol::method::{self, ids, MethodId};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {

@@ -226,7 +226,7 @@ fn content_state_follows_method_header_bodies() {
 
 #[test]
 fn content_out_of_order_is_unexpected_frame() {
-    use nackd_core::protocol::reply::ReplyCode;
+    use crate::protocol::reply::ReplyCode;
     let mut s = ContentState::default();
     let e = s.advance(&header(1), None).unwrap_err();
     assert_eq!(e.reply_code(), ReplyCode::UnexpectedFrame);

@@ -5,14 +5,10 @@ use std::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::close::Origin;
-use super::core::Session;
-use super::frames::Peer;
-use nackd_core::protocol::frame::FrameError;
-use nackd_core::protocol::method;
-use nackd_core::protocol::reply::ReplyCode;
-
-/// A protocol fault of either side (closes the connection with its reply code).
-pub(super) type Fault = FrameError;
+use super::machine::Session;
+use super::peer::{Fault, Peer};
+use crate::protocol::method;
+use crate::protocol::reply::ReplyCode;
 
 impl Session {
     pub(super) fn on_client_fault(&mut self, fault: Fault) {

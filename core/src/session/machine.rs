@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 use super::channel::Channels;
-use super::claim::{Interception, Scope};
 use super::close::Close;
-use super::defer::Deferrals;
-use super::frames::Peer;
+use super::deferrals::Deferrals;
+use super::peer::Peer;
+use super::scope::{Interception, Scope};
 use super::{Limits, HIGH_WATER, TICK};
-use crate::metrics::Metrics;
-use crate::retry::{Park, Parked};
-use nackd_core::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
+use crate::held::{Park, Parked};
+use crate::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
+use crate::stats::SessionStats;
 
 /// What the session asks of the retry engine.
 // Each effect is moved once, from the queue to the engine's channel.
@@ -36,7 +36,7 @@ pub enum Effect {
 }
 
 /// One client/broker pair, as a state machine.
-pub(crate) struct Session {
+pub struct Session {
     pub(super) limits: Limits,
     pub(super) handshake_deadline: Instant,
     /// The time of the event being handled.
@@ -77,7 +77,7 @@ pub(crate) struct Session {
     pub(super) release_at: Option<Instant>,
     /// Deliveries nackd could not hold, unacked until their nack (see `defer`).
     pub(super) deferrals: Deferrals,
-    pub(super) metrics: Arc<Metrics>,
+    pub(super) stats: Arc<SessionStats>,
 }
 
 impl Session {
@@ -87,7 +87,7 @@ impl Session {
         limits: Limits,
         handshake_deadline: Instant,
         now: Instant,
-        metrics: Arc<Metrics>,
+        stats: Arc<SessionStats>,
         interception: Option<&Arc<Interception>>,
     ) -> Self {
         Self {
@@ -117,8 +117,8 @@ impl Session {
             barrier: None,
             barrier_acked_at: None,
             release_at: None,
-            deferrals: Deferrals::new(metrics.deferred_now.clone()),
-            metrics,
+            deferrals: Deferrals::new(stats.deferred_now.clone()),
+            stats,
         }
     }
 

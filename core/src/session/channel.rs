@@ -10,9 +10,9 @@ use bytes::Bytes;
 use crate::session::capture::{Captured, Capturing};
 use crate::session::settle::Settle;
 
-use nackd_core::protocol::content;
-use nackd_core::protocol::frame::{Frame, FrameError, FrameType};
-use nackd_core::protocol::method::MethodId;
+use crate::protocol::content;
+use crate::protocol::frame::{Frame, FrameError, FrameType};
+use crate::protocol::method::MethodId;
 
 /// A consumer registered on the channel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,7 +74,7 @@ impl ContentState {
                 n => Self::Body(n),
             },
             (Self::Body(left), FrameType::Body) => {
-                let len = (frame.raw.len() - nackd_core::protocol::frame::FRAME_OVERHEAD) as u64;
+                let len = (frame.raw.len() - crate::protocol::frame::FRAME_OVERHEAD) as u64;
                 match left.checked_sub(len) {
                     Some(0) => Self::Idle,
                     Some(rest) => Self::Body(rest),

@@ -7,18 +7,11 @@ use amq_protocol::protocol::AMQPClass;
 use bytes::BytesMut;
 use tracing::{debug, Span};
 
-use super::core::Session;
-use super::lifecycle::Fault;
+use super::machine::Session;
+use super::peer::{Fault, Peer};
+use crate::protocol::frame::{Frame, FrameError, FrameType};
+use crate::protocol::method::{self, MethodId};
 use crate::session::channel::ContentState;
-use nackd_core::protocol::frame::{Frame, FrameError, FrameType};
-use nackd_core::protocol::method::{self, MethodId};
-
-/// A side of the pair, by who sent the bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Peer {
-    Client,
-    Upstream,
-}
 
 impl Session {
     /// Handles every whole frame `peer` sent in `input`; counts them once
@@ -46,7 +39,7 @@ impl Session {
         };
         match peer {
             Peer::Client => {
-                self.metrics.frames.to_upstream.inc_by(frames);
+                self.stats.frames.to_upstream.inc_by(frames);
                 if let Some(fault) = fault {
                     // The rest of what the client sent is not read.
                     input.clear();
@@ -61,7 +54,7 @@ impl Session {
                 }
             }
             Peer::Upstream => {
-                self.metrics.frames.to_client.inc_by(frames);
+                self.stats.frames.to_client.inc_by(frames);
                 if let Some(fault) = fault {
                     self.on_upstream_fault(fault);
                 }

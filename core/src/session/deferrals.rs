@@ -1,3 +1,6 @@
+//! The deferred tags of a session (see `defer`), by channel and due time,
+//! and the rate their nacks go at.
+//!
 //! Deferred nacks: a nack nackd would claim but cannot hold right now (the
 //! store full or failing, no lease, the capture budget spent, headers it
 //! cannot rewrite) is not settled upstream as the client sent it. With the
@@ -15,12 +18,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::gauge::Gauge;
-use tracing::debug;
-
-use super::close::Origin;
-use super::core::Session;
-use crate::metrics::PassReason;
-use nackd_core::protocol::method;
 
 /// The delay of a deferral when the policy's is not known (the message
 /// was not captured, so its retry number is not known either).
@@ -170,110 +167,5 @@ impl Drop for Deferrals {
     fn drop(&mut self) {
         // The session is over: the broker requeued what it still had.
         self.gauge.dec_by(self.tags.len() as i64);
-    }
-}
-
-impl Session {
-    /// nackd would hold delivery `tag` but cannot now (`reason`): it stays
-    /// unacked at the broker and is nacked with `requeue=true` after
-    /// `delay` (the policy's for this retry when known), bounded.
-    pub(super) fn defer(
-        &mut self,
-        channel_id: u16,
-        tag: u64,
-        reason: PassReason,
-        delay: Option<Duration>,
-    ) {
-        self.metrics.defer(reason);
-        let channel_closing = self
-            .channels
-            .peek(channel_id)
-            .is_some_and(|c| c.barrier_raised || c.closing);
-        let connection_closing =
-            self.deferred_close.is_some() || self.close.awaiting_upstream() == Some(Origin::Client);
-        if channel_closing || connection_closing {
-            // A close, recover or tx.select waits to go upstream: the close
-            // and recover would requeue it anyway, and after a tx.select a
-            // later nack would be part of the client's transaction. It goes
-            // back now, ahead of them.
-            debug!(
-                tag,
-                reason = reason.label(),
-                "cannot hold: requeued now, before the close"
-            );
-            let nack = method::nack(channel_id, tag, false, true);
-            self.send_own(channel_id, nack, None);
-            return;
-        }
-        let delay = delay.unwrap_or(FALLBACK_DELAY).clamp(MIN_DELAY, MAX_DELAY);
-        debug!(
-            tag,
-            reason = reason.label(),
-            ?delay,
-            "cannot hold: left unacked, nacked (requeue) after the delay"
-        );
-        self.deferrals.insert(channel_id, tag, self.now + delay);
-    }
-
-    /// Sends the nacks (requeue) of the deferred tags that are due, as the
-    /// rate allows; the rest wait for [`Deferrals::next_wake`].
-    pub(super) fn fire_deferred(&mut self) {
-        if self.deferrals.len() == 0 {
-            return;
-        }
-        if !self.upstream_takes_acks() {
-            // The broker takes the deliveries back with the connection.
-            self.deferrals.take_all();
-            return;
-        }
-        for (channel, tag) in self.deferrals.take_due(self.now) {
-            debug!(channel, tag, "deferred nack: requeued at the broker");
-            self.send_own(channel, method::nack(channel, tag, false, true), None);
-        }
-    }
-
-    /// The client settles a deferred tag a second time: that settle goes
-    /// to the broker as sent (as for a claimed tag), and nackd steps back.
-    pub(super) fn settled_again_deferred(&mut self, channel_id: u16, tag: u64) -> bool {
-        self.deferrals.remove(channel_id, tag)
-    }
-
-    /// Channel `channel_id` closes or recovers: the broker requeues its
-    /// unacked deliveries itself, so its deferred tags are forgotten.
-    pub(super) fn forget_deferred(&mut self, channel_id: u16) {
-        let forgotten = self.deferrals.take_channel(channel_id);
-        if !forgotten.is_empty() {
-            debug!(
-                channel = channel_id,
-                tags = forgotten.len(),
-                "deferred nacks forgotten: the broker requeues them"
-            );
-        }
-    }
-
-    /// The connection ends: the broker requeues every unacked delivery.
-    pub(super) fn forget_all_deferred(&mut self) {
-        self.deferrals.take_all();
-    }
-
-    /// Sends the nacks (requeue) of the deferred tags of `channel_id` now
-    /// (before a `tx.select`, after which they would be transactional).
-    pub(super) fn requeue_deferred_now(&mut self, channel_id: u16) {
-        for tag in self.deferrals.take_channel(channel_id) {
-            self.send_own(channel_id, method::nack(channel_id, tag, false, true), None);
-        }
-    }
-
-    /// nackd shuts down: every deferred tag is nacked (requeue) now, ahead
-    /// of the connection close. The close would requeue them too, but on
-    /// RabbitMQ 4.3 quorum queues an explicit nack does not count toward
-    /// the delivery-limit and a return on disconnect does.
-    pub(super) fn requeue_all_deferred_now(&mut self) {
-        if !self.upstream_takes_acks() {
-            return self.forget_all_deferred();
-        }
-        for (channel, tag) in self.deferrals.take_all() {
-            self.send_own(channel, method::nack(channel, tag, false, true), None);
-        }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use crate::config::policy::Policy;
+use crate::policy::Policy;
 
 /// A global bound on the bytes of captured deliveries.
 #[derive(Debug)]
