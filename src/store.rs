@@ -102,13 +102,12 @@ mod segment;
 mod writer;
 
 pub use log::{
-    segment_numbers, segment_path, Backlog, Log, Options, Reader, Relocation, Segments,
-    SEGMENT_BYTES,
+    segment_numbers, Backlog, Log, Options, Reader, Relocation, Segments, SEGMENT_BYTES,
 };
 pub use recover::{Recovered, Report};
 pub use reserve::RESERVE_BYTES;
 pub use scan::{scan, Damage, Harm};
-pub use segment::Loc;
+pub use segment::{segment_path, Loc};
 pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
 
 pub use nackd_core::held::{Held, HeldMeta, Route, StoreError};

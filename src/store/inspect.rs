@@ -8,9 +8,10 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
-use super::log::{segment_numbers, segment_path, Log, Options};
+use super::log::{segment_numbers, Log, Options};
 use super::record::View;
 use super::scan::scan;
+use super::segment::segment_path;
 use super::Held;
 
 /// Every held message, read without taking the lock, in due order. A

@@ -18,7 +18,7 @@ use super::header::{self, Header};
 use super::record::{self, Framing, View};
 use super::recover::{self, Recovered, Report};
 use super::scan::{Damage, Harm};
-use super::segment::{Loc, Segment};
+use super::segment::{segment_path, Loc, Segment};
 use super::{Held, StoreError};
 
 /// Default size at which the head segment is closed and a new one started.
@@ -152,11 +152,6 @@ pub struct Log {
 
 fn io_err(e: io::Error) -> StoreError {
     StoreError::Io(e.to_string())
-}
-
-/// The file of segment `n` in `dir`.
-pub fn segment_path(dir: &Path, n: u32) -> PathBuf {
-    dir.join(format!("{n:010}.log"))
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {

@@ -20,9 +20,9 @@ use std::sync::Arc;
 use tracing::{error, info, warn};
 
 use super::header::{self, Format};
-use super::log::segment_path;
 use super::record::{Framing, View};
 use super::scan::{self, Damage, Harm};
+use super::segment::segment_path;
 use super::segment::{Loc, Segment};
 use super::{HeldMeta, Route};
 

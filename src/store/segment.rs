@@ -5,6 +5,8 @@
 //! about 4 bytes per put record in the file: a store of millions of held
 //! messages keeps its whole liveness map in a few bytes per message.
 
+use std::path::{Path, PathBuf};
+
 use super::record::Framing;
 
 /// Where a record sits.
@@ -124,4 +126,9 @@ mod tests {
         assert_eq!(live.len(), 129);
         assert!(!live.contains(&70) && live.contains(&1290));
     }
+}
+
+/// The file of segment `n` in `dir`.
+pub fn segment_path(dir: &Path, n: u32) -> PathBuf {
+    dir.join(format!("{n:010}.log"))
 }

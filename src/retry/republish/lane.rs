@@ -224,7 +224,7 @@ impl Lane {
     /// Whether `p` can be published now, and how; `Err` when it cannot be
     /// published at all.
     fn admit(&self, p: &Publish, limits: Limits<'_>) -> Result<Admit, SetAside> {
-        precheck(p, limits)?;
+        precheck(p, limits.frame_max)?;
         Ok(
             match (foreign_user_id(p, limits.username), limits.impersonation) {
                 (None, _) | (Some(_), Impersonation::Allowed) => Admit::WithOthers,

@@ -2,7 +2,6 @@
 //! before a message is sent: a content header that cannot fit in one frame,
 //! names longer than a short string, and whose `user_id` it is.
 
-use super::lane::Limits;
 use super::{Publish, SetAside};
 use crate::metrics::BlockReason;
 use nackd_core::protocol::frame::FRAME_OVERHEAD;
@@ -12,7 +11,7 @@ const USER_ID_FLAG: u16 = 1 << 4;
 
 /// What the broker would refuse with a channel or connection error, found
 /// before sending.
-pub(super) fn precheck(p: &Publish, limits: Limits<'_>) -> Result<(), SetAside> {
+pub(super) fn precheck(p: &Publish, frame_max: u32) -> Result<(), SetAside> {
     let aside = |reason, reply: String| {
         Err(SetAside {
             reason,
@@ -21,12 +20,12 @@ pub(super) fn precheck(p: &Publish, limits: Limits<'_>) -> Result<(), SetAside> 
         })
     };
     let frame = p.header.len() + FRAME_OVERHEAD;
-    if frame > limits.frame_max as usize {
+    if frame > frame_max as usize {
         return aside(
             BlockReason::FrameMax,
             format!(
                 "its content header frame of {frame} bytes exceeds the negotiated frame_max {}: it cannot be published",
-                limits.frame_max
+                frame_max
             ),
         );
     }
