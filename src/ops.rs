@@ -22,6 +22,7 @@ use tracing::warn;
 
 use crate::metrics::{Login, Metrics, CONTENT_TYPE};
 use crate::retry::RetryHandle;
+use nackd_core::clock::Clock;
 use nackd_core::session::Budget;
 
 mod admin;
@@ -40,6 +41,7 @@ pub struct Ops {
     nodes: Vec<String>,
     admin_token: Option<String>,
     intercepting: bool,
+    clock: Clock,
     engine: OnceLock<(RetryHandle, Arc<Budget>)>,
     draining: AtomicBool,
     /// The last broker check of `/readyz` and when it ran.
@@ -54,12 +56,14 @@ impl Ops {
         nodes: Vec<String>,
         admin_token: Option<String>,
         intercepting: bool,
+        clock: Clock,
     ) -> Arc<Self> {
         Arc::new(Self {
             metrics,
             nodes,
             admin_token,
             intercepting,
+            clock,
             engine: OnceLock::new(),
             draining: AtomicBool::new(false),
             upstream_check: tokio::sync::Mutex::new(None),
@@ -235,7 +239,7 @@ impl Ops {
     async fn upstream_check(&self) -> Nodes {
         let mut last = self.upstream_check.lock().await;
         if let Some((at, result)) = last.as_ref() {
-            if at.elapsed() < UPSTREAM_CHECK_TTL {
+            if self.clock.now() - *at < UPSTREAM_CHECK_TTL {
                 return result.clone();
             }
         }
@@ -254,7 +258,7 @@ impl Ops {
         let mut answers: Vec<(usize, String, String)> = checks.join_all().await;
         answers.sort();
         let result = Nodes(answers.into_iter().map(|(_, n, a)| (n, a)).collect());
-        *last = Some((Instant::now(), result.clone()));
+        *last = Some((self.clock.now(), result.clone()));
         result
     }
 }

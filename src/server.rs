@@ -73,13 +73,20 @@ async fn start_ops(
     connector: &Connector,
     metrics: &Arc<Metrics>,
     intercepting: bool,
+    clock: &Clock,
 ) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
     let admin_token = config
         .metrics
         .admin_token()
         .map_err(StartError::Credentials)?;
     let nodes = connector.addresses().map(str::to_string).collect();
-    let ops = Ops::new(metrics.clone(), nodes, admin_token, intercepting);
+    let ops = Ops::new(
+        metrics.clone(),
+        nodes,
+        admin_token,
+        intercepting,
+        clock.clone(),
+    );
     let address = config.metrics.address;
     let listener = ops::bind(address)
         .await
@@ -253,13 +260,13 @@ impl Proxy {
         let acceptor = config.listen.tls.as_ref().map(listen_tls).transpose()?;
         let connector = upstream(config)?;
         let metrics = Metrics::new();
+        // One clock for the engine, the sessions and the operations listener.
+        let clock = Clock::start();
         let intercepting = !config.policies.is_empty();
         let (ops, ops_addr, ops_task) =
-            start_ops(config, &connector, &metrics, intercepting).await?;
+            start_ops(config, &connector, &metrics, intercepting, &clock).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
-        // One clock for the engine and the sessions.
-        let clock = Clock::start();
         let (intercept, engine) = match &live {
             None => (None, None),
             Some(live) => {

@@ -181,7 +181,7 @@ impl Engine {
         let (options, metrics) = (start.options.clone(), start.metrics.clone());
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
         let reader = log.reader();
-        let writer = store::spawn_writer(log, events_tx, metrics.clone());
+        let writer = store::spawn_writer(log, events_tx, metrics.clone(), clock.clone());
         let paused = writer.paused;
         let fence = replica
             .as_ref()
@@ -355,7 +355,7 @@ impl Engine {
         stop: &tokio_util::sync::CancellationToken,
     ) -> Exit {
         self.on_lease();
-        let mut alarm = Alarm::new();
+        let mut alarm = Alarm::new(self.clock.clone());
         let exit = loop {
             let wake = match self.may_fire() {
                 true => self.next_wake().map(|us| self.clock.instant_at_us(us)),

@@ -40,6 +40,7 @@ use crate::metrics::{BlockReason, Metrics};
 use crate::net::Connector;
 use crate::replica::fence::Fence;
 use crate::store::Route;
+use nackd_core::clock::Clock;
 
 mod check;
 mod conn;
@@ -180,13 +181,14 @@ impl Republisher {
         settings: Settings,
         reports: mpsc::UnboundedSender<Report>,
         metrics: Arc<Metrics>,
+        clock: Clock,
         tasks: &TaskTracker,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         // A spawned task does not inherit the current span: the vhost is
         // named here so every line the task logs carries it.
         let span = info_span!("republish", vhost = %vhost);
-        let task = task::Task::new(vhost, connector, settings, reports, rx, metrics);
+        let task = task::Task::new(vhost, connector, settings, reports, rx, metrics, clock);
         tasks.spawn(task.run().instrument(span));
         Self { tx }
     }

@@ -11,8 +11,11 @@
 
 use std::time::Instant;
 
+use nackd_core::clock::Clock;
+
 /// Wakes the engine at the instant it was set to.
 pub(super) struct Alarm {
+    clock: Clock,
     #[cfg(target_os = "linux")]
     fd: Option<tokio::io::unix::AsyncFd<linux::TimerFd>>,
     /// What the timer is set to.
@@ -20,8 +23,8 @@ pub(super) struct Alarm {
 }
 
 impl Alarm {
-    /// An unset alarm. Must be called inside the engine's runtime.
-    pub fn new() -> Self {
+    /// An unset alarm on `clock`. Must be called inside the engine's runtime.
+    pub fn new(clock: Clock) -> Self {
         #[cfg(target_os = "linux")]
         let fd = match linux::TimerFd::registered() {
             Ok(fd) => Some(fd),
@@ -31,6 +34,7 @@ impl Alarm {
             }
         };
         Self {
+            clock,
             #[cfg(target_os = "linux")]
             fd,
             at: None,
@@ -45,7 +49,7 @@ impl Alarm {
         self.at = at;
         #[cfg(target_os = "linux")]
         if let Some(fd) = &self.fd {
-            let after = at.map(|at| at.saturating_duration_since(Instant::now()));
+            let after = at.map(|at| at.saturating_duration_since(self.clock.now()));
             if after.is_some_and(|after| after.is_zero()) {
                 // `rings` answers at once without it (a leftover expiry of
                 // an earlier time only costs the engine one look).
@@ -65,7 +69,7 @@ impl Alarm {
         let Some(at) = self.at else {
             return std::future::pending().await;
         };
-        if at <= Instant::now() {
+        if at <= self.clock.now() {
             return;
         }
         #[cfg(target_os = "linux")]
@@ -78,7 +82,7 @@ impl Alarm {
                     return;
                 }
                 guard.clear_ready();
-                if at <= Instant::now() {
+                if at <= self.clock.now() {
                     return;
                 }
             }
@@ -175,11 +179,11 @@ mod linux {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::Alarm;
+    use super::{Alarm, Clock};
 
     #[tokio::test(flavor = "current_thread")]
     async fn rings_at_its_time_never_before() {
-        let mut alarm = Alarm::new();
+        let mut alarm = Alarm::new(Clock::start());
         for ms in [0u64, 1, 3, 7] {
             let at = Instant::now() + Duration::from_millis(ms);
             alarm.set(Some(at));
@@ -190,7 +194,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_reset_time_replaces_the_old_one() {
-        let mut alarm = Alarm::new();
+        let mut alarm = Alarm::new(Clock::start());
         let start = Instant::now();
         alarm.set(Some(start + Duration::from_secs(3600)));
         let soon = start + Duration::from_millis(5);
@@ -203,7 +207,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn an_unset_alarm_never_rings() {
-        let mut alarm = Alarm::new();
+        let mut alarm = Alarm::new(Clock::start());
         alarm.set(Some(Instant::now() + Duration::from_millis(1)));
         alarm.set(None);
         let rang = tokio::time::timeout(Duration::from_millis(30), alarm.rings()).await;
@@ -213,6 +217,6 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test(flavor = "current_thread")]
     async fn the_kernel_timer_is_in_use() {
-        assert!(Alarm::new().fd.is_some());
+        assert!(Alarm::new(Clock::start()).fd.is_some());
     }
 }

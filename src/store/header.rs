@@ -126,11 +126,11 @@ fn new_salt() -> u64 {
     if got == salt.len() as isize {
         return u64::from_ne_bytes(salt);
     }
+    // RandomState's keys come from the OS too, once per thread, and differ
+    // for each instance made; the process and a stack address vary them.
     use std::hash::BuildHasher;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    std::collections::hash_map::RandomState::new().hash_one((now, std::process::id()))
+    let here = &salt as *const _ as usize;
+    std::collections::hash_map::RandomState::new().hash_one((here, std::process::id()))
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use super::log::{Log, Relocation, Segments, HEADROOM};
 use super::reserve::{Reserve, RESERVE_BYTES};
 use super::{Held, Loc, Report, StoreError};
 use crate::metrics::{Damaged, Metrics, Open, PauseReason};
+use nackd_core::clock::Clock;
 
 /// Operations in one batch at most.
 const BATCH_OPS: usize = 4096;
@@ -114,6 +115,7 @@ pub fn spawn_writer<C: Send + 'static>(
     log: Log,
     events: UnboundedSender<Event<C>>,
     metrics: Arc<Metrics>,
+    clock: Clock,
 ) -> Writer<C> {
     let (tx, rx) = std::sync::mpsc::channel::<WriteOp<C>>();
     let open = Open::track(&metrics.store_open);
@@ -125,7 +127,7 @@ pub fn spawn_writer<C: Send + 'static>(
     // A thread does not inherit the current span: made here, it is a child
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
-    let mut writer = Thread::new(log, events, metrics);
+    let mut writer = Thread::new(log, events, metrics, clock);
     let paused = span.in_scope(|| {
         writer.keep_reserve();
         writer.paused = writer.pause_reason();
@@ -170,6 +172,7 @@ struct Thread<C> {
     log: Log,
     events: UnboundedSender<Event<C>>,
     metrics: Arc<Metrics>,
+    clock: Clock,
     /// No compaction before this (it failed, or found nothing to copy).
     compact_after: Option<Instant>,
     reserve: Reserve,
@@ -178,7 +181,12 @@ struct Thread<C> {
 }
 
 impl<C> Thread<C> {
-    fn new(log: Log, events: UnboundedSender<Event<C>>, metrics: Arc<Metrics>) -> Self {
+    fn new(
+        log: Log,
+        events: UnboundedSender<Event<C>>,
+        metrics: Arc<Metrics>,
+        clock: Clock,
+    ) -> Self {
         #[allow(unused_mut)] // a test shares its simulated disk with it
         let mut reserve = Reserve::adopt(log.dir());
         #[cfg(test)]
@@ -189,6 +197,7 @@ impl<C> Thread<C> {
             log,
             events,
             metrics,
+            clock,
             compact_after: None,
             reserve,
             paused: None,
@@ -288,10 +297,10 @@ impl<C> Thread<C> {
 
     /// Commits, then answers every put: `Ok` only if the commit covered it.
     fn commit(&mut self, mut answers: Vec<Written<C>>) {
-        let started = Instant::now();
+        let started = self.clock.now();
         let committed = self.log.commit();
         if !answers.is_empty() {
-            Metrics::observe(&self.metrics.fsync, started.elapsed());
+            Metrics::observe(&self.metrics.fsync, self.clock.now() - started);
         }
         let refused = answers
             .iter()
@@ -383,7 +392,7 @@ impl<C> Thread<C> {
     /// Whether a compaction step may run: not while the reserve is missing
     /// (its copies need room), nor before `compact_after`.
     fn may_compact(&self) -> bool {
-        self.compact_after.is_none_or(|t| Instant::now() >= t)
+        self.compact_after.is_none_or(|t| self.clock.now() >= t)
             && self.reserve.kept()
             && self.log.wants_compaction()
     }
@@ -396,7 +405,7 @@ impl<C> Thread<C> {
         self.compact_after = None;
         match self.log.compact(COMPACT_STEP) {
             Ok(copies) if copies.is_empty() => {
-                self.compact_after = Some(Instant::now() + RETRY_EVERY)
+                self.compact_after = Some(self.clock.now() + RETRY_EVERY)
             }
             Ok(copies) => {
                 let bytes: u64 = copies.iter().map(|c| u64::from(c.to.len)).sum();
@@ -405,7 +414,7 @@ impl<C> Thread<C> {
             }
             Err(e) => {
                 self.metrics.store_errors.inc();
-                self.compact_after = Some(Instant::now() + RETRY_EVERY);
+                self.compact_after = Some(self.clock.now() + RETRY_EVERY);
                 warn!(error = %e, "store: compaction failed; trying again later");
             }
         }
@@ -472,7 +481,7 @@ mod tests {
         let (log, mut backlog) = Log::open_deferred(disk.path(), Options::default()).unwrap();
         let metrics = Metrics::new();
         let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
-        let writer = spawn_writer(log, events, metrics.clone());
+        let writer = spawn_writer(log, events, metrics.clone(), Clock::start());
         assert_eq!(metrics.store_damaged_ranges.get(), 0, "nothing read yet");
         let (_, segments) = backlog.read().unwrap();
         writer.tx.send(WriteOp::Merge(segments)).unwrap();
@@ -493,7 +502,9 @@ mod tests {
             .file
             .ends_with(&format!("{:010}.log", bad.segment)));
         let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
-        spawn_writer(log, events, metrics.clone()).join().unwrap();
+        spawn_writer(log, events, metrics.clone(), Clock::start())
+            .join()
+            .unwrap();
         assert_eq!(metrics.store_damaged_ranges.get(), 1, "counted once");
     }
 
@@ -505,7 +516,9 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let (log, _) = Log::open(disk.path(), Options::default()).unwrap();
             let (events, _events) = tokio::sync::mpsc::unbounded_channel::<Event<()>>();
-            spawn_writer(log, events, Metrics::new()).join().unwrap();
+            spawn_writer(log, events, Metrics::new(), Clock::start())
+                .join()
+                .unwrap();
         });
         let entered = entered.0.lock().unwrap();
         assert!(
@@ -532,7 +545,7 @@ mod tests {
             let disk = Arc::new(std::sync::atomic::AtomicU64::new(ROOMY));
             log.faults.disk = Some(disk.clone());
             let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
-            let writer = spawn_writer(log, events_tx, Metrics::new());
+            let writer = spawn_writer(log, events_tx, Metrics::new(), Clock::start());
             Self {
                 dir,
                 disk,

@@ -13,7 +13,7 @@
 //! have completes meanwhile, into the store's reserve.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
@@ -50,10 +50,11 @@ impl Engine {
     /// (or resumes) from now, said once per change in the log, in
     /// `nackd_firing_paused{reason}` and in `/readyz`.
     pub(super) fn on_firing(&mut self, paused: Option<PauseReason>) {
-        let was = self.paused.map(|(reason, since)| (reason, since.elapsed()));
+        let now = self.clock.now();
+        let was = self.paused.map(|(reason, since)| (reason, now - since));
         self.paused = paused.map(|reason| match self.paused {
             Some((_, since)) => (reason, since),
-            None => (reason, Instant::now()),
+            None => (reason, now),
         });
         self.metrics.set_firing_paused(paused);
         let handed = self.handed.len();
@@ -252,7 +253,7 @@ impl Engine {
         };
         let (connector, settings) = (self.connector.clone(), self.options.republish.clone());
         let (reports, metrics) = (self.reports_tx.clone(), self.metrics.clone());
-        let tasks = self.republishers.clone();
+        let (tasks, clock) = (self.republishers.clone(), self.clock.clone());
         let vh = self.vhost(v);
         vh.outstanding += 1;
         vh.pending_bytes += size;
@@ -260,7 +261,7 @@ impl Engine {
         let name = vh.name.clone();
         vh.republisher
             .get_or_insert_with(|| {
-                Republisher::spawn(name, connector, settings, reports, metrics, &tasks)
+                Republisher::spawn(name, connector, settings, reports, metrics, clock, &tasks)
             })
             .publish(publish);
     }

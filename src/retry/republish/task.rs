@@ -22,6 +22,7 @@ use super::{Publish, Report, SetAside, Settings};
 use crate::metrics::{BlockReason, Login, Metrics, Open, VhostLabels};
 use crate::net::{Connector, Io};
 use crate::replica::fence::Fence;
+use nackd_core::clock::Clock;
 use nackd_core::protocol::frame::FrameType;
 use nackd_core::protocol::method;
 
@@ -40,6 +41,7 @@ pub(super) struct Task {
     reports_tx: mpsc::UnboundedSender<Report>,
     rx: mpsc::UnboundedReceiver<Publish>,
     metrics: Arc<Metrics>,
+    clock: Clock,
     connected: Gauge,
     blocked: Gauge,
     connects: Counter,
@@ -67,6 +69,7 @@ impl Task {
         reports_tx: mpsc::UnboundedSender<Report>,
         rx: mpsc::UnboundedReceiver<Publish>,
         metrics: Arc<Metrics>,
+        clock: Clock,
     ) -> Self {
         let labels = VhostLabels {
             vhost: vhost.to_string(),
@@ -79,6 +82,7 @@ impl Task {
                 .republisher_channel_errors
                 .get_or_create_owned(&labels),
             metrics,
+            clock,
             vhost,
             connector,
             settings,
@@ -101,7 +105,7 @@ impl Task {
             .await;
             match opened {
                 Ok(conn) => {
-                    let since = Instant::now();
+                    let since = self.clock.now();
                     info!(vhost = %self.vhost, heartbeat = ?conn.heartbeat, "republisher connected");
                     let user = &self.settings.login.username;
                     login::record(&self.metrics, &self.vhost, user, Login::Ok);
@@ -118,7 +122,7 @@ impl Task {
                             warn!(vhost = %self.vhost, error = %e, "republisher connection lost; unconfirmed publishes go again after the reconnect")
                         }
                     }
-                    if since.elapsed() >= STABLE {
+                    if self.clock.now() - since >= STABLE {
                         backoff = BACKOFF_MIN;
                     }
                 }
@@ -187,7 +191,7 @@ impl Task {
             impersonation: Impersonation::Unknown,
         };
         let heartbeat = conn.heartbeat;
-        let (mut last_read, mut last_write) = (Instant::now(), Instant::now());
+        let (mut last_read, mut last_write) = (self.clock.now(), self.clock.now());
         let mut unflushed = false;
         let fence = self.settings.fence.clone();
         loop {
@@ -212,7 +216,7 @@ impl Task {
                     if read? == 0 {
                         return Err(ConnError::Protocol("broker closed the socket".into()));
                     }
-                    last_read = Instant::now();
+                    last_read = self.clock.now();
                     while let Some(frame) = conn.frame()? {
                         self.on_frame(frame, &mut wire, &mut conn).await?;
                     }
@@ -220,7 +224,7 @@ impl Task {
                 _ = &mut extended, if fenced => {}
                 wrote = push_fenced(&fence, &mut conn.writer, &mut wire.out), if !fenced && (unflushed || !wire.out.is_empty()) => {
                     unflushed = wrote?;
-                    last_write = Instant::now();
+                    last_write = self.clock.now();
                 }
                 p = self.rx.recv(), if wire.out.len() < OUT_HIGH => match p {
                     Some(p) => self.route(p),
@@ -228,10 +232,10 @@ impl Task {
                 },
                 _ = sleep_until(beat), if beat.is_some() => {
                     let h = heartbeat.expect("beat is set only with a heartbeat");
-                    if last_read.elapsed() >= 2 * h {
+                    if self.clock.now() - last_read >= 2 * h {
                         return Err(ConnError::Silent(2 * h));
                     }
-                    if last_write.elapsed() >= h / 2 && wire.out.is_empty() {
+                    if self.clock.now() - last_write >= h / 2 && wire.out.is_empty() {
                         wire.out.extend_from_slice(&method::heartbeat());
                     }
                 }
