@@ -106,6 +106,11 @@ impl Segment {
     }
 }
 
+/// The file of segment `n` in `dir`.
+pub fn segment_path(dir: &Path, n: u32) -> PathBuf {
+    dir.join(format!("{n:010}.log"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,9 +131,4 @@ mod tests {
         assert_eq!(live.len(), 129);
         assert!(!live.contains(&70) && live.contains(&1290));
     }
-}
-
-/// The file of segment `n` in `dir`.
-pub fn segment_path(dir: &Path, n: u32) -> PathBuf {
-    dir.join(format!("{n:010}.log"))
 }

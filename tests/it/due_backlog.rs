@@ -8,7 +8,7 @@
 //! the README was measured with
 //! `NACKD_BACKLOG_COUNT=1000000 cargo test --release --test due_backlog -- --nocapture`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

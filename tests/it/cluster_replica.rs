@@ -6,7 +6,7 @@
 //! same action, never a loop. Real nackd processes on the 3-node cluster
 //! (scripts/cluster), real lapin clients.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! This test stops and starts the RabbitMQ application, so it lives alone in
 //! its own test binary (cargo runs test binaries one after another).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

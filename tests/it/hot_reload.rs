@@ -2,7 +2,7 @@
 //! messages keep their schedule, an invalid file keeps the old policies),
 //! and `nackd admin` drives the admin API of a running nackd.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

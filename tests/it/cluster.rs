@@ -2,7 +2,7 @@
 //! no nackd host and no broker node is a single point of failure. Real
 //! nackd processes, real nodes stopped and killed, real lapin clients.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! it: a stream replicated on all three nodes, written through one node and
 //! read through another, also while a node is down, and a quorum queue.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -8,9 +8,8 @@
 //! Chromium is provisioned by `scripts/test` (scripts/ensure-chromium.sh);
 //! this test fails, never skips, when it is missing.
 
-#[path = "status_page/browser.rs"]
 mod browser;
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

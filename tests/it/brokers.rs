@@ -2,7 +2,7 @@
 //! broker the suite runs against (3.10, and 4.3 in its second pass): each
 //! test says what that broker does and asserts nackd's part on each.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! holder's connection goes, and a store rebuilt from the stream holds
 //! exactly what was appended and not completed.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

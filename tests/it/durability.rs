@@ -1,7 +1,7 @@
 //! The hold store under crashes, damage and a full disk: real nackd
 //! processes killed with SIGKILL, real RabbitMQ, real lapin consumers.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::Command;

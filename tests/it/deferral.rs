@@ -3,7 +3,7 @@
 //! the delay, instead of settling it as sent, which with `requeue=false`
 //! and no dead-letter exchange drops the message.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -4,9 +4,8 @@
 //! every other retry keeps its schedule on the same connection. A returned
 //! message is matched to exactly the publish it was.
 
-mod common;
-#[path = "common/republish.rs"]
-mod support;
+use crate::common;
+use crate::common::republish as support;
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

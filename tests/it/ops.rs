@@ -2,7 +2,7 @@
 //! the traffic did, `/readyz` tells the truth, and the admin API needs its
 //! token, fires a held message now and purges it from the store.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

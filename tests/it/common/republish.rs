@@ -1,5 +1,4 @@
-//! What the republisher tests share (included with `#[path]`, so that
-//! `common/mod.rs` stays as it is).
+//! What the republisher tests (isolation, republisher_health) share.
 #![allow(dead_code)]
 
 use std::time::{Duration, Instant};

@@ -10,7 +10,7 @@
 //! - rabbitpy 3.0.2 (PyPI): tests/test_integration.py, tests/integration/
 //!   (pika's sdists ship no tests: see `scripts/client-suites`).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -16,7 +16,7 @@
 //! machine is); each of the two tests took 38-108 s, the SIGTERM one also
 //! reading the store back after its clean stop (12 s).
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

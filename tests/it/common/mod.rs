@@ -23,6 +23,7 @@ pub mod cluster;
 pub mod ops;
 pub mod process;
 pub mod raw;
+pub mod republish;
 
 /// A nackd running inside the test's runtime.
 pub struct Nackd {

@@ -1,7 +1,7 @@
 //! Delayed retry end to end: lapin consumers nack through nackd, RabbitMQ
 //! gets the message back at the tail of the queue after the delay.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -462,7 +462,7 @@ fn ram(engine: &str, phase: &str, path: &Path, total: u64) -> (u64, u64) {
 
 /// The fjall version built, from the lock file.
 fn fjall_version() -> &'static str {
-    let lock = include_str!("../Cargo.lock");
+    let lock = include_str!("../../Cargo.lock");
     let at = lock
         .find("name = \"fjall\"\nversion = \"")
         .expect("fjall in Cargo.lock");

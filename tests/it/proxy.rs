@@ -1,7 +1,7 @@
 //! Transparent proxy: real lapin clients through a real nackd to the real
 //! RabbitMQ. Nothing is intercepted here (no policy).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,9 +4,8 @@
 //! that does not exist (named at startup and on reload); and the operations
 //! endpoints stay cheap (`/readyz` checks the broker once a second).
 
-mod common;
-#[path = "common/republish.rs"]
-mod support;
+use crate::common;
+use crate::common::republish as support;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

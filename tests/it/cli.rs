@@ -1,7 +1,7 @@
 //! The `nackd` binary: configuration errors, `--check-config`, overrides,
 //! a clean exit on SIGTERM, and the threads `[runtime]` asks for.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

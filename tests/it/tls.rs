@@ -3,7 +3,7 @@
 //! nackd A's upstream TLS client is checked against nackd B's TLS listener
 //! (RabbitMQ on this machine has no TLS listener configured).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

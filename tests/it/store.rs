@@ -3,7 +3,7 @@
 //! delays), disk use shrinks back by compaction, and a really full disk
 //! turns interception off without losing anything, then on again.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

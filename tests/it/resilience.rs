@@ -1,7 +1,7 @@
 //! How nackd behaves when a peer misbehaves, dies or goes quiet, and at its
 //! limits: real RabbitMQ behind, real lapin (or raw bytes) in front.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
