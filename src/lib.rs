@@ -3,42 +3,59 @@
 //! An AMQP 0-9-1 proxy in front of RabbitMQ that turns a consumer's
 //! `basic.nack` / `basic.reject` on configured queues into a delayed retry.
 //!
+//! What nackd *decides* lives in the `nackd_core` crate (no tokio, no
+//! sockets, no clock of its own): the wire format, the session's state
+//! machine, policies and schedules, the wheel, the held-message model, the
+//! clock. This crate is the I/O around it: sockets, threads, the store on
+//! disk, the broker connections of its own, metrics and operations.
+//!
 //! # Layout
 //!
-//! One directory per part of the architecture; a nack passes through them
-//! in this order (README, "Follow a nack").
-//!
-//! - [`protocol`]: the wire, pure and fuzzed: `frame` (cutting the byte
-//!   stream, nom), `method` (the few methods nackd decodes, the frames it
-//!   emits), `content` (properties, byte-exact header splicing), `headers`
-//!   (the retry headers nackd writes), `reply` (reply codes).
-//! - `session`: one client/broker pair, split like quinn-proto: a
-//!   state machine without sockets or clock (`core`), driven by `pump`
-//!   (sockets, `select!`, backpressure, the link to the engine). The state
-//!   machine's handlers are split by concern: `client` and `upstream`
-//!   (frames from each side, cut and checked in `frames`), `channel`
-//!   (per-channel tracking: consumers, deliveries, claims), `capture`
-//!   (deliveries kept in case they are nacked), `claim` (claim, park, ack,
-//!   and the barriers of close and recover), `settle` (rewriting settles
-//!   around claimed tags), `close` and `lifecycle` (the closing handshake,
-//!   faults, timers). `session/tests.rs` drives it without sockets.
-//! - [`retry`]: the engine thread (`retry/engine.rs`, with `fire`,
-//!   `outcome` and `link` to the replica), its `ledger` of held messages,
-//!   the `wheel` (hierarchical timing wheel), `republish` (a connection per
+//! - [`server`]: the listener: accepts clients, applies limits and TLS,
+//!   starts a session per client, and stops everything in the order
+//!   `shutdown` writes down.
+//! - `session`: the pump of one client/broker pair: reads both sockets
+//!   into `nackd_core::session::Session`, writes what it says, carries
+//!   its parks to the retry engine and the answers back.
+//! - [`retry`]: the engine, on a thread of its own: `engine` (parks, fires,
+//!   completes; `fire`, `outcome`, `link` to the replica), its `ledger` of
+//!   held messages, `timer` (the alarm), `republish` (a connection per
 //!   vhost, a lane per exchange), `blocks` (set-aside messages), `admin`
-//!   (operator commands) and `supervisor` (recovery and readiness).
-//! - [`store`]: the hold log (`log`, `segment`, `record`, `writer`,
-//!   `recover`, `scan`, `inspect`).
+//!   (operator commands), `supervisor` (recovery and readiness).
+//! - [`store`]: the hold log on disk (`log`, `segment`, `record`,
+//!   `writer`, `recover`, `scan`, `inspect`).
 //! - [`replica`]: the copy in a stream of the broker cluster, the lease,
 //!   rebuild and adoption.
-//! - [`config`] (with `policy` and `replica`), `net` (TLS, the upstream
-//!   connector), [`server`] (listener, limits, the order of shutdown),
-//!   `shutdown` (how each task and thread is stopped and joined),
-//!   `clock` (the one clock), [`metrics`],
-//!   `ops` (`/metrics`, health, status page, admin API), [`reload`]
-//!   (SIGHUP), [`sched`] (`runtime.scheduling`).
-//! - `fuzzing` (feature `fuzzing`): the fuzz targets' code, shared by
-//!   `fuzz/` and the property tests; not in the product.
+//! - [`config`] (the file, with `replica`), `net` (TLS, the upstream
+//!   connector), `shutdown` (the one way a task or thread is stopped),
+//!   [`metrics`], `ops` (`/metrics`, health, status page, admin API),
+//!   [`reload`] (SIGHUP), [`sched`] (`runtime.scheduling`).
+//!
+//! # The path of one nack
+//!
+//! 1. `server` accepts the client; `session` connects upstream and feeds
+//!    both sockets' bytes to `nackd_core::session::Session`.
+//! 2. The broker's `basic.deliver` of a configured queue: the core tracks
+//!    the tag and captures the message (`core/src/session/upstream.rs`,
+//!    `channel.rs`, `capture.rs`).
+//! 3. The client's `basic.nack`: the core claims it, picks the delay
+//!    (`nackd_core::policy`), rewrites the headers
+//!    (`nackd_core::protocol::headers`) and asks for a park
+//!    (`core/src/session/claim.rs`, `Effect::Park`).
+//! 4. `session` hands the park to the engine (`retry::RetryHandle`, a
+//!    channel to the engine's thread). `retry/engine.rs` gives it an id
+//!    and sends it to the store writer (`store/writer.rs`, its thread,
+//!    `store/log.rs`: written, fsynced) and, with a replica, to the stream
+//!    (`retry/engine/link.rs`, `replica/task.rs`).
+//! 5. Durable: the engine books it in the ledger and the wheel
+//!    (`retry/ledger.rs`, `nackd_core::wheel`) and answers the session,
+//!    whose core acks the delivery upstream (`claim.rs`; `settle.rs`
+//!    rewrites the client's other settles around it).
+//! 6. Due: `retry/engine/fire.rs` reads it back from the store and hands
+//!    it to `retry/republish/lane.rs`, which publishes it to the tail of
+//!    its queue on a confirm channel.
+//! 7. The broker's confirm comes back through `retry/engine/outcome.rs`,
+//!    which deletes it from the store: completed.
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
