@@ -58,6 +58,7 @@ async fn count(q: &str) -> Option<u32> {
 
 #[tokio::test]
 async fn held_messages_survive_a_broker_restart() {
+    let _alone = common::alone();
     let (warm, q) = (unique("restart-warm-up"), unique("restart"));
     let nackd = start(&format!(
         "[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"{}s\"]\n",

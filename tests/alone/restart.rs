@@ -437,11 +437,13 @@ async fn restart_with_a_large_store_takes_nacks_at_once(end: End) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_sigkill_with_a_million_held_nacks_are_held_at_once() {
+    let _alone = common::alone();
     restart_with_a_large_store_takes_nacks_at_once(End::Sigkill).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_sigterm_with_a_million_held_nacks_are_held_at_once() {
+    let _alone = common::alone();
     restart_with_a_large_store_takes_nacks_at_once(End::Sigterm).await;
 }
 
@@ -537,6 +539,7 @@ const STOP_AFTER_GRACE: Duration = Duration::from_secs(1);
 /// before its close), so no duplicate at all is allowed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_under_nack_load_loses_nothing_and_duplicates_nothing() {
+    let _alone = common::alone();
     require_broker();
     let q = unique("graceful");
     declare(&[&q]).await;

@@ -77,6 +77,7 @@ fn mib(bytes: u64) -> String {
 
 #[tokio::test]
 async fn a_due_backlog_costs_ram_for_max_pending_bytes_not_for_the_backlog() {
+    let _alone = common::alone();
     require_broker();
     let n: u64 = std::env::var("NACKD_BACKLOG_COUNT")
         .ok()

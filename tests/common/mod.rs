@@ -25,6 +25,33 @@ pub mod process;
 pub mod raw;
 pub mod republish;
 
+/// Held by a test that restarts the default broker or loads the machine
+/// (`tests/alone`): no other such test runs meanwhile, whatever the test
+/// threads. The tests of `tests/it` share the machine; those of
+/// `tests/alone` take turns.
+pub fn alone() -> Alone {
+    let mut taken = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+    while *taken {
+        taken = FREED.wait(taken).unwrap_or_else(|p| p.into_inner());
+    }
+    *taken = true;
+    Alone(())
+}
+
+static ALONE: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+static FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// The turn [`alone`] gave; the next test's when dropped (a failed test
+/// drops it too).
+pub struct Alone(());
+
+impl Drop for Alone {
+    fn drop(&mut self) {
+        *ALONE.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        FREED.notify_one();
+    }
+}
+
 /// A nackd running inside the test's runtime.
 pub struct Nackd {
     pub addr: SocketAddr,

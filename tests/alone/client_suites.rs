@@ -32,11 +32,13 @@ type Outcomes = BTreeMap<String, String>;
 
 #[test]
 fn amqplib_suite_ends_the_same_through_nackd() {
+    let _alone = common::alone();
     same_through_nackd("amqplib", &[]);
 }
 
 #[test]
 fn rabbitpy_suite_ends_the_same_through_nackd() {
+    let _alone = common::alone();
     // On 4.3 these two fail straight against the broker (a transient
     // non-exclusive queue: the broker closes the connection, rabbitpy never
     // answers, and its close waits for the broker's 30 s closing timeout);

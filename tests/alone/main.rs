@@ -1,0 +1,17 @@
+//! nackd's integration tests that must not share the machine with other
+//! tests: one restarts the default broker (`broker_restart`), the others
+//! measure or load the whole machine (a million held messages, RAM of a
+//! due backlog, third-party client suites, a package installed in a
+//! Debian root). Each holds `common::alone()`, so they take turns. The
+//! shared harness is `tests/common`; the other tests are in `tests/it`.
+//!
+//! Run one with a filter, e.g. `cargo test --test alone -- restart::`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod broker_restart;
+mod client_suites;
+mod deb;
+mod due_backlog;
+mod restart;
