@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::cpu;
+use super::launcher::{io, LaunchError};
 
 /// How long HAProxy gets to listen on its port.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -68,37 +69,6 @@ impl Config {
     }
 }
 
-/// Why HAProxy could not be run.
-#[derive(Debug, thiserror::Error)]
-pub enum HaproxyError {
-    /// Not installed and apt could not install it.
-    #[error("HAProxy is not installed and could not be installed: {0}")]
-    NotInstalled(String),
-    /// Temp directory, config, log or spawn failed.
-    #[error("{what}: {source}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// HAProxy exited or did not listen in time; its log says why.
-    #[error("haproxy did not start ({reason}); config {config}, its output:\n{tail}")]
-    NotListening {
-        /// Exit status or timeout.
-        reason: String,
-        /// Path of the config it was given.
-        config: PathBuf,
-        /// Its last output lines.
-        tail: String,
-    },
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> HaproxyError {
-    let what = what.into();
-    move |source| HaproxyError::Io { what, source }
-}
-
 /// The `haproxy` binary: Debian's, or the first on `PATH`; `None` if none.
 fn find_binary() -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -108,7 +78,7 @@ fn find_binary() -> Option<PathBuf> {
 }
 
 /// The `haproxy` binary, installed from Debian's package first if missing.
-pub fn ensure_installed() -> Result<PathBuf, HaproxyError> {
+pub fn ensure_installed() -> Result<PathBuf, LaunchError> {
     if let Some(binary) = find_binary() {
         return Ok(binary);
     }
@@ -119,26 +89,33 @@ pub fn ensure_installed() -> Result<PathBuf, HaproxyError> {
         apt(&["install", "-y", "haproxy"])?;
     }
     find_binary().ok_or_else(|| {
-        HaproxyError::NotInstalled(format!(
+        not_installed(format!(
             "apt-get installed the package, but there is no {DEBIAN_BINARY} and no haproxy on PATH"
         ))
     })
 }
 
+fn not_installed(reason: String) -> LaunchError {
+    LaunchError::NotInstalled {
+        program: "haproxy",
+        reason,
+    }
+}
+
 /// Runs `apt-get args`; an error carries its exit status and last lines.
-fn apt(args: &[&str]) -> Result<(), HaproxyError> {
+fn apt(args: &[&str]) -> Result<(), LaunchError> {
     let command = format!("apt-get {}", args.join(" "));
     let out = Command::new("apt-get")
         .args(args)
         .env("DEBIAN_FRONTEND", "noninteractive")
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| HaproxyError::NotInstalled(format!("`{command}` could not run: {e}")))?;
+        .map_err(|e| not_installed(format!("`{command}` could not run: {e}")))?;
     if out.status.success() {
         return Ok(());
     }
     let text = String::from_utf8_lossy(&out.stderr);
-    Err(HaproxyError::NotInstalled(format!(
+    Err(not_installed(format!(
         "`{command}` failed ({}): {}",
         out.status,
         last_lines(&text, 5)
@@ -175,16 +152,19 @@ impl Build {
         Some(Self { version, splice })
     }
 
-    fn of(binary: &Path) -> Result<Self, HaproxyError> {
+    fn of(binary: &Path) -> Result<Self, LaunchError> {
         let out = Command::new(binary)
             .arg("-vv")
             .output()
             .map_err(io(format!("running {} -vv", binary.display())))?;
         let text = String::from_utf8_lossy(&out.stdout);
-        Self::parse(&text).ok_or_else(|| HaproxyError::NotListening {
-            reason: format!("`{} -vv` names no version", binary.display()),
-            config: PathBuf::new(),
-            tail: last_lines(&text, 5),
+        Self::parse(&text).ok_or_else(|| LaunchError::NotUsable {
+            program: "haproxy",
+            reason: format!(
+                "`{} -vv` names no HAProxy version; it printed: {:?}",
+                binary.display(),
+                last_lines(&text, 5)
+            ),
         })
     }
 }
@@ -201,7 +181,7 @@ pub struct HaproxyProcess {
 
 impl HaproxyProcess {
     /// Installs HAProxy if needed and starts it in front of `upstream`.
-    pub fn start(upstream: &str, splice: Splice) -> Result<Self, HaproxyError> {
+    pub fn start(upstream: &str, splice: Splice) -> Result<Self, LaunchError> {
         Self::start_binary(&ensure_installed()?, upstream, splice)
     }
 
@@ -211,7 +191,7 @@ impl HaproxyProcess {
         binary: &Path,
         upstream: &str,
         splice: Splice,
-    ) -> Result<Self, HaproxyError> {
+    ) -> Result<Self, LaunchError> {
         let build = Build::of(binary)?;
         let splice = if build.splice { splice } else { Splice::Off };
         let dir = tempfile::Builder::new()
@@ -255,7 +235,7 @@ impl HaproxyProcess {
 
     /// Waits until this very process owns a socket listening on its port
     /// (not merely: something answers there).
-    fn wait_listening(&mut self) -> Result<(), HaproxyError> {
+    fn wait_listening(&mut self) -> Result<(), LaunchError> {
         let began = Instant::now();
         loop {
             if cpu::listener_pid(self.addr) == Some(self.pid()) {
@@ -271,9 +251,10 @@ impl HaproxyProcess {
                     continue;
                 }
             };
-            return Err(HaproxyError::NotListening {
+            return Err(LaunchError::NotListening {
+                program: "haproxy",
                 reason,
-                config: self.config_path(),
+                log: self.log_path(),
                 tail: last_lines(&self.output(), 20),
             });
         }
@@ -306,18 +287,19 @@ impl HaproxyProcess {
         )
     }
 
-    fn config_path(&self) -> PathBuf {
-        self.dir.path().join("haproxy.cfg")
+    /// Where its stdout and stderr go (the temp dir also holds haproxy.cfg).
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("haproxy.log")
     }
 
     /// What HAProxy wrote to stdout and stderr so far.
     fn output(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("haproxy.log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
     /// Its `[WARNING]` and `[ALERT]` lines so far.
     pub fn warnings(&self) -> Vec<String> {
-        let Ok(file) = File::open(self.dir.path().join("haproxy.log")) else {
+        let Ok(file) = File::open(self.log_path()) else {
             return Vec::new();
         };
         BufReader::new(file)
@@ -427,7 +409,10 @@ mod tests {
             HaproxyProcess::start_binary(Path::new("/bin/true"), "127.0.0.1:5672", Splice::Always)
                 .err()
                 .expect("must fail");
-        assert!(err.to_string().contains("names no version"), "{err}");
+        assert!(
+            err.to_string().contains("names no HAProxy version"),
+            "{err}"
+        );
         let missing = HaproxyProcess::start_binary(
             Path::new("/nonexistent/haproxy"),
             "127.0.0.1:5672",

@@ -293,20 +293,20 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
 pub fn print_footer(targets: Targets) {
     println!("load        average {} at the end", machine::load_average());
     if let Some(haproxy) = targets.haproxy {
-        let warnings = haproxy.warnings();
-        println!("haproxy out {} warnings/alerts", warnings.len());
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
+        print_warnings("haproxy out", "warnings/alerts", &haproxy.warnings());
         haproxy.kill();
     }
     if let Some(nackd) = targets.nackd {
-        let warnings = nackd.warnings();
-        println!("nackd log   {} warnings/errors", warnings.len());
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
+        print_warnings("nackd log  ", "warnings/errors", &nackd.warnings());
         nackd.kill();
+    }
+}
+
+/// "nackd log   2 warnings/errors" and the first five of them.
+fn print_warnings(label: &str, what: &str, warnings: &[String]) {
+    println!("{label} {} {what}", warnings.len());
+    for line in warnings.iter().take(5) {
+        println!("            {line}");
     }
 }
 
