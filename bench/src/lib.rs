@@ -111,6 +111,9 @@ pub struct Targets {
     pub broker: String,
     /// nackd's address.
     pub proxy: SocketAddr,
+    /// nackd's pid: the one this run started, or the owner of the
+    /// `--proxy` address's listening socket.
+    pub proxy_pid: Option<u32>,
     /// The nackd this run started, if it started one.
     pub nackd: Option<NackdProcess>,
     /// The HAProxy this run started, if asked to.
@@ -146,6 +149,10 @@ impl Targets {
         Ok(Self {
             broker: common.broker.clone(),
             proxy,
+            proxy_pid: nackd
+                .as_ref()
+                .map(NackdProcess::pid)
+                .or_else(|| cpu::listener_pid(proxy)),
             nackd,
             haproxy: None,
             broker_pid: cpu::broker_pid(&common.broker),
@@ -173,10 +180,7 @@ impl Targets {
     pub fn target(&self, side: Side) -> Target {
         let (addr, proxy) = match side {
             Side::Direct => (self.broker.clone(), None),
-            Side::Nackd => (
-                self.proxy.to_string(),
-                self.nackd.as_ref().map(NackdProcess::pid),
-            ),
+            Side::Nackd => (self.proxy.to_string(), self.proxy_pid),
             Side::Haproxy => {
                 let h = self.haproxy.as_ref().expect("a haproxy side needs haproxy");
                 (h.addr().to_string(), Some(h.pid()))
@@ -201,7 +205,7 @@ pub struct Target {
     pub side: Side,
     /// Address the clients connect to.
     pub addr: String,
-    /// Whose CPU time to count (nackd only if this run started it).
+    /// Whose CPU time to count.
     pub processes: Processes,
 }
 
@@ -268,7 +272,15 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
             n.pid(),
             n.addr()
         ),
-        None => println!("nackd       already running at {}", targets.proxy),
+        None => println!(
+            "nackd       already running at {} ({})",
+            targets.proxy,
+            targets
+                .proxy_pid
+                .map_or("pid unknown: its CPU is not counted".into(), |p| {
+                    format!("pid {p}, owns the listening socket")
+                })
+        ),
     }
     if let Some(settings) = &targets.nackd_settings {
         println!("nackd conf  {settings}");
