@@ -188,7 +188,7 @@ fn ms(d: Duration) -> String {
 }
 
 pub(super) fn print_latency(what: &str, sides: &Sides<Latency>) {
-    let mut direct = None;
+    let mut medians = Vec::new();
     for (side, rounds) in sides.iter() {
         let p50 = median_of(rounds, |l| l.summary.p50.as_secs_f64());
         let p99 = median_of(rounds, |l| l.summary.p99.as_secs_f64());
@@ -216,11 +216,13 @@ pub(super) fn print_latency(what: &str, sides: &Sides<Latency>) {
             each(|s| s.p99),
             cpu_budget(&rates, side),
         );
-        match (side, direct) {
-            (Side::Direct, _) => direct = Some((p50, p99)),
-            (_, Some((d50, d99))) => print_added(what, side, (p50 - d50) * 1e3, (p99 - d99) * 1e3),
-            (_, None) => {}
-        }
+        medians.push((side, p50, p99));
+    }
+    let Some(&(_, d50, d99)) = medians.iter().find(|(s, ..)| *s == Side::Direct) else {
+        return;
+    };
+    for &(side, p50, p99) in medians.iter().filter(|(s, ..)| *s != Side::Direct) {
+        print_added(what, side, (p50 - d50) * 1e3, (p99 - d99) * 1e3);
     }
 }
 
