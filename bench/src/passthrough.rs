@@ -169,12 +169,16 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
     Ok(())
 }
 
-/// Messages and bytes per second delivered to the consumer(s), and the CPU
-/// it took.
+/// Messages and bytes per second delivered to the consumer(s), publishes
+/// confirmed per second, and the CPU it took. CPU per message divides by
+/// `msgs`, the delivered ones: each of them was also published through the
+/// same path, and `published` shows that no backlog grew meanwhile (which
+/// would leave publishes uncounted).
 #[derive(Clone, Copy, Debug)]
 struct Rate {
     msgs: f64,
     bytes: f64,
+    published: f64,
     cpu: CpuUse,
 }
 
@@ -201,15 +205,17 @@ impl Window {
         let mut rate = Rate {
             msgs: 0.0,
             bytes: 0.0,
+            published: 0.0,
             cpu,
         };
         for (b, a) in self.marks.iter().zip(&after) {
-            let (msgs, bytes) = b.rate_until(a);
-            if msgs == 0.0 {
+            let rates = b.rate_until(a);
+            if rates.delivered == 0.0 {
                 return Err("a consumer received nothing while measured".into());
             }
-            rate.msgs += msgs;
-            rate.bytes += bytes;
+            rate.msgs += rates.delivered;
+            rate.bytes += rates.bytes;
+            rate.published += rates.confirmed;
         }
         Ok(rate)
     }

@@ -65,6 +65,28 @@ fn ratio_text(a: &[f64], b: &[f64]) -> (f64, String) {
     (ratio, format!("{ratio:.3} (rounds {lo:.3}–{hi:.3})"))
 }
 
+/// Publishes confirmed / messages delivered beyond which a round is said
+/// to have built a backlog: its rate and CPU per message count deliveries.
+const BACKLOG_RATIO: f64 = 1.05;
+
+/// "; BACKLOG: published/delivered 1.12 in rounds 2, 4" when the producer
+/// outran the consumer in some round (the queue grew), else nothing.
+fn backlog(rounds: &[Rate]) -> String {
+    let grew: Vec<String> = rounds
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.published > r.msgs * BACKLOG_RATIO)
+        .map(|(i, r)| format!("{} ({:.2})", i + 1, r.published / r.msgs))
+        .collect();
+    match grew.is_empty() {
+        true => String::new(),
+        false => format!(
+            "  BACKLOG: published/delivered above {BACKLOG_RATIO} in rounds {}",
+            grew.join(", ")
+        ),
+    }
+}
+
 /// CPU µs per message of the proxy in each round; `None` if a round has
 /// no reading of it (direct, or a proxy this run did not start).
 fn proxy_cpu(rounds: &[Rate]) -> Option<Vec<f64>> {
@@ -87,11 +109,12 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
             false => String::new(),
         };
         println!(
-            "{what}  {:<7}  {:.0} msg/s{volume}  min–max {lo:.0}–{hi:.0}  rounds {}  ({})",
+            "{what}  {:<7}  {:.0} msg/s{volume}  min–max {lo:.0}–{hi:.0}  rounds {}  ({}){}",
             side.label(),
             median_of(rounds, |r| r.msgs),
             each.join(" "),
-            cpu_budget(rounds, side)
+            cpu_budget(rounds, side),
+            backlog(rounds)
         );
     }
     let msgs = |side| {
@@ -264,6 +287,7 @@ mod tests {
         Rate {
             msgs,
             bytes: msgs * 1024.0,
+            published: msgs,
             cpu: CpuUse {
                 machine_busy: 0.9,
                 client: Some(0.5),
@@ -280,6 +304,18 @@ mod tests {
         assert!((us[0] - 15.0).abs() < 1e-9 && (us[1] - 20.0).abs() < 1e-9);
         // One round without a reading: no figure rather than a wrong one.
         assert_eq!(proxy_cpu(&[rate(1.0, Some(0.1)), rate(1.0, None)]), None);
+    }
+
+    #[test]
+    fn a_round_whose_queue_grew_is_named() {
+        let steady = rate(10_000.0, Some(0.1));
+        let mut grew = steady;
+        grew.published = 11_000.0;
+        assert_eq!(backlog(&[steady, steady]), "");
+        assert_eq!(
+            backlog(&[steady, grew]),
+            "  BACKLOG: published/delivered above 1.05 in rounds 2 (1.10)"
+        );
     }
 
     #[test]
