@@ -87,21 +87,19 @@ pub fn us_per_message(cores: f64, msgs_per_sec: f64) -> f64 {
 }
 
 /// The pid of the broker at `addr`: the process that owns its listening
-/// socket, else (when that cannot be seen: a remote broker, no permission
-/// to read other processes' fds) the only `beam.smp` running. Returns the
-/// pid and how it was found.
+/// socket, else, for a broker on this host whose fds cannot be read (no
+/// permission), the only `beam.smp` running; never a local process for a
+/// remote broker. Returns the pid and how it was found.
 pub fn broker_pid(addr: &str) -> Option<(u32, &'static str)> {
     use std::net::ToSocketAddrs;
-    let listening = addr
-        .to_socket_addrs()
-        .ok()
-        .into_iter()
-        .flatten()
-        .find_map(listener_pid);
-    match listening {
-        Some(pid) => Some((pid, "owns the listening socket")),
-        None => only_beam().map(|pid| (pid, "the only beam.smp running")),
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().ok()?.collect();
+    if let Some(pid) = addrs.iter().copied().find_map(listener_pid) {
+        return Some((pid, "owns the listening socket"));
     }
+    if !addrs.iter().all(|a| a.ip().is_loopback()) {
+        return None;
+    }
+    only_beam().map(|pid| (pid, "the only beam.smp running"))
 }
 
 /// The only `beam.smp` running, if exactly one runs.
@@ -128,14 +126,17 @@ fn pids() -> Option<impl Iterator<Item = (u32, std::path::PathBuf)>> {
 }
 
 /// The pid of a process holding a TCP socket that listens on `addr` (on
-/// its address or on the wildcard address of its family).
+/// its address, or on a wildcard address that takes it: `0.0.0.0`, or
+/// `::` and IPv4-mapped addresses for an IPv4 `addr`).
 pub fn listener_pid(addr: SocketAddr) -> Option<u32> {
-    let table = match addr {
-        SocketAddr::V4(_) => "/proc/net/tcp",
-        SocketAddr::V6(_) => "/proc/net/tcp6",
+    let tables: &[&str] = match addr {
+        SocketAddr::V4(_) => &["/proc/net/tcp", "/proc/net/tcp6"],
+        SocketAddr::V6(_) => &["/proc/net/tcp6"],
     };
-    let text = std::fs::read_to_string(table).ok()?;
-    let inode = listening_inode(&text, addr)?;
+    let inode = tables.iter().find_map(|table| {
+        let text = std::fs::read_to_string(table).ok()?;
+        listening_inode(&text, addr)
+    })?;
     let link = format!("socket:[{inode}]");
     pids()?.find_map(|(pid, dir)| {
         let fds = std::fs::read_dir(dir.join("fd")).ok()?;
@@ -154,11 +155,18 @@ fn listening_inode(table: &str, addr: SocketAddr) -> Option<u64> {
         let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
         let (ip, port) = local.split_once(':')?;
         let port = u16::from_str_radix(port, 16).ok()?;
-        let ip = hex_ip(ip)?;
-        let matches =
-            *state == "0A" && port == addr.port() && (ip == addr.ip() || ip.is_unspecified());
+        let matches = *state == "0A" && port == addr.port() && takes(hex_ip(ip)?, addr.ip());
         matches.then(|| inode.parse().ok()).flatten()
     })
+}
+
+/// Whether a socket bound to `bound` receives connections to `to`.
+fn takes(bound: IpAddr, to: IpAddr) -> bool {
+    let mapped = match bound {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4),
+        IpAddr::V4(_) => None,
+    };
+    bound == to || mapped == Some(to) || bound.is_unspecified()
 }
 
 /// An address of /proc/net/tcp{,6}: 32-bit words in hex, each in the
@@ -278,6 +286,24 @@ mod tests {
             assert_eq!(listening_inode(table, at("127.0.0.1:5675")), Some(3333));
             assert_eq!(listening_inode(table, at("127.0.0.1:5999")), None);
         }
+    }
+
+    #[test]
+    fn which_bound_addresses_take_a_connection() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(takes(ip("127.0.0.1"), ip("127.0.0.1")));
+        assert!(takes(ip("0.0.0.0"), ip("127.0.0.1")));
+        assert!(takes(ip("::"), ip("127.0.0.1")), "dual-stack wildcard");
+        assert!(takes(ip("::ffff:127.0.0.1"), ip("127.0.0.1")));
+        assert!(!takes(ip("127.0.0.2"), ip("127.0.0.1")));
+        assert!(!takes(ip("::1"), ip("127.0.0.1")));
+    }
+
+    #[test]
+    fn a_remote_broker_is_never_a_local_process() {
+        // Nothing on this host listens for 192.0.2.1 (TEST-NET-1), and the
+        // local beam.smp, if any, is not that broker.
+        assert_eq!(broker_pid("192.0.2.1:5672"), None);
     }
 
     #[test]
