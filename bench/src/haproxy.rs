@@ -427,6 +427,18 @@ mod tests {
     }
 
     #[test]
+    fn a_failing_apt_get_is_an_error_that_quotes_it() {
+        // An option apt-get does not know: it fails at once and changes
+        // nothing (and where there is no apt-get, that is an error too).
+        let err = apt(&["--no-such-option-nackd-bench"]).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with("haproxy is not installed and could not be installed: `apt-get --no-such-option-nackd-bench`"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_haproxy_that_exits_at_start_fails_with_its_output() {
         // Answers -vv like HAProxy, then refuses its config like a HAProxy
         // that cannot bind would.
