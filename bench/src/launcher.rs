@@ -15,12 +15,28 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 /// 10 M-message store is 15 GB to read back.
 const RESTART_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Why nackd could not be started.
+/// Why a process the bench runs (nackd, HAProxy) could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     /// No `nackd` binary where it was looked for.
     #[error("no nackd binary at {0}: build it with `cargo build --release --bins`")]
     Missing(PathBuf),
+    /// A program the bench installs was missing and could not be installed.
+    #[error("{program} is not installed and could not be installed: {reason}")]
+    NotInstalled {
+        /// What was missing.
+        program: &'static str,
+        /// What the installer said.
+        reason: String,
+    },
+    /// The program is there but is not what the bench can run.
+    #[error("{program} cannot be used: {reason}")]
+    NotUsable {
+        /// Which program.
+        program: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// Temp directory, config file, log file or spawn failed.
     #[error("{what}: {source}")]
     Io {
@@ -29,9 +45,11 @@ pub enum LaunchError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// nackd exited or never logged "listening"; its log says why.
-    #[error("nackd did not start ({reason}); log {log}:\n{tail}")]
+    /// The process exited or never listened; its log says why.
+    #[error("{program} did not start ({reason}); log {log}:\n{tail}")]
     NotListening {
+        /// Which program.
+        program: &'static str,
         /// Exit status or timeout.
         reason: String,
         /// Path of its log.
@@ -41,7 +59,8 @@ pub enum LaunchError {
     },
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LaunchError {
+/// Maps an I/O error to [`LaunchError::Io`] saying what was being done.
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LaunchError {
     let what = what.into();
     move |source| LaunchError::Io { what, source }
 }
@@ -134,6 +153,7 @@ impl NackdProcess {
                 }
             };
             return Err(LaunchError::NotListening {
+                program: "nackd",
                 reason,
                 log: self.log_path(),
                 tail: self.log_tail(20),

@@ -1,13 +1,15 @@
 //! `nackd-bench`: measurements of nackd against the real RabbitMQ with a
-//! real client (lapin), each figure taken directly and through nackd in
-//! alternating rounds of the same run. A crate of its own in the workspace,
-//! so the product library carries none of it.
+//! real client (lapin), each figure taken directly and through nackd (and,
+//! for pass-through, through HAProxy) in alternating rounds of the same
+//! run. A crate of its own in the workspace, so the product library
+//! carries none of it.
 //!
 //! # Layout
 //!
-//! - this file: the command line, the targets (broker and nackd), and the
-//!   round runner every scenario uses;
+//! - this file: the command line and the targets (broker, nackd, HAProxy);
+//! - [`rounds`]: the sides of a comparison and the alternating rounds;
 //! - [`launcher`]: runs the `nackd` binary as a separate process;
+//! - [`haproxy`]: installs and runs HAProxy in TCP mode (issue 24's baseline);
 //! - [`load`]: producer/consumer pairs that put messages through the broker;
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
@@ -16,13 +18,13 @@
 //!   [`replica`].
 #![forbid(unsafe_code)]
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
 
 pub mod cpu;
+pub mod haproxy;
 pub mod hold;
 pub mod launcher;
 pub mod load;
@@ -30,11 +32,14 @@ pub mod machine;
 pub mod passthrough;
 pub mod replica;
 pub mod retry;
+pub mod rounds;
 pub mod stats;
 
 use cpu::Processes;
+use haproxy::HaproxyProcess;
 use launcher::NackdProcess;
 use machine::Machine;
+use rounds::Side;
 
 /// Errors end a benchmark; nothing branches on them.
 pub type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -100,35 +105,21 @@ impl Common {
     }
 }
 
-/// Which way the clients connect.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Side {
-    /// Straight to RabbitMQ.
-    Direct,
-    /// Through nackd.
-    Nackd,
-}
-
-impl Side {
-    /// Column label.
-    pub fn label(self) -> &'static str {
-        match self {
-            Side::Direct => "direct",
-            Side::Nackd => "nackd",
-        }
-    }
-}
-
-/// The broker, and nackd in front of it.
+/// The broker, nackd in front of it, and HAProxy beside nackd if asked for.
 pub struct Targets {
     /// Broker address.
     pub broker: String,
     /// nackd's address.
     pub proxy: SocketAddr,
+    /// nackd's pid: the one this run started, or the owner of the
+    /// `--proxy` address's listening socket.
+    pub proxy_pid: Option<u32>,
     /// The nackd this run started, if it started one.
     pub nackd: Option<NackdProcess>,
-    /// The local RabbitMQ's pid, if found.
-    pub broker_pid: Option<u32>,
+    /// The HAProxy this run started, if asked to.
+    pub haproxy: Option<HaproxyProcess>,
+    /// The local RabbitMQ's pid and how it was found, if found.
+    pub broker_pid: Option<(u32, &'static str)>,
     /// `--nackd-config` and its settings on one line, if the started nackd got one.
     pub nackd_settings: Option<String>,
 }
@@ -158,28 +149,50 @@ impl Targets {
         Ok(Self {
             broker: common.broker.clone(),
             proxy,
+            proxy_pid: nackd
+                .as_ref()
+                .map(NackdProcess::pid)
+                .or_else(|| cpu::listener_pid(proxy)),
             nackd,
-            broker_pid: cpu::broker_pid(),
+            haproxy: None,
+            broker_pid: cpu::broker_pid(&common.broker),
             nackd_settings,
         })
     }
 
+    /// Starts HAProxy in front of the broker (installing it if needed): a
+    /// third side for [`rounds::alternate`].
+    pub fn start_haproxy(&mut self, splice: haproxy::Splice) -> BenchResult<()> {
+        self.haproxy = Some(HaproxyProcess::start(&self.broker, splice)?);
+        Ok(())
+    }
+
+    /// The sides to measure: direct, nackd, and HAProxy if started.
+    pub fn sides(&self) -> Vec<Side> {
+        let mut sides = vec![Side::Direct, Side::Nackd];
+        if self.haproxy.is_some() {
+            sides.push(Side::Haproxy);
+        }
+        sides
+    }
+
     /// Where clients of `side` connect, and the processes they load.
     pub fn target(&self, side: Side) -> Target {
-        let (addr, nackd) = match side {
+        let (addr, proxy) = match side {
             Side::Direct => (self.broker.clone(), None),
-            Side::Nackd => (
-                self.proxy.to_string(),
-                self.nackd.as_ref().map(NackdProcess::pid),
-            ),
+            Side::Nackd => (self.proxy.to_string(), self.proxy_pid),
+            Side::Haproxy => {
+                let h = self.haproxy.as_ref().expect("a haproxy side needs haproxy");
+                (h.addr().to_string(), Some(h.pid()))
+            }
         };
         Target {
             side,
             addr,
             processes: Processes {
                 client: Some(std::process::id()),
-                broker: self.broker_pid,
-                nackd,
+                broker: self.broker_pid.map(|(pid, _)| pid),
+                proxy,
             },
         }
     }
@@ -188,11 +201,11 @@ impl Targets {
 /// One side of a round.
 #[derive(Clone, Debug)]
 pub struct Target {
-    /// Direct or through nackd.
+    /// Direct, through nackd or through HAProxy.
     pub side: Side,
     /// Address the clients connect to.
     pub addr: String,
-    /// Whose CPU time to count (nackd only if this run started it).
+    /// Whose CPU time to count.
     pub processes: Processes,
 }
 
@@ -226,45 +239,6 @@ fn warn_if_stale(nackd: &std::path::Path) {
     }
 }
 
-/// Per-round results of both sides.
-#[derive(Debug)]
-pub struct Sides<T> {
-    /// Direct rounds, in order.
-    pub direct: Vec<T>,
-    /// Rounds through nackd, in order.
-    pub nackd: Vec<T>,
-}
-
-/// Runs `round` for direct and nackd in turn, `rounds` times each, with a
-/// pause between runs so one run's queue deletion does not load the next.
-pub async fn alternate<T, F, Fut>(
-    rounds: usize,
-    targets: &Targets,
-    mut round: F,
-) -> BenchResult<Sides<T>>
-where
-    F: FnMut(Target) -> Fut,
-    Fut: Future<Output = BenchResult<T>>,
-{
-    let mut sides = Sides {
-        direct: Vec::new(),
-        nackd: Vec::new(),
-    };
-    for _ in 0..rounds {
-        for side in [Side::Direct, Side::Nackd] {
-            let result = round(targets.target(side))
-                .await
-                .map_err(|e| format!("{} round: {e}", side.label()))?;
-            match side {
-                Side::Direct => sides.direct.push(result),
-                Side::Nackd => sides.nackd.push(result),
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }
-    Ok(sides)
-}
-
 /// Prints the scenario, the date and the machine: the first lines of
 /// every report.
 pub fn print_first_lines(scenario: &str, machine: &Machine) {
@@ -284,7 +258,9 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
     print_first_lines(scenario, machine);
     let pid = targets
         .broker_pid
-        .map_or("pid unknown".into(), |p| format!("beam.smp pid {p}"));
+        .map_or("pid unknown: its CPU is not counted".into(), |(p, how)| {
+            format!("pid {p}, {how}")
+        });
     println!(
         "broker      {} at {} ({pid})",
         machine.broker, targets.broker
@@ -296,29 +272,53 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
             n.pid(),
             n.addr()
         ),
-        None => println!("nackd       already running at {}", targets.proxy),
+        None => println!(
+            "nackd       already running at {} ({})",
+            targets.proxy,
+            targets
+                .proxy_pid
+                .map_or("pid unknown: its CPU is not counted".into(), |p| {
+                    format!("pid {p}, owns the listening socket")
+                })
+        ),
     }
     if let Some(settings) = &targets.nackd_settings {
         println!("nackd conf  {settings}");
     }
+    if let Some(haproxy) = &targets.haproxy {
+        println!("haproxy     {}", haproxy.describe());
+    }
     if scenario == "passthrough" {
+        let sides: Vec<&str> = targets.sides().iter().map(|s| s.label()).collect();
         println!(
-            "method      {} rounds per side, alternating direct/nackd; {} s measured after {} s warm-up; median per side",
-            common.rounds, common.seconds, common.warmup
+            "method      {} rounds per side, alternating {} (the first side rotates by round); {} s measured after {} s warm-up; median per side",
+            common.rounds,
+            sides.join("/"),
+            common.seconds,
+            common.warmup
         );
     }
 }
 
-/// Prints the lines every report ends with, and stops the nackd this run started.
+/// Prints the lines every report ends with, and stops the nackd and the
+/// HAProxy this run started.
 pub fn print_footer(targets: Targets) {
     println!("load        average {} at the end", machine::load_average());
+    if let Some(haproxy) = targets.haproxy {
+        print_warnings("haproxy out", "warnings/alerts", &haproxy.warnings());
+        haproxy.kill();
+    }
     if let Some(nackd) = targets.nackd {
-        let warnings = nackd.warnings();
-        println!("nackd log   {} warnings/errors", warnings.len());
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
+        print_warnings("nackd log  ", "warnings/errors", &nackd.warnings());
         nackd.kill();
+    }
+}
+
+/// "nackd log   2 warnings/errors" and the first five of them.
+fn print_warnings(label: &str, what: &str, warnings: &[String]) {
+    println!("{label} {} {what}", warnings.len());
+    for line in warnings.iter().take(5) {
+        println!("            {line}");
     }
 }
 

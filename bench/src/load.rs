@@ -100,32 +100,48 @@ pub struct Flow {
     pub recording: AtomicBool,
 }
 
-/// A snapshot of the consumer's counters.
+/// A snapshot of the pair's counters.
 #[derive(Clone, Copy, Debug)]
 pub struct Mark {
     at: Instant,
     delivered: u64,
     bytes: u64,
+    confirmed: u64,
+}
+
+/// Per second between two marks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// Messages delivered to the consumer.
+    pub delivered: f64,
+    /// Body bytes delivered to the consumer.
+    pub bytes: f64,
+    /// Publishes the broker confirmed (counted as the producer collects
+    /// them, so up to one window behind).
+    pub confirmed: f64,
 }
 
 impl Mark {
-    /// Messages and bytes per second between `self` and a later mark.
-    pub fn rate_until(&self, later: &Mark) -> (f64, f64) {
+    /// What went through per second between `self` and a later mark.
+    pub fn rate_until(&self, later: &Mark) -> Rates {
         let secs = later.at.duration_since(self.at).as_secs_f64();
-        (
-            (later.delivered - self.delivered) as f64 / secs,
-            (later.bytes - self.bytes) as f64 / secs,
-        )
+        let per_sec = |a: u64, b: u64| b.saturating_sub(a) as f64 / secs;
+        Rates {
+            delivered: per_sec(self.delivered, later.delivered),
+            bytes: per_sec(self.bytes, later.bytes),
+            confirmed: per_sec(self.confirmed, later.confirmed),
+        }
     }
 }
 
 impl Flow {
-    /// The consumer's counters now.
+    /// The pair's counters now.
     pub fn mark(&self) -> Mark {
         Mark {
             at: Instant::now(),
             delivered: self.delivered.load(Ordering::Relaxed),
             bytes: self.delivered_bytes.load(Ordering::Relaxed),
+            confirmed: self.confirmed.load(Ordering::Relaxed),
         }
     }
 }
@@ -395,4 +411,34 @@ async fn consume(
         }
     }
     Ok(latencies)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_per_second_of_the_time_between_marks() {
+        let at = Instant::now();
+        let before = Mark {
+            at,
+            delivered: 1_000,
+            bytes: 1_024_000,
+            confirmed: 1_200,
+        };
+        let after = Mark {
+            at: at + Duration::from_secs(2),
+            delivered: 21_000,
+            bytes: 21_504_000,
+            confirmed: 21_000,
+        };
+        assert_eq!(
+            before.rate_until(&after),
+            Rates {
+                delivered: 10_000.0,
+                bytes: 10_240_000.0,
+                confirmed: 9_900.0,
+            }
+        );
+    }
 }

@@ -1,28 +1,30 @@
 //! Scenario `passthrough`: what putting nackd between clients and RabbitMQ
 //! costs when nothing is intercepted. Four figures, each measured directly
-//! and through nackd in alternating rounds:
+//! and through nackd in alternating rounds (with `--haproxy`, through
+//! HAProxy in TCP mode too: the toll of a proxy that parses nothing):
 //!
 //! - throughput of one producer and one consumer, 1 KiB messages;
 //! - publish → deliver latency at a fixed, non-queueing rate;
 //! - aggregate throughput of busy pairs beside many idle connections;
 //! - throughput of a 1 KiB / 64 KiB mix.
+//!
+//! Each figure reports the CPU per message of every process in the path;
+//! the report's lines are written in [`report`].
+
+mod report;
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use tokio::task::JoinSet;
 
 use super::cpu::{CpuSample, CpuUse};
+use super::haproxy::Splice;
 use super::load::{self, Mark, Pair, PairSpec, Sizes};
 use super::machine::Machine;
-use super::stats::{median, Summary};
-use super::{alternate, print_footer, print_header, BenchResult, Common, Sides, Target, Targets};
-
-/// Target of DESIGN.md: throughput through nackd / direct.
-const THROUGHPUT_RATIO_MIN: f64 = 0.90;
-/// Targets of DESIGN.md: latency nackd adds, p50 and p99.
-const ADDED_P50_MAX: Duration = Duration::from_micros(300);
-const ADDED_P99_MAX: Duration = Duration::from_millis(2);
+use super::rounds::alternate;
+use super::stats::Summary;
+use super::{print_footer, print_header, BenchResult, Common, Target, Targets};
+use report::{print_latency, print_rates, Goals};
 
 const KIB: usize = 1024;
 /// Connections opened at once while setting up the idle ones.
@@ -58,6 +60,14 @@ pub struct Args {
     /// Busy producer/consumer pairs of the many-connections figure.
     #[arg(long, default_value_t = 10)]
     pairs: usize,
+    /// Also measure through HAProxy in TCP mode (one thread), started by
+    /// the bench on a config it writes; installs Debian's `haproxy` with
+    /// apt if it is missing.
+    #[arg(long)]
+    haproxy: bool,
+    /// How HAProxy moves bytes (if its binary has splice; else off).
+    #[arg(long, value_enum, default_value_t = Splice::Always, requires = "haproxy")]
+    haproxy_splice: Splice,
 }
 
 impl Args {
@@ -83,7 +93,10 @@ fn flat_out(sizes: Sizes) -> PairSpec {
 pub async fn run(args: Args) -> BenchResult<()> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
-    let targets = Targets::start(common, "")?;
+    let mut targets = Targets::start(common, "")?;
+    if args.haproxy {
+        targets.start_haproxy(args.haproxy_splice)?;
+    }
     print_header("passthrough", common, &machine, &targets);
     let result = tokio::select! {
         result = figures(&args, &targets) => result,
@@ -93,7 +106,8 @@ pub async fn run(args: Args) -> BenchResult<()> {
     result
 }
 
-/// SIGINT or SIGTERM: stop measuring, but still kill the nackd we started.
+/// SIGINT or SIGTERM: stop measuring, but still kill the nackd and the
+/// HAProxy this run started.
 async fn interrupted() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut int), Ok(mut term)) = (
@@ -118,7 +132,7 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
         print_rates(
             "throughput  1 KiB, 1 producer / 1 consumer",
             &sides,
-            Some(THROUGHPUT_RATIO_MIN),
+            Some(Goals::THROUGHPUT),
             false,
         );
     }
@@ -155,41 +169,64 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
     Ok(())
 }
 
-/// Messages and bytes per second delivered to the consumer(s), and the CPU
-/// it took.
+/// Messages and bytes per second delivered to the consumer(s), publishes
+/// confirmed per second, and the CPU it took. CPU per message divides by
+/// `msgs`, the delivered ones: each of them was also published through the
+/// same path, and `published` shows that no backlog grew meanwhile (which
+/// would leave publishes uncounted).
 #[derive(Clone, Copy, Debug)]
 struct Rate {
     msgs: f64,
     bytes: f64,
+    published: f64,
     cpu: CpuUse,
+}
+
+/// A measurement under way: the consumers' counters and the CPU counters
+/// read at its start.
+struct Window {
+    marks: Vec<Mark>,
+    cpu: CpuSample,
+}
+
+impl Window {
+    /// Reads the counters of `pairs` and of the processes of `target`.
+    fn open(pairs: &[Pair], target: &Target) -> Self {
+        Self {
+            marks: pairs.iter().map(|p| p.flow.mark()).collect(),
+            cpu: CpuSample::now(&target.processes),
+        }
+    }
+
+    /// Reads them again: what the consumers received and the CPU it cost.
+    fn close(self, pairs: &[Pair], target: &Target) -> BenchResult<Rate> {
+        let after: Vec<Mark> = pairs.iter().map(|p| p.flow.mark()).collect();
+        let cpu = self.cpu.until(&CpuSample::now(&target.processes));
+        let mut rate = Rate {
+            msgs: 0.0,
+            bytes: 0.0,
+            published: 0.0,
+            cpu,
+        };
+        for (b, a) in self.marks.iter().zip(&after) {
+            let rates = b.rate_until(a);
+            if rates.delivered == 0.0 {
+                return Err("a consumer received nothing while measured".into());
+            }
+            rate.msgs += rates.delivered;
+            rate.bytes += rates.bytes;
+            rate.published += rates.confirmed;
+        }
+        Ok(rate)
+    }
 }
 
 /// Measures the consumers of `pairs` between the warm-up and the end.
 async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResult<Rate> {
     tokio::time::sleep(common.warmup()).await;
-    let marks = |pairs: &[Pair]| pairs.iter().map(|p| p.flow.mark()).collect::<Vec<Mark>>();
-    let before = marks(pairs);
-    let cpu_before = CpuSample::now(&target.processes);
+    let window = Window::open(pairs, target);
     tokio::time::sleep(common.measure()).await;
-    let after = marks(pairs);
-    let cpu = cpu_before.until(
-        &CpuSample::now(&target.processes),
-        common.measure().as_secs_f64(),
-    );
-    let mut rate = Rate {
-        msgs: 0.0,
-        bytes: 0.0,
-        cpu,
-    };
-    for (b, a) in before.iter().zip(&after) {
-        let (msgs, bytes) = b.rate_until(a);
-        if msgs == 0.0 {
-            return Err("a consumer received nothing while measured".into());
-        }
-        rate.msgs += msgs;
-        rate.bytes += bytes;
-    }
-    Ok(rate)
+    window.close(pairs, target)
 }
 
 async fn throughput(target: Target, sizes: Sizes, common: &Common) -> BenchResult<Rate> {
@@ -199,21 +236,35 @@ async fn throughput(target: Target, sizes: Sizes, common: &Common) -> BenchResul
     rate
 }
 
-async fn latency(target: Target, rate: u32, common: &Common) -> BenchResult<Summary> {
+/// Latencies at a fixed rate, and the CPU that rate cost.
+#[derive(Clone, Copy, Debug)]
+struct Latency {
+    summary: Summary,
+    rate: Rate,
+}
+
+async fn latency(target: Target, rate: u32, common: &Common) -> BenchResult<Latency> {
     let spec = PairSpec {
         rate: Some(rate),
         latency: true,
         ..flat_out(Sizes::Fixed(KIB))
     };
     let pair = Pair::start(&target.addr, "latency", spec).await?;
+    let pairs = std::slice::from_ref(&pair);
     tokio::time::sleep(common.warmup()).await;
     pair.flow.recording.store(true, Ordering::Relaxed);
+    let window = Window::open(pairs, &target);
     tokio::time::sleep(common.measure()).await;
+    let measured = window.close(pairs, &target);
     pair.flow.recording.store(false, Ordering::Relaxed);
     let latencies = pair.stop().await?;
-    latencies
+    let summary = latencies
         .summary()
-        .ok_or_else(|| "no message arrived while measured".into())
+        .ok_or("no message arrived while measured")?;
+    Ok(Latency {
+        summary,
+        rate: measured?,
+    })
 }
 
 async fn many(target: Target, idle: usize, pairs: usize, common: &Common) -> BenchResult<Rate> {
@@ -270,111 +321,4 @@ async fn close_idle(idle: Vec<(lapin::Connection, lapin::Channel)>) {
         }
     }
     closing.join_all().await;
-}
-
-fn median_of<T>(rounds: &[T], f: impl Fn(&T) -> f64) -> f64 {
-    median(&rounds.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "MISSED"
-    }
-}
-
-fn print_rates(what: &str, sides: &Sides<Rate>, ratio_min: Option<f64>, bytes: bool) {
-    let mut medians = [0.0; 2];
-    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)]
-        .into_iter()
-        .enumerate()
-    {
-        medians[i] = median_of(rounds, |r| r.msgs);
-        let each: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.msgs)).collect();
-        let volume = match bytes {
-            true => format!(
-                " ({:.1} MiB/s)",
-                median_of(rounds, |r| r.bytes) / (KIB * KIB) as f64
-            ),
-            false => String::new(),
-        };
-        println!(
-            "{what}  {label:<6}  {:.0} msg/s{volume}  rounds {}  ({})",
-            medians[i],
-            each.join(" "),
-            cpu_budget(rounds)
-        );
-    }
-    let ratio = medians[1] / medians[0];
-    let target = match ratio_min {
-        Some(min) => format!("target >= {min:.2}: {}", verdict(ratio >= min)),
-        None => "no target".into(),
-    };
-    println!("{what}  ratio   {ratio:.3} nackd/direct  {target}");
-}
-
-/// "CPUs 99% busy; CPU µs/msg client 30.1 broker 40.2 nackd 11.5 (nackd 0.30 core)"
-fn cpu_budget(rounds: &[Rate]) -> String {
-    let busy = median_of(rounds, |r| r.cpu.machine_busy) * 100.0;
-    let mut text = format!("CPUs {busy:.0}% busy; CPU µs/msg");
-    type Share = fn(&CpuUse) -> Option<f64>;
-    let parts: [(&str, Share); 3] = [
-        ("client", |c| c.client),
-        ("broker", |c| c.broker),
-        ("nackd", |c| c.nackd),
-    ];
-    for (name, cores) in parts {
-        if rounds.iter().all(|r| cores(&r.cpu).is_some()) {
-            let per_msg = median_of(rounds, |r| cores(&r.cpu).unwrap_or(f64::NAN) / r.msgs * 1e6);
-            text.push_str(&format!(" {name} {per_msg:.1}"));
-        }
-    }
-    if rounds.iter().all(|r| r.cpu.nackd.is_some()) {
-        let cores = median_of(rounds, |r| r.cpu.nackd.unwrap_or(f64::NAN));
-        text.push_str(&format!(" (nackd {cores:.2} core)"));
-    }
-    text
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.3} ms", d.as_secs_f64() * 1e3)
-}
-
-fn print_latency(what: &str, sides: &Sides<Summary>) {
-    let mut p50 = [0.0; 2];
-    let mut p99 = [0.0; 2];
-    for (i, (label, rounds)) in [("direct", &sides.direct), ("nackd", &sides.nackd)]
-        .into_iter()
-        .enumerate()
-    {
-        p50[i] = median_of(rounds, |s| s.p50.as_secs_f64());
-        p99[i] = median_of(rounds, |s| s.p99.as_secs_f64());
-        let each = |f: fn(&Summary) -> Duration| {
-            rounds
-                .iter()
-                .map(|s| ms(f(s)))
-                .collect::<Vec<_>>()
-                .join(" / ")
-        };
-        let count: usize = rounds.iter().map(|s| s.count).sum();
-        let max = rounds.iter().map(|s| s.max).max().unwrap_or_default();
-        println!(
-            "{what}  {label:<6}  p50 {}  p99 {}  ({count} samples, max {})  rounds p50 {}  p99 {}",
-            ms(Duration::from_secs_f64(p50[i])),
-            ms(Duration::from_secs_f64(p99[i])),
-            ms(max),
-            each(|s| s.p50),
-            each(|s| s.p99),
-        );
-    }
-    let added = |v: [f64; 2]| (v[1] - v[0]) * 1e3;
-    let (a50, a99) = (added(p50), added(p99));
-    println!(
-        "{what}  added   p50 {a50:+.3} ms (target <= {}: {})  p99 {a99:+.3} ms (target <= {}: {})",
-        ms(ADDED_P50_MAX),
-        verdict(a50 / 1e3 <= ADDED_P50_MAX.as_secs_f64()),
-        ms(ADDED_P99_MAX),
-        verdict(a99 / 1e3 <= ADDED_P99_MAX.as_secs_f64()),
-    );
 }
