@@ -118,6 +118,8 @@ pub struct Targets {
     pub nackd: Option<NackdProcess>,
     /// The HAProxy this run started, if asked to.
     pub haproxy: Option<HaproxyProcess>,
+    /// The other nackd build this run started, if asked to (`--baseline-nackd`).
+    pub baseline: Option<NackdProcess>,
     /// The local RabbitMQ's pid and how it was found, if found.
     pub broker_pid: Option<(u32, &'static str)>,
     /// `--nackd-config` and its settings on one line, if the started nackd got one.
@@ -155,6 +157,7 @@ impl Targets {
                 .or_else(|| cpu::listener_pid(proxy)),
             nackd,
             haproxy: None,
+            baseline: None,
             broker_pid: cpu::broker_pid(&common.broker),
             nackd_settings,
         })
@@ -167,11 +170,27 @@ impl Targets {
         Ok(())
     }
 
-    /// The sides to measure: direct, nackd, and HAProxy if started.
+    /// Starts `binary`, another nackd build, in front of the broker with
+    /// the same settings as the measured one: a side for
+    /// [`rounds::alternate`] that compares two builds in one run.
+    pub fn start_baseline(&mut self, binary: &std::path::Path, common: &Common) -> BenchResult<()> {
+        let extra = match &common.nackd_config {
+            Some(path) => read_nackd_config(path)?.0,
+            None => String::new(),
+        };
+        self.baseline = Some(NackdProcess::start(binary, &self.broker, &extra)?);
+        Ok(())
+    }
+
+    /// The sides to measure: direct, nackd, and HAProxy and the baseline
+    /// nackd if started.
     pub fn sides(&self) -> Vec<Side> {
         let mut sides = vec![Side::Direct, Side::Nackd];
         if self.haproxy.is_some() {
             sides.push(Side::Haproxy);
+        }
+        if self.baseline.is_some() {
+            sides.push(Side::Baseline);
         }
         sides
     }
@@ -184,6 +203,10 @@ impl Targets {
             Side::Haproxy => {
                 let h = self.haproxy.as_ref().expect("a haproxy side needs haproxy");
                 (h.addr().to_string(), Some(h.pid()))
+            }
+            Side::Baseline => {
+                let b = self.baseline.as_ref().expect("a baseline side needs one");
+                (b.addr().to_string(), Some(b.pid()))
             }
         };
         Target {
@@ -285,6 +308,14 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
     if let Some(settings) = &targets.nackd_settings {
         println!("nackd conf  {settings}");
     }
+    if let Some(b) = &targets.baseline {
+        println!(
+            "baseline    {} (pid {}) at {}",
+            b.binary().display(),
+            b.pid(),
+            b.addr()
+        );
+    }
     if let Some(haproxy) = &targets.haproxy {
         println!("haproxy     {}", haproxy.describe());
     }
@@ -311,6 +342,10 @@ pub fn print_footer(targets: Targets) {
     if let Some(nackd) = targets.nackd {
         print_warnings("nackd log  ", "warnings/errors", &nackd.warnings());
         nackd.kill();
+    }
+    if let Some(baseline) = targets.baseline {
+        print_warnings("baseline log", "warnings/errors", &baseline.warnings());
+        baseline.kill();
     }
 }
 

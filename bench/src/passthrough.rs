@@ -68,6 +68,11 @@ pub struct Args {
     /// How HAProxy moves bytes (if its binary has splice; else off).
     #[arg(long, value_enum, default_value_t = Splice::Always, requires = "haproxy")]
     haproxy_splice: Splice,
+    /// Also measure through this other nackd binary (e.g. a build of an
+    /// earlier commit), started like the measured one: before and after a
+    /// change, in the same alternating rounds.
+    #[arg(long, value_name = "BIN")]
+    baseline_nackd: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -96,6 +101,9 @@ pub async fn run(args: Args) -> BenchResult<()> {
     let mut targets = Targets::start(common, "")?;
     if args.haproxy {
         targets.start_haproxy(args.haproxy_splice)?;
+    }
+    if let Some(binary) = &args.baseline_nackd {
+        targets.start_baseline(binary, common)?;
     }
     print_header("passthrough", common, &machine, &targets);
     let result = tokio::select! {

@@ -16,6 +16,9 @@ pub enum Side {
     Nackd,
     /// Through HAProxy in TCP mode (the baseline of issue 24).
     Haproxy,
+    /// Through another nackd build (`--baseline-nackd`): before and after
+    /// a change, side by side in one run.
+    Baseline,
 }
 
 impl Side {
@@ -25,6 +28,7 @@ impl Side {
             Side::Direct => "direct",
             Side::Nackd => "nackd",
             Side::Haproxy => "haproxy",
+            Side::Baseline => "baseline",
         }
     }
 }

@@ -135,6 +135,11 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
         None => "no target".into(),
     };
     println!("{what}  ratio    nackd/direct {text}  {target}");
+    if let Some(baseline) = msgs(Side::Baseline) {
+        let (_, text) = ratio_text(&nackd, &baseline);
+        println!("{what}  ratio    nackd/baseline {text}");
+        print_proxy_cpu(what, sides, Side::Baseline, None);
+    }
     let Some(haproxy) = msgs(Side::Haproxy) else {
         return;
     };
@@ -149,13 +154,15 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
         )
     });
     println!("{what}  ratio    nackd/haproxy {text}{target}");
-    print_proxy_cpu(what, sides, goals);
+    let target = goals.map(|g| g.cpu_vs_haproxy);
+    print_proxy_cpu(what, sides, Side::Haproxy, target);
 }
 
-/// "proxy CPU nackd 12.3 µs/msg (rounds 11.6–13.3)  haproxy 10.9 (10.5–11.5)  nackd/haproxy 1.13 (rounds ...)"
-fn print_proxy_cpu(what: &str, sides: &Sides<Rate>, goals: Option<Goals>) {
+/// "proxy CPU nackd 12.3 µs/msg (rounds 11.6–13.3)  haproxy 10.9 (10.5–11.5)  nackd/haproxy 1.13 (rounds ...)",
+/// nackd against `other` (HAProxy, with issue 24's target, or a baseline build).
+fn print_proxy_cpu(what: &str, sides: &Sides<Rate>, other: Side, target: Option<f64>) {
     let cpu = |side| sides.of(side).and_then(proxy_cpu);
-    let (Some(nackd), Some(haproxy)) = (cpu(Side::Nackd), cpu(Side::Haproxy)) else {
+    let (Some(nackd), Some(theirs)) = (cpu(Side::Nackd), cpu(other)) else {
         println!("{what}  proxy CPU not known for both proxies (a proxy this run did not start)");
         return;
     };
@@ -166,18 +173,15 @@ fn print_proxy_cpu(what: &str, sides: &Sides<Rate>, goals: Option<Goals>) {
             median(v).unwrap_or(f64::NAN)
         )
     };
-    let (ratio, text) = ratio_text(&nackd, &haproxy);
-    let target = goals.map_or(String::new(), |g| {
-        format!(
-            "  issue 24 target <= {:.2}: {}",
-            g.cpu_vs_haproxy,
-            verdict(ratio <= g.cpu_vs_haproxy)
-        )
+    let (ratio, text) = ratio_text(&nackd, &theirs);
+    let target = target.map_or(String::new(), |t| {
+        format!("  issue 24 target <= {t:.2}: {}", verdict(ratio <= t))
     });
+    let name = other.label();
     println!(
-        "{what}  proxy CPU  nackd {}  haproxy {}  nackd/haproxy {text}{target}",
+        "{what}  proxy CPU  nackd {}  {name} {}  nackd/{name} {text}{target}",
         us(&nackd),
-        us(&haproxy)
+        us(&theirs)
     );
 }
 
