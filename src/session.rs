@@ -3,19 +3,28 @@
 //! backpressure, the clock, and the link to the retry engine.
 //!
 //! A single task owns both sockets and the core, so nothing is locked on
-//! the hot path. Each side is read only while the core says so (the other
-//! side's write buffer is below [`super::HIGH_WATER`]): a peer that does
-//! not read stops the one that writes. Frames read in one go are written
-//! in one go: the write branch runs once no read is ready.
+//! the hot path, and it is one hand-written poll loop (no `select!`, no
+//! split halves): each wake-up reads every side that has bytes, hands them
+//! to the core, and writes what the core says, in as many passes as make
+//! progress, before the task sleeps again. Each side is read only while
+//! the core says so (the other side's write buffer is below
+//! `nackd_core::session::HIGH_WATER`): a peer that does not read stops the
+//! one that writes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context as Cx, Poll};
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio::time::Sleep;
+use tokio_util::io::poll_read_buf;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tracing::{debug, info, warn, Span};
 
 use nackd_core::clock::Clock;
@@ -177,78 +186,139 @@ struct Pump {
 }
 
 impl Pump {
-    async fn run(&mut self, client: Io, upstream: Io, force: CancellationToken) {
-        let (mut client_rd, mut client_wr) = tokio::io::split(client);
-        let (mut upstream_rd, mut upstream_wr) = tokio::io::split(upstream);
-        let (mut client_flush, mut upstream_flush) = (false, false);
+    async fn run(&mut self, mut client: Io, mut upstream: Io, force: CancellationToken) {
         // Frames the client sent along with its protocol header.
         self.core
             .handle_bytes(Peer::Client, &mut self.client_in, self.clock.now());
         // One timer, moved when the core's deadline moves (registering a new
-        // one on every turn of the loop costs on the hot path).
+        // one on every turn costs on the hot path).
         let timer = tokio::time::sleep_until(self.core.poll_timeout().into());
-        tokio::pin!(timer);
-        while !self.core.is_finished(self.clock.now()) {
+        let forced = force.cancelled_owned();
+        tokio::pin!(timer, forced);
+        let mut unflushed = [false; 2];
+        std::future::poll_fn(|cx| {
+            let mut sides = Sides {
+                client: &mut client,
+                upstream: &mut upstream,
+                unflushed: &mut unflushed,
+            };
+            self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut())
+        })
+        .await;
+        self.end();
+        self.drain(&mut client, &mut upstream).await;
+        info!(reason = self.core.close_reason(), "connection closed");
+    }
+
+    /// One wake-up: everything that is ready is done before the task sleeps
+    /// again, each side read until it has nothing more (or the other side's
+    /// buffer is full), then both written, in one pass, as many passes as
+    /// make progress. A lone frame goes out in the pass that read it. Ends
+    /// (`Ready`) once the core says the pair is finished.
+    fn turn(
+        &mut self,
+        cx: &mut Cx<'_>,
+        sides: &mut Sides<'_>,
+        mut forced: Pin<&mut WaitForCancellationFutureOwned>,
+        mut timer: Pin<&mut Sleep>,
+    ) -> Poll<()> {
+        loop {
+            let now = self.clock.now();
+            if self.core.is_finished(now) {
+                return Poll::Ready(());
+            }
+            let mut progress = false;
+            if !self.core.forced() && forced.as_mut().poll(cx).is_ready() {
+                self.core.handle_force(now);
+                progress = true;
+            }
+            if let Some(link) = &mut self.engine {
+                while let Poll::Ready(Some(parked)) = link.answers.poll_recv(cx) {
+                    self.core.handle_parked(parked, now);
+                    progress = true;
+                }
+            }
+            progress |= self.read(cx, Peer::Client, sides.client, now);
+            progress |= self.read(cx, Peer::Upstream, sides.upstream, now);
             self.apply_effects();
-            reserve(&mut self.client_in);
-            reserve(&mut self.upstream_in);
-            let forced = self.core.forced();
-            let read_client = self.core.may_read(Peer::Client);
-            let read_upstream = self.core.may_read(Peer::Upstream);
-            let (write_client, write_upstream) = (
-                self.core.may_write(Peer::Client),
-                self.core.may_write(Peer::Upstream),
-            );
+            progress |= self.write(cx, Peer::Client, sides.client, &mut sides.unflushed[0]);
+            progress |= self.write(cx, Peer::Upstream, sides.upstream, &mut sides.unflushed[1]);
             let wake = tokio::time::Instant::from(self.core.poll_timeout());
             if timer.deadline() != wake {
                 timer.as_mut().reset(wake);
             }
-            let (to_client, to_upstream) = self.core.transmit();
-            let write_client = write_client && (client_flush || !to_client.is_empty());
-            let write_upstream = write_upstream && (upstream_flush || !to_upstream.is_empty());
-            tokio::select! {
-                biased;
-                _ = force.cancelled(), if !forced => self.core.handle_force(self.clock.now()),
-                r = client_rd.read_buf(&mut self.client_in), if read_client => {
-                    self.on_read(Peer::Client, r)
-                }
-                r = upstream_rd.read_buf(&mut self.upstream_in), if read_upstream => {
-                    self.on_read(Peer::Upstream, r)
-                }
-                r = write_or_flush(&mut client_wr, to_client), if write_client => match r {
-                    Ok(flushed) => client_flush = !flushed,
-                    Err(e) => self.core.handle_gone(Peer::Client, Some(e), self.clock.now()),
-                },
-                r = write_or_flush(&mut upstream_wr, to_upstream), if write_upstream => match r {
-                    Ok(flushed) => upstream_flush = !flushed,
-                    Err(e) => self.core.handle_gone(Peer::Upstream, Some(e), self.clock.now()),
-                },
-                Some(parked) = answer(&mut self.engine) => {
-                    self.core.handle_parked(parked, self.clock.now())
-                }
-                _ = &mut timer => self.core.handle_timeout(self.clock.now()),
+            if timer.as_mut().poll(cx).is_ready() {
+                self.core.handle_timeout(self.clock.now());
+                progress = true;
+            }
+            if !progress {
+                return Poll::Pending;
             }
         }
-        self.end();
-        self.drain(&mut client_rd, &mut client_wr, &mut upstream_wr)
-            .await;
-        info!(reason = self.core.close_reason(), "connection closed");
     }
 
-    /// A read from `peer` ended: bytes for the core, or the side is gone.
-    fn on_read(&mut self, peer: Peer, read: std::io::Result<usize>) {
-        let now = self.clock.now();
-        match read {
-            Ok(n) if n > 0 => {
-                let (bytes, input) = match peer {
-                    Peer::Client => (&self.metrics.bytes.to_upstream, &mut self.client_in),
-                    Peer::Upstream => (&self.metrics.bytes.to_client, &mut self.upstream_in),
-                };
-                bytes.inc_by(n as u64);
-                self.core.handle_bytes(peer, input, now);
+    /// Reads `peer` while it has bytes and the core may take them, each
+    /// read handed to the core at once; `true` if anything happened.
+    fn read(&mut self, cx: &mut Cx<'_>, peer: Peer, io: &mut Io, now: Instant) -> bool {
+        let mut progress = false;
+        while self.core.may_read(peer) {
+            let (bytes, input) = match peer {
+                Peer::Client => (&self.metrics.bytes.to_upstream, &mut self.client_in),
+                Peer::Upstream => (&self.metrics.bytes.to_client, &mut self.upstream_in),
+            };
+            reserve(input);
+            match poll_read_buf(Pin::new(&mut *io), cx, input) {
+                Poll::Pending => break,
+                Poll::Ready(Ok(n)) if n > 0 => {
+                    bytes.inc_by(n as u64);
+                    self.core.handle_bytes(peer, input, now);
+                    progress = true;
+                }
+                Poll::Ready(read) => {
+                    self.core.handle_gone(peer, read.err(), now);
+                    return true;
+                }
             }
-            r => self.core.handle_gone(peer, r.err(), now),
         }
+        progress
+    }
+
+    /// Writes what the core has for `peer`, then flushes it (a TLS stream
+    /// holds bytes until flushed); `true` if anything happened.
+    fn write(&mut self, cx: &mut Cx<'_>, peer: Peer, io: &mut Io, unflushed: &mut bool) -> bool {
+        if !self.core.may_write(peer) {
+            return false;
+        }
+        let (to_client, to_upstream) = self.core.transmit();
+        let out = match peer {
+            Peer::Client => to_client,
+            Peer::Upstream => to_upstream,
+        };
+        let mut progress = false;
+        let failed = loop {
+            if out.is_empty() {
+                if !*unflushed {
+                    return progress;
+                }
+                match Pin::new(&mut *io).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => *unflushed = false,
+                    Poll::Ready(Err(e)) => break e,
+                    Poll::Pending => {}
+                }
+                return progress;
+            }
+            match Pin::new(&mut *io).poll_write(cx, out) {
+                Poll::Ready(Ok(0)) => break std::io::ErrorKind::WriteZero.into(),
+                Poll::Ready(Ok(n)) => {
+                    out.advance(n);
+                    (*unflushed, progress) = (true, true);
+                }
+                Poll::Ready(Err(e)) => break e,
+                Poll::Pending => return progress,
+            }
+        };
+        self.core.handle_gone(peer, Some(failed), self.clock.now());
+        true
     }
 
     /// Carries what the core asked of the engine; a park the engine can no
@@ -289,12 +359,7 @@ impl Pump {
     /// closes them. Like RabbitMQ, nackd lets the client close its socket
     /// first after a close handshake: closing at once makes clients see the
     /// end of the stream before they have handled `close-ok`.
-    async fn drain(
-        &mut self,
-        client_rd: &mut ReadHalf<Io>,
-        client_wr: &mut WriteHalf<Io>,
-        upstream_wr: &mut WriteHalf<Io>,
-    ) {
+    async fn drain(&mut self, client: &mut Io, upstream: &mut Io) {
         let (client_open, upstream_open) = (
             self.core.may_write(Peer::Client),
             self.core.may_write(Peer::Upstream),
@@ -302,40 +367,30 @@ impl Pump {
         let (to_client, to_upstream) = self.core.transmit();
         let flush = async {
             if client_open {
-                let _ = client_wr.write_all_buf(to_client).await;
-                let _ = client_wr.flush().await;
+                let _ = client.write_all_buf(to_client).await;
+                let _ = client.flush().await;
             }
             if upstream_open {
-                let _ = upstream_wr.write_all_buf(to_upstream).await;
-                let _ = upstream_wr.shutdown().await;
+                let _ = upstream.write_all_buf(to_upstream).await;
+                let _ = upstream.shutdown().await;
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
         if client_open {
             let mut sink = [0u8; 4096];
             let client_closes =
-                async { while matches!(client_rd.read(&mut sink).await, Ok(n) if n > 0) {} };
+                async { while matches!(client.read(&mut sink).await, Ok(n) if n > 0) {} };
             let _ = tokio::time::timeout(Duration::from_secs(1), client_closes).await;
-            let _ = client_wr.shutdown().await;
+            let _ = client.shutdown().await;
         }
     }
 }
 
-/// Writes some of `buf`, or flushes once it is empty; `Ok(true)` once flushed.
-async fn write_or_flush(wr: &mut WriteHalf<Io>, buf: &mut BytesMut) -> std::io::Result<bool> {
-    if buf.is_empty() {
-        wr.flush().await?;
-        return Ok(true);
-    }
-    wr.write_buf(buf).await?;
-    Ok(false)
-}
-
-async fn answer(engine: &mut Option<EngineLink>) -> Option<Parked> {
-    match engine {
-        Some(link) => link.answers.recv().await,
-        None => std::future::pending().await,
-    }
+/// Both sockets of the pair and whether each has unflushed writes.
+struct Sides<'a> {
+    client: &'a mut Io,
+    upstream: &'a mut Io,
+    unflushed: &'a mut [bool; 2],
 }
 
 fn reserve(buf: &mut BytesMut) {
