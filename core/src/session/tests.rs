@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
-use amq_protocol::types::FieldTable;
+use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::BytesMut;
 
 use super::deferrals::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY, RATE_BURST, RATE_INTERVAL};
@@ -28,10 +28,14 @@ use crate::session::scope::Interception;
 use crate::stats::{PassReason, SessionStats};
 
 const Q: &str = "jobs";
+/// Where the tests' manual clock starts: 2023-11-14T22:13:20Z, in ms.
+const EPOCH_MS: u64 = 1_700_000_000_000;
 
 /// A session, the time it is at, and the test playing the retry engine.
 struct Pair {
     s: Session,
+    /// nackd's clock, moved by hand: the session's time is its time.
+    clock: Clock,
     now: Instant,
     /// Parks asked and not answered yet.
     parks: Vec<Park>,
@@ -50,17 +54,18 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
     let text = format!("[[policy]]\nqueues = [\"{Q}\"]\n{policy}\n");
     let ready = Readiness::new();
     ready.set(Ready::Ready);
+    let clock = Clock::manual(EPOCH_MS);
     let shared = Arc::new(Interception {
         policies: LivePolicies::new(policies(&text)),
         budget: Budget::new(budget),
         ready,
-        clock: Clock::start(),
+        clock: clock.clone(),
     });
     let limits = Limits {
         max_frame: 131_072,
         handshake_timeout: Duration::from_secs(10),
     };
-    let now = Instant::now();
+    let now = clock.now();
     let mut s = Session::new(
         limits,
         now + limits.handshake_timeout,
@@ -71,6 +76,7 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
     s.open = true;
     Pair {
         s,
+        clock,
         now,
         parks: Vec::new(),
         cancelled: Vec::new(),
@@ -169,7 +175,8 @@ impl Pair {
 
     /// Time passes; no timer has fired yet.
     fn time_passes(&mut self, by: Duration) {
-        self.now += by;
+        self.clock.advance(by);
+        self.now = self.clock.now();
     }
 
     /// The pump's timer fires.
@@ -1117,4 +1124,29 @@ fn a_deferred_nack_after_a_publish_does_not_hold_a_close() {
     assert_eq!(p.upstream(), ["body 1", "nack 1"]);
     p.client(&channel_close(1));
     assert_eq!(p.upstream(), ["channel.close 1"], "no grace to wait");
+}
+
+/// The time a retry's headers carry is the clock's at the nack: the one
+/// clock the engine schedules by, moved by hand here.
+#[test]
+fn the_retry_headers_carry_the_clocks_time_at_the_nack() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.time_passes(Duration::from_secs(5));
+    p.nack(1, 1);
+    let parks = p.take_parks();
+    let park = parks.last().expect("a park");
+    let header = crate::protocol::content::decode_header(&park.header).unwrap();
+    let headers = header.properties.headers().clone().unwrap();
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
+        panic!("no x-death: {headers:?}");
+    };
+    let Some(AMQPValue::FieldTable(death)) = deaths.as_slice().first() else {
+        panic!("an empty x-death");
+    };
+    assert_eq!(
+        death.inner().get("time"),
+        Some(&AMQPValue::Timestamp(EPOCH_MS / 1000 + 5))
+    );
 }
