@@ -61,6 +61,13 @@ pub fn method_and_header(data: &[u8]) {
     payload::table(data);
 }
 
+/// A `basic.deliver` payload (class and method id included): the
+/// session's in-place reader and amq-protocol's decoder agree on it.
+pub fn deliver(payload: &[u8]) {
+    let any = crate::protocol::method::decode_any(payload);
+    payload::deliver_read_in_place(payload, &any);
+}
+
 /// What a decoder made of a byte stream.
 #[derive(Debug, PartialEq)]
 struct Decoded {

@@ -198,6 +198,16 @@ fn whole_corpus_passes_unchanged() {
     }
 }
 
+/// Short-string bytes: mostly a name as applications use them, sometimes
+/// any bytes at all (not UTF-8, or not ASCII).
+fn short_text() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        8 => "[a-z0-9._-]{0,30}".prop_map(String::into_bytes),
+        1 => "\\PC{0,10}".prop_map(String::into_bytes),
+        1 => proptest::collection::vec(any::<u8>(), 0..40),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
@@ -219,6 +229,37 @@ proptest! {
     #[test]
     fn method_and_header_mutated_corpus(file in any::<usize>(), edits in proptest::collection::vec(mutation(), 1..6)) {
         fuzzing::method_and_header(&mutated(&PAYLOADS, file, &edits));
+    }
+
+    /// `basic.deliver` payloads with short strings of any bytes (UTF-8 or
+    /// not, any length byte), cut short or followed by more: the session's
+    /// in-place reader says what amq-protocol says.
+    #[test]
+    fn deliver_read_in_place_matches_the_decoder(
+        strings in proptest::collection::vec(short_text(), 3),
+        lengths in proptest::collection::vec(
+            proptest::option::weighted(0.1, any::<u8>()), 3),
+        tag in any::<u64>(),
+        bits in any::<u8>(),
+        cut in proptest::option::weighted(0.1, 0usize..80),
+        tail in proptest::collection::vec(any::<u8>(), 0..3),
+    ) {
+        let mut payload = vec![0, 60, 0, 60];
+        let short = |payload: &mut Vec<u8>, i: usize| {
+            let text: &[u8] = &strings[i];
+            payload.push(lengths[i].unwrap_or(text.len() as u8));
+            payload.extend_from_slice(text);
+        };
+        short(&mut payload, 0);
+        payload.extend_from_slice(&tag.to_be_bytes());
+        payload.push(bits);
+        short(&mut payload, 1);
+        short(&mut payload, 2);
+        payload.extend_from_slice(&tail);
+        if let Some(cut) = cut {
+            payload.truncate(cut);
+        }
+        fuzzing::deliver(&payload);
     }
 
     #[test]

@@ -4,12 +4,12 @@
 use std::collections::BTreeSet;
 use std::fmt::Debug;
 
-use amq_protocol::protocol::AMQPClass;
+use amq_protocol::protocol::{basic, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
 
 use crate::protocol::content::{self, ContentHeader, RawEntry};
-use crate::protocol::frame::{Frame, FrameDecoder, FrameType};
+use crate::protocol::frame::{Frame, FrameDecoder, FrameError, FrameType};
 use crate::protocol::method::{self, MethodId};
 
 /// Equal, or equal but for NaNs in the same places (NaN != NaN).
@@ -45,8 +45,28 @@ pub(super) fn method(payload: &[u8]) {
             );
         }
     }
+    if id == method::ids::BASIC_DELIVER {
+        deliver_read_in_place(payload, &any);
+    }
     if let Ok(class) = any {
         reencode_method(&class);
+    }
+}
+
+/// [`method::peek_deliver`] (the session's allocation-free reader) agrees
+/// with amq-protocol's decoder: the same fields, or both refuse.
+pub(super) fn deliver_read_in_place(payload: &[u8], any: &Result<AMQPClass, FrameError>) {
+    let peeked = method::peek_deliver(payload);
+    match (any, &peeked) {
+        (Ok(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))), Ok(p)) => {
+            assert_eq!(p.consumer_tag, d.consumer_tag.as_str());
+            assert_eq!(p.delivery_tag, d.delivery_tag);
+            assert_eq!(p.redelivered, d.redelivered);
+            assert_eq!(p.exchange, d.exchange.as_str());
+            assert_eq!(p.routing_key, d.routing_key.as_str());
+        }
+        (Err(_), Err(_)) => {}
+        _ => panic!("peek_deliver {peeked:?} vs decode_any {any:?}"),
     }
 }
 

@@ -127,7 +127,7 @@ pub struct Claimed {
 /// One channel of one client connection.
 #[derive(Debug, Default)]
 pub struct Channel {
-    consumers: HashMap<String, Consumer>,
+    consumers: HashMap<Arc<str>, Consumer>,
     /// `basic.consume` sent without nowait, waiting for `consume-ok`.
     pending_consumes: VecDeque<Consumer>,
     /// `basic.get` sent, waiting for `get-ok` / `get-empty`.
@@ -235,7 +235,8 @@ impl Channel {
                     ..self.consumer_of(c.queue.as_str(), c.no_ack)
                 };
                 if c.nowait {
-                    self.consumers.insert(c.consumer_tag.to_string(), consumer);
+                    self.consumers
+                        .insert(Arc::from(c.consumer_tag.as_str()), consumer);
                 } else {
                     self.pending_consumes.push_back(consumer);
                 }
@@ -268,6 +269,25 @@ impl Channel {
     }
 
     /// Observes a method the broker sends on this channel.
+    /// A `basic.deliver` to `consumer_tag`: tracked as outstanding unless
+    /// its consumer does not ack (the consumer's tag is shared, not copied).
+    pub fn on_deliver(&mut self, consumer_tag: &str, delivery_tag: u64) {
+        let Some((tag, consumer)) = self.consumers.get_key_value(consumer_tag) else {
+            return;
+        };
+        if consumer.no_ack {
+            return;
+        }
+        let delivery = Delivery {
+            queue: consumer.queue.clone(),
+            consumer: Some((tag.clone(), consumer.started)),
+            returned: false,
+            capture: None,
+            over_budget: false,
+        };
+        self.outstanding.insert(delivery_tag, delivery);
+    }
+
     pub fn on_broker_method(&mut self, class: &AMQPClass) {
         match class {
             AMQPClass::Queue(queue::AMQPMethod::DeclareOk(d)) => {
@@ -275,7 +295,8 @@ impl Channel {
             }
             AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => {
                 if let Some(consumer) = self.pending_consumes.pop_front() {
-                    self.consumers.insert(ok.consumer_tag.to_string(), consumer);
+                    self.consumers
+                        .insert(Arc::from(ok.consumer_tag.as_str()), consumer);
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
@@ -287,22 +308,7 @@ impl Channel {
                 self.on_broker_cancel(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
-                if let Some(consumer) = self.consumers.get(d.consumer_tag.as_str()) {
-                    if !consumer.no_ack {
-                        let queue = consumer.queue.clone();
-                        let tag = Arc::from(d.consumer_tag.as_str());
-                        self.outstanding.insert(
-                            d.delivery_tag,
-                            Delivery {
-                                queue,
-                                consumer: Some((tag, consumer.started)),
-                                returned: false,
-                                capture: None,
-                                over_budget: false,
-                            },
-                        );
-                    }
-                }
+                self.on_deliver(d.consumer_tag.as_str(), d.delivery_tag)
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
                 if let Some(get) = self.pending_gets.pop_front() {
@@ -402,35 +408,47 @@ impl Channel {
     }
 }
 
-/// All channels of a connection.
+/// All channels of a connection, sorted by number: a lookup is a binary
+/// search over the few channels a connection uses (most use one or two),
+/// without hashing on every frame.
 #[derive(Debug, Default)]
 pub struct Channels {
-    open: HashMap<u16, Channel>,
+    open: Vec<(u16, Channel)>,
     epochs: u64,
 }
 
 impl Channels {
+    fn find(&self, id: u16) -> Result<usize, usize> {
+        self.open.binary_search_by_key(&id, |(n, _)| *n)
+    }
+
     /// The channel's state, created on first use.
     pub fn get(&mut self, id: u16) -> &mut Channel {
-        let epochs = &mut self.epochs;
-        self.open.entry(id).or_insert_with(|| {
-            *epochs += 1;
-            Channel {
-                epoch: *epochs,
-                span: Some(tracing::debug_span!("channel", channel = id)),
-                ..Channel::default()
+        let at = match self.find(id) {
+            Ok(at) => at,
+            Err(at) => {
+                self.epochs += 1;
+                let channel = Channel {
+                    epoch: self.epochs,
+                    span: Some(tracing::debug_span!("channel", channel = id)),
+                    ..Channel::default()
+                };
+                self.open.insert(at, (id, channel));
+                at
             }
-        })
+        };
+        &mut self.open[at].1
     }
 
     /// The channel, if it is tracked and still the same opening.
     pub fn get_epoch(&mut self, id: u16, epoch: u64) -> Option<&mut Channel> {
-        self.open.get_mut(&id).filter(|c| c.epoch == epoch)
+        let at = self.find(id).ok()?;
+        Some(&mut self.open[at].1).filter(|c| c.epoch == epoch)
     }
 
     /// Claimed tags waiting for the store, over all channels.
     pub fn pending(&self) -> usize {
-        self.open.values().map(|c| c.pending.len()).sum()
+        self.open.iter().map(|(_, c)| c.pending.len()).sum()
     }
 
     /// Takes the claims numbered in `seqs`: (channel, tag, claim, settled
@@ -456,15 +474,15 @@ impl Channels {
     /// Takes every frame waiting for a publish to end; returns the held ids their acks stood for.
     pub fn take_all_after_publish(&mut self) -> Vec<u64> {
         self.open
-            .values_mut()
-            .flat_map(|c| std::mem::take(&mut c.after_publish))
+            .iter_mut()
+            .flat_map(|(_, c)| std::mem::take(&mut c.after_publish))
             .filter_map(|(_, id)| id)
             .collect()
     }
 
     /// The frames behind the barrier went upstream: nothing waits any more.
     pub fn lower_barriers(&mut self) {
-        for c in self.open.values_mut() {
+        for (_, c) in &mut self.open {
             c.publish_behind_barrier = false;
             c.barrier_raised = false;
         }
@@ -472,12 +490,14 @@ impl Channels {
 
     /// Looks at a channel without creating it.
     pub fn peek(&self, id: u16) -> Option<&Channel> {
-        self.open.get(&id)
+        let at = self.find(id).ok()?;
+        Some(&self.open[at].1)
     }
 
     /// Forgets a channel once `channel.close-ok` has passed either way.
     pub fn remove(&mut self, id: u16) -> Option<Channel> {
-        self.open.remove(&id)
+        let at = self.find(id).ok()?;
+        Some(self.open.remove(at).1)
     }
 }
 

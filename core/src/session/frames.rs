@@ -10,7 +10,7 @@ use tracing::{debug, Span};
 use super::machine::Session;
 use super::peer::{Fault, Peer};
 use crate::protocol::frame::{Frame, FrameError, FrameType};
-use crate::protocol::method::{self, MethodId};
+use crate::protocol::method::{self, ids, MethodId};
 use crate::session::channel::ContentState;
 
 impl Session {
@@ -98,6 +98,12 @@ impl Session {
                 if frame.channel != 0 {
                     self.content_state(peer, frame.channel)
                         .advance(frame, Some(id))?;
+                }
+                if id == ids::BASIC_DELIVER && peer == Peer::Upstream && frame.channel != 0 {
+                    // Every delivery: read in place, no allocation.
+                    let deliver = method::peek_deliver(payload)?;
+                    self.on_deliver(frame.channel, &deliver);
+                    return Ok(None);
                 }
                 method::decode(payload)
             }

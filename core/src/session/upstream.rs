@@ -8,9 +8,18 @@ use super::machine::Session;
 use super::peer::Fault;
 use super::peer::Peer;
 use crate::protocol::frame::{Frame, FrameType};
-use crate::protocol::method;
+use crate::protocol::method::{self, DeliverArgs};
 
 impl Session {
+    /// A `basic.deliver` on channel `channel_id` (read in place by
+    /// `frames`): tracked, and captured if its queue is intercepted.
+    pub(super) fn on_deliver(&mut self, channel_id: u16, d: &DeliverArgs<'_>) {
+        self.channels
+            .get(channel_id)
+            .on_deliver(d.consumer_tag, d.delivery_tag);
+        self.start_capture(channel_id, d.delivery_tag, d.exchange, d.routing_key);
+    }
+
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
         let span = self.channel_span(frame.channel);
         let _in_channel = span.enter();
@@ -69,15 +78,6 @@ impl Session {
                 self.forget_deferred(channel_id);
                 self.channels.get(channel_id).closing = true;
                 self.cancel_after_publish(channel_id);
-            }
-            AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) if channel_id != 0 => {
-                self.channels.get(channel_id).on_broker_method(class);
-                self.start_capture(
-                    channel_id,
-                    d.delivery_tag,
-                    d.exchange.as_str(),
-                    d.routing_key.as_str(),
-                );
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
