@@ -325,7 +325,13 @@ async fn a_full_disk_defers_nacks_and_interception_resumes() {
         }
     }
     assert!(acked.values().all(|n| *n == 1), "{acked:?}");
-    let s = scrape(nackd.metrics).await;
+    // The consumer can see a retry before nackd has the broker's confirm
+    // of it and has deleted it: wait until nothing is held, as the store
+    // check below expects.
+    let s = until(nackd.metrics, "every retry completed", |s| {
+        s.sum("nackd_held_messages") == 0.0
+    })
+    .await;
     assert_eq!(
         s.get("nackd_nacks_intercepted_total", &[]),
         10.0,
