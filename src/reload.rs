@@ -15,6 +15,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Config, ConfigError, GoneAction, OnExhausted};
@@ -97,6 +98,8 @@ pub struct BrokerCheck {
     login: Credentials,
     metrics: Arc<Metrics>,
     logins: LoginCheck,
+    /// nackd's stop: ends the checks.
+    stop: CancellationToken,
 }
 
 impl std::fmt::Debug for BrokerCheck {
@@ -109,13 +112,25 @@ impl std::fmt::Debug for BrokerCheck {
 }
 
 impl BrokerCheck {
-    /// A check through `connector`, logged in as the republisher.
-    pub fn new(connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> Self {
+    /// A check through `connector`, logged in as the republisher, until
+    /// `stop` (nackd's shutdown) is cancelled.
+    pub fn new(
+        connector: Connector,
+        login: Credentials,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) -> Self {
         Self {
-            logins: LoginCheck::new(connector.clone(), login.clone(), metrics.clone()),
+            logins: LoginCheck::new(
+                connector.clone(),
+                login.clone(),
+                metrics.clone(),
+                stop.clone(),
+            ),
             connector,
             login,
             metrics,
+            stop,
         }
     }
 
@@ -137,7 +152,11 @@ impl BrokerCheck {
             .collect();
         let this = self.clone();
         runtime.spawn(async move {
-            let missing = check_exchanges(&this.connector, &this.login, &targets).await;
+            let checked = check_exchanges(&this.connector, &this.login, &targets);
+            let missing = tokio::select! {
+                _ = this.stop.cancelled() => return,
+                missing = checked => missing,
+            };
             let unchecked = missing.iter().filter(|m| m.reply.starts_with("cannot check")).count();
             this.metrics
                 .exchanges_missing

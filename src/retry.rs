@@ -103,10 +103,11 @@ impl Options {
 /// (and syncs the replica) first, so the handle works at once but claims
 /// wait for [`RetryHandle::ready`]. Stopping it stops firing, then flushes
 /// and joins the store writer.
-pub fn start(start: Start) -> (RetryHandle, Stopper) {
+/// `stop` is the engine's token (a child of nackd's), cancelled by the
+/// returned [`Stopper`].
+pub fn start(start: Start, stop: CancellationToken) -> (RetryHandle, Stopper) {
     let (tx, rx) = mpsc::unbounded_channel();
     let (reseeds, reseeds_rx) = mpsc::unbounded_channel();
-    let stop = CancellationToken::new();
     let (ready, thread) = supervisor::spawn(start, rx, reseeds_rx, stop.clone());
     let engine = Stopper::thread("retry engine", stop, thread);
     let handle = RetryHandle { tx, ready, reseeds };

@@ -33,6 +33,7 @@ async fn interception(
     live: &Arc<LivePolicies>,
     metrics: &Arc<Metrics>,
     clock: &Clock,
+    root: &CancellationToken,
 ) -> Result<(Intercept, BrokerCheck, Stopper), StartError> {
     let password = config
         .republish
@@ -43,6 +44,7 @@ async fn interception(
         connector.clone(),
         retry_options.republish.login.clone(),
         metrics.clone(),
+        root.child_token(),
     );
     let start = retry::Start {
         dir: config.store.path.clone(),
@@ -56,7 +58,7 @@ async fn interception(
         metrics: metrics.clone(),
         clock: clock.clone(),
     };
-    let (retry, engine) = retry::start(start);
+    let (retry, engine) = retry::start(start, root.child_token());
     let shared = Arc::new(Interception {
         policies: live.clone(),
         budget: Budget::new(config.limits.capture_budget),
@@ -74,6 +76,7 @@ async fn start_ops(
     metrics: &Arc<Metrics>,
     intercepting: bool,
     clock: &Clock,
+    root: &CancellationToken,
 ) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
     let admin_token = config
         .metrics
@@ -92,7 +95,7 @@ async fn start_ops(
         .await
         .map_err(|source| StartError::MetricsBind { address, source })?;
     let address = listener.local_addr().unwrap_or(address);
-    let stop = CancellationToken::new();
+    let stop = root.child_token();
     let served = tokio::spawn(ops::serve(listener, ops.clone(), stop.clone()));
     let task = Stopper::task("operations listener", stop, served);
     Ok((ops, address, task))
@@ -245,6 +248,9 @@ pub struct Proxy {
     engine: Option<Stopper>,
     /// The operations listener, stopped last.
     ops_task: Stopper,
+    /// Every part's token is a child of this one: cancelled once the parts
+    /// are stopped in order, it ends whatever is left (a broker check).
+    root: CancellationToken,
 }
 
 impl Proxy {
@@ -262,16 +268,18 @@ impl Proxy {
         let metrics = Metrics::new();
         // One clock for the engine, the sessions and the operations listener.
         let clock = Clock::start();
+        // One stop: every part's token is a child of this one (see shutdown.rs).
+        let root = CancellationToken::new();
         let intercepting = !config.policies.is_empty();
         let (ops, ops_addr, ops_task) =
-            start_ops(config, &connector, &metrics, intercepting, &clock).await?;
+            start_ops(config, &connector, &metrics, intercepting, &clock, &root).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
         let (intercept, engine) = match &live {
             None => (None, None),
             Some(live) => {
                 let (i, check, engine) =
-                    interception(config, &connector, live, &metrics, &clock).await?;
+                    interception(config, &connector, live, &metrics, &clock, &root).await?;
                 check.spawn(config);
                 reloader = reloader.with_check(check);
                 (Some(i), Some(engine))
@@ -281,6 +289,7 @@ impl Proxy {
             ops.attach(i.retry.clone(), i.shared.budget.clone());
         }
         Ok(Self {
+            root,
             listener,
             acceptor,
             reloader,
@@ -331,7 +340,10 @@ impl Proxy {
     /// stop the retry engine (no more firing; the store writer flushes
     /// and is joined), stop the operations listener.
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let sessions = Sessions::default();
+        let sessions = Sessions {
+            tracker: TaskTracker::new(),
+            force: self.root.child_token(),
+        };
         info!(
             address = %self.local_addr(),
             tls = self.acceptor.is_some(),
@@ -366,6 +378,7 @@ impl Proxy {
             engine.stop(ENGINE_STOP).await;
         }
         self.ops_task.stop(Duration::from_secs(1)).await;
+        self.root.cancel();
         info!("stopped");
     }
 
@@ -402,7 +415,6 @@ const ENGINE_STOP: Duration = Duration::from_secs(10);
 
 /// The sessions, stopped like every other task: a token (`force`) they
 /// watch, and a tracker to wait for them.
-#[derive(Default)]
 struct Sessions {
     tracker: TaskTracker,
     force: CancellationToken,

@@ -1,11 +1,17 @@
-//! One way to stop what runs beside the sessions: every task and thread
-//! gets a [`CancellationToken`], and whoever started it keeps a [`Stopper`]
-//! that cancels the token and waits for the end. The sessions follow the
-//! same pattern with a token (`force`) and a `TaskTracker`.
+//! One way to stop: every task and thread gets a [`CancellationToken`]
+//! that is a child of its owner's, up to one root per nackd (made in
+//! `Proxy::bind`), and whoever started it keeps a [`Stopper`] that cancels
+//! the token and waits for the end. The sessions follow the same pattern
+//! with a token (`force`) and a `TaskTracker`. Cancelling a parent reaches
+//! every child, so nothing outlives the root; the order is kept by the
+//! owners, which stop their parts one after the other before the root goes.
 //!
-//! The order, in [`crate::server::Proxy::run`]: stop accepting, drain the
-//! sessions, stop the retry engine (it stops firing, then flushes and joins
-//! the store writer), stop the operations listener.
+//! The order, written once, in [`crate::server::Proxy::run`]: stop
+//! accepting, drain the sessions (grace, then `force`), stop the retry
+//! engine (it stops firing, stops its republishers, then closes the store
+//! writer's queue and joins it: a worker fed by a queue ends once what was
+//! queued before is written), stop the operations listener, cancel the
+//! root (what is left: a broker check of a reload).
 
 use std::time::Duration;
 

@@ -797,7 +797,8 @@ mod tests {
     #[tokio::test]
     async fn a_park_for_a_session_that_is_gone_is_completed() {
         let dir = tempfile::tempdir().unwrap();
-        let (handle, _engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
+        let (handle, _engine): (RetryHandle, _) =
+            crate::retry::start(start(dir.path()), CancellationToken::new());
         let (gone, dropped) = mpsc::unbounded_channel();
         drop(dropped);
         assert!(handle.park(park(1), &gone));
@@ -826,7 +827,8 @@ mod tests {
     #[tokio::test]
     async fn a_stopped_engine_has_released_the_store() {
         let dir = tempfile::tempdir().unwrap();
-        let (handle, engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
+        let (handle, engine): (RetryHandle, _) =
+            crate::retry::start(start(dir.path()), CancellationToken::new());
         let (reply, mut answers) = mpsc::unbounded_channel();
         assert!(handle.park(park(1), &reply));
         let id = answers.recv().await.unwrap().result.unwrap();
@@ -848,7 +850,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         const N: u64 = 16;
         // Hold N messages, then stop cleanly.
-        let (handle, engine): (RetryHandle, _) = crate::retry::start(start(dir.path()));
+        let (handle, engine): (RetryHandle, _) =
+            crate::retry::start(start(dir.path()), CancellationToken::new());
         let (reply, mut answers) = mpsc::unbounded_channel();
         for tag in 1..=N {
             assert!(handle.park(park(tag), &reply));
@@ -968,7 +971,8 @@ mod tests {
         hold_before_a_restart(dir.path(), before);
         let start = start(dir.path());
         let metrics = start.metrics.clone();
-        let (handle, engine): (RetryHandle, _) = crate::retry::start(start);
+        let (handle, engine): (RetryHandle, _) =
+            crate::retry::start(start, CancellationToken::new());
         let (reply, mut answers) = mpsc::unbounded_channel();
         assert!(handle.park(park(1), &reply));
         let answer = answers.recv().await.unwrap();

@@ -32,7 +32,9 @@ pub struct LoginCheck {
     connector: Connector,
     login: Credentials,
     metrics: Arc<Metrics>,
-    /// Stops the check a reload replaces.
+    /// nackd's stop: ends every check.
+    stop: CancellationToken,
+    /// Stops the check a reload replaces (a child of `stop`).
     running: Arc<Mutex<CancellationToken>>,
 }
 
@@ -45,13 +47,20 @@ impl std::fmt::Debug for LoginCheck {
 }
 
 impl LoginCheck {
-    /// A check through `connector`, logged in as the republisher.
-    pub fn new(connector: Connector, login: Credentials, metrics: Arc<Metrics>) -> Self {
+    /// A check through `connector`, logged in as the republisher, until
+    /// `stop` (nackd's shutdown) is cancelled.
+    pub fn new(
+        connector: Connector,
+        login: Credentials,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) -> Self {
         Self {
             connector,
             login,
             metrics,
-            running: Arc::new(Mutex::new(CancellationToken::new())),
+            running: Arc::new(Mutex::new(stop.child_token())),
+            stop,
         }
     }
 
@@ -62,7 +71,7 @@ impl LoginCheck {
     pub fn spawn(&self, vhosts: Vec<String>) {
         let logins = &self.metrics.republish_logins;
         logins.expect(vhosts.iter().map(String::as_str));
-        let stop = CancellationToken::new();
+        let stop = self.stop.child_token();
         let old = std::mem::replace(
             &mut *self.running.lock().unwrap_or_else(|e| e.into_inner()),
             stop.clone(),
