@@ -154,11 +154,12 @@ impl Replica {
         config: Config,
         metrics: std::sync::Arc<crate::metrics::Metrics>,
         adopt: mpsc::Sender<Adopt>,
+        clock: nackd_core::clock::Clock,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(State::Connecting);
         let instance = config.instance.clone();
-        let fence = fence::Fence::closed();
+        let fence = fence::Fence::closed(clock.clone());
         tokio::spawn(task::run(
             config,
             rx,
@@ -166,6 +167,7 @@ impl Replica {
             metrics,
             adopt,
             fence.clone(),
+            clock,
         ));
         Self {
             tx,

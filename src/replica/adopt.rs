@@ -18,6 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use nackd_core::clock::Clock;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
@@ -50,10 +51,11 @@ pub(super) async fn run(
     state: watch::Receiver<State>,
     engine: mpsc::Sender<Adopt>,
     metrics: std::sync::Arc<Metrics>,
+    clock: Clock,
 ) {
     let every = (config.adopt_after / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
     let mut tick = tokio::time::interval(every);
-    let mut watch = Watch::default();
+    let mut watch = Watch::new(clock);
     let mut client: Option<Client> = None;
     let name = format!("nackd adoption {}", config.instance);
     loop {
@@ -91,8 +93,8 @@ enum Adoption {
 }
 
 /// Which other instances' leases have been free, and since when.
-#[derive(Default)]
 pub(super) struct Watch {
+    clock: Clock,
     free_since: HashMap<String, Instant>,
     settled: HashSet<String>,
     /// Messages parked so far by an adoption that failed part way: their
@@ -111,6 +113,25 @@ pub(super) struct Watch {
 }
 
 impl Watch {
+    fn new(clock: Clock) -> Self {
+        Self {
+            clock,
+            free_since: HashMap::new(),
+            settled: HashSet::new(),
+            progress: HashMap::new(),
+            known: Default::default(),
+            registrations: HashMap::new(),
+            read_at: None,
+            registered_at: None,
+            unadoptable: HashSet::new(),
+        }
+    }
+
+    /// How long ago `t` was, on the clock.
+    fn since(&self, t: Instant) -> Duration {
+        self.clock.now().saturating_duration_since(t)
+    }
+
     /// Looks at every registered instance; adopts those free long enough.
     pub async fn round(
         &mut self,
@@ -121,20 +142,20 @@ impl Watch {
         let registry = config.registry();
         if self
             .read_at
-            .is_none_or(|t| t.elapsed() >= config.adopt_after / 2)
+            .is_none_or(|t| self.since(t) >= config.adopt_after / 2)
         {
             // Each read appends a marker: read every half adopt_after.
             self.read_registry(client, &registry).await?;
         }
         if self
             .registered_at
-            .is_none_or(|t| t.elapsed() >= Duration::from_secs(86_400))
+            .is_none_or(|t| self.since(t) >= Duration::from_secs(86_400))
         {
             let me = Record::Instance {
                 name: config.instance.clone(),
             };
             client.append_confirmed(&registry, &me).await?;
-            self.registered_at = Some(Instant::now());
+            self.registered_at = Some(self.clock.now());
         }
         for name in self.known.clone() {
             if name != config.instance {
@@ -156,7 +177,7 @@ impl Watch {
             }
             self.known.insert(name);
         }
-        self.read_at = Some(Instant::now());
+        self.read_at = Some(self.clock.now());
         Ok(())
     }
 
@@ -179,11 +200,9 @@ impl Watch {
         if self.settled.contains(name) {
             return Ok(());
         }
-        let since = *self
-            .free_since
-            .entry(name.to_owned())
-            .or_insert_with(Instant::now);
-        if since.elapsed() < config.adopt_after {
+        let now = self.clock.now();
+        let since = *self.free_since.entry(name.to_owned()).or_insert(now);
+        if now.saturating_duration_since(since) < config.adopt_after {
             return Ok(());
         }
         let progress = self.progress.entry(name.to_owned()).or_default();

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nackd_core::clock::Clock;
 use tokio::sync::Notify;
 
 /// `until_us` of a fence that always holds (no replica).
@@ -24,6 +25,7 @@ const ALWAYS: u64 = u64::MAX;
 /// Until when this process may act for its id.
 #[derive(Debug)]
 pub struct Fence {
+    clock: Clock,
     origin: Instant,
     /// µs after `origin` until which the fence holds; 0: it does not.
     until_us: AtomicU64,
@@ -33,17 +35,18 @@ pub struct Fence {
 impl Fence {
     /// A fence that always holds: nackd without a replica.
     pub fn always() -> Arc<Self> {
-        Arc::new(Self::with(ALWAYS))
+        Arc::new(Self::with(Clock::start(), ALWAYS))
     }
 
     /// A fence that holds once extended: the replica's.
-    pub fn closed() -> Arc<Self> {
-        Arc::new(Self::with(0))
+    pub fn closed(clock: Clock) -> Arc<Self> {
+        Arc::new(Self::with(clock, 0))
     }
 
-    fn with(until_us: u64) -> Self {
+    fn with(clock: Clock, until_us: u64) -> Self {
         Self {
-            origin: Instant::now(),
+            origin: clock.now(),
+            clock,
             until_us: AtomicU64::new(until_us),
             extended: Notify::new(),
         }
@@ -65,7 +68,7 @@ impl Fence {
 
     /// Whether this process may act for its id now.
     pub fn holds(&self) -> bool {
-        self.holds_at(Instant::now())
+        self.holds_at(self.clock.now())
     }
 
     /// Whether it may act at `at`.
@@ -91,40 +94,45 @@ mod tests {
     #[test]
     fn without_a_replica_the_fence_always_holds() {
         let f = Fence::always();
-        assert!(f.holds_at(Instant::now() + Duration::from_secs(86_400 * 365)));
+        assert!(f.holds_at(f.origin + Duration::from_secs(86_400 * 365)));
     }
 
     #[test]
     fn a_replica_fence_holds_only_once_extended_and_until_one_and_a_half_heartbeats_after_the_probe(
     ) {
-        let f = Fence::closed();
+        let clock = Clock::manual(0);
+        let f = Fence::closed(clock.clone());
         assert!(!f.holds());
-        let asked = Instant::now();
-        let hb = Duration::from_secs(2);
-        f.extend(asked, hb);
-        assert!(f.holds_at(asked));
-        assert!(f.holds_at(asked + Duration::from_millis(2_999)));
-        assert!(!f.holds_at(asked + Duration::from_millis(3_000)));
+        let asked = clock.now();
+        f.extend(asked, Duration::from_secs(2));
+        assert!(f.holds());
+        clock.advance(Duration::from_millis(2_999));
+        assert!(f.holds());
+        clock.advance(Duration::from_millis(1));
+        assert!(!f.holds());
     }
 
     #[test]
     fn a_process_frozen_past_its_fence_does_not_hold_it_when_it_runs_again() {
-        // What a SIGSTOP looks like to the process: the monotonic clock
-        // jumped between two reads.
-        let f = Fence::closed();
-        let asked = Instant::now();
-        f.extend(asked, Duration::from_secs(1));
-        assert!(f.holds_at(asked + Duration::from_millis(10)));
-        assert!(!f.holds_at(asked + Duration::from_secs(40)));
+        // What a SIGSTOP looks like to the process: the clock jumped
+        // between two reads.
+        let clock = Clock::manual(0);
+        let f = Fence::closed(clock.clone());
+        f.extend(clock.now(), Duration::from_secs(1));
+        clock.advance(Duration::from_millis(10));
+        assert!(f.holds());
+        clock.advance(Duration::from_secs(40));
+        assert!(!f.holds());
     }
 
     #[test]
     fn a_revoked_fence_holds_no_more_until_extended_again() {
-        let f = Fence::closed();
-        f.extend(Instant::now(), Duration::from_secs(60));
+        let clock = Clock::manual(0);
+        let f = Fence::closed(clock.clone());
+        f.extend(clock.now(), Duration::from_secs(60));
         f.revoke();
         assert!(!f.holds());
-        f.extend(Instant::now(), Duration::from_secs(60));
+        f.extend(clock.now(), Duration::from_secs(60));
         assert!(f.holds());
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use nackd_core::clock::Clock;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, info_span, warn, Instrument};
@@ -114,6 +115,8 @@ struct Task {
     /// Until when this process may act: extended by each answer of the
     /// broker to a lease probe, while active.
     fence: Arc<Fence>,
+    /// nackd's clock: lease probes and the stop's deadline.
+    clock: Clock,
     /// When the last lease probe (or acquisition) the broker answered was sent.
     heard: Option<Instant>,
 }
@@ -136,9 +139,10 @@ pub(super) async fn run(
     metrics: Arc<Metrics>,
     adopt: mpsc::Sender<Adopt>,
     fence: Arc<Fence>,
+    clock: Clock,
 ) {
     let span = info_span!("replica", instance = %config.instance);
-    let task = Task::new(config, state, metrics, fence);
+    let task = Task::new(config, state, metrics, fence, clock);
     // Adoption runs beside the task, on its own connection: it waits on
     // the engine, which waits on this task for its appends. A spawned task
     // does not inherit a span: its own is made a child of the replica's.
@@ -147,6 +151,7 @@ pub(super) async fn run(
         task.state.subscribe(),
         adopt,
         task.metrics.clone(),
+        task.clock.clone(),
     );
     tokio::spawn(adoption.instrument(info_span!(parent: &span, "adopt")));
     task.serve(commands).instrument(span).await
@@ -194,10 +199,12 @@ impl Task {
         state: watch::Sender<State>,
         metrics: Arc<Metrics>,
         fence: Arc<Fence>,
+        clock: Clock,
     ) -> Self {
         let (events_tx, events) = mpsc::unbounded_channel();
         Self {
             fence,
+            clock,
             heard: None,
             config,
             state,
@@ -244,7 +251,7 @@ impl Task {
         }
         if self.client.is_some() {
             self.flush_done().await;
-            let until = tokio::time::Instant::now() + STOP_CONFIRMS;
+            let until = tokio::time::Instant::from_std(self.clock.now() + STOP_CONFIRMS);
             while self.completions.unconfirmed() > 0 {
                 match tokio::time::timeout_at(until, self.events.recv()).await {
                     Ok(Some(event)) => self.on_event(event),
@@ -652,7 +659,7 @@ impl Task {
                 false => None,
             };
             let heartbeat = self.config.target.heartbeat;
-            let asked = Instant::now();
+            let asked = self.clock.now();
             let probe = client.probe(&lease, stream.as_deref(), heartbeat).await;
             if matches!(probe, Probe::Alive | Probe::Missing) {
                 // The lease is held either way: the fence moves on.
@@ -696,7 +703,7 @@ impl Task {
             }
         };
         self.next_node += 1;
-        let asked = Instant::now();
+        let asked = self.clock.now();
         match client
             .try_lease(&Config::lease(&self.config.instance))
             .await

@@ -94,7 +94,7 @@ async fn supervise(
     let replica = start
         .replica
         .clone()
-        .map(|config| Replica::spawn(config, start.metrics.clone(), adopt_tx));
+        .map(|config| Replica::spawn(config, start.metrics.clone(), adopt_tx, start.clock.clone()));
     if let Some(replica) = &replica {
         tokio::spawn(forward_reseeds(reseeds, replica.clone()));
     }

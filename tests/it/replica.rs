@@ -13,6 +13,7 @@ use common::cluster::cluster;
 use common::unique;
 use nackd::metrics::Metrics;
 use nackd::replica::{Config, Record, Replica, State, Target};
+use nackd::retry::Clock;
 use nackd::store::{Held, Log, Options, Route};
 
 fn target() -> Target {
@@ -75,7 +76,12 @@ async fn a_lost_store_is_rebuilt_from_the_stream_and_a_standby_takes_over() {
     let id = unique("replica");
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (adopt, _adopted) = tokio::sync::mpsc::channel(16);
-    let a = Replica::spawn(config(&id, dir_a.path()), Metrics::new(), adopt.clone());
+    let a = Replica::spawn(
+        config(&id, dir_a.path()),
+        Metrics::new(),
+        adopt.clone(),
+        Clock::start(),
+    );
     let (log, _) = Log::open(dir_a.path(), Options::default()).unwrap();
     let synced = a.sync(log).await.unwrap();
     assert!(!synced.rebuilt, "a new id starts an empty stream");
@@ -86,7 +92,12 @@ async fn a_lost_store_is_rebuilt_from_the_stream_and_a_standby_takes_over() {
         a.done(n);
     }
     // A second process with the same id waits.
-    let b = Replica::spawn(config(&id, dir_b.path()), Metrics::new(), adopt);
+    let b = Replica::spawn(
+        config(&id, dir_b.path()),
+        Metrics::new(),
+        adopt,
+        Clock::start(),
+    );
     let (log_b, _) = Log::open(dir_b.path(), Options::default()).unwrap();
     let b_sync = tokio::spawn({
         let b = b.clone();
@@ -127,6 +138,7 @@ async fn a_generation_full_of_completed_messages_is_replaced_by_its_live_set() {
         config_with_slack(&id, dir_a.path(), 16 * 1024),
         metrics.clone(),
         adopt.clone(),
+        Clock::start(),
     );
     let (log, _) = Log::open(dir_a.path(), Options::default()).unwrap();
     let synced = a.sync(log).await.unwrap();
@@ -164,7 +176,12 @@ async fn a_generation_full_of_completed_messages_is_replaced_by_its_live_set() {
     client.close().await;
     drop(a);
     drop(synced);
-    let b = Replica::spawn(config(&id, dir_b.path()), Metrics::new(), adopt);
+    let b = Replica::spawn(
+        config(&id, dir_b.path()),
+        Metrics::new(),
+        adopt,
+        Clock::start(),
+    );
     let (log_b, _) = Log::open(dir_b.path(), Options::default()).unwrap();
     let outcome = tokio::time::timeout(Duration::from_secs(30), b.sync(log_b))
         .await
