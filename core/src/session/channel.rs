@@ -128,6 +128,12 @@ pub struct Claimed {
 #[derive(Debug, Default)]
 pub struct Channel {
     consumers: HashMap<Arc<str>, Consumer>,
+    /// Tags of the client's `basic.cancel`s waiting for `cancel-ok`.
+    cancels: Vec<Arc<str>>,
+    /// Nowait consumers whose tag was sent while cancels of it wait for
+    /// their `cancel-ok` (oldest first), with how many: until those come,
+    /// the broker delivers under that tag to the consumer it cancels.
+    reusing: Vec<(Arc<str>, usize, Consumer)>,
     /// `basic.consume` sent without nowait, waiting for `consume-ok`.
     pending_consumes: VecDeque<Consumer>,
     /// `basic.get` sent, waiting for `get-ok` / `get-empty`.
@@ -211,7 +217,8 @@ impl Channel {
             .pending_consumes
             .iter_mut()
             .chain(self.pending_gets.iter_mut())
-            .chain(self.consumers.values_mut());
+            .chain(self.consumers.values_mut())
+            .chain(self.reusing.iter_mut().map(|(_, _, c)| c));
         for consumer in waiting.filter(|c| c.after_declare == Some(n)) {
             consumer.queue = name.clone();
             consumer.after_declare = None;
@@ -234,15 +241,28 @@ impl Channel {
                     started: self.consumes,
                     ..self.consumer_of(c.queue.as_str(), c.no_ack)
                 };
-                if c.nowait {
-                    self.consumers
-                        .insert(Arc::from(c.consumer_tag.as_str()), consumer);
-                } else {
+                let tag = c.consumer_tag.as_str();
+                let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
+                if !c.nowait {
                     self.pending_consumes.push_back(consumer);
+                } else if cancels > 0 {
+                    // The broker applies those cancels first.
+                    self.reusing.push((Arc::from(tag), cancels, consumer));
+                } else {
+                    self.consumers.insert(Arc::from(tag), consumer);
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if c.nowait => {
-                self.consumers.remove(c.consumer_tag.as_str());
+                // It cancels the newest consumer of the tag.
+                let tag = c.consumer_tag.as_str();
+                if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
+                    self.reusing.remove(at);
+                } else {
+                    self.consumers.remove(tag);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
+                self.cancels.push(Arc::from(c.consumer_tag.as_str()));
             }
             AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
                 let get = self.consumer_of(g.queue.as_str(), g.no_ack);
@@ -300,7 +320,7 @@ impl Channel {
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
-                self.consumers.remove(ok.consumer_tag.as_str());
+                self.on_cancel_ok(ok.consumer_tag.as_str());
             }
             // The broker cancels a consumer (queue deleted, failover, a
             // consumer timeout on 4.3, which returns its deliveries).
@@ -331,6 +351,29 @@ impl Channel {
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {}
             _ => {}
+        }
+    }
+
+    /// The broker answered a cancel of `tag`: that consumer is gone, and a
+    /// nowait consumer sent after the cancels of `tag` is the broker's once
+    /// the last of them is answered.
+    fn on_cancel_ok(&mut self, tag: &str) {
+        if let Some(at) = self.cancels.iter().position(|t| &**t == tag) {
+            self.cancels.remove(at);
+        }
+        self.consumers.remove(tag);
+        let mut next = None;
+        for (at, (t, waits, _)) in self.reusing.iter_mut().enumerate() {
+            if &**t == tag {
+                *waits = waits.saturating_sub(1);
+                if *waits == 0 && next.is_none() {
+                    next = Some(at);
+                }
+            }
+        }
+        if let Some(at) = next {
+            let (tag, _, consumer) = self.reusing.remove(at);
+            self.consumers.insert(tag, consumer);
         }
     }
 
