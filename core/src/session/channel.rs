@@ -451,47 +451,39 @@ impl Channel {
     }
 }
 
-/// All channels of a connection, sorted by number: a lookup is a binary
-/// search over the few channels a connection uses (most use one or two),
-/// without hashing on every frame.
+/// All channels of a connection, by number: a `BTreeMap` (no hashing on
+/// every frame; a lookup among the few channels most connections use is
+/// one scan of one node). Not a sorted `Vec`: a client names any channel
+/// number it likes, and each new lowest one would move every tracked
+/// channel (65 535 of them, highest first: 53 s of one worker thread).
 #[derive(Debug, Default)]
 pub struct Channels {
-    open: Vec<(u16, Channel)>,
+    open: BTreeMap<u16, Channel>,
     epochs: u64,
 }
 
 impl Channels {
-    fn find(&self, id: u16) -> Result<usize, usize> {
-        self.open.binary_search_by_key(&id, |(n, _)| *n)
-    }
-
     /// The channel's state, created on first use.
     pub fn get(&mut self, id: u16) -> &mut Channel {
-        let at = match self.find(id) {
-            Ok(at) => at,
-            Err(at) => {
-                self.epochs += 1;
-                let channel = Channel {
-                    epoch: self.epochs,
-                    span: Some(tracing::debug_span!("channel", channel = id)),
-                    ..Channel::default()
-                };
-                self.open.insert(at, (id, channel));
-                at
+        let epochs = &mut self.epochs;
+        self.open.entry(id).or_insert_with(|| {
+            *epochs += 1;
+            Channel {
+                epoch: *epochs,
+                span: Some(tracing::debug_span!("channel", channel = id)),
+                ..Channel::default()
             }
-        };
-        &mut self.open[at].1
+        })
     }
 
     /// The channel, if it is tracked and still the same opening.
     pub fn get_epoch(&mut self, id: u16, epoch: u64) -> Option<&mut Channel> {
-        let at = self.find(id).ok()?;
-        Some(&mut self.open[at].1).filter(|c| c.epoch == epoch)
+        self.open.get_mut(&id).filter(|c| c.epoch == epoch)
     }
 
     /// Claimed tags waiting for the store, over all channels.
     pub fn pending(&self) -> usize {
-        self.open.iter().map(|(_, c)| c.pending.len()).sum()
+        self.open.values().map(|c| c.pending.len()).sum()
     }
 
     /// Takes the claims numbered in `seqs`: (channel, tag, claim, settled
@@ -517,15 +509,15 @@ impl Channels {
     /// Takes every frame waiting for a publish to end; returns the held ids their acks stood for.
     pub fn take_all_after_publish(&mut self) -> Vec<u64> {
         self.open
-            .iter_mut()
-            .flat_map(|(_, c)| std::mem::take(&mut c.after_publish))
+            .values_mut()
+            .flat_map(|c| std::mem::take(&mut c.after_publish))
             .filter_map(|(_, id)| id)
             .collect()
     }
 
     /// The frames behind the barrier went upstream: nothing waits any more.
     pub fn lower_barriers(&mut self) {
-        for (_, c) in &mut self.open {
+        for c in self.open.values_mut() {
             c.publish_behind_barrier = false;
             c.barrier_raised = false;
         }
@@ -533,14 +525,12 @@ impl Channels {
 
     /// Looks at a channel without creating it.
     pub fn peek(&self, id: u16) -> Option<&Channel> {
-        let at = self.find(id).ok()?;
-        Some(&self.open[at].1)
+        self.open.get(&id)
     }
 
     /// Forgets a channel once `channel.close-ok` has passed either way.
     pub fn remove(&mut self, id: u16) -> Option<Channel> {
-        let at = self.find(id).ok()?;
-        Some(self.open.remove(at).1)
+        self.open.remove(&id)
     }
 }
 

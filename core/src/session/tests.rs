@@ -1242,3 +1242,57 @@ fn a_tag_reused_with_nowait_before_the_cancel_ok_keeps_each_delivery_with_its_co
     assert_eq!(parks.len(), 1, "the second consumer's delivery is claimed");
     assert_eq!(&*parks[0].queue, Q);
 }
+
+/// nackd tracks a channel from the first frame that names it, and a client
+/// names any number it likes: 65 535 channels, highest first, must cost
+/// the same per channel as lowest first. (Kept sorted in a `Vec`, each new
+/// lowest channel moved every tracked one: 53 s of one worker thread
+/// for half a MiB of frames, every other session on it stalled.)
+#[test]
+fn channels_opened_highest_first_cost_no_more_than_lowest_first() {
+    let mut p = pair();
+    let mut bytes = BytesMut::new();
+    for ch in (1..=u16::MAX).rev() {
+        bytes.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+    }
+    let started = std::time::Instant::now();
+    p.client(&bytes);
+    let took = started.elapsed();
+    assert_eq!(p.upstream().len(), usize::from(u16::MAX), "all forwarded");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+/// A frame beyond the negotiated `channel_max` closes the connection
+/// (504) without nackd tracking that channel, nor any the client names
+/// after its error.
+#[test]
+fn frames_beyond_channel_max_create_no_channel_state() {
+    let mut p = pair();
+    let tune = connection::TuneOk {
+        channel_max: 10,
+        frame_max: 131_072,
+        heartbeat: 0,
+    };
+    p.client(&frame_of(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune)),
+    ));
+    p.client(&body(60_000, b"x"));
+    assert!(p.s.channels.peek(60_000).is_none());
+    p.client(&body(50_000, b"x"));
+    assert!(p.s.channels.peek(50_000).is_none(), "nor after the error");
+    let mut to_client = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default()
+        .decode(&mut to_client)
+        .unwrap()
+        .unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, ReplyCode::ChannelError.code())
+        }
+        other => panic!("{other:?}"),
+    }
+}
