@@ -1296,3 +1296,25 @@ fn frames_beyond_channel_max_create_no_channel_state() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A delivery read in place (`peek_deliver`) whose method, header and body
+/// come one byte per read is tracked and captured whole: its nack parks
+/// the body the broker sent, and every byte reaches the client unchanged.
+#[test]
+fn a_delivery_split_into_one_byte_reads_is_captured_whole() {
+    let mut p = pair();
+    p.consume(1);
+    let wire = deliver_to(1, "c1", 1);
+    let mut input = BytesMut::new();
+    for byte in &wire {
+        input.extend_from_slice(&[*byte]);
+        p.s.handle_bytes(Peer::Upstream, &mut input, p.now);
+    }
+    assert!(input.is_empty());
+    let to_client = std::mem::take(p.s.transmit().0);
+    assert!(to_client.ends_with(&wire), "forwarded as read");
+    p.nack(1, 1);
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1);
+    assert_eq!(&parks[0].body[..], b"abc");
+}
