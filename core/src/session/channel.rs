@@ -128,6 +128,12 @@ pub struct Claimed {
 #[derive(Debug, Default)]
 pub struct Channel {
     consumers: HashMap<Arc<str>, Consumer>,
+    /// Tags of the client's `basic.cancel`s waiting for `cancel-ok`.
+    cancels: Vec<Arc<str>>,
+    /// Nowait consumers whose tag was sent while cancels of it wait for
+    /// their `cancel-ok` (oldest first), with how many: until those come,
+    /// the broker delivers under that tag to the consumer it cancels.
+    reusing: Vec<(Arc<str>, usize, Consumer)>,
     /// `basic.consume` sent without nowait, waiting for `consume-ok`.
     pending_consumes: VecDeque<Consumer>,
     /// `basic.get` sent, waiting for `get-ok` / `get-empty`.
@@ -211,7 +217,8 @@ impl Channel {
             .pending_consumes
             .iter_mut()
             .chain(self.pending_gets.iter_mut())
-            .chain(self.consumers.values_mut());
+            .chain(self.consumers.values_mut())
+            .chain(self.reusing.iter_mut().map(|(_, _, c)| c));
         for consumer in waiting.filter(|c| c.after_declare == Some(n)) {
             consumer.queue = name.clone();
             consumer.after_declare = None;
@@ -234,15 +241,28 @@ impl Channel {
                     started: self.consumes,
                     ..self.consumer_of(c.queue.as_str(), c.no_ack)
                 };
-                if c.nowait {
-                    self.consumers
-                        .insert(Arc::from(c.consumer_tag.as_str()), consumer);
-                } else {
+                let tag = c.consumer_tag.as_str();
+                let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
+                if !c.nowait {
                     self.pending_consumes.push_back(consumer);
+                } else if cancels > 0 {
+                    // The broker applies those cancels first.
+                    self.reusing.push((Arc::from(tag), cancels, consumer));
+                } else {
+                    self.consumers.insert(Arc::from(tag), consumer);
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if c.nowait => {
-                self.consumers.remove(c.consumer_tag.as_str());
+                // It cancels the newest consumer of the tag.
+                let tag = c.consumer_tag.as_str();
+                if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
+                    self.reusing.remove(at);
+                } else {
+                    self.consumers.remove(tag);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
+                self.cancels.push(Arc::from(c.consumer_tag.as_str()));
             }
             AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
                 let get = self.consumer_of(g.queue.as_str(), g.no_ack);
@@ -300,7 +320,7 @@ impl Channel {
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
-                self.consumers.remove(ok.consumer_tag.as_str());
+                self.on_cancel_ok(ok.consumer_tag.as_str());
             }
             // The broker cancels a consumer (queue deleted, failover, a
             // consumer timeout on 4.3, which returns its deliveries).
@@ -331,6 +351,29 @@ impl Channel {
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {}
             _ => {}
+        }
+    }
+
+    /// The broker answered a cancel of `tag`: that consumer is gone, and a
+    /// nowait consumer sent after the cancels of `tag` is the broker's once
+    /// the last of them is answered.
+    fn on_cancel_ok(&mut self, tag: &str) {
+        if let Some(at) = self.cancels.iter().position(|t| &**t == tag) {
+            self.cancels.remove(at);
+        }
+        self.consumers.remove(tag);
+        let mut next = None;
+        for (at, (t, waits, _)) in self.reusing.iter_mut().enumerate() {
+            if &**t == tag {
+                *waits = waits.saturating_sub(1);
+                if *waits == 0 && next.is_none() {
+                    next = Some(at);
+                }
+            }
+        }
+        if let Some(at) = next {
+            let (tag, _, consumer) = self.reusing.remove(at);
+            self.consumers.insert(tag, consumer);
         }
     }
 
@@ -408,47 +451,39 @@ impl Channel {
     }
 }
 
-/// All channels of a connection, sorted by number: a lookup is a binary
-/// search over the few channels a connection uses (most use one or two),
-/// without hashing on every frame.
+/// All channels of a connection, by number: a `BTreeMap` (no hashing on
+/// every frame; a lookup among the few channels most connections use is
+/// one scan of one node). Not a sorted `Vec`: a client names any channel
+/// number it likes, and each new lowest one would move every tracked
+/// channel (65 535 of them, highest first: 53 s of one worker thread).
 #[derive(Debug, Default)]
 pub struct Channels {
-    open: Vec<(u16, Channel)>,
+    open: BTreeMap<u16, Channel>,
     epochs: u64,
 }
 
 impl Channels {
-    fn find(&self, id: u16) -> Result<usize, usize> {
-        self.open.binary_search_by_key(&id, |(n, _)| *n)
-    }
-
     /// The channel's state, created on first use.
     pub fn get(&mut self, id: u16) -> &mut Channel {
-        let at = match self.find(id) {
-            Ok(at) => at,
-            Err(at) => {
-                self.epochs += 1;
-                let channel = Channel {
-                    epoch: self.epochs,
-                    span: Some(tracing::debug_span!("channel", channel = id)),
-                    ..Channel::default()
-                };
-                self.open.insert(at, (id, channel));
-                at
+        let epochs = &mut self.epochs;
+        self.open.entry(id).or_insert_with(|| {
+            *epochs += 1;
+            Channel {
+                epoch: *epochs,
+                span: Some(tracing::debug_span!("channel", channel = id)),
+                ..Channel::default()
             }
-        };
-        &mut self.open[at].1
+        })
     }
 
     /// The channel, if it is tracked and still the same opening.
     pub fn get_epoch(&mut self, id: u16, epoch: u64) -> Option<&mut Channel> {
-        let at = self.find(id).ok()?;
-        Some(&mut self.open[at].1).filter(|c| c.epoch == epoch)
+        self.open.get_mut(&id).filter(|c| c.epoch == epoch)
     }
 
     /// Claimed tags waiting for the store, over all channels.
     pub fn pending(&self) -> usize {
-        self.open.iter().map(|(_, c)| c.pending.len()).sum()
+        self.open.values().map(|c| c.pending.len()).sum()
     }
 
     /// Takes the claims numbered in `seqs`: (channel, tag, claim, settled
@@ -474,15 +509,15 @@ impl Channels {
     /// Takes every frame waiting for a publish to end; returns the held ids their acks stood for.
     pub fn take_all_after_publish(&mut self) -> Vec<u64> {
         self.open
-            .iter_mut()
-            .flat_map(|(_, c)| std::mem::take(&mut c.after_publish))
+            .values_mut()
+            .flat_map(|c| std::mem::take(&mut c.after_publish))
             .filter_map(|(_, id)| id)
             .collect()
     }
 
     /// The frames behind the barrier went upstream: nothing waits any more.
     pub fn lower_barriers(&mut self) {
-        for (_, c) in &mut self.open {
+        for c in self.open.values_mut() {
             c.publish_behind_barrier = false;
             c.barrier_raised = false;
         }
@@ -490,14 +525,12 @@ impl Channels {
 
     /// Looks at a channel without creating it.
     pub fn peek(&self, id: u16) -> Option<&Channel> {
-        let at = self.find(id).ok()?;
-        Some(&self.open[at].1)
+        self.open.get(&id)
     }
 
     /// Forgets a channel once `channel.close-ok` has passed either way.
     pub fn remove(&mut self, id: u16) -> Option<Channel> {
-        let at = self.find(id).ok()?;
-        Some(self.open.remove(at).1)
+        self.open.remove(&id)
     }
 }
 

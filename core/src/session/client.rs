@@ -16,8 +16,8 @@ use crate::protocol::method::{self, ids, MethodId};
 
 impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
-        let span = self.channel_span(frame.channel);
-        let _in_channel = span.enter();
+        // Checked before the channel is looked up: a channel the client may
+        // not use is never tracked (its span would create it).
         if self.close.client_failed {
             return self.on_failed_client_frame(&frame);
         }
@@ -27,6 +27,8 @@ impl Session {
                 max: self.channel_max,
             });
         }
+        let span = self.channel_span(frame.channel);
+        let _in_channel = span.enter();
         // Once nackd closed upstream the broker ignores the rest: only the
         // client's close-ok still matters.
         let upstream_closed = self.close.awaiting_upstream() == Some(Origin::Nackd);

@@ -1150,3 +1150,171 @@ fn the_retry_headers_carry_the_clocks_time_at_the_nack() {
         Some(&AMQPValue::Timestamp(EPOCH_MS / 1000 + 5))
     );
 }
+
+/// A `basic.consume` of `queue` as `tag` on channel `ch`.
+fn consume_frame(ch: u16, queue: &str, tag: &str, nowait: bool) -> Vec<u8> {
+    frame_of(
+        ch,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: queue.into(),
+            consumer_tag: tag.into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait,
+            arguments: FieldTable::default(),
+        })),
+    )
+}
+
+/// The broker delivers message `tag` to consumer `consumer` on channel `ch`.
+fn deliver_to(ch: u16, consumer: &str, tag: u64) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        ch,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: consumer.into(),
+            delivery_tag: tag,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: "r".into(),
+        })),
+    ));
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        ch,
+        &encode_header(60, 3, &Default::default()),
+    );
+    put_frame(&mut out, FrameType::Body, ch, b"abc");
+    out.to_vec()
+}
+
+/// The client cancels `c1` (waiting for cancel-ok) and at once consumes
+/// the intercepted queue with `nowait` under the same tag, which the
+/// broker accepts: it applies the cancel first. Until its `cancel-ok`, the
+/// broker's deliveries to `c1` are still the first consumer's, from the
+/// queue nackd does not intercept: a nack of one goes to the broker as
+/// sent, it is not claimed (and republished into the other queue). The
+/// `cancel-ok` ends the first consumer only: the second one's deliveries
+/// are claimed.
+#[test]
+fn a_tag_reused_with_nowait_before_the_cancel_ok_keeps_each_delivery_with_its_consumer() {
+    let mut p = pair();
+    p.client(&frame_of(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    p.client(&consume_frame(1, "other", "c1", false));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+            consumer_tag: "c1".into(),
+        })),
+    ));
+    p.client(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+            consumer_tag: "c1".into(),
+            nowait: false,
+        })),
+    ));
+    p.client(&consume_frame(1, Q, "c1", true));
+    // Sent by the broker before it read the cancel: the first consumer's.
+    p.broker(&deliver_to(1, "c1", 1));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk {
+            consumer_tag: "c1".into(),
+        })),
+    ));
+    // After the cancel-ok: the second consumer's, from the intercepted queue.
+    p.broker(&deliver_to(1, "c1", 2));
+    p.upstream();
+    p.client(&method::nack(1, 1, false, true));
+    assert!(
+        p.take_parks().is_empty(),
+        "a delivery from the queue nackd does not intercept is not claimed"
+    );
+    assert_eq!(p.upstream(), ["nack 1"]);
+    p.client(&method::nack(1, 2, false, true));
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1, "the second consumer's delivery is claimed");
+    assert_eq!(&*parks[0].queue, Q);
+}
+
+/// nackd tracks a channel from the first frame that names it, and a client
+/// names any number it likes: 65 535 channels, highest first, must cost
+/// the same per channel as lowest first. (Kept sorted in a `Vec`, each new
+/// lowest channel moved every tracked one: 53 s of one worker thread
+/// for half a MiB of frames, every other session on it stalled.)
+#[test]
+fn channels_opened_highest_first_cost_no_more_than_lowest_first() {
+    let mut p = pair();
+    let mut bytes = BytesMut::new();
+    for ch in (1..=u16::MAX).rev() {
+        bytes.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+    }
+    let started = std::time::Instant::now();
+    p.client(&bytes);
+    let took = started.elapsed();
+    assert_eq!(p.upstream().len(), usize::from(u16::MAX), "all forwarded");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+/// A frame beyond the negotiated `channel_max` closes the connection
+/// (504) without nackd tracking that channel, nor any the client names
+/// after its error.
+#[test]
+fn frames_beyond_channel_max_create_no_channel_state() {
+    let mut p = pair();
+    let tune = connection::TuneOk {
+        channel_max: 10,
+        frame_max: 131_072,
+        heartbeat: 0,
+    };
+    p.client(&frame_of(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune)),
+    ));
+    p.client(&body(60_000, b"x"));
+    assert!(p.s.channels.peek(60_000).is_none());
+    p.client(&body(50_000, b"x"));
+    assert!(p.s.channels.peek(50_000).is_none(), "nor after the error");
+    let mut to_client = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default()
+        .decode(&mut to_client)
+        .unwrap()
+        .unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, ReplyCode::ChannelError.code())
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A delivery read in place (`peek_deliver`) whose method, header and body
+/// come one byte per read is tracked and captured whole: its nack parks
+/// the body the broker sent, and every byte reaches the client unchanged.
+#[test]
+fn a_delivery_split_into_one_byte_reads_is_captured_whole() {
+    let mut p = pair();
+    p.consume(1);
+    let wire = deliver_to(1, "c1", 1);
+    let mut input = BytesMut::new();
+    for byte in &wire {
+        input.extend_from_slice(&[*byte]);
+        p.s.handle_bytes(Peer::Upstream, &mut input, p.now);
+    }
+    assert!(input.is_empty());
+    let to_client = std::mem::take(p.s.transmit().0);
+    assert!(to_client.ends_with(&wire), "forwarded as read");
+    p.nack(1, 1);
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1);
+    assert_eq!(&parks[0].body[..], b"abc");
+}

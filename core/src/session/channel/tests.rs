@@ -301,3 +301,55 @@ fn a_nowait_declare_after_a_pending_one_is_the_last_declared() {
     ch.on_broker_method(&consume_ok("d"));
     assert_eq!(&*ch.consumer("d").unwrap().queue, "orders");
 }
+
+fn cancel(tag: &str, nowait: bool) -> AMQPClass {
+    AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+        consumer_tag: tag.into(),
+        nowait,
+    }))
+}
+
+fn cancel_ok(tag: &str) -> AMQPClass {
+    AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk {
+        consumer_tag: tag.into(),
+    }))
+}
+
+/// A nowait consume of a tag whose cancels wait for their `cancel-ok`
+/// (two of them here: RabbitMQ answers a cancel of an unknown tag too) is
+/// the broker's consumer of that tag only once the last is answered; the
+/// deliveries before it are the cancelled consumer's.
+#[test]
+fn a_tag_reused_with_nowait_is_the_new_consumers_after_every_cancel_ok() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&consume("a", "t", false, false));
+    ch.on_broker_method(&consume_ok("t"));
+    ch.on_client_method(&cancel("t", false));
+    ch.on_client_method(&cancel("t", false));
+    ch.on_client_method(&consume("b", "t", false, true));
+    ch.on_broker_method(&deliver("t", 1));
+    ch.on_broker_method(&cancel_ok("t"));
+    ch.on_broker_method(&deliver("t", 2));
+    ch.on_broker_method(&cancel_ok("t"));
+    ch.on_broker_method(&deliver("t", 3));
+    assert_eq!(tags(&ch), vec![(1, "a".into()), (3, "b".into())]);
+    assert_eq!(&*ch.consumer("t").unwrap().queue, "b");
+}
+
+/// A nowait cancel right after such a consume cancels the new consumer:
+/// the cancel-ok of the first cancel leaves no consumer of the tag.
+#[test]
+fn a_nowait_cancel_cancels_the_newest_consumer_of_its_tag() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&consume("a", "t", false, true));
+    ch.on_client_method(&cancel("t", false));
+    ch.on_client_method(&consume("b", "t", false, true));
+    ch.on_client_method(&cancel("t", true));
+    assert_eq!(
+        &*ch.consumer("t").unwrap().queue,
+        "a",
+        "until its cancel-ok"
+    );
+    ch.on_broker_method(&cancel_ok("t"));
+    assert_eq!(ch.consumer_count(), 0);
+}
