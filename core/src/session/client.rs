@@ -215,8 +215,11 @@ impl Session {
                 self.close.client_close_ok();
             }
             ids::CONNECTION_CLOSE => {
-                self.to_client
-                    .extend_from_slice(&method::connection_close_ok());
+                if !self.close.answered_failed_client {
+                    self.close.answered_failed_client = true;
+                    self.to_client
+                        .extend_from_slice(&method::connection_close_ok());
+                }
                 self.close.client_close_ok();
             }
             _ => {}

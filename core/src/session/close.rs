@@ -33,6 +33,10 @@ pub struct Close {
     pub settling: bool,
     /// The broker sent `connection.close`: it applies nothing more.
     pub broker_closed: bool,
+    /// A close-ok went to a client that had broken the protocol: its
+    /// further `connection.close` frames get no reply (one is the
+    /// handshake; more would queue replies for a client that may not read).
+    pub answered_failed_client: bool,
 }
 
 impl Close {

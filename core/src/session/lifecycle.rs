@@ -45,6 +45,8 @@ impl Session {
             (None, false) => info!("client closed the socket without connection.close"),
         }
         self.close.client_gone = true;
+        // Nothing more is written to the client: what waited for it goes.
+        self.to_client.clear();
         self.close.begin(self.now);
         if self.close.awaiting_client() == Some(Origin::Broker) {
             // The broker waits for a close-ok the client will never send.

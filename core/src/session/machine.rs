@@ -194,7 +194,11 @@ impl Session {
                 !self.close.client_gone
                     && self.to_upstream.len() + self.behind_barrier.len() < HIGH_WATER
             }
-            Peer::Upstream => !self.close.upstream_gone && self.to_client.len() < HIGH_WATER,
+            Peer::Upstream => {
+                // Once the client is gone nothing queued for it is written.
+                !self.close.upstream_gone
+                    && (self.close.client_gone || self.to_client.len() < HIGH_WATER)
+            }
         }
     }
 

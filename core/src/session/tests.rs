@@ -1318,3 +1318,50 @@ fn a_delivery_split_into_one_byte_reads_is_captured_whole() {
     assert_eq!(parks.len(), 1);
     assert_eq!(&parks[0].body[..], b"abc");
 }
+
+/// A client that broke the protocol and then repeats `connection.close`
+/// without reading gets one close-ok: each one is not another reply queued
+/// for a client that does not read (memory that grew with every frame).
+#[test]
+fn a_client_repeating_connection_close_after_its_fault_gets_one_close_ok() {
+    let mut p = claimed();
+    p.s.transmit().0.clear();
+    p.client(&body(1, b"stray")); // a body with no publish before it: 505
+    for _ in 0..100 {
+        p.client(&connection_close());
+    }
+    let mut to_client = std::mem::take(p.s.transmit().0);
+    let decoder = FrameDecoder::default();
+    let mut sent = Vec::new();
+    while let Some(frame) = decoder.decode(&mut to_client).unwrap() {
+        sent.push(describe(&frame));
+    }
+    assert_eq!(
+        sent,
+        ["connection.close", "Connection(CloseOk(CloseOk))"],
+        "one close, one close-ok"
+    );
+}
+
+/// A client that stopped reading and then went: what was queued for it is
+/// dropped, so the broker is read again and its close-ok ends the pair at
+/// once instead of at the close timeout.
+#[test]
+fn a_client_gone_with_a_full_buffer_does_not_stop_the_broker_being_read() {
+    let mut p = pair();
+    p.consume(1);
+    p.s.transmit().0.clear();
+    let mut tag = 0;
+    while p.s.may_read(Peer::Upstream) {
+        tag += 1;
+        p.deliver(1, tag);
+    }
+    p.s.handle_gone(Peer::Client, None, p.now);
+    assert_eq!(p.upstream(), ["connection.close"]);
+    assert!(
+        p.s.may_read(Peer::Upstream),
+        "the broker's close-ok must be read"
+    );
+    p.broker(&method::connection_close_ok());
+    assert!(p.s.is_finished(p.now), "ended by the close-ok");
+}
