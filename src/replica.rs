@@ -4,10 +4,11 @@
 //! the stream is what survives the host.
 //!
 //! - One holder per id: a process acts for an id (intercepts, fires,
-//!   writes its stream) only while it holds the id's lease, an exclusive
-//!   queue `nackd.lease.<id>` declared on the connection that writes the
-//!   stream. A second process with the same id waits as a standby; the
-//!   broker hands it the lease when the holder's connection dies.
+//!   writes its stream) only while it holds the id's lease, a majority of
+//!   exclusive queues `nackd.lease.<id>.<k>`, one per node ([`lease`]). A
+//!   second process with the same id waits as a standby; the broker frees
+//!   the registers when the holder's connections die or go silent, and no
+//!   single frozen or dead node can keep them.
 //! - Each acquisition writes a new epoch to the id's directory stream
 //!   `nackd.<id>`. The local store remembers the epoch it last held
 //!   (`replica.state`); a newer epoch means another holder acted in
@@ -24,7 +25,8 @@
 //!   generation written from the local store (`nackd admin replica reseed`).
 //!
 //! - [`record`]: what the streams hold, and how a generation is folded.
-//! - [`client`]: the connection (lapin): streams, lease, probes.
+//! - [`client`]: the connection (lapin): streams, lease registers, probes.
+//! - [`lease`]: the lease, a majority of per-node registers, and its keeper.
 //! - `local`: the local store's last agreement with the cluster.
 //! - `task`: the connection's life: lease, appends, completions; its
 //!   `sync` lines the local store up with the stream.
@@ -40,6 +42,7 @@ pub mod client;
 mod compact;
 mod completions;
 pub mod fence;
+pub mod lease;
 mod local;
 pub mod record;
 mod task;

@@ -4,8 +4,9 @@
 //! due time and retry count, then marks the old directory adopted and
 //! deletes the old generation stream.
 //!
-//! Exactly one instance adopts: it must first take the other's lease (an
-//! exclusive queue), which the broker gives to one connection only. The
+//! Exactly one instance adopts: it must first take the other's lease (a
+//! majority of its registers, [`super::lease`]), which no two connections
+//! can hold at once. The
 //! other instance, should it come back during the adoption, waits for that
 //! lease like any standby, then finds the directory adopted and discards
 //! its local copy.
@@ -23,6 +24,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
 use super::client::{Client, ClientError};
+use super::lease::Lease;
 use super::record::{Fold, Record, Step};
 use super::{Config, State};
 use crate::metrics::Metrics;
@@ -190,7 +192,8 @@ impl Watch {
         engine: &mpsc::Sender<Adopt>,
         name: &str,
     ) -> Result<(), ClientError> {
-        if client.exists(&Config::lease(name)).await? {
+        let nodes = config.target.nodes.len();
+        if Lease::is_held(client, &Config::lease(name), nodes).await? {
             // Alive (again): once it is gone again it is adopted again.
             self.free_since.remove(name);
             self.settled.remove(name);
@@ -252,10 +255,10 @@ async fn adopt(
     engine: &mpsc::Sender<Adopt>,
     ours: &mut HashMap<u64, u64>,
 ) -> Result<Adoption, ClientError> {
-    let lease = Config::lease(name);
-    if !client.try_lease(&lease).await? {
+    let connection = format!("nackd adoption {} of {name}", config.instance);
+    let Some(lease) = Lease::take(&config.target, &Config::lease(name), &connection).await? else {
         return Ok(Adoption::Busy); // another instance adopts it, or it came back
-    }
+    };
     let directory = Config::directory(name);
     let mut generation = None;
     let mut adopted = false;
@@ -271,7 +274,7 @@ async fn adopt(
     if let (Some(g), false) = (generation, adopted) {
         let stream = Config::generation(name, g);
         if !client.exists(&stream).await? {
-            client.delete(&lease).await?; // it may come back and reseed
+            lease.release().await; // it may come back and reseed
             return Ok(Adoption::Missing(stream));
         }
         let count = match take_over(client, name, g, engine, ours).await {
@@ -284,7 +287,7 @@ async fn adopt(
                     let _ = engine.send(Adopt::Complete(id)).await;
                 }
                 if let ClientError::Returned(stream) = e {
-                    client.delete(&lease).await?;
+                    lease.release().await;
                     return Ok(Adoption::Missing(stream));
                 }
                 return Err(e);
@@ -301,7 +304,7 @@ async fn adopt(
             "adopted the held messages of an instance whose lease was free"
         );
     }
-    client.delete(&lease).await?;
+    lease.release().await;
     Ok(Adoption::Done)
 }
 

@@ -1,11 +1,14 @@
 //! nackd's connection to the cluster for its replica: streams (declare,
-//! append with confirms, read to the end), the lease (an exclusive queue),
-//! and probes of other instances' leases. Built on lapin: the records are
-//! opaque bodies, so nothing here needs nackd's byte-exact frame writer.
+//! append with confirms, read to the end), the exclusive queues the lease
+//! is made of ([`super::lease`]), and probes of other instances' leases.
+//! Built on lapin: the records are opaque bodies, so nothing here needs
+//! nackd's byte-exact frame writer.
 //!
-//! One connection carries both the lease and the stream writes: if the
-//! broker drops it, the lease goes with it and no write can follow, so a
-//! process that lost its lease can never append to the stream again.
+//! The stream writes go over a connection of their own, not over the
+//! lease's: a node that freezes or dies costs the writes a reconnection to
+//! another node, and the lease nothing. A process that lost its lease
+//! writes nothing more: every append waits for the fence
+//! ([`super::fence`]), as every republish does.
 //!
 //! Every write is `mandatory`: a stream that was deleted routes nothing, and
 //! the broker would confirm a write that went nowhere. A returned write is
@@ -84,6 +87,12 @@ pub struct Target {
 }
 
 impl Target {
+    /// How long a node may take to answer a connection or a probe before
+    /// it counts as gone for now: a heartbeat, at least a second.
+    pub fn answer_within(&self) -> Duration {
+        self.heartbeat.max(Duration::from_secs(1))
+    }
+
     fn uri(&self, node: &str) -> String {
         format!(
             "{}://{}:{}@{node}/{}?heartbeat={}&connection_timeout=5000",
@@ -115,11 +124,11 @@ fn encode(s: &str) -> String {
 /// What a [`Client::probe`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Probe {
-    /// The broker answered; the lease (and the stream asked about) exist.
+    /// The broker answered; the stream asked about exists.
     Alive,
     /// The broker answered; the stream asked about does not exist.
     Missing,
-    /// No answer in time, or the lease is gone.
+    /// No answer in time.
     Silent,
 }
 
@@ -130,6 +139,9 @@ pub struct Client {
     /// The node it is connected to.
     pub node: String,
     cluster_size: Option<u32>,
+    /// How long a write may wait to be sent (a frozen node takes it and
+    /// never reads it).
+    answer_within: Duration,
     /// Number of the next write (its `message_id`).
     next: AtomicU64,
     /// Publishes and hands over the confirm as one step, so that the
@@ -165,40 +177,64 @@ impl Client {
     pub async fn connect(target: &Target, start: usize, name: &str) -> Result<Self, ClientError> {
         let mut errors = Vec::new();
         for i in 0..target.nodes.len() {
-            let node = &target.nodes[(start + i) % target.nodes.len()];
-            let props =
-                ConnectionProperties::default().with_connection_name(name.to_string().into());
-            let tls = OwnedTLSConfig {
-                identity: None,
-                cert_chain: target.tls_ca.clone(),
-            };
-            let connected = DefaultConnectionBuilder::new()?
+            let node = (start + i) % target.nodes.len();
+            match Self::connect_node(target, node, name).await {
+                Ok(client) => return Ok(client),
+                Err(ClientError::Unreachable(why)) => errors.push(why),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        Err(ClientError::Unreachable(errors.join("; ")))
+    }
+
+    /// Connects to node `index` of the target only, within
+    /// [`Target::answer_within`]: a frozen node accepts the TCP connection
+    /// and then says nothing.
+    pub async fn connect_node(
+        target: &Target,
+        index: usize,
+        name: &str,
+    ) -> Result<Self, ClientError> {
+        let node = &target.nodes[index];
+        let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: target.tls_ca.clone(),
+        };
+        let connecting = async {
+            let conn = DefaultConnectionBuilder::new()?
                 .with_uri_str(target.uri(node))
                 .with_properties(props)
                 .with_tls_config(tls)
                 .connect()
-                .await;
-            match connected {
-                Ok(conn) => {
-                    let writes = conn.create_channel().await?;
-                    writes
-                        .confirm_select(ConfirmSelectOptions::default())
-                        .await?;
-                    let (sent, settling) = mpsc::unbounded_channel();
-                    tokio::spawn(settle(settling));
-                    return Ok(Self {
-                        conn,
-                        writes,
-                        node: node.clone(),
-                        cluster_size: target.cluster_size,
-                        next: AtomicU64::new(1),
-                        publishing: tokio::sync::Mutex::new(sent),
-                    });
-                }
-                Err(e) => errors.push(format!("{node}: {e}")),
+                .await?;
+            let writes = conn.create_channel().await?;
+            writes
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, lapin::Error>((conn, writes))
+        };
+        let (conn, writes) = match tokio::time::timeout(target.answer_within(), connecting).await {
+            Ok(Ok(connected)) => connected,
+            Ok(Err(e)) => return Err(ClientError::Unreachable(format!("{node}: {e}"))),
+            Err(_) => {
+                return Err(ClientError::Unreachable(format!(
+                    "{node}: no answer within {:?}",
+                    target.answer_within()
+                )))
             }
-        }
-        Err(ClientError::Unreachable(errors.join("; ")))
+        };
+        let (sent, settling) = mpsc::unbounded_channel();
+        tokio::spawn(settle(settling));
+        Ok(Self {
+            conn,
+            writes,
+            node: node.clone(),
+            cluster_size: target.cluster_size,
+            answer_within: target.answer_within(),
+            next: AtomicU64::new(1),
+            publishing: tokio::sync::Mutex::new(sent),
+        })
     }
 
     /// Whether the connection is still up.
@@ -292,16 +328,19 @@ impl Client {
             mandatory: true,
             ..Default::default()
         };
-        let confirm = self
-            .writes
-            .basic_publish(
-                "".into(),
-                stream.into(),
-                mandatory,
-                &record.encode(),
-                properties,
-            )
-            .await?;
+        let body = record.encode();
+        let publish =
+            self.writes
+                .basic_publish("".into(), stream.into(), mandatory, &body, properties);
+        let confirm = match tokio::time::timeout(self.answer_within, publish).await {
+            Ok(sent) => sent?,
+            Err(_) => {
+                return Err(ClientError::Unreachable(format!(
+                    "{}: a write was not taken within {:?}",
+                    self.node, self.answer_within
+                )))
+            }
+        };
         let (reply, answer) = oneshot::channel();
         let sent = Sent {
             number,
@@ -379,20 +418,17 @@ impl Client {
         }
     }
 
-    /// One round trip to the broker on this connection: the lease is
-    /// still held if it answers (a passive declare of the lease queue),
-    /// and `stream`, if given, still exists (a passive declare of it on
-    /// the same channel).
-    pub async fn probe(&self, lease: &str, stream: Option<&str>, within: Duration) -> Probe {
+    /// One round trip to the broker on this connection, within `within`:
+    /// whether it answers, and whether `stream`, if given, still exists
+    /// (a passive declare).
+    pub async fn probe(&self, stream: Option<&str>, within: Duration) -> Probe {
         let ask = async {
             let ch = self.conn.create_channel().await?;
-            let passive = QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            ch.queue_declare(lease.into(), passive, FieldTable::default())
-                .await?;
             if let Some(stream) = stream {
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                };
                 let declared = ch
                     .queue_declare(stream.into(), passive, FieldTable::default())
                     .await;
@@ -408,6 +444,23 @@ impl Client {
             Ok(Ok(probe)) => probe,
             _ => Probe::Silent,
         }
+    }
+
+    /// Whether this connection still holds the exclusive queue `name`:
+    /// the broker answered a passive declare of it within `within`.
+    pub async fn holds(&self, name: &str, within: Duration) -> bool {
+        let ask = async {
+            let ch = self.conn.create_channel().await?;
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            ch.queue_declare(name.into(), passive, FieldTable::default())
+                .await?;
+            let _ = ch.close(200, "".into()).await;
+            Ok::<_, lapin::Error>(())
+        };
+        matches!(tokio::time::timeout(within, ask).await, Ok(Ok(())))
     }
 
     /// Closes the connection (the lease goes with it).

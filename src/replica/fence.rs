@@ -1,10 +1,12 @@
 //! Fencing: until when this process may still act for its id.
 //!
-//! The broker frees the lease (an exclusive queue) when it has not heard
-//! from the holder's connection for about two heartbeats. The replica task
-//! extends the fence each time the broker answers a lease probe, to the
-//! time the probe was *sent* plus one and a half heartbeats: by then the
-//! broker may not have freed the lease yet, whatever happened since. The
+//! The broker frees a register of the lease (an exclusive queue, see
+//! [`super::lease`]) when it has not heard from the holder's connection for
+//! about two heartbeats. The lease's keeper extends the fence each time a
+//! majority of the registers answered a probe, to the time the probe was
+//! *sent* plus one and a half heartbeats: by then no register of that
+//! majority may have been freed yet, whatever happened since, and a
+//! successor needs one of them. The
 //! retry engine hands a message to a republisher, and a republisher writes
 //! a publish to its socket, only while the fence holds. The fence is read
 //! on the monotonic clock, which runs on while the process is stopped: a

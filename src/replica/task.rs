@@ -16,6 +16,7 @@ use super::adopt::Adopt;
 use super::client::{Client, ClientError, Confirm, Probe};
 use super::completions::Completions;
 use super::fence::Fence;
+use super::lease::{Keeper, Kept, Lease};
 use super::local::{self, Synced};
 use super::record::Record;
 use super::{Config, ReplicaError, Reseeded, State};
@@ -92,7 +93,9 @@ struct Task {
     config: Config,
     state: watch::Sender<State>,
     metrics: Arc<Metrics>,
-    /// The connection that holds the lease, once it does.
+    /// The lease, while held (kept by a task of its own).
+    lease: Option<Keeper>,
+    /// The connection the stream writes go over (any node).
     client: Option<Client>,
     /// The generation stream appends go to, once synced.
     generation: Option<u64>,
@@ -209,6 +212,7 @@ impl Task {
             config,
             state,
             metrics,
+            lease: None,
             client: None,
             generation: None,
             completions: Completions::default(),
@@ -243,6 +247,7 @@ impl Task {
                     self.maybe_compact().await;
                 }
                 _ = check.tick() => self.keep_lease().await,
+                kept = next_kept(&mut self.lease) => self.on_kept(kept),
                 event = compaction(&mut self.compaction) => match event {
                     Progress::Copy(copy) => self.append_copy(copy).await,
                     Progress::Finished(result) => self.end_compaction(result).await,
@@ -261,6 +266,18 @@ impl Task {
         }
         if let Some(client) = self.client.take() {
             client.close().await;
+        }
+        if let Some(lease) = self.lease.take() {
+            lease.release().await;
+        }
+    }
+
+    /// What the lease's keeper said.
+    fn on_kept(&mut self, kept: Kept) {
+        match kept {
+            // The keeper extended the fence already, if active.
+            Kept::Heard(asked) => self.heard = Some(asked),
+            Kept::Lost => self.lost("fewer than a majority of the lease's registers are held"),
         }
     }
 
@@ -307,10 +324,21 @@ impl Task {
         *self.state.borrow() == State::Active
     }
 
+    /// Whether a record may go to the stream now: active, and within the
+    /// fence. A holder that lost its lease (frozen past it, say) writes
+    /// nothing more, even on a writes connection the broker kept open.
+    fn writable(&self) -> bool {
+        self.active() && self.fence.holds()
+    }
+
     /// Why nothing is written now.
     fn inactive(&self) -> &'static str {
         match *self.state.borrow() {
             State::Missing | State::Reseeding => "the replica stream is missing",
+            State::Active if self.client.is_none() => {
+                "the replica's writes connection is being made again"
+            }
+            State::Active => "the lease was not confirmed in time",
             _ => "the lease is not held",
         }
     }
@@ -460,7 +488,7 @@ impl Task {
                 let _ = reply.send(result.clone());
             }
         };
-        let (Some(client), true) = (&self.client, self.active()) else {
+        let (Some(client), true) = (&self.client, self.writable()) else {
             reply_all(replies, Err(ReplicaError(self.inactive().into())));
             return;
         };
@@ -471,7 +499,7 @@ impl Task {
                 Ok(confirm) => confirms.push(confirm),
                 Err(e) => {
                     reply_all(replies, Err(ReplicaError(e.to_string())));
-                    return self.lost(&e.to_string());
+                    return self.writes_lost(&e.to_string());
                 }
             }
         }
@@ -490,8 +518,8 @@ impl Task {
 
     /// A copy from the copier, for the next generation only.
     async fn append_copy(&mut self, (record, reply): super::compact::Copy) {
-        let active = self.active();
-        let (Some(client), Some(c), true) = (&self.client, &mut self.compaction, active) else {
+        let writable = self.writable();
+        let (Some(client), Some(c), true) = (&self.client, &mut self.compaction, writable) else {
             let _ = reply.send(Err(self.inactive().into()));
             return;
         };
@@ -507,7 +535,7 @@ impl Task {
             }
             Err(e) => {
                 let _ = reply.send(Err(e.to_string()));
-                self.lost(&e.to_string());
+                self.writes_lost(&e.to_string());
             }
         }
     }
@@ -563,7 +591,8 @@ impl Task {
             Ok(n) => n,
             Err(e) => return warn!(error = %e, "replica stream compaction failed; trying later"),
         };
-        let (Some(client), Some(old), true) = (&self.client, self.generation, self.active()) else {
+        let (Some(client), Some(old), true) = (&self.client, self.generation, self.writable())
+        else {
             return;
         };
         let directory = Config::directory(&self.config.instance);
@@ -571,7 +600,7 @@ impl Task {
             .append_confirmed(&directory, &Record::Generation(c.next))
             .await
         {
-            return self.lost(&e.to_string());
+            return self.writes_lost(&e.to_string());
         }
         self.generation = Some(c.next);
         self.appended = c.appended;
@@ -586,7 +615,7 @@ impl Task {
     /// Writes the completions waiting; each batch counts once every
     /// target confirmed it ([`Event::Done`]), else it is written again.
     async fn flush_done(&mut self) {
-        if !self.active() {
+        if !self.writable() {
             return; // kept until the lease is held again
         }
         while let Some((batch, ids)) = self.completions.take() {
@@ -608,7 +637,7 @@ impl Task {
             }
             if let Some(e) = failed {
                 self.completions.failed(batch);
-                return self.lost(&e.to_string());
+                return self.writes_lost(&e.to_string());
             }
             self.appended += size;
             if let Some(c) = &mut self.compaction {
@@ -622,14 +651,21 @@ impl Task {
         }
     }
 
+    /// The lease is lost: nothing is written or fired until it is taken
+    /// again and the directory says the local store is still current.
     fn lost(&mut self, why: &str) {
         self.heard = None;
         self.fence.revoke();
+        // Dropping the keeper gives back what is left of the lease.
+        let held = self.lease.take().is_some();
         if self.compaction.take().is_some() {
             warn!("replica stream compaction abandoned with the lease");
         }
-        if self.client.take().is_some() {
-            warn!(error = why, "replica connection lost: the lease is gone; not intercepting or firing until it is back");
+        if self.client.take().is_some() || held {
+            warn!(
+                error = why,
+                "the replica lease is gone; not intercepting or firing until it is back"
+            );
         }
         // What the old connection did not confirm is written again on the next.
         self.completions.lost();
@@ -642,40 +678,49 @@ impl Task {
         }
     }
 
-    /// Once a second: notice a dead connection; reconnect and take the
-    /// lease back if it was lost (a process holding it already synced).
+    /// The writes connection failed (its node froze or died, or someone
+    /// closed it): the lease does not depend on it, so only the
+    /// connection is made again, to another node, at the next check.
+    /// Until then appends fail (their nacks are deferred, not lost).
+    fn writes_lost(&mut self, why: &str) {
+        if self.compaction.take().is_some() {
+            warn!("replica stream compaction abandoned with its connection");
+        }
+        if self.client.take().is_some() {
+            warn!(error = why, "replica writes connection lost; making it again on another node (the lease is kept)");
+        }
+        self.completions.lost();
+        self.next_node += 1;
+    }
+
+    /// Once a second: notice a dead or silent writes connection and make
+    /// it again; take the lease back if it was lost (a process holding it
+    /// already synced).
     async fn keep_lease(&mut self) {
         if self.client.as_ref().is_some_and(|c| !c.alive()) {
-            self.lost("the connection closed");
+            self.writes_lost("the connection closed");
         }
-        // Fencing: the broker frees the lease about two heartbeats after it
-        // last heard from this process; this process stops acting after one
-        // heartbeat without an answer, before anyone else can take over.
         // The same round trip checks that the stream still exists.
         if let Some(client) = &self.client {
-            let lease = Config::lease(&self.config.instance);
             let stream = match self.active() {
                 true => self.targets().into_iter().next(),
                 false => None,
             };
-            let heartbeat = self.config.target.heartbeat;
-            let asked = self.clock.now();
-            let probe = client.probe(&lease, stream.as_deref(), heartbeat).await;
-            if matches!(probe, Probe::Alive | Probe::Missing) {
-                // The lease is held either way: the fence moves on.
-                self.heard = Some(asked);
-                if self.active() {
-                    self.fence.extend(asked, heartbeat);
-                }
-            }
-            match probe {
+            let within = self.config.target.answer_within();
+            match client.probe(stream.as_deref(), within).await {
                 Probe::Alive => {}
                 Probe::Missing => self.missing(stream.as_deref().unwrap_or_default()),
-                Probe::Silent => self.lost("the broker did not answer within a heartbeat"),
+                Probe::Silent => self.writes_lost("the broker did not answer within a heartbeat"),
             }
         }
-        if self.client.is_some() || self.generation.is_none() {
-            return; // held, or never synced: `sync` takes it
+        if self.generation.is_none() {
+            return; // never synced: `sync` takes the lease
+        }
+        if self.lease.is_some() {
+            if self.client.is_none() {
+                self.reconnect_writes().await;
+            }
+            return;
         }
         if !self.acquire_once().await {
             return;
@@ -691,40 +736,81 @@ impl Task {
         }
     }
 
-    /// One attempt at a connection and the lease.
-    async fn acquire_once(&mut self) -> bool {
+    /// The lease is held, the writes connection is not: connect again and
+    /// check that the stream is still there before anything is written.
+    async fn reconnect_writes(&mut self) {
         let target = &self.config.target;
         let client = match Client::connect(target, self.next_node, &self.name()).await {
             Ok(c) => c,
-            Err(e) => {
-                self.set(State::Connecting);
-                warn!(error = %e, "replica cannot connect");
-                return false;
-            }
+            Err(e) => return warn!(error = %e, "replica cannot connect"),
         };
-        self.next_node += 1;
-        let asked = self.clock.now();
+        let stream = self.targets().into_iter().next();
         match client
-            .try_lease(&Config::lease(&self.config.instance))
+            .probe(stream.as_deref(), target.answer_within())
             .await
         {
-            Ok(true) => {
-                info!(node = client.node, "lease taken");
-                self.heard = Some(asked);
+            Probe::Alive => {
+                info!(node = client.node, "replica writes connection made again");
                 self.client = Some(client);
-                true
             }
-            Ok(false) => {
-                self.set(State::Standby);
-                client.close().await;
-                false
+            Probe::Missing => {
+                self.client = Some(client);
+                self.missing(stream.as_deref().unwrap_or_default());
             }
-            Err(e) => {
-                warn!(error = %e, "replica cannot ask for the lease");
+            Probe::Silent => {
+                self.next_node += 1;
                 client.close().await;
-                false
             }
         }
+    }
+
+    /// One attempt at the lease and a writes connection.
+    async fn acquire_once(&mut self) -> bool {
+        let target = &self.config.target;
+        if self.lease.is_none() {
+            let asked = self.clock.now();
+            let lease = Config::lease(&self.config.instance);
+            let connection = format!("nackd lease {}", self.config.instance);
+            match Lease::take(target, &lease, &connection).await {
+                Ok(Some(lease)) => {
+                    info!(
+                        registers = lease.held(),
+                        of = target.nodes.len(),
+                        "lease taken"
+                    );
+                    self.heard = Some(asked);
+                    let every = (target.heartbeat / 2).min(RETRY);
+                    let (fence, state) = (self.fence.clone(), self.state.subscribe());
+                    self.lease = Some(Keeper::spawn(
+                        lease,
+                        self.clock.clone(),
+                        every,
+                        fence,
+                        state,
+                    ));
+                }
+                Ok(None) => {
+                    self.set(State::Standby);
+                    return false;
+                }
+                Err(e) => {
+                    self.set(State::Connecting);
+                    warn!(error = %e, "replica cannot ask for the lease");
+                    return false;
+                }
+            }
+        }
+        if self.client.is_none() {
+            match Client::connect(target, self.next_node, &self.name()).await {
+                Ok(c) => self.client = Some(c),
+                Err(e) => {
+                    warn!(error = %e, "replica cannot connect");
+                    return false;
+                }
+            }
+            self.next_node += 1;
+        }
+        true
     }
 
     fn name(&self) -> String {
@@ -837,6 +923,14 @@ impl Task {
         if let Err(e) = local::save(&self.config.store_dir, &synced) {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
+    }
+}
+
+/// The next news of the lease; never while none is held.
+async fn next_kept(lease: &mut Option<Keeper>) -> Kept {
+    match lease {
+        Some(keeper) => keeper.next().await,
+        None => std::future::pending().await,
     }
 }
 

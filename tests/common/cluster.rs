@@ -216,6 +216,14 @@ impl Cluster {
         run_async(vec!["kill-node".into(), self.number(n)]).await;
     }
 
+    /// SIGSTOPs node `n`'s VM (a stalled host: its sockets stay open and
+    /// nothing answers) until the guard is dropped. Hold
+    /// [`Cluster::exclusive`].
+    pub async fn freeze_node(&self, n: usize) -> Frozen {
+        run_async(vec!["freeze-node".into(), self.number(n)]).await;
+        Frozen(n)
+    }
+
     /// Starts node `n` again and waits until it is back in the cluster.
     pub async fn start_node(&self, n: usize) {
         run_async(vec!["start-node".into(), self.number(n)]).await;
@@ -237,5 +245,17 @@ impl Cluster {
     fn number(&self, n: usize) -> String {
         self.addr(n); // checks the range
         n.to_string()
+    }
+}
+
+/// A frozen node, thawed when dropped (also when the test fails).
+pub struct Frozen(usize);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let n = self.0.to_string();
+        if let Err(e) = run(&["thaw-node", &n]) {
+            eprintln!("{e}");
+        }
     }
 }

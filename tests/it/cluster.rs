@@ -40,11 +40,17 @@ fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> 
     path
 }
 
+/// A quorum queue led by the node it is declared through (so a test knows
+/// where its leader is: on node 1, where [`publish`] declares it).
 fn quorum() -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-queue-leader-locator".into(),
+        AMQPValue::LongString("client-local".into()),
     );
     args
 }
@@ -685,5 +691,194 @@ async fn replica_connection_closes_under_load_pass_no_nack_through() {
     );
     let _ = conn.close(200, "".into()).await;
     drop(nackd);
+    delete(&q).await;
+}
+
+/// The cluster port (`127.0.0.1:568N`) of the connection named `name`,
+/// from `rabbitmqctl list_connections` (every node must answer).
+async fn node_of_connection(name: &str) -> Option<usize> {
+    let listed = cluster()
+        .ctl(1, &["list_connections", "port", "client_properties"])
+        .await;
+    let quoted = format!("\"{name}\"");
+    let line = listed.lines().find(|l| l.contains(&quoted))?;
+    let port: u16 = line.split('\t').next()?.trim().parse().ok()?;
+    (1..=3).find(|n| cluster().addr(*n).ends_with(&format!(":{port}")))
+}
+
+/// A node fault for [`retries_go_on_through`].
+#[derive(Clone, Copy, Debug)]
+enum NodeFault {
+    /// SIGSTOP for 8 s: a stalled host; the cluster notices only after
+    /// its net_ticktime (about 60 s), so the node's exclusive queues stay.
+    Freeze,
+    /// SIGKILL: on RabbitMQ 4.2+ its exclusive queues stay until it is back.
+    Kill,
+}
+
+/// Issue 21, item 3: the node that holds nackd's replica connection
+/// freezes (or dies) while retries are being parked and fired. On main the
+/// lease was one exclusive queue on that connection's node, so nackd could
+/// not take it back through another node until the cluster gave up on the
+/// frozen one (about 60 s; never for a dead node on 4.2+): retries stalled
+/// for the whole freeze and nacks were deferred. The lease is a majority of
+/// per-node registers now: the frozen node takes one, the other two keep
+/// it, and firing goes on with no gap longer than two heartbeats; the
+/// writes connection is made again on another node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_or_killed_node_stalls_neither_the_lease_nor_firing() {
+    let _only = cluster().exclusive().await;
+    for fault in [NodeFault::Freeze, NodeFault::Kill] {
+        retries_go_on_through(fault).await;
+    }
+}
+
+async fn retries_go_on_through(fault: NodeFault) {
+    let dir = tempfile::tempdir().unwrap();
+    let (q, id) = (unique("cluster-lease-node"), unique("leasenode"));
+    let nackd = Process::start(&config(dir.path(), &id, &q, "4s", ""));
+    // The queue's leader is on node 1, and so is nackd's republisher (its
+    // first connection; they go round the nodes in turn), the test's
+    // session on node 2: the replica's writes connection is moved to node
+    // 3, which fails. (Its lease has a register on every node.)
+    let writes = format!("nackd replica {id}");
+    let failing = loop {
+        match node_of_connection(&writes).await {
+            Some(3) => break 3,
+            _ => {
+                close_replica_connection(&id).await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    };
+    let n = 1200u32;
+    publish(&q, n).await; // led by node 1
+    let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+    let (_ch, mut c) = consumer(&conn, &q, 10).await;
+    let began = Instant::now();
+    let mut nacked: HashMap<u32, Instant> = HashMap::new();
+    let mut back: HashMap<u32, u32> = HashMap::new();
+    let mut arrivals: Vec<Instant> = Vec::new();
+    let mut fault_at: Option<(Instant, Option<common::cluster::Frozen>)> = None;
+    let mut thawed_at: Option<Instant> = None;
+    let delay = Duration::from_secs(4);
+    while back.len() < n as usize {
+        assert!(
+            began.elapsed() < Duration::from_secs(180),
+            "{fault:?}: {} of {n} came back",
+            back.len()
+        );
+        // The fault once retries are firing, while nacks still come in.
+        if fault_at.is_none() && began.elapsed() > Duration::from_secs(6) {
+            let frozen = match fault {
+                NodeFault::Freeze => Some(cluster().freeze_node(failing).await),
+                NodeFault::Kill => {
+                    cluster().kill_node(failing).await;
+                    None
+                }
+            };
+            eprintln!("{fault:?}: node {failing} at {:?}", began.elapsed());
+            fault_at = Some((Instant::now(), frozen));
+        }
+        if let Some((at, frozen)) = &mut fault_at {
+            if frozen.is_some() && at.elapsed() > Duration::from_secs(8) {
+                drop(frozen.take());
+                thawed_at = Some(Instant::now());
+            }
+        }
+        let Some(d) = next(&mut c, Duration::from_millis(100)).await else {
+            continue;
+        };
+        let key = id_of(&d.data);
+        if retry_count(&d) == 0 {
+            // Paced: about 100 nacks a second, so dues spread over 12 s.
+            nacked.insert(key, Instant::now());
+            tokio::time::sleep(Duration::from_millis(8)).await;
+            d.nack(BasicNackOptions::default()).await.unwrap();
+        } else {
+            let since = nacked[&key].elapsed();
+            assert!(
+                since >= delay,
+                "{fault:?}: message {key} back after {since:?}: early"
+            );
+            *back.entry(key).or_default() += 1;
+            arrivals.push(Instant::now());
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+    drop(fault_at.as_mut().and_then(|(_, f)| f.take()));
+    let (fault_at, _) = fault_at.expect("the fault happened");
+    assert!(
+        next(&mut c, Duration::from_secs(3)).await.is_none(),
+        "{fault:?}: a retry came twice"
+    );
+    // The longest wait between two retries from the fault on, while
+    // retries were due (the last one bounds it).
+    let gap = arrivals
+        .windows(2)
+        .filter(|w| w[1] > fault_at)
+        .map(|w| w[1] - w[0].max(fault_at))
+        .max()
+        .unwrap_or_default();
+    let s = scrape(nackd.metrics).await;
+    eprintln!(
+        "{fault:?} of node {failing}: longest wait between retries {gap:?}; deferred for lack of a lease {}, other deferrals {}; thawed at {:?}",
+        s.get("nackd_nacks_deferred_total", &[("reason", "no_lease")]),
+        s.sum("nackd_nacks_deferred_total"),
+        thawed_at.map(|t| t - fault_at)
+    );
+    assert!(
+        gap <= Duration::from_secs(2),
+        "{fault:?}: retries stopped for {gap:?} (target: 2 heartbeats of 1 s)"
+    );
+    assert_eq!(
+        s.get("nackd_nacks_deferred_total", &[("reason", "no_lease")]),
+        0.0,
+        "{fault:?}: the lease was lost"
+    );
+    let passed: Vec<(&str, f64)> = [
+        "not_configured",
+        "over_budget",
+        "store_unavailable",
+        "tx_channel",
+        "requeue_pass",
+        "bad_headers",
+        "unknown_tag",
+        "recovering",
+        "no_lease",
+        "no_replica",
+        "closing",
+        "returned",
+    ]
+    .into_iter()
+    .map(|r| (r, s.get("nackd_nacks_passed_total", &[("reason", r)])))
+    .filter(|(_, n)| *n > 0.0)
+    .collect();
+    assert!(
+        passed.is_empty(),
+        "{fault:?}: nacks passed through: {passed:?}"
+    );
+    let twice: Vec<u32> = back
+        .iter()
+        .filter(|(_, k)| **k > 1)
+        .map(|(id, _)| *id)
+        .collect();
+    if !twice.is_empty() {
+        for line in nackd.log.lock().unwrap().iter() {
+            if line.contains("WARN") || line.contains("ERROR") || line.contains("lease") {
+                eprintln!("{line}");
+            }
+        }
+    }
+    assert!(
+        twice.is_empty(),
+        "{fault:?}: {} retries came twice: {twice:?}",
+        twice.len()
+    );
+    let _ = conn.close(200, "".into()).await;
+    drop(nackd);
+    if let NodeFault::Kill = fault {
+        cluster().start_node(failing).await;
+    }
     delete(&q).await;
 }

@@ -27,7 +27,7 @@ impl Task {
     ) -> Result<SyncOutcome, ReplicaError> {
         let mut log = log;
         loop {
-            if self.client.is_none() {
+            if self.client.is_none() || self.lease.is_none() {
                 self.acquire().await;
             }
             self.set(State::Syncing);
