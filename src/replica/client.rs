@@ -132,6 +132,14 @@ pub enum Probe {
     Silent,
 }
 
+/// What [`Client::holds`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    Yes,
+    Gone,
+    Unanswered,
+}
+
 /// A live connection with one confirm channel for writes.
 pub struct Client {
     conn: Connection,
@@ -235,6 +243,14 @@ impl Client {
             next: AtomicU64::new(1),
             publishing: tokio::sync::Mutex::new(sent),
         })
+    }
+
+    /// The heartbeat negotiated with the node (`None`: none).
+    pub fn heartbeat(&self) -> Option<Duration> {
+        match self.conn.configuration().heartbeat() {
+            0 => None,
+            s => Some(Duration::from_secs(s.into())),
+        }
     }
 
     /// Whether the connection is still up.
@@ -448,7 +464,7 @@ impl Client {
 
     /// Whether this connection still holds the exclusive queue `name`:
     /// the broker answered a passive declare of it within `within`.
-    pub async fn holds(&self, name: &str, within: Duration) -> bool {
+    pub async fn holds(&self, name: &str, within: Duration) -> Held {
         let ask = async {
             let ch = self.conn.create_channel().await?;
             let passive = QueueDeclareOptions {
@@ -460,7 +476,12 @@ impl Client {
             let _ = ch.close(200, "".into()).await;
             Ok::<_, lapin::Error>(())
         };
-        matches!(tokio::time::timeout(within, ask).await, Ok(Ok(())))
+        match tokio::time::timeout(within, ask).await {
+            Ok(Ok(())) => Held::Yes,
+            // Deleted by someone: it must be declared again.
+            Ok(Err(e)) if reply_code(&e) == Some(404) => Held::Gone,
+            _ => Held::Unanswered,
+        }
     }
 
     /// Closes the connection (the lease goes with it).

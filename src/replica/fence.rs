@@ -31,6 +31,9 @@ pub struct Fence {
     origin: Instant,
     /// µs after `origin` until which the fence holds; 0: it does not.
     until_us: AtomicU64,
+    /// How many times it was revoked: an extension decided before a
+    /// revocation ([`Fence::extend_unless_revoked`]) must not undo it.
+    revoked: std::sync::Mutex<u64>,
     extended: Notify,
 }
 
@@ -50,6 +53,7 @@ impl Fence {
             origin: clock.now(),
             clock,
             until_us: AtomicU64::new(until_us),
+            revoked: std::sync::Mutex::new(0),
             extended: Notify::new(),
         }
     }
@@ -65,7 +69,28 @@ impl Fence {
 
     /// The lease is lost (or not agreed on): nothing more goes out.
     pub fn revoke(&self) {
+        let mut revoked = self.revoked.lock().expect("never poisoned");
+        *revoked += 1;
         self.until_us.store(0, Ordering::Release);
+    }
+
+    /// How many times the fence was revoked so far: read it before
+    /// deciding to extend, and pass it to [`Fence::extend_unless_revoked`].
+    pub fn revocations(&self) -> u64 {
+        *self.revoked.lock().expect("never poisoned")
+    }
+
+    /// [`Fence::extend`], unless the fence was revoked since `seen` was
+    /// read: the lease's keeper decides to extend on what it saw, and a
+    /// revocation in between wins.
+    pub fn extend_unless_revoked(&self, seen: u64, asked: Instant, heartbeat: Duration) -> bool {
+        let revoked = self.revoked.lock().expect("never poisoned");
+        if *revoked != seen {
+            return false;
+        }
+        self.extend(asked, heartbeat);
+        drop(revoked);
+        true
     }
 
     /// Whether this process may act for its id now.
@@ -125,6 +150,23 @@ mod tests {
         assert!(f.holds());
         clock.advance(Duration::from_secs(40));
         assert!(!f.holds());
+    }
+
+    #[test]
+    fn an_extension_decided_before_a_revocation_does_not_undo_it() {
+        let clock = Clock::manual(0);
+        let f = Fence::closed(clock.clone());
+        f.extend(clock.now(), Duration::from_secs(60));
+        // The keeper saw the state active and read the count...
+        let seen = f.revocations();
+        // ... then the replica task revoked (the state changed) ...
+        f.revoke();
+        // ... and the keeper's extension comes too late.
+        assert!(!f.extend_unless_revoked(seen, clock.now(), Duration::from_secs(60)));
+        assert!(!f.holds());
+        let seen = f.revocations();
+        assert!(f.extend_unless_revoked(seen, clock.now(), Duration::from_secs(60)));
+        assert!(f.holds());
     }
 
     #[test]

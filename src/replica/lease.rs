@@ -7,18 +7,21 @@
 //! node's exclusive queues are not deleted until it comes back.
 //!
 //! So the lease is a majority of registers, one per node of
-//! `[replica] nodes`: register `k` is the exclusive queue
+//! `upstream.addresses`: register `k` is the exclusive queue
 //! `nackd.lease.<id>.<k>`, declared over a connection to node `k` (an
 //! exclusive queue lives on the node of its connection). A process holds
 //! the lease while it holds more than half of them, each on a connection
 //! of its own. What that relies on:
 //! - each register has at most one holder: the broker gives an exclusive
-//!   queue to one connection, and a node cut off from the majority cannot
-//!   create one (its metadata store has no quorum), so two majorities
-//!   always share a register, which only one of them can hold;
+//!   queue to one connection, and register `k` is only declared on node
+//!   `k` (on 3.x a partitioned node may recreate its own, never another's),
+//!   so two majorities always share a register, which only one of them
+//!   can hold;
 //! - a register is freed about two heartbeats after its node last heard
-//!   from the holder (the connection's heartbeat timeout), or at once when
-//!   the holder's connection closes.
+//!   from the holder (the connection's negotiated heartbeat timeout), or
+//!   at once when the holder's connection closes: so a new holder waits
+//!   1.5 heartbeats, the longest an earlier holder's fence can run, before
+//!   it counts anything as heard ([`Keeper::spawn`]).
 //!
 //! A node that freezes or dies takes one register with it: the holder
 //! keeps the others, so firing and interception go on without a pause
@@ -41,7 +44,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
-use super::client::{Client, ClientError, Target};
+use super::client::{Client, ClientError, Held, Target};
 use super::fence::Fence;
 use super::State;
 
@@ -108,12 +111,45 @@ impl Lease {
             }
         }
         if lease.held() >= majority(n) {
-            return Ok(Some(lease));
+            if lease.take_legacy().await? {
+                return Ok(Some(lease));
+            }
+            lease.release().await;
+            return Ok(None);
         }
         lease.release().await;
         match locked {
             0 => Err(ClientError::Unreachable(errors.join("; "))),
             _ => Ok(None),
+        }
+    }
+
+    /// The heartbeat the broker frees a silent register after two of: the
+    /// configured one, or less if a node negotiated less.
+    pub fn heartbeat(&self) -> Duration {
+        self.slots
+            .iter()
+            .flatten()
+            .filter_map(|c| c.heartbeat())
+            .fold(self.target.heartbeat, Duration::min)
+    }
+
+    /// The lease of earlier releases was the one exclusive queue `name`
+    /// itself: it is taken too, on the first register's connection, so a
+    /// process of the old version (a rolling upgrade) and one of this
+    /// version never hold one id together, and an old adopter does not
+    /// take a new process for gone. `false`: an old process holds it.
+    async fn take_legacy(&self) -> Result<bool, ClientError> {
+        let Some(client) = self.slots.iter().flatten().next() else {
+            return Ok(false);
+        };
+        let within = self.target.answer_within();
+        match tokio::time::timeout(within, client.try_lease(&self.name)).await {
+            Ok(taken) => taken,
+            Err(_) => Err(ClientError::Unreachable(format!(
+                "{}: no answer",
+                client.node
+            ))),
         }
     }
 
@@ -168,11 +204,21 @@ impl Lease {
         let needed = majority(self.slots.len());
         let mut answered = 0;
         while let Some(done) = asks.join_next().await {
-            if let Ok((_, true)) = done {
-                answered += 1;
-                if answered == needed {
-                    heard();
+            match done {
+                Ok((_, Held::Yes)) => {
+                    answered += 1;
+                    if answered == needed {
+                        heard();
+                    }
                 }
+                Ok((k, Held::Gone)) => {
+                    warn!(
+                        register = register(&self.name, k),
+                        "lease register deleted by someone; taking it again"
+                    );
+                    self.slots[k] = None;
+                }
+                _ => {}
             }
         }
         answered
@@ -200,6 +246,9 @@ impl Lease {
     /// registers exist (an exclusive queue exists only while held; a dead
     /// node's may stay on RabbitMQ 4.2+, which is why one is not enough).
     pub async fn is_held(client: &Client, name: &str, nodes: usize) -> Result<bool, ClientError> {
+        if client.exists(name).await? {
+            return Ok(true); // held by a process of the old version
+        }
         let mut existing = 0;
         for k in 0..nodes {
             if client.exists(&register(name, k)).await? {
@@ -258,6 +307,10 @@ pub enum Kept {
 /// never holds up the replica's writes.
 pub struct Keeper {
     news: mpsc::UnboundedReceiver<Kept>,
+    /// When the last probe a majority answered was sent, once the lease
+    /// settled (see [`Keeper::spawn`]).
+    heard: Arc<std::sync::Mutex<Option<Instant>>>,
+    heartbeat: Duration,
     stop: Option<oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<()>>,
 }
@@ -266,8 +319,14 @@ impl Keeper {
     /// Probes `lease` every `every` until stopped or lost. While
     /// `active` says so, each majority heard extends `fence` at once: the
     /// replica task may be busy with a slow write meanwhile.
+    ///
+    /// Nothing counts as heard until 1.5 heartbeats after `taken`: a
+    /// register can be freed at once (its holder's connection closed by
+    /// an operator, a reset), while the process that held it may still be
+    /// inside its fence for that long.
     pub fn spawn(
         lease: Lease,
+        taken: Instant,
         clock: Clock,
         every: Duration,
         fence: Arc<Fence>,
@@ -275,25 +334,49 @@ impl Keeper {
     ) -> Self {
         let (tell, news) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel();
+        let last = Arc::new(std::sync::Mutex::new(None));
+        let heartbeat = lease.heartbeat();
         let heard = Heard {
             tell,
             fence,
             active,
-            heartbeat: lease.target.heartbeat,
+            heartbeat,
+            settled: taken + heartbeat + heartbeat / 2,
+            last: last.clone(),
         };
         let done = tokio::spawn(keep(lease, clock, every, heard, stopped));
         Self {
+            heard: last,
+            heartbeat,
             news,
             stop: Some(stop),
             done: Some(done),
         }
     }
 
-    /// The next news of the lease; never, once it is lost.
+    /// When the last probe a majority answered was sent (none yet: the
+    /// lease is settling): what the fence may be extended from when the
+    /// replica turns active.
+    pub fn heard(&self) -> Option<Instant> {
+        *self.heard.lock().expect("never poisoned")
+    }
+
+    /// Whether the keeper ended (the lease was lost).
+    pub fn is_finished(&self) -> bool {
+        self.done.as_ref().is_none_or(|d| d.is_finished())
+    }
+
+    /// The heartbeat the fence is extended by ([`Lease::heartbeat`]).
+    pub fn heartbeat(&self) -> Duration {
+        self.heartbeat
+    }
+
+    /// The next news of the lease; [`Kept::Lost`] once the keeper is gone
+    /// (it ended or failed).
     pub async fn next(&mut self) -> Kept {
         match self.news.recv().await {
             Some(kept) => kept,
-            None => std::future::pending().await,
+            None => Kept::Lost,
         }
     }
 
@@ -322,14 +405,32 @@ struct Heard {
     fence: Arc<Fence>,
     active: watch::Receiver<State>,
     heartbeat: Duration,
+    /// Probes sent before this do not count.
+    settled: Instant,
+    last: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
 impl Heard {
     fn at(&self, asked: Instant) {
+        if asked < self.settled {
+            return;
+        }
+        *self.last.lock().expect("never poisoned") = Some(asked);
+        // Read before the state: a revocation after this read wins.
+        let seen = self.fence.revocations();
         if *self.active.borrow() == State::Active {
-            self.fence.extend(asked, self.heartbeat);
+            self.fence
+                .extend_unless_revoked(seen, asked, self.heartbeat);
         }
         let _ = self.tell.send(Kept::Heard(asked));
+    }
+
+    /// The lease is gone: nothing more goes out from now, before the
+    /// registers left are given back (the replica task may be busy).
+    fn lost(&self) {
+        self.fence.revoke();
+        *self.last.lock().expect("never poisoned") = None;
+        let _ = self.tell.send(Kept::Lost);
     }
 }
 
@@ -340,10 +441,9 @@ async fn keep(
     heard: Heard,
     mut stopped: oneshot::Receiver<()>,
 ) {
-    let tell = heard.tell.clone();
     let needed = majority(lease.slots.len());
     // A majority unheard for this long is surely free by now.
-    let gone_after = lease.target.heartbeat * 2;
+    let gone_after = heard.heartbeat * 2;
     let mut last_heard = clock.now();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -357,7 +457,7 @@ async fn keep(
             _ = &mut stopped => break,
             answered = lease.probe(|| heard.at(asked)) => answered,
         };
-        if tell.is_closed() {
+        if heard.tell.is_closed() {
             break;
         }
         if answered >= needed {
@@ -372,7 +472,7 @@ async fn keep(
                 needed,
                 "lease lost: fewer than a majority of its registers are held"
             );
-            let _ = tell.send(Kept::Lost);
+            heard.lost();
             break;
         }
     }

@@ -18,6 +18,11 @@ pub struct Synced {
     pub generation: u64,
     /// The lease epoch it held.
     pub epoch: u64,
+    /// Who wrote that epoch (`pid N on HOST`): two processes that both
+    /// wrote the same epoch number (one of them after it lost the lease)
+    /// tell their stores apart by it. `None` in a file of an earlier
+    /// release.
+    pub holder: Option<String>,
 }
 
 fn path(dir: &Path) -> PathBuf {
@@ -42,6 +47,7 @@ pub fn load(dir: &Path) -> Option<Synced> {
         instance: field("instance")?,
         generation: field("generation")?.parse().ok()?,
         epoch: field("epoch")?.parse().ok()?,
+        holder: field("holder"),
     })
 }
 
@@ -55,6 +61,9 @@ pub fn save(dir: &Path, state: &Synced) -> io::Result<()> {
         "nackd-replica 1\ninstance {}\ngeneration {}\nepoch {}\n",
         state.instance, state.generation, state.epoch
     )?;
+    if let Some(holder) = &state.holder {
+        writeln!(f, "holder {holder}")?;
+    }
     f.sync_all()?;
     std::fs::rename(&tmp, path(dir))?;
     std::fs::File::open(dir)?.sync_all()
@@ -72,9 +81,17 @@ mod tests {
             instance: "host-a".into(),
             generation: 3,
             epoch: 12,
+            holder: Some("pid 7 on host-a".into()),
         };
         save(dir.path(), &s).unwrap();
         assert_eq!(load(dir.path()), Some(s));
+        // A file of an earlier release, without the holder, still reads.
+        std::fs::write(
+            dir.path().join(FILE),
+            "nackd-replica 1\ninstance x\ngeneration 1\nepoch 2\n",
+        )
+        .unwrap();
+        assert_eq!(load(dir.path()).unwrap().holder, None);
         std::fs::write(dir.path().join(FILE), "nackd-replica 1\ninstance x\n").unwrap();
         assert_eq!(load(dir.path()), None);
     }

@@ -69,6 +69,29 @@ enum Current {
     Stale,
 }
 
+impl Directory {
+    /// What the directory's records say. Of two records of the same epoch
+    /// the first counts: a second one was written by a process that had
+    /// lost the lease by then (it read the directory before the other's).
+    fn fold(records: impl IntoIterator<Item = Record>) -> Self {
+        let mut dir = Directory::default();
+        for record in records {
+            match record {
+                Record::Generation(n) => {
+                    dir.generation = Some(n);
+                    dir.adopted_by = None;
+                }
+                Record::Epoch { n, holder } if n > dir.epoch => {
+                    (dir.epoch, dir.holder) = (n, Some(holder));
+                }
+                Record::Adopted { by } => dir.adopted_by = Some(by),
+                _ => {}
+            }
+        }
+        dir
+    }
+}
+
 /// The local store after [`super::Replica::sync`].
 pub struct SyncOutcome {
     /// The store, agreeing with the stream.
@@ -86,6 +109,8 @@ pub struct SyncOutcome {
 struct Directory {
     generation: Option<u64>,
     epoch: u64,
+    /// Who wrote the last record of the highest epoch.
+    holder: Option<String>,
     adopted_by: Option<String>,
 }
 
@@ -111,6 +136,8 @@ struct Task {
     next_node: usize,
     /// The lease epoch held (with the generation, what replica.state says).
     epoch: u64,
+    /// Who wrote it (this process).
+    holder: Option<String>,
     /// Bytes appended to the current generation since it began.
     appended: u64,
     /// A switch to a new generation in progress.
@@ -222,6 +249,7 @@ impl Task {
             reseeded: None,
             next_node: 0,
             epoch: 0,
+            holder: None,
             appended: 0,
             compaction: None,
         }
@@ -308,16 +336,25 @@ impl Task {
     }
 
     fn set(&self, state: State) {
-        // The fence follows the state: only an active holder acts.
-        match (&state, self.heard) {
-            (State::Active, Some(asked)) => self.fence.extend(asked, self.config.target.heartbeat),
-            _ => self.fence.revoke(),
-        }
+        // The state first: the lease's keeper reads it before extending
+        // the fence, and a revocation after that read wins.
+        let active = state == State::Active;
         self.state.send_if_modified(|s| {
             let changed = *s != state;
             *s = state;
             changed
         });
+        // The fence follows the state: only an active holder acts. A sync
+        // may have lasted several probes: the keeper's last one counts
+        // (none while the lease settles: the keeper extends it then).
+        let heard = self
+            .lease
+            .as_ref()
+            .and_then(|k| k.heard().map(|h| (h, k.heartbeat())));
+        match (active, heard) {
+            (true, Some((asked, heartbeat))) => self.fence.extend(asked, heartbeat),
+            _ => self.fence.revoke(),
+        }
     }
 
     fn active(&self) -> bool {
@@ -507,11 +544,20 @@ impl Task {
         if let Some(c) = &mut self.compaction {
             c.appended += size;
         }
-        let events = self.events_tx.clone();
+        let (events, fence) = (self.events_tx.clone(), self.fence.clone());
         tokio::spawn(async move {
             let result = confirmed(confirms, &events)
                 .await
-                .map_err(|e| ReplicaError(e.to_string()));
+                .map_err(|e| ReplicaError(e.to_string()))
+                // Confirmed after the lease lapsed: a successor may have
+                // read the stream before it, so it is not surely there
+                // for whoever holds the id now. Not held (deferred).
+                .and_then(|()| match fence.holds() {
+                    true => Ok(()),
+                    false => Err(ReplicaError(
+                        "the lease lapsed before the stream confirmed".into(),
+                    )),
+                });
             reply_all(replies, result);
         });
     }
@@ -543,7 +589,7 @@ impl Task {
     /// Starts a generation switch when the current one holds more than
     /// about twice the live bytes plus the configured slack.
     async fn maybe_compact(&mut self) {
-        let (Some(client), Some(g), true) = (&self.client, self.generation, self.active()) else {
+        let (Some(client), Some(g), true) = (&self.client, self.generation, self.writable()) else {
             return;
         };
         let live = self.metrics.store_live_bytes.get().max(0) as u64;
@@ -781,13 +827,20 @@ impl Task {
                     self.heard = Some(asked);
                     let every = (target.heartbeat / 2).min(RETRY);
                     let (fence, state) = (self.fence.clone(), self.state.subscribe());
-                    self.lease = Some(Keeper::spawn(
-                        lease,
-                        self.clock.clone(),
-                        every,
-                        fence,
-                        state,
-                    ));
+                    let keeper =
+                        Keeper::spawn(lease, asked, self.clock.clone(), every, fence, state);
+                    // Nothing is done under a lease before it settled (1.5
+                    // heartbeats: see `Keeper::spawn`) and a majority
+                    // answered after that.
+                    let limit = tokio::time::Instant::now() + target.heartbeat * 4;
+                    while keeper.heard().is_none() {
+                        if tokio::time::Instant::now() > limit || keeper.is_finished() {
+                            warn!("the lease was taken but not confirmed; giving it back");
+                            return false;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    self.lease = Some(keeper);
                 }
                 Ok(None) => {
                     self.set(State::Standby);
@@ -804,7 +857,10 @@ impl Task {
             match Client::connect(target, self.next_node, &self.name()).await {
                 Ok(c) => self.client = Some(c),
                 Err(e) => {
-                    warn!(error = %e, "replica cannot connect");
+                    // The lease goes back: held without a way to write,
+                    // it would keep a standby or an adopter out for ever.
+                    warn!(error = %e, "replica cannot connect; giving the lease back");
+                    self.lease = None;
                     return false;
                 }
             }
@@ -821,7 +877,10 @@ impl Task {
     async fn acquire(&mut self) {
         self.register().await;
         while !self.acquire_once().await {
-            tokio::time::sleep(RETRY).await;
+            // Jittered: standbys that each took a minority of the
+            // registers gave them back, and must not meet again in step.
+            let jitter = Duration::from_millis(fastrand::u64(..500));
+            tokio::time::sleep(RETRY + jitter).await;
         }
     }
 
@@ -853,19 +912,7 @@ impl Task {
         let client = self.client.as_ref().expect("held");
         let name = Config::directory(&self.config.instance);
         client.declare_stream(&name).await?;
-        let mut dir = Directory::default();
-        for record in client.read_all(&name).await? {
-            match record {
-                Record::Generation(n) => {
-                    dir.generation = Some(n);
-                    dir.adopted_by = None;
-                }
-                Record::Epoch { n, .. } => dir.epoch = dir.epoch.max(n),
-                Record::Adopted { by } => dir.adopted_by = Some(by),
-                _ => {}
-            }
-        }
-        Ok(dir)
+        Ok(Directory::fold(client.read_all(&name).await?))
     }
 
     /// After the lease came back: is the local store still the last
@@ -881,6 +928,7 @@ impl Task {
                 l.instance == self.config.instance
                     && Some(l.generation) == dir.generation
                     && l.epoch == dir.epoch
+                    && same_holder(l, &dir)
             });
         if !current {
             return Ok(Current::Stale);
@@ -905,8 +953,15 @@ impl Task {
         );
         let directory = Config::directory(&self.config.instance);
         client
-            .append_confirmed(&directory, &Record::Epoch { n: epoch, holder })
+            .append_confirmed(
+                &directory,
+                &Record::Epoch {
+                    n: epoch,
+                    holder: holder.clone(),
+                },
+            )
             .await?;
+        self.holder = Some(holder);
         self.epoch = epoch;
         self.generation = Some(generation);
         self.save_synced();
@@ -919,11 +974,18 @@ impl Task {
             instance: self.config.instance.clone(),
             generation: self.generation.unwrap_or(0),
             epoch: self.epoch,
+            holder: self.holder.clone(),
         };
         if let Err(e) = local::save(&self.config.store_dir, &synced) {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
     }
+}
+
+/// Whether the local store's epoch is the directory's by the same holder
+/// (a file of an earlier release names none: its epoch number decides).
+fn same_holder(local: &Synced, dir: &Directory) -> bool {
+    local.holder.is_none() || local.holder == dir.holder
 }
 
 /// The next news of the lease; never while none is held.
@@ -966,5 +1028,45 @@ async fn compaction(c: &mut Option<Compaction>) -> Progress {
         finished = &mut c.finished => Progress::Finished(
             finished.unwrap_or_else(|_| Err(ClientError::Unreachable("the copier is gone".into()))),
         ),
+    }
+}
+
+#[cfg(test)]
+mod directory_tests {
+    use super::*;
+
+    fn epoch(n: u64, holder: &str) -> Record {
+        Record::Epoch {
+            n,
+            holder: holder.into(),
+        }
+    }
+
+    /// Review of issue 21, item 3: H lost the lease during a long sync, S
+    /// took it and wrote epoch 2, then H wrote epoch 2 too. S's store is
+    /// the current one; H's, with the same epoch number, is not.
+    #[test]
+    fn a_second_record_of_one_epoch_does_not_make_its_writer_current() {
+        let dir = Directory::fold([
+            Record::Generation(1),
+            epoch(1, "pid 1 on h"),
+            epoch(2, "pid 2 on s"),
+            epoch(2, "pid 1 on h"),
+        ]);
+        assert_eq!((dir.epoch, dir.holder.as_deref()), (2, Some("pid 2 on s")));
+        let synced = |holder: &str| Synced {
+            instance: "i".into(),
+            generation: 1,
+            epoch: 2,
+            holder: Some(holder.into()),
+        };
+        assert!(same_holder(&synced("pid 2 on s"), &dir));
+        assert!(!same_holder(&synced("pid 1 on h"), &dir));
+        // A replica.state of an earlier release names no holder.
+        let old = Synced {
+            holder: None,
+            ..synced("x")
+        };
+        assert!(same_holder(&old, &dir));
     }
 }

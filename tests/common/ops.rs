@@ -25,7 +25,7 @@ pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
 /// open and every message it held is scheduled again (its older segments
 /// read), and the replica lease held (and its stream there); or there is
 /// no store at all.
-fn intercepting(r: &HttpResponse) -> bool {
+pub fn intercepting(r: &HttpResponse) -> bool {
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
     let store = v["store"].as_str();
     !matches!(store, Some("recovering" | "no lease") | None)

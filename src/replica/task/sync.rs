@@ -94,7 +94,10 @@ impl Task {
         let instance = &self.config.instance;
         let current = |g: u64| {
             local.as_ref().is_some_and(|l| {
-                &l.instance == instance && l.generation == g && l.epoch == dir.epoch
+                &l.instance == instance
+                    && l.generation == g
+                    && l.epoch == dir.epoch
+                    && super::same_holder(l, &dir)
             })
         };
         let reseed = match (self.reseed.take(), &dir.adopted_by) {
