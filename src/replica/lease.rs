@@ -418,7 +418,9 @@ impl Heard {
         *self.last.lock().expect("never poisoned") = Some(asked);
         // Read before the state: a revocation after this read wins.
         let seen = self.fence.revocations();
-        if *self.active.borrow() == State::Active {
+        // Missing: the stream is gone but the lease is held, and what the
+        // local store holds still fires (nothing new is held).
+        if matches!(*self.active.borrow(), State::Active | State::Missing) {
             self.fence
                 .extend_unless_revoked(seen, asked, self.heartbeat);
         }

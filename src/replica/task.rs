@@ -338,7 +338,9 @@ impl Task {
     fn set(&self, state: State) {
         // The state first: the lease's keeper reads it before extending
         // the fence, and a revocation after that read wins.
-        let active = state == State::Active;
+        // Held messages fire while the stream is missing (the lease is
+        // held; nothing new is held, `writable` says so).
+        let active = matches!(state, State::Active | State::Missing);
         self.state.send_if_modified(|s| {
             let changed = *s != state;
             *s = state;

@@ -533,3 +533,62 @@ async fn an_instance_whose_stream_is_gone_is_not_adopted_and_reseeds_from_its_st
     drop((a, b));
     delete_queue(&q).await;
 }
+
+/// Review of issue 21: with its stream gone, an instance holds nothing new,
+/// but what it held still fires (the README promised it; the fence was
+/// revoked with the state, so nothing fired until the reseed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_messages_still_fire_while_the_stream_is_missing() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, id) = (unique("cluster-missing-fires"), unique("missingfires"));
+    let n = 200u32;
+    publish(&q, 0..n).await;
+    let nackd = Process::start(&config(dir.path(), &id, &q, "6s"));
+    let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(500, BasicQosOptions::default()).await.unwrap();
+    let mut c = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for _ in 0..n {
+        let d = next(&mut c, Duration::from_secs(20))
+            .await
+            .expect("delivered");
+        d.nack(BasicNackOptions::default()).await.unwrap();
+    }
+    common::ops::until(nackd.metrics, "all held", |s| {
+        s.get("nackd_held_messages", &[("vhost", "/"), ("queue", &q)]) == f64::from(n)
+    })
+    .await;
+    delete_stream(&generation(&id, 1)).await;
+    common::ops::until(nackd.metrics, "the stream found missing", |s| {
+        s.get("nackd_replica_missing", &[]) == 1.0
+    })
+    .await;
+    let mut back = std::collections::HashSet::new();
+    let began = std::time::Instant::now();
+    while back.len() < n as usize {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "{} of {n} fired while the stream is missing",
+            back.len()
+        );
+        if let Some(d) = next(&mut c, Duration::from_millis(500)).await {
+            assert_eq!(retry_count(&d), 1);
+            back.insert(id_of(&d.data));
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(s.get("nackd_replica_missing", &[]), 1.0, "still missing");
+    let _ = conn.close(200, "".into()).await;
+    drop(nackd);
+    delete_queue(&q).await;
+}
