@@ -201,6 +201,9 @@ pub struct Metrics {
     pub store_damage: DamageList,
     /// Held messages written back into the local store from the replica stream.
     pub replica_rebuilt: Counter,
+    /// Messages parked for adoptions of other instances (an adoption cut
+    /// off half way and tried again counts its parks again).
+    pub replica_adopted: Counter,
     /// Replica generations replaced by a compacted one.
     pub replica_generations: Counter,
     /// Replica records the broker returned (their stream does not exist).
@@ -319,6 +322,7 @@ impl Metrics {
             store_torn_bytes: Counter::default(),
             store_damage: DamageList::default(),
             replica_rebuilt: Counter::default(),
+            replica_adopted: Counter::default(),
             replica_generations: Counter::default(),
             replica_returns: Counter::default(),
             replica_missing: ReplicaMissing::default(),
@@ -557,6 +561,11 @@ impl Metrics {
             "nackd_replica_rebuilt_messages",
             "Held messages the local store got back from the replica stream",
             self.replica_rebuilt.clone(),
+        );
+        r.register(
+            "nackd_replica_adopted_messages",
+            "Messages parked for adoptions of other instances' held messages (held from the adoption's commit on)",
+            self.replica_adopted.clone(),
         );
     }
 

@@ -50,7 +50,7 @@ mod task;
 pub use adopt::Adopt;
 pub use client::{ClientError, Target};
 pub use local::Synced;
-pub use record::{Fold, Record, Step};
+pub use record::{Fold, Intent, Record, Step};
 #[cfg(test)]
 pub(crate) use task::Command;
 pub use task::SyncOutcome;

@@ -11,6 +11,16 @@
 //! lease like any standby, then finds the directory adopted and discards
 //! its local copy.
 //!
+//! An adoption is one step (see [`super::record`]): the adopter writes its
+//! intent (`Adopting`, a new epoch) to the adopted directory before it
+//! parks anything; each park is a moved put naming the intent; the
+//! adopted messages are held but do not fire; `Adopted` with the same
+//! epoch commits them all at once, and only then are they scheduled. An
+//! adopter killed half way has fired none of them, and its parks never
+//! count (a rebuild or an adoption of its stream drops them): the next
+//! adopter takes every message from the adopted stream again. An intent
+//! whose adopter is alive is left to it (it resumes where it stopped).
+//!
 //! An instance whose generation stream is gone (deleted by someone) cannot
 //! be adopted: that is logged as an error once, counted in
 //! `nackd_replica_unadoptable`, and its lease is given back, so that it can
@@ -24,9 +34,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
 use super::client::{Client, ClientError};
-use super::lease::Lease;
-use super::record::{Fold, Record, Step};
-use super::{Config, State};
+use super::lease::{self, Lease};
+use super::record::{Fold, Intent, Record, Step};
+use super::{local, Config, State};
 use crate::metrics::Metrics;
 use crate::store::Held;
 
@@ -35,15 +45,22 @@ use crate::store::Held;
 pub enum Adopt {
     /// Park this message (another instance's) under a new id of ours,
     /// in the local store and our stream; answer with the new id.
+    /// Held, not scheduled: it fires after [`Adopt::Release`].
     Park {
         /// The message, as the other instance held it.
         held: Held,
+        /// The adoption it comes with (written with it to our stream).
+        from: Intent,
         /// The new id once durable on both.
         reply: oneshot::Sender<Result<u64, String>>,
     },
     /// Complete a message parked by [`Adopt::Park`] (its owner had
-    /// completed it after all: its completion came later in the stream).
+    /// completed it after all: its completion came later in the stream;
+    /// or its adoption can no longer be committed).
     Complete(u64),
+    /// Schedule these messages parked by [`Adopt::Park`]: their adoption
+    /// is committed.
+    Release(Vec<u64>),
 }
 
 /// Looks at the other instances every `adopt_after / 4` (1 to 15 s)
@@ -57,7 +74,7 @@ pub(super) async fn run(
 ) {
     let every = (config.adopt_after / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
     let mut tick = tokio::time::interval(every);
-    let mut watch = Watch::new(clock);
+    let mut watch = Watch::new(clock, state.clone(), metrics.clone());
     let mut client: Option<Client> = None;
     let name = format!("nackd adoption {}", config.instance);
     loop {
@@ -99,9 +116,9 @@ pub(super) struct Watch {
     clock: Clock,
     free_since: HashMap<String, Instant>,
     settled: HashSet<String>,
-    /// Messages parked so far by an adoption that failed part way: their
-    /// id there → ours. A retry skips them instead of parking them twice.
-    progress: HashMap<String, HashMap<u64, u64>>,
+    /// Messages parked so far by an adoption that failed part way, not
+    /// committed: a retry under the same intent skips them.
+    progress: HashMap<String, Progress>,
     /// Every instance name seen in the registry (its records age out).
     known: std::collections::BTreeSet<String>,
     /// Registrations of each name at the last read: an instance registers
@@ -112,11 +129,26 @@ pub(super) struct Watch {
     registered_at: Option<Instant>,
     /// Instances whose lease is free but whose generation stream is gone.
     unadoptable: HashSet<String>,
+    /// Where this instance's replica stands: a commit needs it active.
+    state: watch::Receiver<State>,
+    metrics: std::sync::Arc<Metrics>,
+}
+
+/// An adoption's parks, until committed: the epoch of its intent, and the
+/// messages parked so far (their id there → ours).
+#[derive(Debug, Default)]
+struct Progress {
+    epoch: Option<u64>,
+    ours: HashMap<u64, u64>,
 }
 
 impl Watch {
-    fn new(clock: Clock) -> Self {
+    fn new(clock: Clock, state: watch::Receiver<State>, metrics: std::sync::Arc<Metrics>) -> Self {
+        let mut state = state;
+        state.mark_unchanged();
         Self {
+            state,
+            metrics,
             clock,
             free_since: HashMap::new(),
             settled: HashSet::new(),
@@ -141,6 +173,14 @@ impl Watch {
         config: &Config,
         engine: &mpsc::Sender<Adopt>,
     ) -> Result<(), ClientError> {
+        if self.state.has_changed().unwrap_or(true) {
+            // The lease was lost since (the store may have been rebuilt,
+            // the engine started again): parks not committed yet go.
+            self.state.borrow_and_update();
+            for (name, progress) in std::mem::take(&mut self.progress) {
+                abandon(engine, &name, progress).await;
+            }
+        }
         let registry = config.registry();
         if self
             .read_at
@@ -198,6 +238,11 @@ impl Watch {
             self.free_since.remove(name);
             self.settled.remove(name);
             self.unadoptable.remove(name);
+            if let Some(progress) = self.progress.remove(name) {
+                // It came back (or another adopter started): our parks
+                // can no longer be committed.
+                abandon(engine, name, progress).await;
+            }
             return Ok(());
         }
         if self.settled.contains(name) {
@@ -209,10 +254,19 @@ impl Watch {
             return Ok(());
         }
         let progress = self.progress.entry(name.to_owned()).or_default();
-        match adopt(client, config, name, engine, progress).await? {
+        let me = Adopter {
+            client,
+            config,
+            engine,
+            state: &self.state,
+            metrics: &self.metrics,
+        };
+        match me.adopt(name, progress).await? {
             Adoption::Done => {
                 self.settled.insert(name.to_owned());
-                self.progress.remove(name);
+                if let Some(progress) = self.progress.remove(name) {
+                    abandon(engine, name, progress).await;
+                }
             }
             Adoption::Busy => {}
             Adoption::Missing(stream) => {
@@ -224,7 +278,9 @@ impl Watch {
                 // Looked at again once it registers again (it came back).
                 self.settled.insert(name.to_owned());
                 self.unadoptable.insert(name.to_owned());
-                self.progress.remove(name);
+                if let Some(progress) = self.progress.remove(name) {
+                    abandon(engine, name, progress).await;
+                }
             }
         }
         self.free_since.remove(name);
@@ -247,110 +303,364 @@ async fn registered(
     Ok(names)
 }
 
-/// Adopts `name`'s held messages.
-async fn adopt(
-    client: &Client,
-    config: &Config,
-    name: &str,
-    engine: &mpsc::Sender<Adopt>,
-    ours: &mut HashMap<u64, u64>,
-) -> Result<Adoption, ClientError> {
-    let connection = format!("nackd adoption {} of {name}", config.instance);
-    let Some(lease) = Lease::take(&config.target, &Config::lease(name), &connection).await? else {
-        return Ok(Adoption::Busy); // another instance adopts it, or it came back
-    };
-    let directory = Config::directory(name);
-    let mut generation = None;
-    let mut adopted = false;
-    if client.exists(&directory).await? {
-        for record in client.read_all(&directory).await? {
+/// What an adoption works with.
+struct Adopter<'a> {
+    client: &'a Client,
+    config: &'a Config,
+    engine: &'a mpsc::Sender<Adopt>,
+    state: &'a watch::Receiver<State>,
+    metrics: &'a Metrics,
+}
+
+/// What another instance's directory says about adoptions.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Directory {
+    /// The generation stream that holds its messages.
+    generation: Option<u64>,
+    /// Every message was adopted (since that generation).
+    adopted: bool,
+    /// An intent not committed yet, and not given up (the instance did
+    /// not come back since): its adopter, and its epoch.
+    open: Option<(String, u64)>,
+    /// The highest intent epoch written: a new intent takes the next.
+    last_intent: u64,
+    /// The epochs of committed intents.
+    committed: HashSet<u64>,
+}
+
+impl Directory {
+    /// The directory of `name`; `None` if it has none.
+    async fn read(client: &Client, name: &str) -> Result<Option<Self>, ClientError> {
+        let directory = Config::directory(name);
+        if !client.exists(&directory).await? {
+            return Ok(None);
+        }
+        Ok(Some(Self::fold(client.read_all(&directory).await?)))
+    }
+
+    fn fold(records: Vec<Record>) -> Self {
+        let mut dir = Self::default();
+        for record in records {
             match record {
-                Record::Generation(n) => (generation, adopted) = (Some(n), false),
-                Record::Adopted { .. } => adopted = true,
+                Record::Generation(n) => {
+                    (dir.generation, dir.adopted, dir.open) = (Some(n), false, None);
+                }
+                // The instance took its lease again: it holds its messages.
+                Record::Epoch { .. } => dir.open = None,
+                Record::Adopting { by, epoch } => {
+                    dir.last_intent = dir.last_intent.max(epoch);
+                    dir.open = Some((by, epoch));
+                }
+                Record::Adopted { epoch, .. } => {
+                    dir.adopted = true;
+                    dir.open = None;
+                    dir.committed.extend(epoch);
+                }
                 _ => {}
             }
         }
+        dir
     }
-    if let (Some(g), false) = (generation, adopted) {
+}
+
+/// Whether moved puts count: their adoption committed, as the adopted
+/// instance's directory says (read once per intent).
+#[derive(Default)]
+pub(super) struct Commits {
+    known: HashMap<Intent, bool>,
+}
+
+impl Commits {
+    /// Whether a put moved by `from` counts. A directory that is gone
+    /// counts as committed: nobody can adopt that instance any more, so
+    /// this is the one copy left.
+    pub async fn counts(&mut self, client: &Client, from: &Intent) -> Result<bool, ClientError> {
+        if let Some(known) = self.known.get(from) {
+            return Ok(*known);
+        }
+        let counts = Directory::read(client, &from.from)
+            .await?
+            .is_none_or(|d| d.committed.contains(&from.epoch));
+        if !counts {
+            info!(
+                from = from.from,
+                epoch = from.epoch,
+                "moved messages of an adoption that was never committed: not held"
+            );
+        }
+        self.known.insert(from.clone(), counts);
+        Ok(counts)
+    }
+}
+
+/// Completes what an adoption that can no longer be committed parked.
+async fn abandon(engine: &mpsc::Sender<Adopt>, from: &str, progress: Progress) {
+    if progress.ours.is_empty() {
+        return;
+    }
+    warn!(
+        from,
+        epoch = progress.epoch,
+        parked = progress.ours.len(),
+        "an adoption cut off half way cannot be committed: its parks are dropped (the adopted stream still has them)"
+    );
+    for id in progress.ours.into_values() {
+        let _ = engine.send(Adopt::Complete(id)).await;
+    }
+}
+
+impl Adopter<'_> {
+    /// Adopts `name`'s held messages, in one step: intent, parks, commit.
+    async fn adopt(&self, name: &str, progress: &mut Progress) -> Result<Adoption, ClientError> {
+        let client = self.client;
+        let me = &self.config.instance;
+        let connection = format!("nackd adoption {me} of {name}");
+        let target = &self.config.target;
+        let Some(mut lease) = Lease::take(target, &Config::lease(name), &connection).await? else {
+            return Ok(Adoption::Busy); // another instance adopts it, or it came back
+        };
+        let dir = Directory::read(client, name).await?.unwrap_or_default();
+        let mut released = false;
+        if let Some(epoch) = progress.epoch {
+            if dir.committed.contains(&epoch) {
+                // Committed by the last try, whose answer was lost.
+                self.release(name, epoch, progress).await;
+                released = true;
+            } else if dir.open.as_ref() != Some(&(me.clone(), epoch)) {
+                abandon(self.engine, name, std::mem::take(progress)).await;
+            }
+        }
+        let Some(g) = dir.generation.filter(|_| !dir.adopted) else {
+            self.finish(name, dir.generation.filter(|_| released), lease)
+                .await?;
+            return Ok(Adoption::Done);
+        };
+        if let Some((by, _)) = dir.open.as_ref().filter(|(by, _)| by != me) {
+            let nodes = target.nodes.len();
+            if Lease::is_held(client, &Config::lease(by), nodes).await? {
+                // Its adopter is alive: it resumes (or gives up) itself.
+                lease.release().await;
+                return Ok(Adoption::Busy);
+            }
+            warn!(
+                from = name,
+                adopter = by,
+                "an adoption was cut off half way (its adopter is gone): adopting again; its parks never count"
+            );
+        }
         let stream = Config::generation(name, g);
         if !client.exists(&stream).await? {
             lease.release().await; // it may come back and reseed
             return Ok(Adoption::Missing(stream));
         }
-        let count = match take_over(client, name, g, engine, ours).await {
-            Ok(count) => count,
-            Err(e) => {
-                // The owner may come back before the next try and keep all
-                // of its messages: what was parked here so far goes. Its
-                // stream still has every one of them.
-                for id in std::mem::take(ours).into_values() {
-                    let _ = engine.send(Adopt::Complete(id)).await;
-                }
-                if let ClientError::Returned(stream) = e {
-                    lease.release().await;
-                    return Ok(Adoption::Missing(stream));
-                }
-                return Err(e);
+        let epoch = match progress.epoch {
+            Some(epoch) => epoch, // resumed: the intent is still ours and open
+            None => {
+                let epoch = dir.last_intent + 1;
+                local::begin_adoption(&self.config.store_dir, name)
+                    .map_err(|e| ClientError::Unreachable(format!("local store: {e}")))?;
+                let intent = Record::Adopting {
+                    by: me.clone(),
+                    epoch,
+                };
+                client
+                    .append_confirmed(&Config::directory(name), &intent)
+                    .await?;
+                progress.epoch = Some(epoch);
+                epoch
             }
         };
-        let by = Record::Adopted {
-            by: config.instance.clone(),
+        let from = Intent {
+            from: name.to_owned(),
+            epoch,
         };
-        client.append_confirmed(&directory, &by).await?;
-        client.delete(&Config::generation(name, g)).await?;
+        let count = match self.take_over(g, from, &mut progress.ours).await {
+            Ok(count) => count,
+            Err(ClientError::Returned(stream)) => {
+                abandon(self.engine, name, std::mem::take(progress)).await;
+                lease.release().await;
+                return Ok(Adoption::Missing(stream));
+            }
+            // Kept, not fired: the next try resumes under the same intent,
+            // or drops them if it can no longer be committed.
+            Err(e) => return Err(e),
+        };
+        if self.state.has_changed().unwrap_or(true) || *self.state.borrow() != State::Active {
+            // Our lease was lost meanwhile: the store may have been
+            // rebuilt without these parks. The next round drops them.
+            return Err(ClientError::Unreachable(
+                "this instance's lease was lost during the adoption: not committing".into(),
+            ));
+        }
+        if lease.probe(|| {}).await < lease::majority(target.nodes.len()) {
+            // The adopted id's lease went meanwhile: another adopter (or
+            // the instance itself) may act on its directory now.
+            return Err(ClientError::Unreachable(
+                "the adopted instance's lease was lost during the adoption: not committing".into(),
+            ));
+        }
+        let commit = Record::Adopted {
+            by: me.clone(),
+            epoch: Some(epoch),
+        };
+        client
+            .append_confirmed(&Config::directory(name), &commit)
+            .await?;
+        self.release(name, epoch, progress).await;
+        self.finish(name, Some(g), lease).await?;
         info!(
             from = name,
+            epoch,
             messages = count,
             "adopted the held messages of an instance whose lease was free"
         );
+        Ok(Adoption::Done)
     }
-    lease.release().await;
-    Ok(Adoption::Done)
-}
 
-/// Parks every message of `name`'s generation `g` under our own ids.
-async fn take_over(
-    client: &Client,
-    name: &str,
-    g: u64,
-    engine: &mpsc::Sender<Adopt>,
-    ours: &mut HashMap<u64, u64>,
-) -> Result<usize, ClientError> {
-    let mut reader = client.read(&Config::generation(name, g)).await?;
-    let mut fold = Fold::default();
-    let already: HashSet<u64> = ours.keys().copied().collect();
-    while let Some(record) = reader.next().await? {
-        for step in fold.apply(record) {
-            match step {
-                Step::Put(held) if already.contains(&held.id) => {}
-                Step::Put(held) => {
-                    let theirs = held.id;
-                    let (reply, answer) = oneshot::channel();
-                    let gone = || ClientError::Unreachable("the retry engine is gone".into());
-                    engine
-                        .send(Adopt::Park { held, reply })
-                        .await
-                        .map_err(|_| gone())?;
-                    match answer.await.map_err(|_| gone())? {
-                        Ok(id) => {
-                            if let Some(older) = ours.insert(theirs, id) {
-                                // A later put of the same message: the newer copy wins.
-                                let _ = engine.send(Adopt::Complete(older)).await;
+    /// The intent `epoch` is committed: its parks fire from now on.
+    async fn release(&self, from: &str, epoch: u64, progress: &mut Progress) {
+        let ids: Vec<u64> = std::mem::take(progress).ours.into_values().collect();
+        info!(
+            from,
+            epoch,
+            messages = ids.len(),
+            "adoption committed: its messages are scheduled"
+        );
+        let _ = self.engine.send(Adopt::Release(ids)).await;
+        local::end_adoption(&self.config.store_dir);
+    }
+
+    /// Nothing is left to adopt: the old generation (if any) and the lease go.
+    async fn finish(
+        &self,
+        name: &str,
+        generation: Option<u64>,
+        lease: Lease,
+    ) -> Result<(), ClientError> {
+        if let Some(g) = generation {
+            self.client.delete(&Config::generation(name, g)).await?;
+        }
+        lease.release().await;
+        Ok(())
+    }
+
+    /// Parks every message of the adopted generation `g` under our own
+    /// ids, as moved by `from`, skipping those `ours` has already.
+    async fn take_over(
+        &self,
+        g: u64,
+        from: Intent,
+        ours: &mut HashMap<u64, u64>,
+    ) -> Result<usize, ClientError> {
+        let name = from.from.clone();
+        let mut reader = self.client.read(&Config::generation(&name, g)).await?;
+        let mut fold = Fold::default();
+        let mut commits = Commits::default();
+        let already: HashSet<u64> = ours.keys().copied().collect();
+        let engine = self.engine;
+        while let Some(record) = reader.next().await? {
+            for step in fold.apply(record) {
+                match step {
+                    Step::Put(held) if already.contains(&held.id) => {}
+                    Step::Put(held) => {
+                        if let Some(theirs) = fold.intent(held.id) {
+                            // Parked by an adoption of its own: only if committed.
+                            if !commits.counts(self.client, theirs).await? {
+                                continue;
                             }
                         }
-                        Err(e) => {
-                            warn!(from = name, error = e, "cannot park an adopted message");
-                            return Err(ClientError::Unreachable(e));
+                        let theirs = held.id;
+                        let (reply, answer) = oneshot::channel();
+                        let gone = || ClientError::Unreachable("the retry engine is gone".into());
+                        let park = Adopt::Park {
+                            held,
+                            from: from.clone(),
+                            reply,
+                        };
+                        engine.send(park).await.map_err(|_| gone())?;
+                        match answer.await.map_err(|_| gone())? {
+                            Ok(id) => {
+                                self.metrics.replica_adopted.inc();
+                                if let Some(older) = ours.insert(theirs, id) {
+                                    // A later put of the same message: the newer copy wins.
+                                    let _ = engine.send(Adopt::Complete(older)).await;
+                                }
+                            }
+                            Err(e) => {
+                                warn!(from = name, error = e, "cannot park an adopted message");
+                                return Err(ClientError::Unreachable(e));
+                            }
                         }
                     }
-                }
-                Step::Drop(theirs) => {
-                    if let Some(id) = ours.remove(&theirs) {
-                        let _ = engine.send(Adopt::Complete(id)).await;
+                    Step::Drop(theirs) => {
+                        if let Some(id) = ours.remove(&theirs) {
+                            let _ = engine.send(Adopt::Complete(id)).await;
+                        }
                     }
                 }
             }
         }
+        Ok(ours.len())
     }
-    Ok(ours.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adopting(by: &str, epoch: u64) -> Record {
+        Record::Adopting {
+            by: by.into(),
+            epoch,
+        }
+    }
+
+    #[test]
+    fn an_intent_is_open_until_committed_or_its_instance_comes_back() {
+        let epoch = Record::Epoch {
+            n: 2,
+            holder: "pid 1".into(),
+        };
+        let dir = Directory::fold(vec![Record::Generation(1), adopting("b", 1)]);
+        assert_eq!(dir.open, Some(("b".into(), 1)));
+        assert!(!dir.adopted);
+        // The instance came back: the intent can never be committed.
+        let dir = Directory::fold(vec![Record::Generation(1), adopting("b", 1), epoch]);
+        assert_eq!(dir.open, None);
+        assert_eq!(dir.last_intent, 1, "a new intent takes the next epoch");
+        // B killed half way, C adopts in one step.
+        let dir = Directory::fold(vec![
+            Record::Generation(1),
+            adopting("b", 1),
+            adopting("c", 2),
+            Record::Adopted {
+                by: "c".into(),
+                epoch: Some(2),
+            },
+        ]);
+        assert_eq!(dir.open, None);
+        assert!(dir.adopted);
+        assert_eq!(dir.committed, HashSet::from([2]), "b's intent never counts");
+        // Written by an older version: adopted, no intent.
+        let old = Directory::fold(vec![
+            Record::Generation(3),
+            Record::Adopted {
+                by: "b".into(),
+                epoch: None,
+            },
+        ]);
+        assert!(old.adopted && old.committed.is_empty());
+        // Started again after its adoption: a new generation, nothing open.
+        let again = Directory::fold(vec![
+            Record::Generation(1),
+            adopting("b", 1),
+            Record::Adopted {
+                by: "b".into(),
+                epoch: Some(1),
+            },
+            Record::Generation(2),
+        ]);
+        assert_eq!((again.generation, again.adopted), (Some(2), false));
+        assert_eq!(again.last_intent, 1);
+    }
 }

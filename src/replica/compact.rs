@@ -36,16 +36,16 @@ pub(super) async fn copy_live(
     let mut reader = client.read(&from).await?;
     let mut index = 0u64;
     while let Some(record) = reader.next().await? {
-        match &record {
-            Record::Put { copy, record } => {
+        match (record.as_put(), &record) {
+            (Some((copy, record)), _) => {
                 if let Some(id) = crate::store::record::id_of(record) {
-                    let beaten = *copy && winner.get(&id).is_some_and(|(_, c)| !c);
+                    let beaten = copy && winner.get(&id).is_some_and(|(_, c)| !c);
                     if !beaten {
-                        winner.insert(id, (index, *copy));
+                        winner.insert(id, (index, copy));
                     }
                 }
             }
-            Record::Done(ids) => done.extend(ids),
+            (None, Record::Done(ids)) => done.extend(ids),
             _ => {}
         }
         index += 1;
@@ -66,9 +66,10 @@ pub(super) async fn copy_live(
         if index >= end {
             break; // written after the first pass: both generations have it
         }
-        if let (true, Record::Put { record, .. }) = (live.contains(&index), record) {
+        if live.contains(&index) && record.as_put().is_some() {
+            // A moved put keeps its intent: it counts once that is committed.
             let (reply, confirmed) = oneshot::channel();
-            let copy = Record::Put { copy: true, record };
+            let copy = record.into_copy();
             copies.send((copy, reply)).await.map_err(|_| gone())?;
             window.push_back(confirmed);
             if window.len() >= WINDOW {

@@ -8,6 +8,10 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 const FILE: &str = "replica.state";
+/// Present while an adoption of this process parks messages that are not
+/// committed yet: a start on this store then rebuilds it from the stream,
+/// where those parks count only once committed.
+const ADOPTING: &str = "replica.adopting";
 
 /// The local store's last agreement with the cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +73,27 @@ pub fn save(dir: &Path, state: &Synced) -> io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Marks an adoption under way (of `from`), durably.
+pub fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut f = std::fs::File::create(dir.join(ADOPTING))?;
+    writeln!(f, "{from}")?;
+    f.sync_all()?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Whether an adoption was under way when this store was last written:
+/// its parks may not all count, so the store is rebuilt from the stream.
+pub fn adoption_under_way(dir: &Path) -> bool {
+    dir.join(ADOPTING).exists()
+}
+
+/// No adoption is under way any more (best effort: one left behind costs
+/// a rebuild at the next start).
+pub fn end_adoption(dir: &Path) {
+    let _ = std::fs::remove_file(dir.join(ADOPTING));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +119,15 @@ mod tests {
         assert_eq!(load(dir.path()).unwrap().holder, None);
         std::fs::write(dir.path().join(FILE), "nackd-replica 1\ninstance x\n").unwrap();
         assert_eq!(load(dir.path()), None);
+    }
+
+    #[test]
+    fn an_adoption_under_way_is_marked_until_it_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!adoption_under_way(dir.path()));
+        begin_adoption(dir.path(), "host-a").unwrap();
+        assert!(adoption_under_way(dir.path()));
+        end_adoption(dir.path());
+        assert!(!adoption_under_way(dir.path()));
     }
 }

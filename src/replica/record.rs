@@ -5,10 +5,14 @@
 //!   put    = 1 copy:u8 record            (a hold-log put record, checksummed)
 //!   done   = 2 n:u32 id:u64 * n          (completed ids)
 //!   marker = 4 nonce:u128                (read-to-end marker)
+//!   moved  = 5 copy:u8 from:str16 epoch:u64 record
+//!                                        (a put parked by an adoption of `from`)
 //! directory stream   nackd.<instance>
 //!   generation = 16 n:u64                (the generation to read)
 //!   epoch      = 17 n:u64 holder:str16   (a lease acquisition)
-//!   adopted    = 18 by:str16             (another instance took everything)
+//!   adopted    = 18 by:str16 [epoch:u64] (another instance took everything;
+//!                                         with the epoch of its intent)
+//!   adopting   = 19 by:str16 epoch:u64   (another instance's intent to adopt)
 //!   marker     = 4 nonce:u128
 //! registry stream    nackd.instances
 //!   instance   = 32 name:str16           (an instance id that may hold messages)
@@ -20,6 +24,15 @@
 //! if a copy of its put comes later (compaction copies are written while
 //! new records keep coming). Among puts of one id, a put that is not a
 //! copy beats a copy, else the later one wins.
+//!
+//! An adoption is one step: the adopter writes its intent (`adopting`, a
+//! new epoch) to the adopted directory before it parks anything, parks
+//! each message as a `moved` put naming that intent, and commits with an
+//! `adopted` record carrying the same epoch. A `moved` put counts only
+//! once its intent is committed: the fold says which intent each put
+//! came with ([`Fold::intent`]), and the reader asks the adopted
+//! instance's directory. An adopter killed half way leaves puts that
+//! never count, and the adopted instance's stream still holds them all.
 
 use bytes::{Buf, BufMut, Bytes};
 
@@ -30,9 +43,11 @@ const PUT: u8 = 1;
 const DONE: u8 = 2;
 const PUTS: u8 = 3;
 const MARKER: u8 = 4;
+const MOVED: u8 = 5;
 const GENERATION: u8 = 16;
 const EPOCH: u8 = 17;
 const ADOPTED: u8 = 18;
+const ADOPTING: u8 = 19;
 const INSTANCE: u8 = 32;
 
 /// Most ids in one done record.
@@ -51,6 +66,15 @@ pub enum Record {
     /// Several held messages in one stream message (parks that came
     /// together): readers see them as one `Put` each, in order.
     Puts(Vec<Bytes>),
+    /// A held message parked by an adoption (`copy`: written by compaction).
+    Moved {
+        /// A compaction copy.
+        copy: bool,
+        /// The adoption it came with: it counts once that one is committed.
+        from: Intent,
+        /// The hold-log put record, prefix included.
+        record: Bytes,
+    },
     /// Completed messages.
     Done(Vec<u64>),
     /// The end of what a reader must read.
@@ -64,16 +88,37 @@ pub enum Record {
         /// Who took it (process and host, for logs).
         holder: String,
     },
-    /// Every held message was adopted by another instance.
+    /// Every held message was adopted by another instance (the commit
+    /// of its intent, when `epoch` names one).
     Adopted {
         /// The adopting instance.
         by: String,
+        /// The epoch of its [`Record::Adopting`] (none from older versions).
+        epoch: Option<u64>,
+    },
+    /// Another instance is about to adopt every held message: its parks
+    /// name this epoch, and count once an `Adopted` with it follows.
+    Adopting {
+        /// The adopting instance.
+        by: String,
+        /// Unique among the directory's intents.
+        epoch: u64,
     },
     /// An instance id that may hold messages (registry).
     Instance {
         /// Its id.
         name: String,
     },
+}
+
+/// An adoption's intent: the instance adopted, and the epoch its
+/// adopter wrote to that instance's directory before parking anything.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Intent {
+    /// The adopted instance.
+    pub from: String,
+    /// The epoch of the adopter's [`Record::Adopting`].
+    pub epoch: u64,
 }
 
 /// Why a stream message is not a record nackd wrote.
@@ -90,6 +135,36 @@ impl Record {
         }
     }
 
+    /// A put of `held`, parked by the adoption `from`.
+    pub fn moved(held: &Held, from: Intent) -> Self {
+        Self::Moved {
+            copy: false,
+            from,
+            record: Bytes::from(store_record::encode_put(held)),
+        }
+    }
+
+    /// A put's copy flag and hold-log record (a moved put's too).
+    pub fn as_put(&self) -> Option<(bool, &Bytes)> {
+        match self {
+            Self::Put { copy, record } | Self::Moved { copy, record, .. } => Some((*copy, record)),
+            _ => None,
+        }
+    }
+
+    /// This put as a compaction copy (a moved put keeps its intent).
+    pub fn into_copy(self) -> Self {
+        match self {
+            Self::Put { record, .. } => Self::Put { copy: true, record },
+            Self::Moved { from, record, .. } => Self::Moved {
+                copy: true,
+                from,
+                record,
+            },
+            other => other,
+        }
+    }
+
     /// The message body.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
@@ -97,6 +172,13 @@ impl Record {
             Self::Put { copy, record } => {
                 out.put_u8(PUT);
                 out.put_u8(u8::from(*copy));
+                out.put_slice(record);
+            }
+            Self::Moved { copy, from, record } => {
+                out.put_u8(MOVED);
+                out.put_u8(u8::from(*copy));
+                put_str16(&mut out, &from.from);
+                out.put_u64(from.epoch);
                 out.put_slice(record);
             }
             Self::Puts(records) => {
@@ -125,9 +207,17 @@ impl Record {
                 out.put_u64(*n);
                 put_str16(&mut out, holder);
             }
-            Self::Adopted { by } => {
+            Self::Adopted { by, epoch } => {
                 out.put_u8(ADOPTED);
                 put_str16(&mut out, by);
+                if let Some(epoch) = epoch {
+                    out.put_u64(*epoch);
+                }
+            }
+            Self::Adopting { by, epoch } => {
+                out.put_u8(ADOPTING);
+                put_str16(&mut out, by);
+                out.put_u64(*epoch);
             }
             Self::Instance { name } => {
                 out.put_u8(INSTANCE);
@@ -154,8 +244,17 @@ impl Record {
                     holder: take_str16(&mut b)?,
                 }
             }
+            MOVED => take_moved(&mut b)?,
             ADOPTED => Self::Adopted {
                 by: take_str16(&mut b)?,
+                epoch: match b.remaining() {
+                    0 => None,
+                    _ => Some(take_u64(&mut b)?),
+                },
+            },
+            ADOPTING => Self::Adopting {
+                by: take_str16(&mut b)?,
+                epoch: take_u64(&mut b)?,
             },
             INSTANCE => Self::Instance {
                 name: take_str16(&mut b)?,
@@ -211,6 +310,8 @@ pub struct Fold {
     live: std::collections::HashMap<u64, bool>,
     /// Highest id seen in a put or a completion.
     max_id: u64,
+    /// The adoption each held id parked by one came with.
+    intents: std::collections::HashMap<u64, Intent>,
 }
 
 impl Fold {
@@ -222,29 +323,45 @@ impl Fold {
                 .into_iter()
                 .flat_map(|one| self.apply(one))
                 .collect(),
-            Record::Put { copy, record } => {
-                let Some(held) = Record::held(&record) else {
-                    return Vec::new();
-                };
-                let id = held.id;
-                self.max_id = self.max_id.max(id);
-                let beaten = copy && self.live.get(&id) == Some(&false);
-                if self.done.contains(&id) || beaten {
-                    return Vec::new();
-                }
-                self.live.insert(id, copy);
-                vec![Step::Put(held)]
-            }
+            Record::Put { copy, record } => self.put(copy, &record, None),
+            Record::Moved { copy, from, record } => self.put(copy, &record, Some(from)),
             Record::Done(ids) => ids
                 .into_iter()
                 .filter_map(|id| {
                     self.max_id = self.max_id.max(id);
                     self.done.insert(id);
+                    self.intents.remove(&id);
                     self.live.remove(&id).map(|_| Step::Drop(id))
                 })
                 .collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// A put (moved by the adoption `from`, if any). An id keeps the
+    /// intent it was first moved with: a later version of it (a re-route)
+    /// is written once it fired, which it does only once committed.
+    fn put(&mut self, copy: bool, record: &[u8], from: Option<Intent>) -> Vec<Step> {
+        let Some(held) = Record::held(record) else {
+            return Vec::new();
+        };
+        let id = held.id;
+        self.max_id = self.max_id.max(id);
+        let beaten = copy && self.live.get(&id) == Some(&false);
+        if self.done.contains(&id) || beaten {
+            return Vec::new();
+        }
+        self.live.insert(id, copy);
+        if let Some(from) = from {
+            self.intents.entry(id).or_insert(from);
+        }
+        vec![Step::Put(held)]
+    }
+
+    /// The adoption a held id was parked by: it counts only once that
+    /// adoption is committed in the adopted instance's directory.
+    pub fn intent(&self, id: u64) -> Option<&Intent> {
+        self.intents.get(&id)
     }
 
     /// Ids held after every record so far.
@@ -269,13 +386,33 @@ fn put_str16(out: &mut Vec<u8>, s: &str) {
 /// (the rest of the body).
 fn take_put(b: &mut &[u8]) -> Result<Record, Malformed> {
     let copy = take_u8(b)? != 0;
+    let record = take_record(b)?;
+    Ok(Record::Put { copy, record })
+}
+
+/// The rest of a moved put: its copy flag, its intent, then one whole
+/// hold-log put record (the rest of the body).
+fn take_moved(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let copy = take_u8(b)? != 0;
+    let from = take_str16(b)?;
+    let epoch = take_u64(b)?;
+    let record = take_record(b)?;
+    Ok(Record::Moved {
+        copy,
+        from: Intent { from, epoch },
+        record,
+    })
+}
+
+/// One whole hold-log put record: the rest of the body.
+fn take_record(b: &mut &[u8]) -> Result<Bytes, Malformed> {
     let (view, len) = store_record::at(b).map_err(|_| Malformed)?;
     if !matches!(view, View::Put(_)) || len != b.len() {
         return Err(Malformed);
     }
     let record = Bytes::copy_from_slice(b);
     *b = &[];
-    Ok(Record::Put { copy, record })
+    Ok(record)
 }
 
 /// The rest of a batch of puts: a count, then each hold-log put record
@@ -366,7 +503,19 @@ mod tests {
                 n: 7,
                 holder: "pid 1 on host".into(),
             },
-            Record::Adopted { by: "b".into() },
+            Record::Adopted {
+                by: "b".into(),
+                epoch: None,
+            },
+            Record::Adopted {
+                by: "b".into(),
+                epoch: Some(3),
+            },
+            Record::Adopting {
+                by: "b".into(),
+                epoch: 3,
+            },
+            Record::moved(&held(4), intent("a", 2)),
             Record::Instance {
                 name: "host-a".into(),
             },
@@ -383,6 +532,62 @@ mod tests {
         assert_eq!(Record::decode(b""), Err(Malformed));
         assert_eq!(Record::decode(b"\x04short"), Err(Malformed));
         assert_eq!(Record::decode(b"\x63junk"), Err(Malformed));
+    }
+
+    fn intent(from: &str, epoch: u64) -> Intent {
+        Intent {
+            from: from.into(),
+            epoch,
+        }
+    }
+
+    #[test]
+    fn an_adopted_record_of_an_older_version_reads_as_one_without_an_epoch() {
+        let mut old = vec![ADOPTED];
+        put_str16(&mut old, "b");
+        assert_eq!(
+            Record::decode(&old),
+            Ok(Record::Adopted {
+                by: "b".into(),
+                epoch: None
+            })
+        );
+        old.push(0);
+        assert_eq!(Record::decode(&old), Err(Malformed), "a torn epoch");
+    }
+
+    #[test]
+    fn moved_puts_are_puts_that_name_their_intent_until_completed() {
+        let mut fold = Fold::default();
+        let mut moved = held(5);
+        moved.retry = 3;
+        let steps: Vec<Step> = [
+            put(1, 1, false),
+            Record::moved(&moved, intent("a", 2)),
+            Record::moved(&held(6), intent("a", 2)).into_copy(),
+            put(6, 1, false), // a re-route of 6 after it fired
+            Record::Done(vec![5]),
+        ]
+        .into_iter()
+        .flat_map(|r| fold.apply(r))
+        .collect();
+        assert_eq!(steps.len(), 5);
+        assert!(matches!(&steps[1], Step::Put(h) if h.id == 5 && h.retry == 3));
+        assert_eq!(fold.intent(1), None);
+        assert_eq!(
+            fold.intent(5),
+            None,
+            "completed: its intent no longer matters"
+        );
+        assert_eq!(
+            fold.intent(6),
+            Some(&intent("a", 2)),
+            "kept by its re-route"
+        );
+        assert_eq!(fold.held(), 2);
+        let copy = Record::moved(&held(7), intent("a", 2)).into_copy();
+        assert_eq!(copy.as_put().map(|(c, _)| c), Some(true));
+        assert!(matches!(copy, Record::Moved { ref from, .. } if *from == intent("a", 2)));
     }
 
     fn put(id: u64, retry: u32, copy: bool) -> Record {

@@ -84,7 +84,7 @@ impl Directory {
                 Record::Epoch { n, holder } if n > dir.epoch => {
                     (dir.epoch, dir.holder) = (n, Some(holder));
                 }
-                Record::Adopted { by } => dir.adopted_by = Some(by),
+                Record::Adopted { by, .. } => dir.adopted_by = Some(by),
                 _ => {}
             }
         }

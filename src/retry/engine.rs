@@ -567,8 +567,23 @@ impl Engine {
     /// Writes a new message to the store, and to the replica when there is
     /// one; it is held once both have it.
     pub(super) fn put_new(&mut self, held: Held, ctx: PutCtx) {
+        self.put_new_from(held, None, ctx)
+    }
+
+    /// [`Engine::put_new`]; `from`: the adoption that parks it (the
+    /// replica gets a moved put, which counts once that is committed).
+    pub(super) fn put_new_from(
+        &mut self,
+        held: Held,
+        from: Option<crate::replica::Intent>,
+        ctx: PutCtx,
+    ) {
         if let Some(link) = &mut self.link {
-            link.append(&held);
+            let record = match from {
+                Some(from) => crate::replica::Record::moved(&held, from),
+                None => crate::replica::Record::put(&held, false),
+            };
+            link.append(held.id, record);
         }
         self.write(WriteOp::Put {
             held,
@@ -655,9 +670,11 @@ impl Engine {
                 });
             }
             (PutCtx::Adopt { reply, meta }, Ok(loc)) => {
+                // Held, not scheduled: it fires once its adoption is
+                // committed ([`crate::replica::Adopt::Release`]), so that
+                // an adopter killed half way has fired none of them.
                 self.ledger.tick(self.clock.now_ms());
                 self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
-                self.schedule(w.id, w.due_ms);
                 let _ = reply.send(Ok(w.id));
             }
             (PutCtx::Adopt { reply, .. }, Err(e)) => {

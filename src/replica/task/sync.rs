@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::{Command, Task, REBUILD_BATCH, RETRY, SEED_WINDOW};
+use crate::replica::adopt::Commits;
 use crate::replica::client::{ClientError, Confirm};
 use crate::replica::local;
 use crate::replica::record::{Fold, Record, Step};
@@ -92,13 +93,17 @@ impl Task {
         };
         let local = local::load(&self.config.store_dir);
         let instance = &self.config.instance;
+        // A store left by an adoption under way holds parks that may never
+        // count: rebuilt from the stream, where they count once committed.
+        let adopting = local::adoption_under_way(&self.config.store_dir);
         let current = |g: u64| {
-            local.as_ref().is_some_and(|l| {
-                &l.instance == instance
-                    && l.generation == g
-                    && l.epoch == dir.epoch
-                    && super::same_holder(l, &dir)
-            })
+            !adopting
+                && local.as_ref().is_some_and(|l| {
+                    &l.instance == instance
+                        && l.generation == g
+                        && l.epoch == dir.epoch
+                        && super::same_holder(l, &dir)
+                })
         };
         let reseed = match (self.reseed.take(), &dir.adopted_by) {
             (Some(reply), Some(by)) => {
@@ -149,6 +154,7 @@ impl Task {
             Err(e) => return Err(Failed::Broker(log, e)),
         };
         let (log, recovered) = reopen(log)?;
+        local::end_adoption(&self.config.store_dir);
         Ok(SyncOutcome {
             log,
             recovered,
@@ -249,6 +255,10 @@ impl Task {
         let mut fold = Fold::default();
         let mut locs = HashMap::new();
         let mut staged = 0;
+        let mut commits = Commits::default();
+        // Moved by an adoption that was never committed: not held, and
+        // completed, so that the stream stops carrying them.
+        let mut void = Vec::new();
         loop {
             let record = match reader.next().await {
                 Ok(Some(r)) => r,
@@ -256,6 +266,20 @@ impl Task {
                 Err(e) => return Err(Failed::Broker(log, e)),
             };
             for step in fold.apply(record) {
+                let from = match &step {
+                    Step::Put(held) => fold.intent(held.id),
+                    Step::Drop(_) => None,
+                };
+                if let (Step::Put(held), Some(from)) = (&step, from) {
+                    match commits.counts(client, from).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            void.push(held.id);
+                            continue;
+                        }
+                        Err(e) => return Err(Failed::Broker(log, e)),
+                    }
+                }
                 apply(&mut log, &mut locs, step).map_err(Failed::Store)?;
                 staged += 1;
             }
@@ -267,6 +291,13 @@ impl Task {
         log.commit().map_err(|e| Failed::Store(e.to_string()))?;
         log.reserve_ids(fold.next_id())
             .map_err(|e| Failed::Store(e.to_string()))?;
+        if !void.is_empty() {
+            warn!(
+                messages = void.len(),
+                "moved by an adoption of this id that was cut off half way: not held (the adopted stream still has them)"
+            );
+        }
+        void.into_iter().for_each(|id| self.completions.add(id));
         self.metrics.replica_rebuilt.inc_by(locs.len() as u64);
         info!(
             held = locs.len(),

@@ -59,11 +59,11 @@ impl Link {
         }
     }
 
-    /// Appends a new message to the stream; its answer comes to the engine.
-    pub(super) fn append(&mut self, held: &Held) {
-        let id = held.id;
+    /// Appends a new message `id` to the stream (its put, or its moved
+    /// put); its answer comes to the engine.
+    pub(super) fn append(&mut self, id: u64, record: Record) {
         self.pending.insert(id, Pending::default());
-        let appended = self.replica.append(Record::put(held, false));
+        let appended = self.replica.append(record);
         let tx = self.tx.clone();
         tokio::spawn(async move {
             let result = appended.await.map_err(|e| e.to_string());
@@ -156,13 +156,24 @@ impl Engine {
     /// Another instance's message to hold under a new id of ours.
     pub(super) fn on_adopt(&mut self, adopt: Adopt) {
         match adopt {
-            Adopt::Park { mut held, reply } => {
+            Adopt::Park {
+                mut held,
+                from,
+                reply,
+            } => {
                 held.id = self.next_id;
                 self.next_id += 1;
                 let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
-                self.put_new(held, PutCtx::Adopt { reply, meta });
+                self.put_new_from(held, Some(from), PutCtx::Adopt { reply, meta });
             }
             Adopt::Complete(id) => self.forget(id),
+            Adopt::Release(ids) => {
+                for id in ids {
+                    if let Some(due_ms) = self.ledger.get(id).map(|e| e.due_ms) {
+                        self.schedule(id, due_ms);
+                    }
+                }
+            }
         }
     }
 }
