@@ -19,7 +19,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
 
 /// A nackd config in front of the whole cluster, with a replica.
-fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> PathBuf {
+pub(super) fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> PathBuf {
     let nodes: Vec<String> = cluster()
         .addrs()
         .iter()
@@ -61,7 +61,7 @@ async fn publish(q: &str, n: u32) {
 }
 
 /// Publishes messages numbered `ids` to quorum queue `q`, confirmed.
-async fn publish_range(q: &str, ids: std::ops::Range<u32>) {
+pub(super) async fn publish_range(q: &str, ids: std::ops::Range<u32>) {
     let conn = cluster().connect(1).await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -90,7 +90,7 @@ async fn publish_range(q: &str, ids: std::ops::Range<u32>) {
     let _ = conn.close(200, "".into()).await;
 }
 
-async fn delete(q: &str) {
+pub(super) async fn delete(q: &str) {
     let conn = cluster().connect(2).await;
     let ch = conn.create_channel().await.unwrap();
     let _ = ch
@@ -114,11 +114,15 @@ async fn ready(q: &str) -> u32 {
     queue.message_count()
 }
 
-fn id_of(data: &[u8]) -> u32 {
+pub(super) fn id_of(data: &[u8]) -> u32 {
     u32::from_be_bytes(data[..4].try_into().unwrap())
 }
 
-async fn consumer(conn: &Connection, q: &str, prefetch: u16) -> (Channel, lapin::Consumer) {
+pub(super) async fn consumer(
+    conn: &Connection,
+    q: &str,
+    prefetch: u16,
+) -> (Channel, lapin::Consumer) {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(prefetch, BasicQosOptions::default())
         .await
@@ -137,7 +141,7 @@ async fn consumer(conn: &Connection, q: &str, prefetch: u16) -> (Channel, lapin:
 
 /// Nacks every message of `q` once through `nackd`, recording when; waits
 /// until nackd holds all `n`.
-async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
+pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
     let before = scrape(nackd.metrics)
         .await
         .get("nackd_nacks_intercepted_total", &[]);

@@ -15,6 +15,7 @@ mod alerts;
 mod brokers;
 mod cli;
 mod cluster;
+mod cluster_adopt;
 mod cluster_replica;
 mod cluster_smoke;
 mod deferral;
