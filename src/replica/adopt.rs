@@ -107,6 +107,8 @@ enum Adoption {
     Done,
     /// Another instance adopts it, or it came back.
     Busy,
+    /// A live adopter's intent (this epoch) is open: left to it to finish.
+    Left(u64),
     /// Its generation stream is gone: its messages cannot be adopted.
     Missing(String),
 }
@@ -129,6 +131,8 @@ pub(super) struct Watch {
     registered_at: Option<Instant>,
     /// Instances whose lease is free but whose generation stream is gone.
     unadoptable: HashSet<String>,
+    /// Open intents of live adopters, and since when this one saw them.
+    left: HashMap<String, (u64, Instant)>,
     /// Where this instance's replica stands: a commit needs it active.
     state: watch::Receiver<State>,
     metrics: std::sync::Arc<Metrics>,
@@ -147,6 +151,7 @@ impl Watch {
         let mut state = state;
         state.mark_unchanged();
         Self {
+            left: HashMap::new(),
             state,
             metrics,
             clock,
@@ -253,6 +258,15 @@ impl Watch {
         if now.saturating_duration_since(since) < config.adopt_after {
             return Ok(());
         }
+        // A live adopter that has not finished its intent within
+        // adopt_after (it lost its lease, or it cannot write): taken over.
+        // Safe either way: it commits only under the lease, and only an
+        // intent that is still the open one.
+        let overdue = self
+            .left
+            .get(name)
+            .filter(|(_, since)| now.saturating_duration_since(*since) >= config.adopt_after)
+            .map(|(epoch, _)| *epoch);
         let progress = self.progress.entry(name.to_owned()).or_default();
         let me = Adopter {
             client,
@@ -261,7 +275,13 @@ impl Watch {
             state: &self.state,
             metrics: &self.metrics,
         };
-        match me.adopt(name, progress).await? {
+        match me.adopt(name, progress, overdue).await? {
+            Adoption::Left(epoch) => {
+                if self.left.get(name).is_none_or(|(e, _)| *e != epoch) {
+                    self.left.insert(name.to_owned(), (epoch, now));
+                }
+                return Ok(()); // looked at again next round, still free
+            }
             Adoption::Done => {
                 self.settled.insert(name.to_owned());
                 if let Some(progress) = self.progress.remove(name) {
@@ -284,6 +304,7 @@ impl Watch {
             }
         }
         self.free_since.remove(name);
+        self.left.remove(name);
         Ok(())
     }
 }
@@ -411,7 +432,13 @@ async fn abandon(engine: &mpsc::Sender<Adopt>, from: &str, progress: Progress) {
 
 impl Adopter<'_> {
     /// Adopts `name`'s held messages, in one step: intent, parks, commit.
-    async fn adopt(&self, name: &str, progress: &mut Progress) -> Result<Adoption, ClientError> {
+    /// `overdue`: the epoch of a live adopter's intent left open too long.
+    async fn adopt(
+        &self,
+        name: &str,
+        progress: &mut Progress,
+        overdue: Option<u64>,
+    ) -> Result<Adoption, ClientError> {
         let client = self.client;
         let me = &self.config.instance;
         let connection = format!("nackd adoption {me} of {name}");
@@ -435,17 +462,18 @@ impl Adopter<'_> {
                 .await?;
             return Ok(Adoption::Done);
         };
-        if let Some((by, _)) = dir.open.as_ref().filter(|(by, _)| by != me) {
+        if let Some((by, epoch)) = dir.open.as_ref().filter(|(by, _)| by != me) {
             let nodes = target.nodes.len();
-            if Lease::is_held(client, &Config::lease(by), nodes).await? {
+            if overdue != Some(*epoch) && Lease::is_held(client, &Config::lease(by), nodes).await? {
                 // Its adopter is alive: it resumes (or gives up) itself.
                 lease.release().await;
-                return Ok(Adoption::Busy);
+                return Ok(Adoption::Left(*epoch));
             }
             warn!(
                 from = name,
                 adopter = by,
-                "an adoption was cut off half way (its adopter is gone): adopting again; its parks never count"
+                epoch,
+                "an adoption was cut off half way (its adopter is gone, or has not finished within adopt_after): adopting again; its parks never count"
             );
         }
         let stream = Config::generation(name, g);
@@ -454,7 +482,15 @@ impl Adopter<'_> {
             return Ok(Adoption::Missing(stream));
         }
         let epoch = match progress.epoch {
-            Some(epoch) => epoch, // resumed: the intent is still ours and open
+            Some(epoch) => {
+                info!(
+                    from = name,
+                    epoch,
+                    parked = progress.ours.len(),
+                    "resuming an adoption cut off half way, under the same intent"
+                );
+                epoch
+            }
             None => {
                 let epoch = dir.last_intent + 1;
                 local::begin_adoption(&self.config.store_dir, name)

@@ -1,12 +1,15 @@
 //! Issue 21, item 5: an adoption in one step. An adopter killed half way
 //! through an adoption leaves parks that never count; the next adopter
 //! takes every message from the adopted stream again, and the killed
-//! adopter's own messages with it. Real nackd processes on the 3-node
-//! cluster, a real lapin consumer counting every message.
+//! adopter's own messages with it. An adopter that only lost its adoption
+//! connection resumes under the same intent. Real nackd processes on the
+//! 3-node cluster, a real lapin consumer counting every message.
 
 use crate::common;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::cluster::{config, consumer, delete, id_of, park_all, publish_range};
@@ -17,18 +20,37 @@ use common::*;
 use lapin::options::*;
 
 const ADOPTED: &str = "nackd_replica_adopted_messages_total";
+/// Messages A holds when it is killed, and each adopter of its own.
+const N: u32 = 3000;
+const OWN: u32 = 100;
+const DELAY: Duration = Duration::from_secs(30);
 
-/// Polls both adopters (each holding `own` messages of its own) until one
-/// of them has parked at least `from` of the adoption (and not all `of`);
-/// that one is killed. Returns the survivor and what the killed one had
-/// parked.
-async fn kill_the_adopter_half_way(
-    b: Process,
-    c: Process,
-    own: f64,
-    from: f64,
-    of: f64,
-) -> (Process, f64) {
+/// A nackd process and its instance id.
+type Named = (Process, String);
+
+/// A with `N` held messages, killed; B and C (its would-be adopters) with
+/// `OWN` each, alive. Returns B, C, A's id and when each message was nacked.
+async fn a_killed_with_two_adopters(
+    dir: &Path,
+    q: &str,
+) -> (Named, Named, String, HashMap<u32, Instant>) {
+    let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
+    let a = Process::start(&config(dir, &gone, q, "30s", ""));
+    publish_range(q, 0..N).await;
+    let mut nacked = park_all(&a, q, N).await;
+    let b = Process::start(&config(dir, &one, q, "30s", ""));
+    publish_range(q, N..N + OWN).await;
+    nacked.extend(park_all(&b, q, OWN).await);
+    let c = Process::start(&config(dir, &two, q, "30s", ""));
+    publish_range(q, N + OWN..N + 2 * OWN).await;
+    nacked.extend(park_all(&c, q, OWN).await);
+    a.kill9();
+    ((b, one), (c, two), gone, nacked)
+}
+
+/// Polls B and C until one of them has parked a quarter of A's messages;
+/// returns that one (the adopter), the other, and what it had parked then.
+async fn adopting_a_quarter(b: Named, c: Named) -> (Named, Named, f64) {
     let began = Instant::now();
     loop {
         assert!(
@@ -36,58 +58,43 @@ async fn kill_the_adopter_half_way(
             "nobody adopted the instance"
         );
         // Parked adopted messages are held (not scheduled yet).
+        let own = f64::from(OWN);
         let (pb, pc) = (
-            scrape(b.metrics).await.sum("nackd_held_messages") - own,
-            scrape(c.metrics).await.sum("nackd_held_messages") - own,
+            scrape(b.0.metrics).await.sum("nackd_held_messages") - own,
+            scrape(c.0.metrics).await.sum("nackd_held_messages") - own,
         );
-        let (adopter, survivor, parked) = match (pb >= from, pc >= from) {
-            (true, _) => (b, c, pb),
-            (_, true) => (c, b, pc),
-            _ => {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        adopter.kill9();
-        assert!(
-            parked < of,
-            "the adoption ended before the kill ({parked} of {of} parked): nothing was cut off"
-        );
-        return (survivor, parked);
+        let from = f64::from(N / 4);
+        match (pb >= from, pc >= from) {
+            (true, _) => return (b, c, pb),
+            (_, true) => return (c, b, pc),
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
     }
 }
 
-/// Issue 21, item 5: A holds 3 000 messages and is killed; B or C adopts
-/// it and is SIGKILLed half way through; the other one then adopts A and
-/// the killed adopter. Every message comes back exactly once: none lost,
-/// none twice (the killed adopter's parks are dropped, A's stream gives
-/// them again), none early. The survivor parks A's 3 000 and the killed
-/// adopter's own 100, and none of what the killed one had moved.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_adopter_killed_half_way_loses_nothing_and_fires_nothing_twice() {
-    let _all_up = cluster().steady().await;
-    let dir = tempfile::tempdir().unwrap();
-    let q = unique("cluster-adopt-killed");
-    let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
-    let (n, own) = (3000u32, 100u32);
-    let delay = Duration::from_secs(30);
-    let a = Process::start(&config(dir.path(), &gone, &q, "30s", ""));
-    publish_range(&q, 0..n).await;
-    let mut nacked = park_all(&a, &q, n).await;
-    let b = Process::start(&config(dir.path(), &one, &q, "30s", ""));
-    publish_range(&q, n..n + own).await;
-    nacked.extend(park_all(&b, &q, own).await);
-    let c = Process::start(&config(dir.path(), &two, &q, "30s", ""));
-    publish_range(&q, n + own..n + 2 * own).await;
-    nacked.extend(park_all(&c, &q, own).await);
-    a.kill9();
-    let (survivor, parked) =
-        kill_the_adopter_half_way(b, c, f64::from(own), f64::from(n / 4), f64::from(n)).await;
-    eprintln!("adopter killed with {parked} of {n} parked");
-    // Every message once: A's through the survivor's adoption, the killed
-    // adopter's own too, the survivor's own from itself.
-    let conn = connect(&format!("amqp://guest:guest@{}/%2f", survivor.addr)).await;
-    let (_ch, mut deliveries) = consumer(&conn, &q, 500).await;
+/// Waits until `p` logged that it committed its adoption of `gone`.
+async fn committed(p: &Process, gone: &str, since: Instant) -> Duration {
+    let done = || {
+        let log = p.log.lock().unwrap();
+        log.iter()
+            .any(|l| l.contains("adopted the held messages") && l.contains(gone))
+    };
+    while !done() {
+        assert!(
+            since.elapsed() < Duration::from_secs(60),
+            "no adoption of {gone} committed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    since.elapsed()
+}
+
+/// Consumes the retries of `q` through `addr` until every message of
+/// `nacked` came back and 5 s more passed without a new one; each once
+/// (none lost, none twice), none early.
+async fn every_one_once(addr: SocketAddr, q: &str, nacked: &HashMap<u32, Instant>) {
+    let conn = connect(&format!("amqp://guest:guest@{addr}/%2f")).await;
+    let (_ch, mut deliveries) = consumer(&conn, q, 500).await;
     let mut back: HashMap<u32, u32> = HashMap::new();
     let began = Instant::now();
     let mut last_new = Instant::now();
@@ -105,7 +112,7 @@ async fn an_adopter_killed_half_way_loses_nothing_and_fires_nothing_twice() {
         assert_eq!(retry_count(&d), 1, "message {id}");
         let since = Instant::now() - nacked[&id];
         assert!(
-            since >= delay,
+            since >= DELAY,
             "message {id} came back after {since:?}: early"
         );
         let seen = back.entry(id).or_default();
@@ -123,17 +130,97 @@ async fn an_adopter_killed_half_way_loses_nothing_and_fires_nothing_twice() {
     );
     assert_eq!(back.len(), nacked.len(), "every message came back");
     assert_eq!(twice, 0, "no message came back twice");
+    let _ = conn.close(200, "".into()).await;
+}
+
+/// Issue 21, item 5: A holds 3 000 messages and is killed; B or C adopts
+/// it and is SIGKILLed a quarter of the way through; the other one then
+/// adopts A and the killed adopter. Every message comes back exactly
+/// once: none lost, none twice (the killed adopter's parks are dropped, A's
+/// stream gives them again), none early. The survivor parks A's 3 000 and
+/// the killed adopter's own 100, and none of what the killed one had moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopter_killed_half_way_loses_nothing_and_fires_nothing_twice() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let q = unique("cluster-adopt-killed");
+    let (b, c, gone, nacked) = a_killed_with_two_adopters(dir.path(), &q).await;
+    let ((adopter, _), (survivor, _), parked) = adopting_a_quarter(b, c).await;
+    adopter.kill9();
+    let killed = Instant::now();
+    assert!(
+        parked < f64::from(N),
+        "the adoption ended before the kill: nothing was cut off"
+    );
+    eprintln!("adopter killed with {parked} of {N} parked");
+    let took = committed(&survivor, &gone, killed).await;
+    eprintln!("the survivor committed its adoption of all {N} {took:?} after the kill");
+    every_one_once(survivor.addr, &q, &nacked).await;
     let s = scrape(survivor.metrics).await;
     assert_eq!(
         s.get(ADOPTED, &[]),
-        f64::from(n + own),
+        f64::from(N + OWN),
         "the survivor parked A's messages and the killed adopter's own, none of its moved ones"
     );
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
     // It saw the intent left open, and dropped the killed adopter's parks.
-    survivor.wait_for_log(&["cut off half way (its adopter is gone)", &gone]);
+    survivor.wait_for_log(&["cut off half way (its adopter is gone", &gone]);
     survivor.wait_for_log(&["never committed", &gone]);
-    let _ = conn.close(200, "".into()).await;
     drop(survivor);
+    delete(&q).await;
+}
+
+/// Closes the adoption connection of `instance` (`rabbitmqctl
+/// close_connection`); `true` if one was open.
+async fn close_adoption_connection(instance: &str) -> bool {
+    let listed = cluster()
+        .ctl(1, &["list_connections", "pid", "client_properties"])
+        .await;
+    let name = format!("\"nackd adoption {instance}\"");
+    let Some(pid) = listed
+        .lines()
+        .find(|l| l.contains(&name))
+        .and_then(|l| l.split('\t').next())
+    else {
+        return false;
+    };
+    cluster()
+        .ctl(
+            1,
+            &["close_connection", pid, "test: adoption connection closed"],
+        )
+        .await;
+    true
+}
+
+/// The adopter stays up but its adoption connection is closed a quarter
+/// of the way through (A's lease goes with it): it takes the lease again
+/// and resumes under the same intent (or, should the other instance get
+/// there first and wait out `adopt_after`, that one adopts in its place).
+/// Every message once, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adoption_whose_connection_is_closed_half_way_resumes_without_duplicates() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let q = unique("cluster-adopt-cut");
+    let (b, c, gone, nacked) = a_killed_with_two_adopters(dir.path(), &q).await;
+    let ((adopter, id), (other, _), parked) = adopting_a_quarter(b, c).await;
+    let cut = Instant::now();
+    assert!(
+        close_adoption_connection(&id).await,
+        "{id} has no adoption connection"
+    );
+    eprintln!("adoption connection closed with {parked} of {N} parked");
+    let took = tokio::select! {
+        t = committed(&adopter, &gone, cut) => { eprintln!("the adopter resumed"); t }
+        t = committed(&other, &gone, cut) => { eprintln!("the other instance took over"); t }
+    };
+    eprintln!("adoption of all {N} committed {took:?} after the cut");
+    every_one_once(adopter.addr, &q, &nacked).await;
+    for p in [&adopter, &other] {
+        assert_eq!(scrape(p.metrics).await.sum("nackd_held_messages"), 0.0);
+    }
+    drop(adopter);
+    drop(other);
     delete(&q).await;
 }
