@@ -224,3 +224,34 @@ async fn an_adoption_whose_connection_is_closed_half_way_resumes_without_duplica
     drop(other);
     delete(&q).await;
 }
+
+/// The adopter is SIGKILLed a quarter of the way through and started
+/// again at once on its store: the store was left mid-adoption, so it is
+/// rebuilt from the stream, without the parks of the intent that was
+/// never committed; the adoption is made again (by it or the other
+/// instance). Every message once, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopter_killed_half_way_and_restarted_on_its_store_fires_nothing_twice() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let q = unique("cluster-adopt-restart");
+    let (b, c, gone, nacked) = a_killed_with_two_adopters(dir.path(), &q).await;
+    let ((adopter, id), (other, _), parked) = adopting_a_quarter(b, c).await;
+    adopter.kill9();
+    let killed = Instant::now();
+    eprintln!("adopter killed with {parked} of {N} parked, started again");
+    let adopter = Process::start(&config(dir.path(), &id, &q, "30s", ""));
+    adopter.wait_for_log(&["cut off half way: not held"]);
+    let took = tokio::select! {
+        t = committed(&adopter, &gone, killed) => { eprintln!("the restarted adopter adopted again"); t }
+        t = committed(&other, &gone, killed) => { eprintln!("the other instance took over"); t }
+    };
+    eprintln!("adoption of all {N} committed {took:?} after the kill");
+    every_one_once(other.addr, &q, &nacked).await;
+    for p in [&adopter, &other] {
+        assert_eq!(scrape(p.metrics).await.sum("nackd_held_messages"), 0.0);
+    }
+    drop(adopter);
+    drop(other);
+    delete(&q).await;
+}
