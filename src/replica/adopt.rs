@@ -180,10 +180,13 @@ impl Watch {
     ) -> Result<(), ClientError> {
         if self.state.has_changed().unwrap_or(true) {
             // The lease was lost since (the store may have been rebuilt,
-            // the engine started again): parks not committed yet go.
+            // the engine started again): parks not committed yet go, those
+            // of a commit whose answer was lost are scheduled.
             self.state.borrow_and_update();
             for (name, progress) in std::mem::take(&mut self.progress) {
-                abandon(engine, &name, progress).await;
+                if let Some(kept) = settle(client, engine, config, &name, progress).await {
+                    self.progress.insert(name, kept);
+                }
             }
         }
         let registry = config.registry();
@@ -245,8 +248,10 @@ impl Watch {
             self.unadoptable.remove(name);
             if let Some(progress) = self.progress.remove(name) {
                 // It came back (or another adopter started): our parks
-                // can no longer be committed.
-                abandon(engine, name, progress).await;
+                // can no longer be committed, unless they were already.
+                if let Some(kept) = settle(client, engine, config, name, progress).await {
+                    self.progress.insert(name.to_owned(), kept);
+                }
             }
             return Ok(());
         }
@@ -285,7 +290,7 @@ impl Watch {
             Adoption::Done => {
                 self.settled.insert(name.to_owned());
                 if let Some(progress) = self.progress.remove(name) {
-                    abandon(engine, name, progress).await;
+                    abandon(engine, config, name, progress).await;
                 }
             }
             Adoption::Busy => {}
@@ -299,7 +304,7 @@ impl Watch {
                 self.settled.insert(name.to_owned());
                 self.unadoptable.insert(name.to_owned());
                 if let Some(progress) = self.progress.remove(name) {
-                    abandon(engine, name, progress).await;
+                    abandon(engine, config, name, progress).await;
                 }
             }
         }
@@ -414,8 +419,61 @@ impl Commits {
     }
 }
 
+/// An adoption cut off whose commit may or may not have landed (its
+/// answer lost): the adopted directory says. Committed: its parks are
+/// scheduled. Not: they are completed. Unreadable: kept (returned), for
+/// the next round; never completed on a guess, since a commit that landed
+/// leaves the adopted stream unread by anyone else.
+async fn settle(
+    client: &Client,
+    engine: &mpsc::Sender<Adopt>,
+    config: &Config,
+    from: &str,
+    progress: Progress,
+) -> Option<Progress> {
+    let Some(epoch) = progress.epoch else {
+        abandon(engine, config, from, progress).await;
+        return None;
+    };
+    match Directory::read(client, from).await {
+        // No directory: nobody can adopt it any more (as `Commits` says).
+        Ok(dir) if dir.as_ref().is_none_or(|d| d.committed.contains(&epoch)) => {
+            schedule(engine, config, from, epoch, progress).await;
+            None
+        }
+        Ok(_) => {
+            abandon(engine, config, from, progress).await;
+            None
+        }
+        Err(e) => {
+            warn!(from, error = %e, "cannot tell whether an adoption committed; asking again next round");
+            Some(progress)
+        }
+    }
+}
+
+/// The intent `epoch` is committed: its parks fire from now on.
+async fn schedule(
+    engine: &mpsc::Sender<Adopt>,
+    config: &Config,
+    from: &str,
+    epoch: u64,
+    progress: Progress,
+) {
+    let ids: Vec<u64> = progress.ours.into_values().collect();
+    info!(
+        from,
+        epoch,
+        messages = ids.len(),
+        "adoption committed: its messages are scheduled"
+    );
+    let _ = engine.send(Adopt::Release(ids)).await;
+    local::end_adoption(&config.store_dir, from);
+}
+
 /// Completes what an adoption that can no longer be committed parked.
-async fn abandon(engine: &mpsc::Sender<Adopt>, from: &str, progress: Progress) {
+async fn abandon(engine: &mpsc::Sender<Adopt>, config: &Config, from: &str, progress: Progress) {
+    local::end_adoption(&config.store_dir, from);
     if progress.ours.is_empty() {
         return;
     }
@@ -454,7 +512,7 @@ impl Adopter<'_> {
                 self.release(name, epoch, progress).await;
                 released = true;
             } else if dir.open.as_ref() != Some(&(me.clone(), epoch)) {
-                abandon(self.engine, name, std::mem::take(progress)).await;
+                abandon(self.engine, self.config, name, std::mem::take(progress)).await;
             }
         }
         let Some(g) = dir.generation.filter(|_| !dir.adopted) else {
@@ -489,6 +547,9 @@ impl Adopter<'_> {
                     parked = progress.ours.len(),
                     "resuming an adoption cut off half way, under the same intent"
                 );
+                // Marked again: a sync since may have cleared it.
+                local::begin_adoption(&self.config.store_dir, name)
+                    .map_err(|e| ClientError::Unreachable(format!("local store: {e}")))?;
                 epoch
             }
             None => {
@@ -513,7 +574,7 @@ impl Adopter<'_> {
         let count = match self.take_over(g, from, &mut progress.ours).await {
             Ok(count) => count,
             Err(ClientError::Returned(stream)) => {
-                abandon(self.engine, name, std::mem::take(progress)).await;
+                abandon(self.engine, self.config, name, std::mem::take(progress)).await;
                 lease.release().await;
                 return Ok(Adoption::Missing(stream));
             }
@@ -555,15 +616,14 @@ impl Adopter<'_> {
 
     /// The intent `epoch` is committed: its parks fire from now on.
     async fn release(&self, from: &str, epoch: u64, progress: &mut Progress) {
-        let ids: Vec<u64> = std::mem::take(progress).ours.into_values().collect();
-        info!(
+        schedule(
+            self.engine,
+            self.config,
             from,
             epoch,
-            messages = ids.len(),
-            "adoption committed: its messages are scheduled"
-        );
-        let _ = self.engine.send(Adopt::Release(ids)).await;
-        local::end_adoption(&self.config.store_dir);
+            std::mem::take(progress),
+        )
+        .await;
     }
 
     /// Nothing is left to adopt: the old generation (if any) and the lease go.

@@ -73,10 +73,31 @@ pub fn save(dir: &Path, state: &Synced) -> io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-/// Marks an adoption under way (of `from`), durably.
+/// The marker of an adoption of `from`: one per adopted instance, since
+/// two can be under way (one cut off and resumed later, another done).
+fn marker(dir: &Path, from: &str) -> PathBuf {
+    dir.join(format!("{ADOPTING}.{}", from.replace(['/', '\\'], "_")))
+}
+
+fn markers(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(ADOPTING))
+        })
+        .collect()
+}
+
+/// Marks an adoption of `from` under way, durably (again when resumed).
 pub fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut f = std::fs::File::create(dir.join(ADOPTING))?;
+    let mut f = std::fs::File::create(marker(dir, from))?;
     writeln!(f, "{from}")?;
     f.sync_all()?;
     std::fs::File::open(dir)?.sync_all()
@@ -85,13 +106,22 @@ pub fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
 /// Whether an adoption was under way when this store was last written:
 /// its parks may not all count, so the store is rebuilt from the stream.
 pub fn adoption_under_way(dir: &Path) -> bool {
-    dir.join(ADOPTING).exists()
+    !markers(dir).is_empty()
 }
 
-/// No adoption is under way any more (best effort: one left behind costs
-/// a rebuild at the next start).
-pub fn end_adoption(dir: &Path) {
-    let _ = std::fs::remove_file(dir.join(ADOPTING));
+/// The adoption of `from` ended: committed (its parks count) or given up
+/// (they were completed). Best effort: a marker left behind costs a
+/// rebuild at the next start.
+pub fn end_adoption(dir: &Path, from: &str) {
+    let _ = std::fs::remove_file(marker(dir, from));
+}
+
+/// At a process's first sync: a rebuild dropped every park of an
+/// uncommitted adoption, and no adoption of this process is under way yet.
+pub fn end_adoptions_at_start(dir: &Path) {
+    for marker in markers(dir) {
+        let _ = std::fs::remove_file(marker);
+    }
 }
 
 #[cfg(test)]
@@ -127,7 +157,23 @@ mod tests {
         assert!(!adoption_under_way(dir.path()));
         begin_adoption(dir.path(), "host-a").unwrap();
         assert!(adoption_under_way(dir.path()));
-        end_adoption(dir.path());
+        end_adoption(dir.path(), "host-a");
+        assert!(!adoption_under_way(dir.path()));
+    }
+
+    /// Review of issue 21, item 5: an adoption of X cut off (to be resumed)
+    /// while one of Y is committed: the end of Y's leaves X's marked.
+    #[test]
+    fn the_end_of_one_adoption_leaves_another_marked() {
+        let dir = tempfile::tempdir().unwrap();
+        begin_adoption(dir.path(), "x").unwrap();
+        begin_adoption(dir.path(), "y").unwrap();
+        end_adoption(dir.path(), "y");
+        assert!(adoption_under_way(dir.path()), "x is still under way");
+        end_adoption(dir.path(), "x");
+        assert!(!adoption_under_way(dir.path()));
+        begin_adoption(dir.path(), "x").unwrap();
+        end_adoptions_at_start(dir.path());
         assert!(!adoption_under_way(dir.path()));
     }
 }

@@ -138,6 +138,9 @@ struct Task {
     epoch: u64,
     /// Who wrote it (this process).
     holder: Option<String>,
+    /// A sync has ended in this process (markers of adoptions under way
+    /// are cleared only at the first).
+    synced_once: bool,
     /// Bytes appended to the current generation since it began.
     appended: u64,
     /// A switch to a new generation in progress.
@@ -250,6 +253,7 @@ impl Task {
             next_node: 0,
             epoch: 0,
             holder: None,
+            synced_once: false,
             appended: 0,
             compaction: None,
         }
@@ -466,6 +470,11 @@ impl Task {
     fn on_reseed(&mut self, reply: super::ReseedReply) {
         let state = self.state.borrow().clone();
         let refused = match state {
+            // A reseed would write uncommitted adopted parks as plain puts.
+            State::Missing if local::adoption_under_way(&self.config.store_dir) => Some(
+                "an adoption by this instance is under way: try again once it is committed or given up"
+                    .to_string(),
+            ),
             State::Missing => None,
             State::Active => Some(format!(
                 "nothing to reseed: the replica stream {} exists",

@@ -154,7 +154,14 @@ impl Task {
             Err(e) => return Err(Failed::Broker(log, e)),
         };
         let (log, recovered) = reopen(log)?;
-        local::end_adoption(&self.config.store_dir);
+        if !self.synced_once {
+            // A new process: no adoption of its own is under way, and the
+            // rebuild the markers asked for dropped the uncommitted parks.
+            // A later sync (the lease came back) keeps them: the adoption
+            // task may still be parking under an intent.
+            local::end_adoptions_at_start(&self.config.store_dir);
+            self.synced_once = true;
+        }
         Ok(SyncOutcome {
             log,
             recovered,
