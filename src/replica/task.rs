@@ -471,10 +471,16 @@ impl Task {
         let state = self.state.borrow().clone();
         let refused = match state {
             // A reseed would write uncommitted adopted parks as plain puts.
-            State::Missing if local::adoption_under_way(&self.config.store_dir) => Some(
-                "an adoption by this instance is under way: try again once it is committed or given up"
-                    .to_string(),
-            ),
+            // (Markers left by an earlier process do not stop it: that
+            // would wait for ever for a sync only a reseed allows.)
+            State::Missing
+                if self.synced_once && local::adoption_under_way(&self.config.store_dir) =>
+            {
+                Some(
+                    "an adoption by this instance is under way: try again once it is committed or given up"
+                        .to_string(),
+                )
+            }
             State::Missing => None,
             State::Active => Some(format!(
                 "nothing to reseed: the replica stream {} exists",
