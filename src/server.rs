@@ -64,6 +64,7 @@ async fn interception(
         budget: Budget::new(config.limits.capture_budget),
         ready: retry.ready.clone(),
         clock: clock.clone(),
+        delayed: nackd_core::delayed::DelayedExchanges::new([], None),
     });
     Ok((Intercept { shared, retry }, check, engine))
 }

@@ -64,6 +64,22 @@ pub enum Route {
         /// Routing key.
         routing_key: String,
     },
+    /// A delayed publish (`x-delayed-message` exchange, `x-delay`): to the
+    /// real exchange it was published to, with its routing key, content
+    /// unchanged. `Held::queue` then names that exchange.
+    Delayed {
+        /// Exchange name.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+    },
+}
+
+impl Route {
+    /// Whether this is a delayed publish (not a retry or a dead letter).
+    pub fn is_delayed(&self) -> bool {
+        matches!(self, Route::Delayed { .. })
+    }
 }
 
 /// A message nackd holds, as stored.

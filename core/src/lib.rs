@@ -41,6 +41,7 @@
 #![forbid(unsafe_code)]
 
 pub mod clock;
+pub mod delayed;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod held;

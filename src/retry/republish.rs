@@ -75,7 +75,7 @@ impl Publish {
     pub fn exchange(&self) -> &str {
         match &self.route {
             Route::Queue => "",
-            Route::Exchange { exchange, .. } => exchange,
+            Route::Exchange { exchange, .. } | Route::Delayed { exchange, .. } => exchange,
         }
     }
 
@@ -83,7 +83,7 @@ impl Publish {
     pub fn routing_key(&self) -> &str {
         match &self.route {
             Route::Queue => &self.queue,
-            Route::Exchange { routing_key, .. } => routing_key,
+            Route::Exchange { routing_key, .. } | Route::Delayed { routing_key, .. } => routing_key,
         }
     }
 }

@@ -209,6 +209,14 @@ fn put_route(out: &mut Vec<u8>, route: Option<&Route>) {
             put_str16(out, exchange);
             put_str16(out, routing_key);
         }
+        Some(Route::Delayed {
+            exchange,
+            routing_key,
+        }) => {
+            out.put_u8(2);
+            put_str16(out, exchange);
+            put_str16(out, routing_key);
+        }
     }
 }
 
@@ -216,10 +224,16 @@ fn put_route(out: &mut Vec<u8>, route: Option<&Route>) {
 pub fn put_len(h: &Held) -> usize {
     let str16 = |s: &str| 2 + s.len().min(u16::MAX as usize);
     let route = |r: Option<&Route>| match r {
-        Some(Route::Exchange {
-            exchange,
-            routing_key,
-        }) => 1 + str16(exchange) + str16(routing_key),
+        Some(
+            Route::Exchange {
+                exchange,
+                routing_key,
+            }
+            | Route::Delayed {
+                exchange,
+                routing_key,
+            },
+        ) => 1 + str16(exchange) + str16(routing_key),
         _ => 1,
     };
     let fixed = 1 + 8 + 8 + 4 + 4 + 4; // kind, id, due_ms, retry, two lengths
@@ -448,6 +462,10 @@ fn route(b: &mut &[u8]) -> Result<Option<Route>, Bad> {
         255 => Ok(None),
         0 => Ok(Some(Route::Queue)),
         1 => Ok(Some(Route::Exchange {
+            exchange: str16(b)?.to_string(),
+            routing_key: str16(b)?.to_string(),
+        })),
+        2 => Ok(Some(Route::Delayed {
             exchange: str16(b)?.to_string(),
             routing_key: str16(b)?.to_string(),
         })),

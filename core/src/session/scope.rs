@@ -20,6 +20,8 @@ pub struct Interception {
     pub ready: Arc<Readiness>,
     /// nackd's clock, for the times written into headers and events.
     pub clock: Clock,
+    /// The exchanges emulated as `x-delayed-message`.
+    pub delayed: Arc<crate::delayed::DelayedExchanges>,
 }
 
 /// What one session intercepts: its vhost, and the policies that apply

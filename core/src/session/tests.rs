@@ -60,6 +60,7 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
         budget: Budget::new(budget),
         ready,
         clock: clock.clone(),
+        delayed: crate::delayed::DelayedExchanges::new([], None),
     });
     let limits = Limits {
         max_frame: 131_072,

@@ -232,7 +232,9 @@ impl Engine {
         let size = held.size() as u64;
         let (queue_route, exchange) = match &held.route {
             Route::Queue => (true, self.default_exchange.clone()),
-            Route::Exchange { exchange, .. } => (false, Arc::from(exchange.as_str())),
+            Route::Exchange { exchange, .. } | Route::Delayed { exchange, .. } => {
+                (false, Arc::from(exchange.as_str()))
+            }
         };
         self.handed.insert(
             id,

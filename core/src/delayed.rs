@@ -1,0 +1,149 @@
+//! The exchanges nackd emulates as `x-delayed-message` (the archived
+//! plugin's type): which `(vhost, exchange)` are delayed, and of which
+//! real type the broker has them.
+//!
+//! Sessions learn them from the declares they forward and forget them on
+//! deletes; the `nackd` crate loads the set at startup (its file in the
+//! store directory, the `[[delayed_exchange]]` tables) and keeps it durable
+//! through the [`Persist`] hook, which runs before the declare goes to the
+//! broker. Every publish asks [`DelayedExchanges::is_delayed`]: one atomic
+//! load while no exchange is delayed.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// The type name the plugin registered, which nackd emulates.
+pub const TYPE: &str = "x-delayed-message";
+/// The declare argument naming the real type.
+pub const TYPE_ARG: &str = "x-delayed-type";
+/// The publish header carrying the delay in milliseconds.
+pub const DELAY_HEADER: &str = "x-delay";
+
+/// One delayed exchange.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DelayedExchange {
+    /// Virtual host.
+    pub vhost: String,
+    /// Exchange name.
+    pub name: String,
+    /// The real type on the broker (`x-delayed-type`: direct, topic, …).
+    pub kind: String,
+}
+
+/// Keeps the whole set durable: called with every entry after a change,
+/// before the change is acted on. An error is logged and the change kept
+/// in memory (the declare still goes to the broker).
+pub type Persist = Box<dyn Fn(&[DelayedExchange]) -> std::io::Result<()> + Send + Sync>;
+
+/// The delayed exchanges every session of this nackd knows.
+pub struct DelayedExchanges {
+    set: RwLock<BTreeMap<(String, String), String>>,
+    any: AtomicBool,
+    persist: Option<Persist>,
+}
+
+impl DelayedExchanges {
+    /// The set `initial`, kept durable by `persist` (none: memory only).
+    pub fn new(
+        initial: impl IntoIterator<Item = DelayedExchange>,
+        persist: Option<Persist>,
+    ) -> Arc<Self> {
+        let set: BTreeMap<_, _> = initial
+            .into_iter()
+            .map(|e| ((e.vhost, e.name), e.kind))
+            .collect();
+        let any = AtomicBool::new(!set.is_empty());
+        Arc::new(Self {
+            set: RwLock::new(set),
+            any,
+            persist,
+        })
+    }
+
+    /// Whether `exchange` of `vhost` is delayed.
+    pub fn is_delayed(&self, vhost: &str, exchange: &str) -> bool {
+        if !self.any.load(Ordering::Acquire) || exchange.is_empty() {
+            return false;
+        }
+        let set = self.set.read().unwrap_or_else(|e| e.into_inner());
+        set.contains_key(&(vhost.to_string(), exchange.to_string()))
+    }
+
+    /// Every delayed exchange, in order.
+    pub fn list(&self) -> Vec<DelayedExchange> {
+        let set = self.set.read().unwrap_or_else(|e| e.into_inner());
+        set.iter()
+            .map(|((vhost, name), kind)| DelayedExchange {
+                vhost: vhost.clone(),
+                name: name.clone(),
+                kind: kind.clone(),
+            })
+            .collect()
+    }
+
+    /// `name` of `vhost` is declared delayed, of real type `kind`.
+    pub fn declare(&self, vhost: &str, name: &str, kind: &str) {
+        let key = (vhost.to_string(), name.to_string());
+        let changed = {
+            let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
+            set.insert(key, kind.to_string()).as_deref() != Some(kind)
+        };
+        self.any.store(true, Ordering::Release);
+        if changed {
+            self.save();
+        }
+    }
+
+    /// `name` of `vhost` is deleted.
+    pub fn delete(&self, vhost: &str, name: &str) {
+        let removed = {
+            let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
+            let removed = set.remove(&(vhost.to_string(), name.to_string())).is_some();
+            self.any.store(!set.is_empty(), Ordering::Release);
+            removed
+        };
+        if removed {
+            self.save();
+        }
+    }
+
+    fn save(&self) {
+        let Some(persist) = &self.persist else {
+            return;
+        };
+        if let Err(e) = persist(&self.list()) {
+            tracing::error!(error = %e, "cannot store the list of delayed exchanges: it is kept in memory only until the next change");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[test]
+    fn declares_and_deletes_are_seen_and_saved() {
+        let saved: Arc<Mutex<Vec<Vec<DelayedExchange>>>> = Arc::default();
+        let sink = saved.clone();
+        let set = DelayedExchanges::new(
+            [],
+            Some(Box::new(move |l: &[DelayedExchange]| {
+                sink.lock().unwrap().push(l.to_vec());
+                Ok(())
+            })),
+        );
+        assert!(!set.is_delayed("/", "d"));
+        set.declare("/", "d", "direct");
+        assert!(set.is_delayed("/", "d"));
+        assert!(!set.is_delayed("other", "d"));
+        set.declare("/", "d", "direct"); // no change: not saved again
+        set.delete("/", "d");
+        assert!(!set.is_delayed("/", "d"));
+        let saved = saved.lock().unwrap();
+        assert_eq!(saved.len(), 2);
+        assert_eq!(saved[0][0].kind, "direct");
+        assert!(saved[1].is_empty());
+    }
+}
