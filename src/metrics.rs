@@ -408,6 +408,21 @@ impl Metrics {
             self.session.intercepted.clone(),
         );
         r.register(
+            "nackd_delayed_publishes_stored",
+            "Delayed publishes (x-delay to an x-delayed-message exchange) stored, to be published when due",
+            self.session.delayed_taken.clone(),
+        );
+        r.register(
+            "nackd_delayed_publishes_refused",
+            "Delayed publishes nackd could not store: nacked to the publisher, or routed at once on a channel without confirms",
+            self.session.delayed_refused.clone(),
+        );
+        r.register(
+            "nackd_delayed_publishes_lost",
+            "Delayed publishes without confirms that could neither be stored nor routed (their channel was gone)",
+            self.session.delayed_lost.clone(),
+        );
+        r.register(
             "nackd_nacks_passed",
             "Nacks and rejects forwarded to the broker as sent, by reason",
             f.session.passed.clone(),

@@ -38,6 +38,7 @@ pub type Persist = Box<dyn Fn(&[DelayedExchange]) -> std::io::Result<()> + Send 
 
 /// The delayed exchanges every session of this nackd knows.
 pub struct DelayedExchanges {
+    enabled: bool,
     set: RwLock<BTreeMap<(String, String), String>>,
     any: AtomicBool,
     persist: Option<Persist>,
@@ -55,10 +56,27 @@ impl DelayedExchanges {
             .collect();
         let any = AtomicBool::new(!set.is_empty());
         Arc::new(Self {
+            enabled: true,
             set: RwLock::new(set),
             any,
             persist,
         })
+    }
+
+    /// No emulation (`[delayed] enabled = false`): declares of the type go
+    /// to the broker as sent, publishes are never taken.
+    pub fn disabled() -> Arc<Self> {
+        Arc::new(Self {
+            enabled: false,
+            set: RwLock::default(),
+            any: AtomicBool::new(false),
+            persist: None,
+        })
+    }
+
+    /// Whether nackd emulates the type at all.
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// Whether `exchange` of `vhost` is delayed.

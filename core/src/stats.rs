@@ -150,6 +150,15 @@ pub struct SessionStats {
     pub deferred_now: Gauge,
     /// Schedules used up, handed back with `basic.reject`.
     pub exhausted_reject: Counter,
+    /// Delayed publishes (`x-delay` to an `x-delayed-message` exchange)
+    /// stored, to be published when due.
+    pub delayed_taken: Counter,
+    /// Delayed publishes nackd could not store: nacked to the publisher
+    /// (or, without confirms, routed at once).
+    pub delayed_refused: Counter,
+    /// Delayed publishes without confirms that could neither be stored
+    /// nor routed (their channel was gone).
+    pub delayed_lost: Counter,
     /// Recent retries and exhaustions, for the status page (the retry
     /// engine adds its own).
     pub recent: Arc<Recent>,
@@ -171,6 +180,9 @@ impl SessionStats {
             deferred: by_reason(&f.deferred),
             deferred_now: Gauge::default(),
             exhausted_reject: f.exhausted.get_or_create_owned(&[("route", "reject")]),
+            delayed_taken: Counter::default(),
+            delayed_refused: Counter::default(),
+            delayed_lost: Counter::default(),
             recent: Arc::default(),
         }
     }

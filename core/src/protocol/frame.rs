@@ -140,6 +140,10 @@ pub enum FrameError {
     /// A method or content header whose fields cannot be decoded.
     #[error("cannot decode {0}")]
     Syntax(&'static str),
+    /// Something nackd does not implement (a delayed publish inside a
+    /// transaction).
+    #[error("not implemented by nackd: {0}")]
+    NotImplemented(&'static str),
 }
 
 impl FrameError {
@@ -153,6 +157,7 @@ impl FrameError {
             Self::Unexpected(_) => ReplyCode::UnexpectedFrame,
             Self::ChannelOutOfRange { .. } => ReplyCode::ChannelError,
             Self::Syntax(_) => ReplyCode::SyntaxError,
+            Self::NotImplemented(_) => ReplyCode::NotImplemented,
         }
     }
 }

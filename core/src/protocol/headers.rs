@@ -88,6 +88,17 @@ fn as_str(value: Option<&AMQPValue>) -> Option<&[u8]> {
     }
 }
 
+/// The delay an `x-delay` header asks for, in ms, as the delayed-message
+/// plugin reads it: an integer above 0; anything else (absent, 0,
+/// negative, a string, a float) means "route at once" (`None`).
+pub fn delay_ms(payload: &[u8]) -> Option<u64> {
+    match header_value(payload, crate::delayed::DELAY_HEADER) {
+        Ok(Some(AMQPValue::Timestamp(_))) => None,
+        Ok(Some(v)) => as_u64(&v).filter(|ms| *ms > 0),
+        _ => None,
+    }
+}
+
 /// The retry count the message carries (0 when nackd never retried it).
 pub fn retry_count(payload: &[u8]) -> u32 {
     match header_value(payload, RETRY_COUNT) {

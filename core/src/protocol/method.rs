@@ -43,6 +43,8 @@ pub mod ids {
     pub const CHANNEL_OPEN_OK: MethodId = m(20, 11);
     pub const CHANNEL_CLOSE: MethodId = m(20, 40);
     pub const CHANNEL_CLOSE_OK: MethodId = m(20, 41);
+    pub const EXCHANGE_DECLARE: MethodId = m(40, 10);
+    pub const EXCHANGE_DELETE: MethodId = m(40, 20);
     pub const QUEUE_DECLARE: MethodId = m(50, 10);
     pub const QUEUE_DECLARE_OK: MethodId = m(50, 11);
     pub const BASIC_CONSUME: MethodId = m(60, 20);
@@ -84,6 +86,8 @@ const DECODED: &[MethodId] = &[
     ids::CHANNEL_OPEN_OK,
     ids::CHANNEL_CLOSE,
     ids::CHANNEL_CLOSE_OK,
+    ids::EXCHANGE_DECLARE,
+    ids::EXCHANGE_DELETE,
     ids::QUEUE_DECLARE,
     ids::QUEUE_DECLARE_OK,
     ids::BASIC_CONSUME,
@@ -182,6 +186,38 @@ pub fn peek_deliver(payload: &[u8]) -> Result<DeliverArgs<'_>, FrameError> {
         redelivered: bits & 1 != 0,
         exchange,
         routing_key,
+    })
+}
+
+/// The arguments of a `basic.publish`, read in place (as
+/// [`peek_deliver`]): asked of publishes only while some exchange is
+/// delayed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PublishArgs<'a> {
+    /// The exchange it is published to.
+    pub exchange: &'a str,
+    /// Its routing key.
+    pub routing_key: &'a str,
+    /// The `mandatory` flag.
+    pub mandatory: bool,
+}
+
+/// Reads a `basic.publish` payload (class and method id included)
+/// without allocating; an error where amq-protocol's parser gives one.
+pub fn peek_publish(payload: &[u8]) -> Result<PublishArgs<'_>, FrameError> {
+    let bad = || FrameError::Syntax("method arguments");
+    // class, method, reserved-1 (ticket).
+    let mut rest = payload.get(6..).ok_or_else(bad)?;
+    let exchange = take_short(&mut rest)?;
+    let routing_key = take_short(&mut rest)?;
+    let (&bits, tail) = rest.split_first().ok_or_else(bad)?;
+    if !tail.is_empty() {
+        return Err(bad());
+    }
+    Ok(PublishArgs {
+        exchange,
+        routing_key,
+        mandatory: bits & 1 != 0,
     })
 }
 

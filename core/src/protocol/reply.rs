@@ -22,6 +22,8 @@ pub enum ReplyCode {
     ResourceError = 506,
     /// 530: not allowed.
     NotAllowed = 530,
+    /// 540: a method the server (here: nackd) does not implement.
+    NotImplemented = 540,
     /// 541: the server hit an internal error.
     InternalError = 541,
 }
@@ -44,6 +46,7 @@ impl ReplyCode {
             Self::UnexpectedFrame => "UNEXPECTED_FRAME",
             Self::ResourceError => "RESOURCE_ERROR",
             Self::NotAllowed => "NOT_ALLOWED",
+            Self::NotImplemented => "NOT_IMPLEMENTED",
             Self::InternalError => "INTERNAL_ERROR",
         }
     }

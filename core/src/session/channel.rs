@@ -179,6 +179,16 @@ pub struct Channel {
     pub publish_behind_barrier: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
     pub closing: bool,
+    /// Publishes since `confirm.select`: the publisher's number of the last.
+    pub published: u64,
+    /// The publisher's and the broker's numbering of confirms, once nackd
+    /// took a publish of this confirm channel.
+    pub renumber: Option<Box<super::confirms::Renumber>>,
+    /// A publish to a delayed exchange whose content is being read.
+    pub taking: Option<Box<super::delayed::Taking>>,
+    /// Frames of nackd's own to the client (confirms) waiting for the
+    /// broker's content in flight on this channel to end.
+    pub to_client_after: Vec<Bytes>,
     /// Log span of this channel (a child of the connection's span).
     pub span: Option<tracing::Span>,
 }

@@ -409,6 +409,9 @@ impl Session {
     /// The store answered for a claimed delivery.
     pub(super) fn on_parked(&mut self, parked: Parked) {
         let key = parked.key;
+        if self.is_taken(key.seq) {
+            return self.on_publish_parked(key.seq, parked.result);
+        }
         self.unanswered.remove(&key.seq);
         let upstream_alive = self.upstream_takes_acks();
         let settle = self
@@ -572,7 +575,11 @@ impl Session {
                 .map(|(seq, _)| *seq)
                 .collect();
             if !expired.is_empty() {
-                self.give_up_claims(&expired);
+                let mut expired = expired;
+                self.give_up_taken(&mut expired);
+                if !expired.is_empty() {
+                    self.give_up_claims(&expired);
+                }
             }
             if self.unanswered.range(..=barrier).next().is_some() {
                 return;

@@ -48,6 +48,9 @@ impl Session {
             // Heartbeats mean nothing in order: never held back.
             FrameType::Heartbeat => self.to_upstream.extend_from_slice(&frame.raw),
             FrameType::Method if frame.channel != 0 => {
+                if self.scope.is_some() && self.hold_publish(&frame)? {
+                    return Ok(());
+                }
                 let barrier_up = self.barrier_up;
                 let channel = self.channels.get(frame.channel);
                 if channel.publishing.in_flight() {
@@ -56,7 +59,12 @@ impl Session {
                 }
                 self.emit_upstream(&frame.raw);
             }
-            FrameType::Header | FrameType::Body => self.emit_content(frame.channel, &frame.raw),
+            FrameType::Header | FrameType::Body => {
+                if self.channels.get(frame.channel).taking.is_some() {
+                    return self.take_content(&frame);
+                }
+                self.emit_content(frame.channel, &frame.raw)
+            }
             _ => self.emit_upstream(&frame.raw),
         }
         Ok(())
@@ -66,7 +74,7 @@ impl Session {
     /// hold if the method is there, else straight upstream (a hold begun
     /// mid-publish must not split a content). An ack that waited for this
     /// publish to end goes right after its last frame.
-    fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
+    pub(super) fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
         let barrier_up = self.barrier_up;
         let channel = self.channels.get(channel_id);
         if barrier_up && channel.publish_behind_barrier {
@@ -74,6 +82,13 @@ impl Session {
             return;
         }
         self.to_upstream.extend_from_slice(raw);
+        self.flush_after_publish(channel_id);
+    }
+
+    /// Once the client's publish on `channel_id` has ended, nackd's own
+    /// frames that waited for it go upstream.
+    pub(super) fn flush_after_publish(&mut self, channel_id: u16) {
+        let channel = self.channels.get(channel_id);
         if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
             let mut acks = false;
             for (frame, held) in std::mem::take(&mut channel.after_publish) {
@@ -100,6 +115,9 @@ impl Session {
         }
         match class {
             AMQPClass::Connection(method) => return self.on_client_connection_method(method),
+            AMQPClass::Exchange(_) if channel_id != 0 => {
+                return self.on_client_exchange(channel_id, class);
+            }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
                 return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
             }

@@ -77,6 +77,8 @@ pub struct Session {
     pub(super) release_at: Option<Instant>,
     /// Deliveries nackd could not hold, unacked until their nack (see `defer`).
     pub(super) deferrals: Deferrals,
+    /// Delayed publishes taken, until the store answers: claim number → it.
+    pub(super) taken: BTreeMap<u64, super::delayed::Taken>,
     pub(super) stats: Arc<SessionStats>,
 }
 
@@ -118,6 +120,7 @@ impl Session {
             barrier_acked_at: None,
             release_at: None,
             deferrals: Deferrals::new(stats.deferred_now.clone()),
+            taken: BTreeMap::new(),
             stats,
         }
     }

@@ -28,11 +28,15 @@ impl Session {
                 return Ok(());
             }
         }
-        if matches!(frame.kind, FrameType::Header | FrameType::Body) {
+        let content = matches!(frame.kind, FrameType::Header | FrameType::Body);
+        if content {
             self.capture_content(&frame);
         }
         if !self.close.client_failed {
             self.to_client.extend_from_slice(&frame.raw);
+        }
+        if content {
+            self.flush_client_after(frame.channel);
         }
         Ok(())
     }
@@ -78,6 +82,12 @@ impl Session {
                 self.forget_deferred(channel_id);
                 self.channels.get(channel_id).closing = true;
                 self.cancel_after_publish(channel_id);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
+                return !self.on_broker_confirm(channel_id, true, a.delivery_tag, a.multiple);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
+                return !self.on_broker_confirm(channel_id, false, n.delivery_tag, n.multiple);
             }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
