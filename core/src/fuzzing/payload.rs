@@ -48,6 +48,9 @@ pub(super) fn method(payload: &[u8]) {
     if id == method::ids::BASIC_DELIVER {
         deliver_read_in_place(payload, &any);
     }
+    if id == method::ids::BASIC_PUBLISH {
+        publish_read_in_place(payload, &any);
+    }
     if let Ok(class) = any {
         reencode_method(&class);
     }
@@ -67,6 +70,22 @@ pub(super) fn deliver_read_in_place(payload: &[u8], any: &Result<AMQPClass, Fram
         }
         (Err(_), Err(_)) => {}
         _ => panic!("peek_deliver {peeked:?} vs decode_any {any:?}"),
+    }
+}
+
+/// [`method::peek_publish`] (read of publishes while an exchange is
+/// delayed) agrees with amq-protocol's decoder: the same fields, or both
+/// refuse.
+pub(super) fn publish_read_in_place(payload: &[u8], any: &Result<AMQPClass, FrameError>) {
+    let peeked = method::peek_publish(payload);
+    match (any, &peeked) {
+        (Ok(AMQPClass::Basic(basic::AMQPMethod::Publish(d))), Ok(p)) => {
+            assert_eq!(p.exchange, d.exchange.as_str());
+            assert_eq!(p.routing_key, d.routing_key.as_str());
+            assert_eq!(p.mandatory, d.mandatory);
+        }
+        (Err(_), Err(_)) => {}
+        _ => panic!("peek_publish {peeked:?} vs decode_any {any:?}"),
     }
 }
 

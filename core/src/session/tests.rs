@@ -1366,3 +1366,5 @@ fn a_client_gone_with_a_full_buffer_does_not_stop_the_broker_being_read() {
     p.broker(&method::connection_close_ok());
     assert!(p.s.is_finished(p.now), "ended by the close-ok");
 }
+
+mod delayed;

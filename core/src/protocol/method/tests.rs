@@ -140,6 +140,25 @@ fn decoded_methods() -> Vec<AMQPClass> {
             nowait: false,
         })),
         Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+        Exchange(amq_protocol::protocol::exchange::AMQPMethod::Declare(
+            amq_protocol::protocol::exchange::Declare {
+                exchange: "waits".into(),
+                kind: "x-delayed-message".into(),
+                passive: false,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            },
+        )),
+        Exchange(amq_protocol::protocol::exchange::AMQPMethod::Delete(
+            amq_protocol::protocol::exchange::Delete {
+                exchange: "waits".into(),
+                if_unused: false,
+                nowait: false,
+            },
+        )),
     ]
 }
 
@@ -170,14 +189,11 @@ fn every_decoded_method_round_trips_through_the_frame_layer() {
 
 #[test]
 fn opaque_methods_are_not_decoded() {
-    let declare = AMQPClass::Exchange(amq_protocol::protocol::exchange::AMQPMethod::Declare(
-        amq_protocol::protocol::exchange::Declare {
+    let declare = AMQPClass::Queue(amq_protocol::protocol::queue::AMQPMethod::Bind(
+        amq_protocol::protocol::queue::Bind {
+            queue: "q".into(),
             exchange: "x".into(),
-            kind: "fanout".into(),
-            passive: false,
-            durable: false,
-            auto_delete: false,
-            internal: false,
+            routing_key: "k".into(),
             nowait: false,
             arguments: FieldTable::default(),
         },
@@ -190,7 +206,7 @@ fn opaque_methods_are_not_decoded() {
     .payload();
     assert_eq!(decode(&payload).unwrap(), None);
     // Opaque even when its arguments are garbage: nackd does not judge them.
-    assert_eq!(decode(&[0, 40, 0, 10, 0xff]).unwrap(), None);
+    assert_eq!(decode(&[0, 50, 0, 20, 0xff]).unwrap(), None);
 }
 
 #[test]

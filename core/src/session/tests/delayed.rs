@@ -1,0 +1,308 @@
+//! Delayed publishes in the session core: the declare rewritten, publishes
+//! taken or sent on, the publisher's confirms in its own numbering, and
+//! nackd's frames never inside a content.
+
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol::protocol::{basic, channel, confirm, exchange, tx, AMQPClass};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString};
+use bytes::BytesMut;
+
+use super::{describe, frame_of, pair, Pair};
+use crate::held::{Route, StoreError};
+use crate::protocol::content::encode_header;
+use crate::protocol::frame::{FrameDecoder, FrameType};
+use crate::protocol::method::{self, put_frame};
+
+const X: &str = "waits";
+
+impl Pair {
+    /// What nackd wrote to the client since the last call (see `upstream`).
+    fn to_client(&mut self) -> Vec<String> {
+        let mut buf = std::mem::take(self.s.transmit().0);
+        let decoder = FrameDecoder::default();
+        let mut seen = Vec::new();
+        while let Some(frame) = decoder.decode(&mut buf).unwrap() {
+            seen.push(describe(&frame));
+        }
+        seen
+    }
+
+    /// Opens channel `ch`, in confirm mode if `confirms`.
+    fn open(&mut self, ch: u16, confirms: bool) {
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+        self.broker(&frame_of(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        ));
+        if confirms {
+            self.client(&frame_of(
+                ch,
+                AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                    nowait: false,
+                })),
+            ));
+        }
+        self.upstream();
+        self.to_client();
+    }
+
+    /// Declares `X` as a delayed exchange of real type `direct`.
+    fn declare_delayed(&mut self, ch: u16) -> Vec<String> {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-delayed-type".into(),
+            AMQPValue::LongString(LongString::from("direct")),
+        );
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange: X.into(),
+                kind: "x-delayed-message".into(),
+                passive: false,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                nowait: false,
+                arguments: args,
+            })),
+        ));
+        self.upstream()
+    }
+
+    /// A publish to `X` with `x-delay = delay` (none: no header).
+    fn publish(&mut self, ch: u16, delay: Option<AMQPValue>) {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut props = BasicProperties::default();
+        if let Some(d) = delay {
+            let mut h = FieldTable::default();
+            h.insert("x-delay".into(), d);
+            props = props.with_headers(h);
+        }
+        put_frame(
+            &mut out,
+            FrameType::Header,
+            ch,
+            &encode_header(60, 3, &props),
+        );
+        put_frame(&mut out, FrameType::Body, ch, b"abc");
+        self.client(&out);
+    }
+}
+
+fn ms(n: i64) -> Option<AMQPValue> {
+    Some(AMQPValue::LongLongInt(n))
+}
+
+#[test]
+fn a_delayed_declare_goes_as_its_real_type_and_is_remembered() {
+    let mut p = pair();
+    p.open(1, false);
+    let mut buf = BytesMut::new();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        AMQPValue::LongString(LongString::from("topic")),
+    );
+    buf.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange: X.into(),
+            kind: "x-delayed-message".into(),
+            passive: false,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            nowait: false,
+            arguments: args,
+        })),
+    ));
+    p.client(&buf);
+    let mut up = std::mem::take(p.s.transmit().1);
+    let frame = FrameDecoder::default().decode(&mut up).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) => {
+            assert_eq!(d.kind.as_str(), "topic");
+            assert_eq!(d.exchange.as_str(), X);
+            assert!(d.arguments.inner().contains_key("x-delayed-type"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let shared = &p.s.scope.as_ref().unwrap().shared;
+    assert!(shared.delayed.is_delayed("/", X));
+    p.client(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+            exchange: X.into(),
+            if_unused: false,
+            nowait: false,
+        })),
+    ));
+    let shared = &p.s.scope.as_ref().unwrap().shared;
+    assert!(!shared.delayed.is_delayed("/", X));
+}
+
+#[test]
+fn publishes_without_a_positive_integer_delay_go_as_sent() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    for delay in [
+        None,
+        ms(0),
+        ms(-5),
+        Some(AMQPValue::LongString("10".into())),
+    ] {
+        p.publish(1, delay);
+        assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    }
+    assert!(p.take_parks().is_empty());
+}
+
+#[test]
+fn a_delayed_publish_is_confirmed_by_nackd_in_the_publishers_numbering() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.publish(1, None); // publisher 1 = broker 1
+    p.publish(1, ms(5000)); // publisher 2: nackd's
+    p.publish(1, None); // publisher 3 = broker 2
+    assert_eq!(
+        p.upstream(),
+        [
+            "publish 1",
+            "header 1",
+            "body 1",
+            "publish 1",
+            "header 1",
+            "body 1"
+        ]
+    );
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1);
+    assert_eq!(parks[0].delay, std::time::Duration::from_secs(5));
+    assert_eq!(
+        parks[0].route,
+        Route::Delayed {
+            exchange: X.into(),
+            routing_key: "k".into()
+        }
+    );
+    assert_eq!(&parks[0].body[..], b"abc");
+    // The broker confirms its 1 and 2 at once: 2 still waits for the store.
+    p.broker(&method::ack(1, 2, true));
+    // (1 was numbered alike by both: covered as the broker covered it.)
+    assert_eq!(p.to_client(), ["ack 1+", "ack 3"]);
+    p.answer(&parks[0], Ok(7));
+    assert_eq!(p.to_client(), ["ack 2"]);
+    // From now on nothing is pending: a multiple stays one frame.
+    p.publish(1, None); // publisher 4 = broker 3
+    p.publish(1, None); // publisher 5 = broker 4
+    p.broker(&method::ack(1, 4, true));
+    assert_eq!(p.to_client(), ["ack 5+"]);
+}
+
+#[test]
+fn a_delayed_publish_the_store_refuses_is_nacked() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    let parks = p.take_parks();
+    p.answer(&parks[0], Err(StoreError::Full("test".into())));
+    assert_eq!(p.to_client(), ["nack 1 no-requeue"]);
+}
+
+#[test]
+fn a_delayed_publish_on_a_tx_channel_closes_the_connection_with_540() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.client(&frame_of(
+        1,
+        AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})),
+    ));
+    p.upstream();
+    p.publish(1, ms(100));
+    assert!(p.take_parks().is_empty());
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 540);
+            assert!(
+                c.reply_text.as_str().contains("transactional"),
+                "{}",
+                c.reply_text
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_channel_close_waits_for_the_store_to_answer_a_delayed_publish() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.client(&super::channel_close(1));
+    assert!(p.upstream().is_empty(), "the close waits for the store");
+    let parks = p.take_parks();
+    p.answer(&parks[0], Ok(9));
+    assert_eq!(p.to_client(), ["ack 1"]);
+    assert_eq!(p.upstream(), ["channel.close 1"]);
+}
+
+#[test]
+fn nackds_confirm_never_splits_a_content_to_the_client() {
+    let mut p = pair();
+    p.consume(1);
+    p.client(&frame_of(
+        1,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
+    ));
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.to_client();
+    // A delivery on channel 1 has begun: deliver and header, body to come.
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "c1".into(),
+            delivery_tag: 1,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: super::Q.into(),
+        })),
+    ));
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        1,
+        &encode_header(60, 3, &Default::default()),
+    );
+    p.broker(&out);
+    let parks = p.take_parks();
+    let delayed = parks.iter().find(|k| k.route.is_delayed()).unwrap();
+    p.answer(delayed, Ok(3));
+    assert_eq!(p.to_client(), ["Basic(Deliver(Deliver { consumer_tag: ShortString(\"c1\"), delivery_tag: 1, redelivered: false, exchange: ShortString(\"\"), routing_key: ShortString(\"jobs\") }))", "header 1"]);
+    let mut body = BytesMut::new();
+    put_frame(&mut body, FrameType::Body, 1, b"abc");
+    p.broker(&body);
+    assert_eq!(p.to_client(), ["body 1", "ack 1"]);
+}
