@@ -35,6 +35,9 @@ pub use nackd_core::held::{ClaimKey, Park, Parked};
 /// Where the engine answers a session's parks.
 pub type ParkReply = mpsc::UnboundedSender<Parked>;
 
+// Each command is moved once, from a session to the engine's channel
+// (as the core's `Effect`); boxing would add an allocation per park.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     Park(Park, ParkReply),
     Cancel(u64),
