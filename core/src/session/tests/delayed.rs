@@ -17,7 +17,7 @@ const X: &str = "waits";
 
 impl Pair {
     /// What nackd wrote to the client since the last call (see `upstream`).
-    fn to_client(&mut self) -> Vec<String> {
+    fn client_got(&mut self) -> Vec<String> {
         let mut buf = std::mem::take(self.s.transmit().0);
         let decoder = FrameDecoder::default();
         let mut seen = Vec::new();
@@ -46,7 +46,7 @@ impl Pair {
             ));
         }
         self.upstream();
-        self.to_client();
+        self.client_got();
     }
 
     /// Declares `X` as a delayed exchange of real type `direct`.
@@ -203,14 +203,14 @@ fn a_delayed_publish_is_confirmed_by_nackd_in_the_publishers_numbering() {
     // The broker confirms its 1 and 2 at once: 2 still waits for the store.
     p.broker(&method::ack(1, 2, true));
     // (1 was numbered alike by both: covered as the broker covered it.)
-    assert_eq!(p.to_client(), ["ack 1+", "ack 3"]);
+    assert_eq!(p.client_got(), ["ack 1+", "ack 3"]);
     p.answer(&parks[0], Ok(7));
-    assert_eq!(p.to_client(), ["ack 2"]);
+    assert_eq!(p.client_got(), ["ack 2"]);
     // From now on nothing is pending: a multiple stays one frame.
     p.publish(1, None); // publisher 4 = broker 3
     p.publish(1, None); // publisher 5 = broker 4
     p.broker(&method::ack(1, 4, true));
-    assert_eq!(p.to_client(), ["ack 5+"]);
+    assert_eq!(p.client_got(), ["ack 5+"]);
 }
 
 #[test]
@@ -221,7 +221,7 @@ fn a_delayed_publish_the_store_refuses_is_nacked() {
     p.publish(1, ms(100));
     let parks = p.take_parks();
     p.answer(&parks[0], Err(StoreError::Full("test".into())));
-    assert_eq!(p.to_client(), ["nack 1 no-requeue"]);
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
 }
 
 #[test]
@@ -261,7 +261,7 @@ fn a_channel_close_waits_for_the_store_to_answer_a_delayed_publish() {
     assert!(p.upstream().is_empty(), "the close waits for the store");
     let parks = p.take_parks();
     p.answer(&parks[0], Ok(9));
-    assert_eq!(p.to_client(), ["ack 1"]);
+    assert_eq!(p.client_got(), ["ack 1"]);
     assert_eq!(p.upstream(), ["channel.close 1"]);
 }
 
@@ -277,7 +277,7 @@ fn nackds_confirm_never_splits_a_content_to_the_client() {
     ));
     p.declare_delayed(1);
     p.publish(1, ms(100));
-    p.to_client();
+    p.client_got();
     // A delivery on channel 1 has begun: deliver and header, body to come.
     let mut out = BytesMut::new();
     out.extend_from_slice(&frame_of(
@@ -300,9 +300,9 @@ fn nackds_confirm_never_splits_a_content_to_the_client() {
     let parks = p.take_parks();
     let delayed = parks.iter().find(|k| k.route.is_delayed()).unwrap();
     p.answer(delayed, Ok(3));
-    assert_eq!(p.to_client(), ["Basic(Deliver(Deliver { consumer_tag: ShortString(\"c1\"), delivery_tag: 1, redelivered: false, exchange: ShortString(\"\"), routing_key: ShortString(\"jobs\") }))", "header 1"]);
+    assert_eq!(p.client_got(), ["Basic(Deliver(Deliver { consumer_tag: ShortString(\"c1\"), delivery_tag: 1, redelivered: false, exchange: ShortString(\"\"), routing_key: ShortString(\"jobs\") }))", "header 1"]);
     let mut body = BytesMut::new();
     put_frame(&mut body, FrameType::Body, 1, b"abc");
     p.broker(&body);
-    assert_eq!(p.to_client(), ["body 1", "ack 1"]);
+    assert_eq!(p.client_got(), ["body 1", "ack 1"]);
 }
