@@ -47,7 +47,7 @@ pub struct Args {
 }
 
 /// Reads a process's resident set size in bytes.
-fn rss(pid: u32) -> u64 {
+pub fn rss(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {

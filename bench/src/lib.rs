@@ -15,7 +15,7 @@
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
 //! - one file per scenario: [`passthrough`], [`retry`], [`hold`],
-//!   [`replica`].
+//!   [`replica`], [`delayed`].
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -24,6 +24,7 @@ use std::time::{Duration, SystemTime};
 use clap::{Parser, Subcommand};
 
 pub mod cpu;
+pub mod delayed;
 pub mod haproxy;
 pub mod hold;
 pub mod launcher;
@@ -66,6 +67,9 @@ pub enum Scenario {
     Restart(hold::RestartArgs),
     /// Replica off vs on in one run: retry knee, park rate, p99 lateness.
     Replica(replica::Args),
+    /// Delayed publishes (x-delayed-message emulation): confirmed publish
+    /// rate vs a plain exchange direct, lateness, RAM per held message.
+    Delayed(delayed::Args),
 }
 
 /// Options every scenario takes.
@@ -365,5 +369,6 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
         Scenario::Hold(args) => hold::run(args).await,
         Scenario::Restart(args) => hold::run_restart(args).await,
         Scenario::Replica(args) => replica::run(args).await,
+        Scenario::Delayed(args) => delayed::run(args).await,
     }
 }
