@@ -19,6 +19,7 @@ mod cluster_adopt;
 mod cluster_replica;
 mod cluster_smoke;
 mod deferral;
+mod delayed;
 mod deploy;
 mod durability;
 mod hot_reload;
