@@ -112,7 +112,11 @@ impl Process {
         });
         let (addr, metrics) = rx
             .recv_timeout(Duration::from_secs(30))
-            .expect("nackd listening");
+            .unwrap_or_else(|e| {
+                // Its stderr may still be draining into the log.
+                std::thread::sleep(Duration::from_millis(200));
+                panic!("nackd listening: {e}; its log: {:#?}", log.lock().unwrap())
+            });
         Self {
             child,
             addr: addr.parse().unwrap(),
