@@ -25,6 +25,7 @@ mod durability;
 mod hot_reload;
 mod isolation;
 mod ops;
+mod option_c;
 mod proxy;
 mod replica;
 mod republisher_health;
