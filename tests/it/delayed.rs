@@ -362,7 +362,10 @@ async fn thousands_confirmed_across_sigkill() {
     let mut confirms = Vec::with_capacity(N as usize);
     let mut delayed = HashMap::new(); // id -> earliest
     for id in 0..N {
-        let delay = (rng.next() % 2 == 0).then(|| 2000 + rng.next() % 4001);
+        let delay = rng
+            .next()
+            .is_multiple_of(2)
+            .then(|| 2000 + rng.next() % 4001);
         let sent = now_ms();
         let earliest = sent + delay.unwrap_or(0);
         if delay.is_some() {
