@@ -147,6 +147,19 @@ async fn declare_bind_publish() {
         )
         .await
         .expect("the broker has the exchange");
+    let listed = tokio::task::spawn_blocking(|| {
+        BROKER.ctl_ok(&["list_exchanges", "-q", "name", "type", "arguments"])
+    })
+    .await
+    .unwrap();
+    let line = listed
+        .lines()
+        .find(|l| l.split('\t').next() == Some(x.as_str()))
+        .unwrap_or_else(|| panic!("rabbitmqctl does not list {x}: {listed}"));
+    assert!(
+        line.contains("\tdirect\t") && line.contains(r#"{"x-delayed-type","direct"}"#),
+        "the broker's exchange: {line}"
+    );
     let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
 
     // One delayed, one immediate, both confirmed with ack.
