@@ -111,6 +111,22 @@ pub async fn start_with_full_store(queue: &str, delay: &str) -> (Nackd, tempfile
     (nackd, store)
 }
 
+/// The table that turns on nackd's emulation of the `x-delayed-message`
+/// exchange type (issue 23): its delayed-publish store and engine run
+/// without any `[[policy]]`.
+pub const DELAYED: &str = "[delayed]\nenabled = true\n";
+
+/// Starts nackd with the `x-delayed-message` emulation on ([`DELAYED`]),
+/// its store in `store` (the caller's: a later nackd can start on it, as
+/// after a restart), and `extra` TOML.
+pub async fn start_delayed(store: &Path, extra: &str) -> Nackd {
+    start(&format!(
+        "[store]\npath = \"{}\"\n{DELAYED}{extra}",
+        store.display()
+    ))
+    .await
+}
+
 /// Like [`start`], with nackd's upstream at `upstream` (e.g. a test relay).
 pub async fn start_upstream(upstream: &str, extra: &str) -> Nackd {
     init_logs();

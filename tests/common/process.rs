@@ -33,6 +33,24 @@ pub fn wait_for_handler(pid: u32, signum: u32) {
     }
 }
 
+/// Writes `dir/nackd.toml` for [`Process::start`]: nackd in front of the
+/// broker under test, its store in `dir/store`, the `x-delayed-message`
+/// emulation on ([`super::DELAYED`]), then `extra` TOML.
+pub fn delayed_config(dir: &Path, extra: &str) -> std::path::PathBuf {
+    let path = dir.join("nackd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[upstream]\naddress = \"{}\"\n[store]\npath = \"{}\"\n{}{extra}",
+            super::BROKER,
+            dir.join("store").display(),
+            super::DELAYED
+        ),
+    )
+    .unwrap();
+    path
+}
+
 /// A running nackd binary, the address it listens on and its metrics address.
 pub struct Process {
     pub child: Child,
@@ -94,7 +112,11 @@ impl Process {
         });
         let (addr, metrics) = rx
             .recv_timeout(Duration::from_secs(30))
-            .expect("nackd listening");
+            .unwrap_or_else(|e| {
+                // Its stderr may still be draining into the log.
+                std::thread::sleep(Duration::from_millis(200));
+                panic!("nackd listening: {e}; its log: {:#?}", log.lock().unwrap())
+            });
         Self {
             child,
             addr: addr.parse().unwrap(),
