@@ -47,6 +47,9 @@ pub(super) enum PutCtx {
         meta: HeldMeta,
         /// When it falls due, to the microsecond.
         due_us: u64,
+        /// A delayed publish: its publisher sent it, so it is held even if
+        /// the session is gone (a retry's delivery is the broker's again).
+        keep_if_gone: bool,
     },
     Adopt {
         reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
@@ -555,7 +558,9 @@ impl Engine {
             body: park.body,
         };
         let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
+        let keep_if_gone = held.route.is_delayed();
         let ctx = PutCtx::Park {
+            keep_if_gone,
             key: park.key,
             reply,
             meta,
@@ -642,6 +647,7 @@ impl Engine {
                     reply,
                     meta,
                     due_us,
+                    keep_if_gone,
                 },
                 Ok(loc),
             ) => {
@@ -651,7 +657,7 @@ impl Engine {
                     key,
                     result: Ok(w.id),
                 };
-                if reply.send(parked).is_err() {
+                if reply.send(parked).is_err() && !keep_if_gone {
                     // The session is gone and never acked the delivery: the
                     // broker has it back and redelivers it. Holding it too
                     // would deliver it twice.

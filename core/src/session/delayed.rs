@@ -63,6 +63,13 @@ pub(super) struct Taken {
     given_up: bool,
 }
 
+impl Taken {
+    /// The settle timeout gave it up: its publisher got a nack.
+    pub(super) fn given_up(&self) -> bool {
+        self.given_up
+    }
+}
+
 impl Session {
     /// `exchange.declare` / `exchange.delete` of the client; `false`: do not
     /// forward it (nackd sent its own version).

@@ -227,7 +227,15 @@ impl Session {
     /// after it. Stored copies nackd never acked are the broker's again
     /// (it requeues their deliveries): they are cancelled.
     pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
-        let mut cancel: Vec<u64> = late.into_iter().filter_map(|p| p.result.ok()).collect();
+        // A delayed publish stays held: its publisher sent it (unless the
+        // publisher was told "nack").
+        let taken = std::mem::take(&mut self.taken);
+        let kept = |p: &Parked| taken.get(&p.key.seq).is_some_and(|t| !t.given_up());
+        let mut cancel: Vec<u64> = late
+            .into_iter()
+            .filter(|p| !kept(p))
+            .filter_map(|p| p.result.ok())
+            .collect();
         // Acks that waited for a client publish that never ended.
         cancel.extend(self.channels.take_all_after_publish());
         for id in cancel {

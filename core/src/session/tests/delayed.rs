@@ -306,3 +306,24 @@ fn nackds_confirm_never_splits_a_content_to_the_client() {
     p.broker(&body);
     assert_eq!(p.client_got(), ["body 1", "ack 1"]);
 }
+
+#[test]
+fn a_session_that_ends_keeps_its_delayed_publishes() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.publish(1, ms(200));
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 2);
+    // The client is gone before the store answered either.
+    let late = parks.iter().enumerate().map(|(i, k)| crate::held::Parked {
+        key: k.key,
+        result: Ok(50 + i as u64),
+    });
+    p.s.end(late);
+    assert!(
+        p.cancelled().is_empty(),
+        "a publisher's message is not the broker's to take back"
+    );
+}
