@@ -131,7 +131,10 @@ pub(super) fn check_exchanges(tables: &[DelayedExchange]) -> Result<(), (String,
         if !seen.insert((&t.vhost, &t.name)) {
             return Err((
                 key("name"),
-                format!("exchange {:?} of vhost {:?} is listed twice", t.name, t.vhost),
+                format!(
+                    "exchange {:?} of vhost {:?} is listed twice",
+                    t.name, t.vhost
+                ),
             ));
         }
     }

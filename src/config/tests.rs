@@ -226,7 +226,9 @@ fn delayed_keys_have_defaults() {
     assert_eq!(config.delayed_settings(), Delayed::default());
     assert_eq!(config.delayed_settings().unroutable, Unroutable::Keep);
     let text = "[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"lost\"\n";
-    let d = Config::parse(text, Path::new("x")).unwrap().delayed_settings();
+    let d = Config::parse(text, Path::new("x"))
+        .unwrap()
+        .delayed_settings();
     assert_eq!(d.unroutable, Unroutable::Alternate);
     assert_eq!(d.alternate_exchange.as_deref(), Some("lost"));
     let d = Config::parse("[delayed]\nunroutable = \"drop\"\n", Path::new("x")).unwrap();
@@ -264,8 +266,10 @@ fn delayed_errors_name_the_key() {
         .contains("delayed.alternate_exchange: required with unroutable = \"alternate\""));
     assert!(err("[delayed]\nalternate_exchange = \"x\"\n")
         .contains("delayed.alternate_exchange: only used with"));
-    assert!(err("[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"\"\n")
-        .contains("delayed.alternate_exchange: must name an exchange"));
+    assert!(
+        err("[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"\"\n")
+            .contains("delayed.alternate_exchange: must name an exchange")
+    );
     assert!(err("[delayed]\nunroutable = \"bounce\"\n").contains("delayed.unroutable"));
     assert!(err("[delayed]\nenabled = 1\n").contains("delayed.enabled"));
     assert!(err("[delayed]\nwhat = 1\n").contains("delayed"));
@@ -278,5 +282,6 @@ fn delayed_errors_name_the_key() {
             .contains("delayed_exchange[0].type")
     );
     let twice = "[[delayed_exchange]]\nname = \"d\"\n[[delayed_exchange]]\nname = \"d\"\n";
-    assert!(err(twice).contains("delayed_exchange[1].name: exchange \"d\" of vhost \"/\" is listed twice"));
+    assert!(err(twice)
+        .contains("delayed_exchange[1].name: exchange \"d\" of vhost \"/\" is listed twice"));
 }
