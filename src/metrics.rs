@@ -19,9 +19,11 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
 mod damage;
+mod delayed;
 mod logins;
 mod replica;
 pub use damage::{DamageList, Damaged};
+pub use delayed::{DelayedMetrics, ExchangeLabels, UnroutableLabels};
 pub use logins::{Login, Logins};
 pub use nackd_core::stats::{Directions, Event, EventKind, PassReason, Recent, SessionStats};
 use nackd_core::stats::{Label, SessionFamilies};
@@ -162,6 +164,8 @@ pub struct Metrics {
     pub held: Family<QueueLabels, Gauge>,
     /// Held bytes by vhost and queue (owned by the retry engine).
     pub held_bytes: Family<QueueLabels, Gauge>,
+    /// Delayed messages by exchange (owned by the retry engine).
+    pub delayed: DelayedMetrics,
     /// Held messages handed to a republisher when due.
     pub published: Counter,
     /// Republishes the broker confirmed.
@@ -281,6 +285,7 @@ impl Metrics {
         let mut r = Registry::default();
         m.register_proxy(&mut r, &f);
         m.register_retries(&mut r, &f);
+        m.delayed.register(&mut r);
         m.register_store(&mut r);
         m.register_replica(&mut r);
         m.register_republishers(&mut r, &f);
@@ -303,6 +308,7 @@ impl Metrics {
             bytes: Directions::of(&f.bytes),
             held: Family::default(),
             held_bytes: Family::default(),
+            delayed: DelayedMetrics::default(),
             published: Counter::default(),
             confirmed: Counter::default(),
             returned: Counter::default(),
