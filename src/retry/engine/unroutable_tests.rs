@@ -17,12 +17,14 @@ const EXCHANGE: &str = "later";
 
 /// An engine over `dir` holding delayed message 1 (due now) of exchange
 /// [`EXCHANGE`], routing key `k`, which it has fired (handed to its
-/// republisher).
+/// republisher) and the broker returned; with `later`, message 2 of the
+/// same exchange due much later. `fired_with`: the broker said `outcome`.
 fn fired(dir: &std::path::Path, unroutable: Unroutable, alternate: Option<&str>) -> Engine {
     fired_with(
         dir,
         unroutable,
         alternate,
+        false,
         Outcome::Returned {
             reply: "312 NO_ROUTE".into(),
         },
@@ -33,6 +35,7 @@ fn fired_with(
     dir: &std::path::Path,
     unroutable: Unroutable,
     alternate: Option<&str>,
+    later: bool,
     outcome: Outcome,
 ) -> Engine {
     let (mut log, _) = Log::open(dir, Options::default()).unwrap();
@@ -51,6 +54,14 @@ fn fired_with(
         body: Bytes::from_static(b"body"),
     };
     log.put(&held, None).unwrap();
+    if later {
+        let later = Held {
+            id: 2,
+            due_ms: u64::MAX / 2,
+            ..held
+        };
+        log.put(&later, None).unwrap();
+    }
     log.commit().unwrap();
     drop(log);
     let (log, recovered) = Log::open(dir, Options::default()).unwrap();
@@ -154,7 +165,13 @@ async fn alternate_reroutes_it_with_its_routing_key() {
 #[tokio::test]
 async fn a_confirmed_delayed_message_counts_as_routed_not_dead_lettered() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = fired_with(dir.path(), Unroutable::Keep, None, Outcome::Confirmed);
+    let engine = fired_with(
+        dir.path(),
+        Unroutable::Keep,
+        None,
+        false,
+        Outcome::Confirmed,
+    );
     assert!(engine.ledger.get(1).is_none(), "completed");
     let text = engine.metrics.encode();
     assert!(
@@ -175,7 +192,13 @@ async fn a_missing_delayed_exchange_keeps_its_message() {
         reply: "404 NOT_FOUND - no exchange 'later' in vhost '/'".into(),
         exchange_wide: true,
     };
-    let engine = fired_with(dir.path(), Unroutable::Drop, None, Outcome::SetAside(aside));
+    let mut engine = fired_with(
+        dir.path(),
+        Unroutable::Drop,
+        None,
+        true,
+        Outcome::SetAside(aside),
+    );
     let entry = engine
         .ledger
         .get(1)
@@ -184,4 +207,12 @@ async fn a_missing_delayed_exchange_keeps_its_message() {
     assert_eq!(engine.metrics.blocked_total(BlockReason::NoExchange), 1);
     assert!(engine.next_wake().is_some(), "tried again");
     assert!(!unroutable(&engine.metrics, "drop"));
+    // Another message of the exchange falls due: it waits for the probe,
+    // without being read or sent.
+    engine.schedule(2, 0);
+    engine.fire();
+    assert!(!engine.handed.contains_key(&2), "held back");
+    let entry = engine.ledger.get(2).expect("kept");
+    let reason = engine.ledger.reason(entry.blocked()).unwrap();
+    assert_eq!(reason.kind, BlockReason::NoExchange);
 }
