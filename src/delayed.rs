@@ -142,7 +142,16 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
         return Ok(DelayedExchanges::new([], None));
     }
     let dir = config.store.path.clone();
-    let initial = merged(config, load(&dir)?);
+    let saved = load(&dir)?;
+    let (from_file, from_config) = (saved.len(), config.delayed_exchanges.len());
+    let initial = merged(config, saved);
+    tracing::info!(
+        known = initial.len(),
+        from_file,
+        from_config,
+        file = %path(&dir).display(),
+        "delayed exchanges (x-delayed-message) emulated"
+    );
     let registry: Arc<OnceLock<Weak<DelayedExchanges>>> = Arc::default();
     let set = DelayedExchanges::new(initial, Some(persist(dir, registry.clone())));
     let _ = registry.set(Arc::downgrade(&set));
