@@ -240,7 +240,8 @@ pub struct Metrics {
     pub gone_dropped: Counter,
     /// Held messages of a gone queue sent to `republish.queue_gone.exchange`.
     pub gone_dead_lettered: Counter,
-    /// `on_exhausted` (and `queue_gone`) exchanges the last check found missing.
+    /// `on_exhausted` (and `queue_gone`, `[[delayed_exchange]]`,
+    /// `delayed.alternate_exchange`) exchanges the last check found missing.
     pub exchanges_missing: Gauge,
     /// Bytes of deliveries captured in case they are nacked.
     pub capture_bytes: Gauge,
@@ -644,7 +645,7 @@ impl Metrics {
         );
         r.register(
             "nackd_policy_exchanges_missing",
-            "on_exhausted and queue_gone exchanges the last check (startup, reload) did not find",
+            "on_exhausted, queue_gone and delayed exchanges the last check (startup, reload) did not find",
             self.exchanges_missing.clone(),
         );
     }
