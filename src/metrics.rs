@@ -63,7 +63,8 @@ pub enum BlockReason {
     FrameMax,
     /// Its `user_id` property is not the republisher's user, which the broker refuses.
     UserId,
-    /// Returned: nothing is bound to its `on_exhausted` exchange for its routing key.
+    /// Returned: nothing is bound to its `on_exhausted` exchange (or its
+    /// delayed exchange, `delayed.unroutable = "keep"`) for its routing key.
     NoRoute,
     /// Its queue no longer exists (`republish.queue_gone`).
     QueueGone,

@@ -12,6 +12,11 @@
 //!   `republish.queue_gone.probe_interval`, and after
 //!   `republish.queue_gone.after` its messages are kept, dropped or
 //!   dead-lettered as configured.
+//! - A delayed message (`Route::Delayed`) returned at its due time: nothing
+//!   is bound to its exchange for its routing key. `delayed.unroutable`
+//!   keeps it (set aside, tried again), drops it or sends it to
+//!   `delayed.alternate_exchange`; each return is counted per exchange and
+//!   action. A missing exchange keeps it, like any exchange route.
 
 use std::time::Duration;
 
