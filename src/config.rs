@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+mod delayed;
 mod replica;
+pub use delayed::{Delayed, DelayedExchange, Unroutable};
 pub use nackd_core::policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
 
@@ -65,6 +67,12 @@ pub struct Config {
     pub runtime: Runtime,
     /// Held messages mirrored in the broker cluster (off when absent).
     pub replica: Option<Replica>,
+    /// The `x-delayed-message` emulation (`[delayed]`; its defaults when
+    /// absent).
+    pub delayed: Option<Delayed>,
+    /// Exchanges known to be delayed without a declare through this nackd.
+    #[serde(default, rename = "delayed_exchange")]
+    pub delayed_exchanges: Vec<DelayedExchange>,
     /// Retry policies, first match wins: the `[[policy]]` tables, checked
     /// and compiled once, by [`Config::parse`].
     #[serde(skip)]
@@ -652,7 +660,31 @@ impl Config {
         if let Some(token) = &self.metrics.admin_token {
             check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
         }
+        if let Some(delayed) = &self.delayed {
+            delayed.check()?;
+        }
+        delayed::check_exchanges(&self.delayed_exchanges)?;
         self.republish.check()
+    }
+
+    /// Whether delayed exchanges are emulated: a `[delayed]` table or a
+    /// `[[delayed_exchange]]` is there, and `delayed.enabled` is not false.
+    pub fn delayed_enabled(&self) -> bool {
+        match &self.delayed {
+            Some(d) => d.enabled,
+            None => !self.delayed_exchanges.is_empty(),
+        }
+    }
+
+    /// The `[delayed]` settings in force (the defaults when absent).
+    pub fn delayed_settings(&self) -> Delayed {
+        self.delayed.clone().unwrap_or_default()
+    }
+
+    /// Whether the retry engine, its store and interception start: for
+    /// `[[policy]]` tables or for delayed exchanges.
+    pub fn intercepting(&self) -> bool {
+        !self.policies.is_empty() || self.delayed_enabled()
     }
 }
 

@@ -26,6 +26,8 @@
 //!   `writer`, `recover`, `scan`, `inspect`).
 //! - [`replica`]: the copy in a stream of the broker cluster, the lease,
 //!   rebuild and adoption.
+//! - [`delayed`]: the exchanges emulated as `x-delayed-message`, kept in
+//!   the store directory.
 //! - [`config`] (the file, with `replica`), `net` (TLS, the upstream
 //!   connector), `shutdown` (the one way a task or thread is stopped),
 //!   [`metrics`], `ops` (`/metrics`, health, status page, admin API),
@@ -60,6 +62,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod delayed;
 pub mod metrics;
 mod net;
 mod ops;

@@ -19,9 +19,11 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
 mod damage;
+mod delayed;
 mod logins;
 mod replica;
 pub use damage::{DamageList, Damaged};
+pub use delayed::{DelayedMetrics, ExchangeLabels, UnroutableLabels};
 pub use logins::{Login, Logins};
 pub use nackd_core::stats::{Directions, Event, EventKind, PassReason, Recent, SessionStats};
 use nackd_core::stats::{Label, SessionFamilies};
@@ -61,7 +63,8 @@ pub enum BlockReason {
     FrameMax,
     /// Its `user_id` property is not the republisher's user, which the broker refuses.
     UserId,
-    /// Returned: nothing is bound to its `on_exhausted` exchange for its routing key.
+    /// Returned: nothing is bound to its `on_exhausted` exchange (or its
+    /// delayed exchange, `delayed.unroutable = "keep"`) for its routing key.
     NoRoute,
     /// Its queue no longer exists (`republish.queue_gone`).
     QueueGone,
@@ -162,6 +165,8 @@ pub struct Metrics {
     pub held: Family<QueueLabels, Gauge>,
     /// Held bytes by vhost and queue (owned by the retry engine).
     pub held_bytes: Family<QueueLabels, Gauge>,
+    /// Delayed messages by exchange (owned by the retry engine).
+    pub delayed: DelayedMetrics,
     /// Held messages handed to a republisher when due.
     pub published: Counter,
     /// Republishes the broker confirmed.
@@ -236,7 +241,8 @@ pub struct Metrics {
     pub gone_dropped: Counter,
     /// Held messages of a gone queue sent to `republish.queue_gone.exchange`.
     pub gone_dead_lettered: Counter,
-    /// `on_exhausted` (and `queue_gone`) exchanges the last check found missing.
+    /// `on_exhausted` (and `queue_gone`, `[[delayed_exchange]]`,
+    /// `delayed.alternate_exchange`) exchanges the last check found missing.
     pub exchanges_missing: Gauge,
     /// Bytes of deliveries captured in case they are nacked.
     pub capture_bytes: Gauge,
@@ -281,6 +287,7 @@ impl Metrics {
         let mut r = Registry::default();
         m.register_proxy(&mut r, &f);
         m.register_retries(&mut r, &f);
+        m.delayed.register(&mut r);
         m.register_store(&mut r);
         m.register_replica(&mut r);
         m.register_republishers(&mut r, &f);
@@ -303,6 +310,7 @@ impl Metrics {
             bytes: Directions::of(&f.bytes),
             held: Family::default(),
             held_bytes: Family::default(),
+            delayed: DelayedMetrics::default(),
             published: Counter::default(),
             confirmed: Counter::default(),
             returned: Counter::default(),
@@ -653,7 +661,7 @@ impl Metrics {
         );
         r.register(
             "nackd_policy_exchanges_missing",
-            "on_exhausted and queue_gone exchanges the last check (startup, reload) did not find",
+            "on_exhausted, queue_gone and delayed exchanges the last check (startup, reload) did not find",
             self.exchanges_missing.clone(),
         );
     }

@@ -138,6 +138,9 @@ impl BrokerCheck {
     /// tokio runtime; outside one, only marks its vhosts `checking`).
     pub fn spawn(&self, config: &Config) {
         let mut vhosts: Vec<String> = config.policies.iter().map(|p| p.vhost.clone()).collect();
+        if config.delayed_enabled() {
+            vhosts.extend(config.delayed_exchanges.iter().map(|d| d.vhost.clone()));
+        }
         vhosts.sort_unstable();
         vhosts.dedup();
         self.logins.spawn(vhosts);
@@ -177,7 +180,7 @@ impl BrokerCheck {
                 );
             }
             if missing.is_empty() && !targets.is_empty() {
-                info!(exchanges = targets.len(), "every on_exhausted exchange exists");
+                info!(exchanges = targets.len(), "every exchange the configuration names exists");
             }
         });
     }
@@ -214,5 +217,68 @@ pub fn exchanges_named(config: &Config) -> Vec<ExchangeToCheck> {
             exchange: exchange.clone(),
         }));
     }
+    out.extend(delayed_exchanges_named(config));
     out
+}
+
+/// The `[[delayed_exchange]]` exchanges, and `delayed.alternate_exchange`
+/// in each of their vhosts (others are known only once declared).
+fn delayed_exchanges_named(config: &Config) -> Vec<ExchangeToCheck> {
+    if !config.delayed_enabled() {
+        return Vec::new();
+    }
+    let tables = &config.delayed_exchanges;
+    let mut out: Vec<ExchangeToCheck> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, d)| ExchangeToCheck {
+            key: format!("delayed_exchange[{i}]"),
+            vhost: d.vhost.clone(),
+            exchange: d.name.clone(),
+        })
+        .collect();
+    if let Some(alternate) = config.delayed_settings().alternate_exchange {
+        let mut vhosts: Vec<&str> = tables.iter().map(|d| d.vhost.as_str()).collect();
+        vhosts.sort_unstable();
+        vhosts.dedup();
+        out.extend(vhosts.into_iter().map(|vhost| ExchangeToCheck {
+            key: "delayed.alternate_exchange".into(),
+            vhost: vhost.to_string(),
+            exchange: alternate.clone(),
+        }));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delayed_exchanges_and_their_alternate_are_checked() {
+        let text = "[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"lost\"\n\n[[delayed_exchange]]\nname = \"a\"\n\n[[delayed_exchange]]\nvhost = \"v\"\nname = \"b\"\n";
+        let config = Config::parse(text, std::path::Path::new("x")).unwrap();
+        let named: Vec<(String, String, String)> = exchanges_named(&config)
+            .into_iter()
+            .map(|c| (c.key, c.vhost, c.exchange))
+            .collect();
+        let row = |k: &str, v: &str, x: &str| (k.to_string(), v.to_string(), x.to_string());
+        assert_eq!(
+            named,
+            vec![
+                row("delayed_exchange[0]", "/", "a"),
+                row("delayed_exchange[1]", "v", "b"),
+                row("delayed.alternate_exchange", "/", "lost"),
+                row("delayed.alternate_exchange", "v", "lost"),
+            ]
+        );
+        let off = format!("{text}\n[delayed]\nenabled = false\n");
+        assert!(
+            Config::parse(&off, std::path::Path::new("x")).is_err(),
+            "one [delayed] table"
+        );
+        let off = text.replace("[delayed]\n", "[delayed]\nenabled = false\n");
+        let config = Config::parse(&off, std::path::Path::new("x")).unwrap();
+        assert!(exchanges_named(&config).is_empty());
+    }
 }

@@ -89,6 +89,8 @@ pub struct Options {
     pub max_pending_bytes: u64,
     /// What becomes of the messages of a queue that is gone.
     pub queue_gone: crate::config::QueueGone,
+    /// What becomes of delayed messages nothing is bound for (`[delayed]`).
+    pub delayed: crate::config::Delayed,
 }
 
 impl Options {
@@ -98,7 +100,14 @@ impl Options {
             republish: republish::Settings::new(config, password),
             max_pending_bytes: config.max_pending_bytes,
             queue_gone: config.queue_gone.clone(),
+            delayed: crate::config::Delayed::default(),
         }
+    }
+
+    /// With the `[delayed]` settings of `config`.
+    pub fn with_delayed(mut self, config: &crate::config::Config) -> Self {
+        self.delayed = config.delayed_settings();
+        self
     }
 }
 

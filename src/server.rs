@@ -24,7 +24,7 @@ use nackd_core::clock::Clock;
 use nackd_core::policy::{LivePolicies, Policies};
 use nackd_core::session::{Budget, Interception, Limits, FORCED_END};
 
-/// Starts the retry engine for the configured policies. The store is
+/// Starts the retry engine for the configured policies and delayed exchanges. The store is
 /// recovered (and the replica synced) on the engine's thread while clients
 /// are already served: their claims wait in the engine's queue meanwhile.
 async fn interception(
@@ -39,7 +39,9 @@ async fn interception(
         .republish
         .password()
         .map_err(StartError::Credentials)?;
-    let retry_options = retry::Options::new(&config.republish, password.clone());
+    let delayed = crate::delayed::open(config).map_err(StartError::Store)?;
+    let retry_options =
+        retry::Options::new(&config.republish, password.clone()).with_delayed(config);
     let check = BrokerCheck::new(
         connector.clone(),
         retry_options.republish.login.clone(),
@@ -64,7 +66,7 @@ async fn interception(
         budget: Budget::new(config.limits.capture_budget),
         ready: retry.ready.clone(),
         clock: clock.clone(),
-        delayed: nackd_core::delayed::DelayedExchanges::new([], None),
+        delayed,
     });
     Ok((Intercept { shared, retry }, check, engine))
 }
@@ -117,7 +119,7 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
         .metrics
         .admin_token()
         .map_err(StartError::Credentials)?;
-    if config.policies.is_empty() {
+    if !config.intercepting() {
         // Nothing is intercepted: no republisher, no store, no replica.
         return Ok(());
     }
@@ -131,6 +133,7 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
         let e = format!("store.path: {} is not a directory", store.display());
         return Err(StartError::Store(e));
     }
+    crate::delayed::check(config).map_err(StartError::Store)?;
     Ok(())
 }
 
@@ -271,7 +274,7 @@ impl Proxy {
         let clock = Clock::start();
         // One stop: every part's token is a child of this one (see shutdown.rs).
         let root = CancellationToken::new();
-        let intercepting = !config.policies.is_empty();
+        let intercepting = config.intercepting();
         let (ops, ops_addr, ops_task) =
             start_ops(config, &connector, &metrics, intercepting, &clock, &root).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));

@@ -118,6 +118,7 @@ impl Held {
             size: self.size() as u32,
             retry: self.retry.try_into().unwrap_or(u16::MAX),
             dead_letter: self.route != Route::Queue,
+            delayed: self.route.is_delayed(),
         }
     }
 }
@@ -135,6 +136,8 @@ pub struct HeldMeta {
     pub retry: u16,
     /// It goes to an exchange (`on_exhausted`), not back to its queue.
     pub dead_letter: bool,
+    /// A delayed publish ([`Route::Delayed`]): `queue` names its exchange.
+    pub delayed: bool,
 }
 
 /// Why the store cannot take or give a message.

@@ -215,3 +215,73 @@ fn a_max_frame_below_what_rabbitmq_4_1_accepts_is_refused() {
     assert!(e.contains("limits.max_frame") && e.contains("8192"), "{e}");
     assert!(Config::parse("[limits]\nmax_frame = 8192\n", Path::new("x")).is_ok());
 }
+
+#[test]
+fn delayed_keys_have_defaults() {
+    let config = Config::parse("", Path::new("x")).unwrap();
+    assert!(!config.delayed_enabled(), "off without a table");
+    assert!(!config.intercepting());
+    let config = Config::parse("[delayed]\n", Path::new("x")).unwrap();
+    assert!(config.delayed_enabled() && config.intercepting());
+    assert_eq!(config.delayed_settings(), Delayed::default());
+    assert_eq!(config.delayed_settings().unroutable, Unroutable::Keep);
+    let text = "[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"lost\"\n";
+    let d = Config::parse(text, Path::new("x"))
+        .unwrap()
+        .delayed_settings();
+    assert_eq!(d.unroutable, Unroutable::Alternate);
+    assert_eq!(d.alternate_exchange.as_deref(), Some("lost"));
+    let d = Config::parse("[delayed]\nunroutable = \"drop\"\n", Path::new("x")).unwrap();
+    assert_eq!(d.delayed_settings().unroutable, Unroutable::Drop);
+}
+
+#[test]
+fn delayed_exchange_tables_start_interception_unless_disabled() {
+    let text = "[[delayed_exchange]]\nname = \"d\"\n\n[[delayed_exchange]]\nvhost = \"v\"\nname = \"d\"\ntype = \"topic\"\n";
+    let config = Config::parse(text, Path::new("x")).unwrap();
+    assert!(config.delayed_enabled() && config.intercepting());
+    assert_eq!(
+        config.delayed_exchanges,
+        vec![
+            DelayedExchange {
+                vhost: "/".into(),
+                name: "d".into(),
+                kind: "direct".into()
+            },
+            DelayedExchange {
+                vhost: "v".into(),
+                name: "d".into(),
+                kind: "topic".into()
+            },
+        ]
+    );
+    let off = format!("[delayed]\nenabled = false\n\n{text}");
+    let config = Config::parse(&off, Path::new("x")).unwrap();
+    assert!(!config.delayed_enabled() && !config.intercepting());
+}
+
+#[test]
+fn delayed_errors_name_the_key() {
+    assert!(err("[delayed]\nunroutable = \"alternate\"\n")
+        .contains("delayed.alternate_exchange: required with unroutable = \"alternate\""));
+    assert!(err("[delayed]\nalternate_exchange = \"x\"\n")
+        .contains("delayed.alternate_exchange: only used with"));
+    assert!(
+        err("[delayed]\nunroutable = \"alternate\"\nalternate_exchange = \"\"\n")
+            .contains("delayed.alternate_exchange: must name an exchange")
+    );
+    assert!(err("[delayed]\nunroutable = \"bounce\"\n").contains("delayed.unroutable"));
+    assert!(err("[delayed]\nenabled = 1\n").contains("delayed.enabled"));
+    assert!(err("[delayed]\nwhat = 1\n").contains("delayed"));
+    assert!(err("[[delayed_exchange]]\nvhost = \"/\"\n").contains("delayed_exchange[0]"));
+    assert!(err("[[delayed_exchange]]\nname = \"\"\n").contains("delayed_exchange[0].name"));
+    assert!(err("[[delayed_exchange]]\nname = \"d\"\ntype = \"\"\n")
+        .contains("delayed_exchange[0].type: must not be empty"));
+    assert!(
+        err("[[delayed_exchange]]\nname = \"d\"\ntype = \"x-delayed-message\"\n")
+            .contains("delayed_exchange[0].type")
+    );
+    let twice = "[[delayed_exchange]]\nname = \"d\"\n[[delayed_exchange]]\nname = \"d\"\n";
+    assert!(err(twice)
+        .contains("delayed_exchange[1].name: exchange \"d\" of vhost \"/\" is listed twice"));
+}

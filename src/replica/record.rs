@@ -492,6 +492,42 @@ mod tests {
         }
     }
 
+    /// A delayed publish (issue 23) travels to the replica and back (to
+    /// an adopter or a rebuilt store) with its route.
+    #[test]
+    fn a_delayed_held_message_round_trips() {
+        let h = Held {
+            queue: Arc::from("later"),
+            retry: 0,
+            route: Route::Delayed {
+                exchange: "later".into(),
+                routing_key: "k".into(),
+            },
+            ..held(5)
+        };
+        for r in [Record::put(&h, false), Record::put(&h, true)] {
+            let back = Record::decode(&r.encode()).unwrap();
+            assert_eq!(back, r);
+            let Some((_, record)) = back.as_put() else {
+                panic!("{back:?}")
+            };
+            let held = Record::held(record).unwrap();
+            assert_eq!((held.id, held.due_ms, held.retry), (5, h.due_ms, 0));
+            assert_eq!(
+                (&*held.queue, &held.route, &held.on_return),
+                ("later", &h.route, &None)
+            );
+            assert_eq!((held.header, held.body), (h.header.clone(), h.body.clone()));
+        }
+        let intent = intent("a", 2);
+        let moved = Record::moved(&h, intent);
+        let back = Record::decode(&moved.encode()).unwrap();
+        let Some((_, record)) = back.as_put() else {
+            panic!("{back:?}")
+        };
+        assert_eq!(Record::held(record).unwrap().route, h.route);
+    }
+
     #[test]
     fn every_record_round_trips_and_garbage_is_refused() {
         let records = [

@@ -37,6 +37,8 @@ use nackd_core::wheel::Wheel;
 mod fire;
 mod link;
 mod outcome;
+#[cfg(test)]
+mod unroutable_tests;
 
 /// Why a put was made: to answer a session, to adopt another instance's
 /// message, or to re-route a message.
@@ -700,8 +702,8 @@ impl Engine {
         }
         match result {
             Ok(_) => {
+                self.ledger.rerouted(id);
                 let entry = self.ledger.get_mut(id).expect("still held");
-                entry.meta.dead_letter = true;
                 entry.inflight = false;
                 // The return was a failed attempt: its lateness was observed already.
                 entry.attempts = entry.attempts.saturating_add(1);

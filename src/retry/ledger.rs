@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::metrics::{BlockReason, Metrics, QueueLabels};
+use crate::metrics::{BlockReason, ExchangeLabels, Metrics, QueueLabels};
 use crate::store::{HeldMeta, Loc};
 
 /// One held message.
@@ -117,6 +117,10 @@ struct QueueStat {
     bytes: u64,
     blocked: u64,
     series: Option<(Gauge, Gauge)>,
+    /// Delayed messages of the exchange this "queue" names, and their
+    /// series while there are any.
+    delayed: u64,
+    delayed_series: Option<Gauge>,
 }
 
 /// Held messages by store id, and per-queue totals.
@@ -182,6 +186,8 @@ impl Ledger {
             bytes: 0,
             blocked: 0,
             series: None,
+            delayed: 0,
+            delayed_series: None,
         });
         self.names.insert((vhost.clone(), queue.clone()), id);
         id
@@ -402,11 +408,57 @@ impl Ledger {
         }
     }
 
+    /// Moves the count of an exchange's delayed messages and its gauge
+    /// (dropped when none is left).
+    fn count_delayed(&mut self, queue: u32, sign: i64) {
+        let q = &mut self.queues[queue as usize];
+        match sign > 0 {
+            true => q.delayed += 1,
+            false => q.delayed -= 1,
+        }
+        let labels = || ExchangeLabels {
+            vhost: q.vhost.to_string(),
+            exchange: q.queue.to_string(),
+        };
+        match (&q.delayed_series, q.delayed) {
+            (Some(_), 0) => {
+                self.metrics.delayed.held.remove(&labels());
+                q.delayed_series = None;
+            }
+            (Some(gauge), n) => {
+                gauge.set(n as i64);
+            }
+            (None, 0) => {}
+            (None, n) => {
+                let gauge = self.metrics.delayed.held.get_or_create_owned(&labels());
+                gauge.set(n as i64);
+                q.delayed_series = Some(gauge);
+            }
+        }
+    }
+
+    /// `id` goes to an exchange of its own now (a re-route): it is no
+    /// longer a delayed message, whatever it was.
+    pub fn rerouted(&mut self, id: u64) {
+        let Some(entry) = self.entries.get(id).copied() else {
+            return;
+        };
+        if entry.meta.delayed {
+            self.count_delayed(entry.meta.queue, -1);
+        }
+        let entry = self.entries.get_mut(id).expect("checked above");
+        entry.meta.dead_letter = true;
+        entry.meta.delayed = false;
+    }
+
     /// Moves a queue's totals and its two gauges. A queue that holds nothing
     /// any more drops its series, so short-lived queues do not pile up.
     fn account(&mut self, entry: &Entry, sign: i64) {
         self.due.add(entry.due_ms, entry.coarse, sign);
         self.count_blocked(entry, sign);
+        if entry.meta.delayed {
+            self.count_delayed(entry.meta.queue, sign);
+        }
         let metrics = &self.metrics;
         let q = &mut self.queues[entry.meta.queue as usize];
         if sign > 0 {

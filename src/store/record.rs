@@ -526,6 +526,50 @@ pub(crate) mod tests {
         assert_eq!(DEL_LEN, Framing::Salted(1).frame(&del_body(1)).len());
     }
 
+    /// A delayed publish (issue 23): route tag 2, its exchange and routing
+    /// key, and recovery's metadata says it is delayed.
+    #[test]
+    fn a_delayed_put_round_trips() {
+        let h = Held {
+            queue: Arc::from("later"),
+            retry: 0,
+            route: Route::Delayed {
+                exchange: "later".into(),
+                routing_key: "a.b".into(),
+            },
+            on_return: None,
+            ..held(8)
+        };
+        for framing in FRAMINGS {
+            let wire = framing.frame(&put_body(&h));
+            assert_eq!(wire.len(), framing.prefix_len() + put_len(&h));
+            match framing.at(&wire).unwrap() {
+                (View::Put(back), len) => {
+                    assert_eq!(len, wire.len());
+                    assert!(back.route.is_delayed());
+                    let back = back.to_held();
+                    assert_eq!((back.id, back.due_ms, back.retry), (h.id, h.due_ms, 0));
+                    assert_eq!((&*back.vhost, &*back.queue), ("/", "later"));
+                    assert_eq!((&back.route, &back.on_return), (&h.route, &None));
+                    assert_eq!((back.header, back.body), (h.header.clone(), h.body.clone()));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let exchange = Held {
+            route: Route::Exchange {
+                exchange: "later".into(),
+                routing_key: "a.b".into(),
+            },
+            ..h.clone()
+        };
+        assert_ne!(
+            put_body(&exchange),
+            put_body(&h),
+            "a delayed route is not read back as an exchange route"
+        );
+    }
+
     #[test]
     fn any_flipped_bit_is_caught() {
         for framing in FRAMINGS {

@@ -222,6 +222,7 @@ impl Replay {
                     size: p.size() as u32,
                     retry: p.retry.try_into().unwrap_or(u16::MAX),
                     dead_letter: p.route != Route::Queue,
+                    delayed: p.route.is_delayed(),
                 };
                 self.index.insert(p.id, (p.due_ms, loc, meta));
             }

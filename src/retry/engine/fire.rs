@@ -152,7 +152,9 @@ impl Engine {
                 return self.set_aside(id, BlockReason::Store, why);
             }
         };
-        if let (false, Route::Exchange { exchange, .. }) = (entry.forced, &held.route) {
+        if let (false, Route::Exchange { exchange, .. } | Route::Delayed { exchange, .. }) =
+            (entry.forced, &held.route)
+        {
             let key = (v, Arc::from(exchange.as_str()));
             if let Some(at) = self.lanes.admit(&key, id, now) {
                 let reason = self.lanes.get(&key).map_or(0, |b| b.reason);
@@ -177,12 +179,16 @@ impl Engine {
             }
             return false;
         }
-        // A dead-letter route's exchange is in the store; a message set
-        // aside for its exchange names it in its reason.
-        let exchange = self
-            .ledger
-            .reason(entry.blocked())
-            .and_then(|r| r.exchange.clone());
+        // A delayed message's exchange is its "queue"; a dead-letter
+        // route's is in the store, and a message set aside for its
+        // exchange names it in its reason.
+        let exchange = match entry.meta.delayed {
+            true => Some(self.ledger.name(entry.meta.queue).1.clone()),
+            false => self
+                .ledger
+                .reason(entry.blocked())
+                .and_then(|r| r.exchange.clone()),
+        };
         let Some(exchange) = exchange else {
             return false;
         };

@@ -12,13 +12,18 @@
 //!   `republish.queue_gone.probe_interval`, and after
 //!   `republish.queue_gone.after` its messages are kept, dropped or
 //!   dead-lettered as configured.
+//! - A delayed message (`Route::Delayed`) returned at its due time: nothing
+//!   is bound to its exchange for its routing key. `delayed.unroutable`
+//!   keeps it (set aside, tried again), drops it or sends it to
+//!   `delayed.alternate_exchange`; each return is counted per exchange and
+//!   action. A missing exchange keeps it, like any exchange route.
 
 use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
 use super::{Engine, Handed, PutCtx};
-use crate::config::GoneAction;
+use crate::config::{GoneAction, Unroutable};
 use crate::metrics::{BlockReason, Event, EventKind, QueueLabels};
 use crate::retry::blocks::Refusal;
 use crate::retry::ledger::{Entry, Reason};
@@ -93,7 +98,10 @@ impl Engine {
 
     fn on_confirmed(&mut self, id: u64) {
         self.metrics.confirmed.inc();
-        if let Some(entry) = self.ledger.get(id).copied() {
+        if let Some(entry) = self.ledger.get(id).copied().filter(|e| e.meta.delayed) {
+            let (vhost, exchange) = self.ledger.name(entry.meta.queue);
+            self.metrics.delayed.routed(vhost, exchange);
+        } else if let Some(entry) = self.ledger.get(id).copied() {
             let kind = match entry.meta.dead_letter {
                 true => {
                     self.metrics.exhausted_dead_letter.inc();
@@ -118,6 +126,9 @@ impl Engine {
         let Some(entry) = self.ledger.get(id).copied() else {
             return;
         };
+        if entry.meta.delayed {
+            return self.delayed_unroutable(id, &entry, reply);
+        }
         if !h.queue_route {
             let why = format!(
                 "{reply}: nothing is bound to exchange {:?} for its routing key",
@@ -138,6 +149,55 @@ impl Engine {
             return self.reroute(id, held, dead_letter);
         }
         self.queue_gone(id, &entry, held, &reply);
+    }
+
+    /// Delayed message `id` was returned at its due time: nothing is bound
+    /// to its exchange for its routing key. `delayed.unroutable` says what
+    /// becomes of it; whatever it is, it is counted and logged.
+    fn delayed_unroutable(&mut self, id: u64, entry: &Entry, reply: String) {
+        let rule = self.options.delayed.clone();
+        let (vhost, exchange) = self.ledger.name(entry.meta.queue);
+        let (vhost, exchange) = (vhost.clone(), exchange.clone());
+        self.metrics
+            .delayed
+            .unroutable(&vhost, &exchange, rule.unroutable.label());
+        let alternate = match (rule.unroutable, rule.alternate_exchange) {
+            (Unroutable::Keep, _) | (Unroutable::Alternate, None) => {
+                let why = format!(
+                    "{reply}: nothing is bound to delayed exchange {:?} for its routing key (delayed.unroutable = \"keep\")",
+                    &*exchange
+                );
+                return self.set_aside(id, BlockReason::NoRoute, why);
+            }
+            (Unroutable::Drop, _) => None,
+            (Unroutable::Alternate, Some(alternate)) => Some(alternate),
+        };
+        let held = match self.reader.read(entry.loc) {
+            Ok(held) => held,
+            Err(e) => {
+                let why = format!("delayed message returned; cannot read it back ({e})");
+                return self.set_aside(id, BlockReason::Store, why);
+            }
+        };
+        let routing_key = match &held.route {
+            Route::Delayed { routing_key, .. } => routing_key.clone(),
+            _ => String::new(),
+        };
+        match alternate {
+            None => {
+                warn!(id, %vhost, %exchange, %routing_key, %reply, "delayed message unroutable at its due time: dropped (delayed.unroutable = \"drop\")");
+                self.forget(id);
+            }
+            Some(alternate) => {
+                warn!(id, %vhost, %exchange, %routing_key, %alternate, %reply, "delayed message unroutable at its due time: sent to the alternate exchange (delayed.unroutable = \"alternate\")");
+                self.metrics.rerouted.inc();
+                let route = Route::Exchange {
+                    exchange: alternate,
+                    routing_key,
+                };
+                self.reroute(id, held, route);
+            }
+        }
     }
 
     /// `id` was returned from its queue and has nowhere else to go.

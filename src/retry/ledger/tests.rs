@@ -6,6 +6,7 @@ fn entry(due: u64, queue: u32, size: u32, retry: u16, dead_letter: bool) -> Entr
         size,
         retry,
         dead_letter,
+        delayed: false,
     };
     Entry::new(loc(), due, meta)
 }
@@ -121,7 +122,7 @@ mod aggregates {
             for op in ops {
                 match op {
                     Op::Insert { id, due_s, queue } => {
-                        let meta = HeldMeta { queue: queues[queue as usize], size: 10, retry: 1, dead_letter: false };
+                        let meta = HeldMeta { queue: queues[queue as usize], size: 10, retry: 1, dead_letter: false, delayed: false };
                         ledger.insert(id, Entry::new(loc(), due_s * 1000 + 7, meta));
                     }
                     Op::Remove { id } => { ledger.remove(id); }
@@ -147,4 +148,39 @@ mod aggregates {
             }
         }
     }
+}
+
+#[test]
+fn delayed_messages_are_counted_per_exchange_until_rerouted() {
+    let metrics = Metrics::new();
+    let mut ledger = Ledger::new(metrics.clone());
+    let (vhost, exchange) = (Arc::from("/"), Arc::from("later"));
+    let x = ledger.intern(&vhost, &exchange);
+    let delayed = |due| {
+        let mut e = entry(due, x, 10, 0, true);
+        e.meta.delayed = true;
+        e
+    };
+    let gauge = |m: &Metrics| {
+        let text = m.encode();
+        text.lines()
+            .find(|l| l.starts_with("nackd_delayed_held_messages{"))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+    };
+    ledger.insert(1, delayed(1000));
+    ledger.insert(2, delayed(2000));
+    ledger.insert(3, entry(3000, x, 10, 1, true)); // a dead letter, not delayed
+    assert_eq!(gauge(&metrics).as_deref(), Some("2"));
+    assert!(metrics
+        .encode()
+        .contains("nackd_delayed_held_messages{vhost=\"/\",exchange=\"later\"} 2"));
+    ledger.remove(1);
+    assert_eq!(gauge(&metrics).as_deref(), Some("1"));
+    ledger.rerouted(2);
+    assert!(!ledger.get(2).unwrap().meta.delayed);
+    assert_eq!(gauge(&metrics), None, "the series goes with the last one");
+    assert_eq!(ledger.count(x), 2, "still held");
+    ledger.remove(2);
+    ledger.remove(3);
+    assert_eq!(gauge(&metrics), None);
 }

@@ -1,0 +1,142 @@
+//! `[delayed]` and `[[delayed_exchange]]`: the emulation of the
+//! `x-delayed-message` exchange type (issue 23).
+
+use serde::Deserialize;
+
+/// `[delayed]`: how delayed publishes are held and routed.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Delayed {
+    /// Emulate `x-delayed-message` (with `false`, a `[delayed]` table or
+    /// `[[delayed_exchange]]` tables start nothing).
+    #[serde(default = "default_enabled")]
+    pub enabled: bool,
+    /// What becomes of a delayed message nothing is bound for at its due time.
+    #[serde(default)]
+    pub unroutable: Unroutable,
+    /// Exchange of `unroutable = "alternate"` (same routing key).
+    pub alternate_exchange: Option<String>,
+}
+
+fn default_enabled() -> bool {
+    true
+}
+
+impl Default for Delayed {
+    fn default() -> Self {
+        Self {
+            enabled: default_enabled(),
+            unroutable: Unroutable::default(),
+            alternate_exchange: None,
+        }
+    }
+}
+
+/// `delayed.unroutable`
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Unroutable {
+    /// Keep it held and try again with a backoff (up to 30 s), until
+    /// something is bound for its routing key.
+    #[default]
+    Keep,
+    /// Forget it (counted, logged): lost on purpose, as the plugin does.
+    Drop,
+    /// Send it to `alternate_exchange` with its routing key.
+    Alternate,
+}
+
+impl Unroutable {
+    /// The `action` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Keep => "keep",
+            Self::Drop => "drop",
+            Self::Alternate => "alternate",
+        }
+    }
+}
+
+/// `[[delayed_exchange]]`: an exchange every nackd with this file treats
+/// as delayed, whether or not it saw its declare.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DelayedExchange {
+    /// Virtual host.
+    #[serde(default = "default_vhost")]
+    pub vhost: String,
+    /// Exchange name.
+    pub name: String,
+    /// The real type on the broker (`x-delayed-type`).
+    #[serde(default = "default_type", rename = "type")]
+    pub kind: String,
+}
+
+fn default_vhost() -> String {
+    "/".into()
+}
+
+fn default_type() -> String {
+    "direct".into()
+}
+
+/// An exchange name or type: an AMQP short string, not empty.
+fn check_name(value: &str) -> Result<(), &'static str> {
+    if value.is_empty() {
+        return Err("must not be empty");
+    }
+    if value.len() > 255 {
+        return Err("must be at most 255 bytes (an AMQP short string)");
+    }
+    Ok(())
+}
+
+impl Delayed {
+    pub(super) fn check(&self) -> Result<(), (String, String)> {
+        let err = |key: &str, reason: String| Err((format!("delayed.{key}"), reason));
+        match (self.unroutable, &self.alternate_exchange) {
+            (Unroutable::Alternate, None) => err(
+                "alternate_exchange",
+                "required with unroutable = \"alternate\"".into(),
+            ),
+            (Unroutable::Alternate, Some(x)) if x.is_empty() => err(
+                "alternate_exchange",
+                "must name an exchange (the default exchange \"\" routes by queue name)".into(),
+            ),
+            (Unroutable::Alternate, Some(x)) => {
+                check_name(x).or_else(|r| err("alternate_exchange", r.into()))
+            }
+            (Unroutable::Keep | Unroutable::Drop, Some(_)) => err(
+                "alternate_exchange",
+                "only used with unroutable = \"alternate\"".into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Checks the `[[delayed_exchange]]` tables: names set, no exchange twice.
+pub(super) fn check_exchanges(tables: &[DelayedExchange]) -> Result<(), (String, String)> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, t) in tables.iter().enumerate() {
+        let key = |k: &str| format!("delayed_exchange[{i}].{k}");
+        check_name(&t.name).map_err(|r| (key("name"), r.to_string()))?;
+        check_name(&t.kind).map_err(|r| (key("type"), r.to_string()))?;
+        if t.kind == nackd_core::delayed::TYPE {
+            return Err((
+                key("type"),
+                "the real type on the broker (direct, topic, fanout, headers), not x-delayed-message".into(),
+            ));
+        }
+        if !seen.insert((&t.vhost, &t.name)) {
+            return Err((
+                key("name"),
+                format!(
+                    "exchange {:?} of vhost {:?} is listed twice",
+                    t.name, t.vhost
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,276 @@
+//! The delayed exchanges of this nackd, kept durable in the store
+//! directory (`delayed-exchanges.json`) and merged with the
+//! `[[delayed_exchange]]` tables at startup.
+//!
+//! The file is the whole list, rewritten atomically on every change (a
+//! temporary file, fsynced, renamed over it, the directory fsynced), so it
+//! is either the old list or the new one. A file that does not parse stops
+//! startup: forgetting that an exchange is delayed would publish its
+//! delayed messages at once.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use crate::config::Config;
+use nackd_core::delayed::{DelayedExchange, DelayedExchanges, Persist};
+
+/// The file's name in `store.path`.
+pub const FILE: &str = "delayed-exchanges.json";
+const VERSION: u32 = 1;
+
+/// The file's content.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    version: u32,
+    exchanges: Vec<Entry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    vhost: String,
+    name: String,
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+/// The registry file of a store directory.
+pub fn path(dir: &Path) -> PathBuf {
+    dir.join(FILE)
+}
+
+/// The list in `dir`'s file (empty when there is none). An error names the
+/// file and says what is wrong with it.
+pub fn load(dir: &Path) -> Result<Vec<DelayedExchange>, String> {
+    let path = path(dir);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let damaged = |why: String| {
+        format!(
+            "{} is damaged ({why}): it lists the exchanges nackd treats as x-delayed-message; restore it or fix it by hand",
+            path.display()
+        )
+    };
+    let file: File = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
+    if file.version != VERSION {
+        return Err(damaged(format!(
+            "version {} (this nackd reads {VERSION})",
+            file.version
+        )));
+    }
+    file.exchanges
+        .into_iter()
+        .map(|e| match e.name.is_empty() || e.kind.is_empty() {
+            true => Err(damaged("an exchange without a name or type".into())),
+            false => Ok(DelayedExchange {
+                vhost: e.vhost,
+                name: e.name,
+                kind: e.kind,
+            }),
+        })
+        .collect()
+}
+
+/// Writes `list` as `dir`'s file, atomically and durably.
+pub fn save(dir: &Path, list: &[DelayedExchange]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let file = File {
+        version: VERSION,
+        exchanges: list
+            .iter()
+            .map(|e| Entry {
+                vhost: e.vhost.clone(),
+                name: e.name.clone(),
+                kind: e.kind.clone(),
+            })
+            .collect(),
+    };
+    let mut text = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
+    text.push(b'\n');
+    let tmp = dir.join(format!("{FILE}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&text)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path(dir))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The file's list merged with the config's tables (a table wins over the
+/// file on the real type).
+fn merged(config: &Config, saved: Vec<DelayedExchange>) -> Vec<DelayedExchange> {
+    let mut all: std::collections::BTreeMap<(String, String), String> = saved
+        .into_iter()
+        .map(|e| ((e.vhost, e.name), e.kind))
+        .collect();
+    for t in &config.delayed_exchanges {
+        let key = (t.vhost.clone(), t.name.clone());
+        if let Some(kind) = all.insert(key, t.kind.clone()) {
+            if kind != t.kind {
+                warn!(vhost = %t.vhost, exchange = %t.name, file = %kind, config = %t.kind, "delayed exchange: [[delayed_exchange]] names another type than the one declared through nackd; the table's is used");
+            }
+        }
+    }
+    all.into_iter()
+        .map(|((vhost, name), kind)| DelayedExchange { vhost, name, kind })
+        .collect()
+}
+
+/// What [`crate::server::preflight`] checks: the file in `store.path`
+/// reads (when delayed exchanges are emulated).
+pub fn check(config: &Config) -> Result<(), String> {
+    match config.delayed_enabled() {
+        true => load(&config.store.path).map(drop),
+        false => Ok(()),
+    }
+}
+
+/// The registry sessions share: the file merged with the config, kept
+/// durable in `store.path`. When delayed exchanges are not emulated (no
+/// `[delayed]` or `[[delayed_exchange]]`, or `enabled = false`): an empty
+/// set in memory only, and the file is neither read nor written.
+pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
+    if !config.delayed_enabled() {
+        return Ok(DelayedExchanges::disabled());
+    }
+    let dir = config.store.path.clone();
+    let saved = load(&dir)?;
+    let (from_file, from_config) = (saved.len(), config.delayed_exchanges.len());
+    let initial = merged(config, saved);
+    tracing::info!(
+        known = initial.len(),
+        from_file,
+        from_config,
+        file = %path(&dir).display(),
+        "delayed exchanges (x-delayed-message) emulated"
+    );
+    let registry: Arc<OnceLock<Weak<DelayedExchanges>>> = Arc::default();
+    let set = DelayedExchanges::new(initial, Some(persist(dir, registry.clone())));
+    let _ = registry.set(Arc::downgrade(&set));
+    Ok(set)
+}
+
+/// The hook that writes the list. Saves from several sessions may race:
+/// each writes, under one lock, the registry's list as it is when it gets
+/// the lock (not the one it was called with), so the last write is the
+/// latest list.
+fn persist(dir: PathBuf, registry: Arc<OnceLock<Weak<DelayedExchanges>>>) -> Persist {
+    let lock = Mutex::new(());
+    Box::new(move |list: &[DelayedExchange]| {
+        let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
+        match registry.get().and_then(Weak::upgrade) {
+            Some(set) => save(&dir, &set.list()),
+            None => save(&dir, list),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exchange(vhost: &str, name: &str, kind: &str) -> DelayedExchange {
+        DelayedExchange {
+            vhost: vhost.into(),
+            name: name.into(),
+            kind: kind.into(),
+        }
+    }
+
+    fn config(dir: &Path, tables: &str) -> Config {
+        let text = format!(
+            "[store]\npath = {:?}\n\n[delayed]\n\n{tables}",
+            dir.display().to_string()
+        );
+        Config::parse(&text, Path::new("x")).unwrap()
+    }
+
+    #[test]
+    fn saved_lists_load_back() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(load(dir.path()).unwrap(), vec![], "no file: none");
+        let list = vec![exchange("/", "d", "direct"), exchange("v", "t", "topic")];
+        save(dir.path(), &list).unwrap();
+        assert_eq!(load(dir.path()).unwrap(), list);
+        save(dir.path(), &[]).unwrap();
+        assert_eq!(load(dir.path()).unwrap(), vec![]);
+        assert!(!dir.path().join(format!("{FILE}.tmp")).exists());
+    }
+
+    #[test]
+    fn a_damaged_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for text in [
+            "{\"version\":1,\"exchanges\":[{\"vhost\":\"/\"",
+            "not json",
+            "{\"version\":2,\"exchanges\":[]}",
+            "{\"version\":1,\"exchanges\":[{\"vhost\":\"/\",\"name\":\"\",\"type\":\"direct\"}]}",
+        ] {
+            std::fs::write(path(dir.path()), text).unwrap();
+            let e = load(dir.path()).unwrap_err();
+            assert!(e.contains(FILE) && e.contains("damaged"), "{e}");
+            let e = open(&config(dir.path(), "")).err().unwrap();
+            assert!(e.contains(FILE), "startup stops: {e}");
+            assert!(check(&config(dir.path(), "")).is_err());
+        }
+    }
+
+    #[test]
+    fn the_registry_merges_the_tables_and_saves_every_change() {
+        let dir = tempfile::tempdir().unwrap();
+        save(
+            dir.path(),
+            &[
+                exchange("/", "saved", "direct"),
+                exchange("/", "both", "direct"),
+            ],
+        )
+        .unwrap();
+        let tables = "[[delayed_exchange]]\nname = \"both\"\ntype = \"topic\"\n\n[[delayed_exchange]]\nvhost = \"v\"\nname = \"table\"\n";
+        let set = open(&config(dir.path(), tables)).unwrap();
+        assert!(set.is_delayed("/", "saved"));
+        assert!(set.is_delayed("v", "table"));
+        assert_eq!(
+            set.list(),
+            vec![
+                exchange("/", "both", "topic"),
+                exchange("/", "saved", "direct"),
+                exchange("v", "table", "direct"),
+            ]
+        );
+        set.declare("/", "new", "fanout");
+        set.delete("/", "saved");
+        let on_disk = load(dir.path()).unwrap();
+        assert_eq!(on_disk, set.list());
+        assert!(on_disk.contains(&exchange("/", "new", "fanout")));
+        // A restart sees what the last one declared.
+        let again = open(&config(dir.path(), "")).unwrap();
+        assert!(again.is_delayed("/", "new") && !again.is_delayed("/", "saved"));
+    }
+
+    #[test]
+    fn disabled_means_memory_only_and_no_file_read() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(path(dir.path()), "damaged").unwrap();
+        let text = format!(
+            "[store]\npath = {:?}\n[delayed]\nenabled = false\n",
+            dir.path().display().to_string()
+        );
+        let config = Config::parse(&text, Path::new("x")).unwrap();
+        assert!(check(&config).is_ok());
+        let set = open(&config).unwrap();
+        set.declare("/", "d", "direct");
+        assert_eq!(
+            std::fs::read_to_string(path(dir.path())).unwrap(),
+            "damaged"
+        );
+    }
+}

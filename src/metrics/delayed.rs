@@ -1,0 +1,82 @@
+//! The delayed exchanges (`x-delayed-message` emulation), per exchange:
+//! what is held, what was routed at its due time, what nothing was bound
+//! for. Owned by the retry engine, like the per-queue series.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Labels of a per-exchange series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExchangeLabels {
+    /// Virtual host.
+    pub vhost: String,
+    /// Exchange.
+    pub exchange: String,
+}
+
+/// Labels of `nackd_delayed_unroutable_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UnroutableLabels {
+    /// Virtual host.
+    pub vhost: String,
+    /// Exchange.
+    pub exchange: String,
+    /// `delayed.unroutable`: keep, drop or alternate.
+    pub action: String,
+}
+
+/// The per-exchange series of delayed messages.
+#[derive(Debug, Default)]
+pub struct DelayedMetrics {
+    /// Delayed messages held, by exchange (a series while it holds any).
+    pub held: Family<ExchangeLabels, Gauge>,
+    /// Delayed messages the broker confirmed at their due time.
+    pub routed: Family<ExchangeLabels, Counter>,
+    /// Delayed messages returned at their due time (nothing bound for
+    /// their routing key), by the action taken.
+    pub unroutable: Family<UnroutableLabels, Counter>,
+}
+
+impl DelayedMetrics {
+    pub(super) fn register(&self, r: &mut Registry) {
+        r.register(
+            "nackd_delayed_held_messages",
+            "Delayed messages (x-delayed-message, x-delay) held until their due time, by exchange",
+            self.held.clone(),
+        );
+        r.register(
+            "nackd_delayed_routed",
+            "Delayed messages published to their exchange at their due time and confirmed",
+            self.routed.clone(),
+        );
+        r.register(
+            "nackd_delayed_unroutable",
+            "Delayed messages nothing was bound for at their due time, by delayed.unroutable action",
+            self.unroutable.clone(),
+        );
+    }
+
+    /// One more delayed message of `vhost`/`exchange` confirmed.
+    pub fn routed(&self, vhost: &str, exchange: &str) {
+        self.routed
+            .get_or_create(&ExchangeLabels {
+                vhost: vhost.into(),
+                exchange: exchange.into(),
+            })
+            .inc();
+    }
+
+    /// One more delayed message of `vhost`/`exchange` returned, met by `action`.
+    pub fn unroutable(&self, vhost: &str, exchange: &str, action: &str) {
+        self.unroutable
+            .get_or_create(&UnroutableLabels {
+                vhost: vhost.into(),
+                exchange: exchange.into(),
+                action: action.into(),
+            })
+            .inc();
+    }
+}
