@@ -27,7 +27,9 @@ pub mod republish;
 mod supervisor;
 mod timer;
 
-pub use admin::{BlockedStatus, DueBucket, ExchangeStatus, Listed, QueueStatus, Status, Target};
+pub use admin::{
+    BlockedStatus, DueBucket, ExchangeStatus, Kind, Listed, QueueStatus, Status, Target,
+};
 pub use supervisor::{Readiness, Ready, Start};
 
 pub use nackd_core::held::{ClaimKey, Park, Parked};

@@ -4,8 +4,9 @@
 //!
 //! ```text
 //! GET  /api/held?queue=Q&vhost=V&limit=N   soonest due first (limit 100, at most 10000)
-//! POST /api/fire?id=N | ?queue=Q[&vhost=V]  publish now
-//! POST /api/purge?id=N | ?queue=Q[&vhost=V] forget (no republish)
+//!      /api/held?exchange=X&vhost=V         delayed publishes of an x-delayed-message exchange
+//! POST /api/fire?id=N | ?queue=Q | ?exchange=X [&vhost=V]  publish now
+//! POST /api/purge?id=N | ?queue=Q | ?exchange=X [&vhost=V] forget (no republish)
 //! POST /api/replica/reseed                  a new replica stream from the local store
 //! ```
 
@@ -22,7 +23,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::Ops;
-use crate::retry::{Listed, Target};
+use crate::retry::{Kind, Listed, Target};
 use crate::store::Held;
 
 /// Listed when no `limit` is given.
@@ -35,6 +36,7 @@ const MAX_LIMIT: usize = 10_000;
 pub(super) struct Params {
     id: Option<u64>,
     queue: Option<String>,
+    exchange: Option<String>,
     vhost: Option<String>,
     limit: Option<usize>,
 }
@@ -77,13 +79,32 @@ pub(super) async fn authorize(
 }
 
 fn target(p: &Params) -> Option<Target> {
-    match (p.id, &p.queue) {
-        (Some(id), None) => Some(Target::Id(id)),
-        (None, Some(queue)) => Some(Target::Queue {
-            vhost: p.vhost.clone().unwrap_or_else(|| "/".into()),
+    let vhost = || p.vhost.clone().unwrap_or_else(|| "/".into());
+    match (p.id, &p.queue, &p.exchange) {
+        (Some(id), None, None) => Some(Target::Id(id)),
+        (None, Some(queue), None) => Some(Target::Queue {
+            vhost: vhost(),
             queue: queue.clone(),
         }),
+        (None, None, Some(exchange)) => Some(Target::Exchange {
+            vhost: vhost(),
+            exchange: exchange.clone(),
+        }),
         _ => None,
+    }
+}
+
+/// The name a listing is narrowed to: a queue's retries or an exchange's
+/// delayed publishes (not both at once).
+fn named(p: &Params) -> Result<Option<(String, Kind)>, Response> {
+    match (&p.queue, &p.exchange) {
+        (Some(q), None) => Ok(Some((q.clone(), Kind::Retry))),
+        (None, Some(x)) => Ok(Some((x.clone(), Kind::Delayed))),
+        (None, None) => Ok(None),
+        _ => Err(error(
+            StatusCode::BAD_REQUEST,
+            "give queue=NAME or exchange=NAME, not both",
+        )),
     }
 }
 
@@ -92,7 +113,11 @@ pub(super) async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -
         return Json(json!({ "total": 0, "held": [] })).into_response();
     };
     let limit = p.limit.unwrap_or(DEFAULT_LIMIT).min(MAX_LIMIT);
-    match retry.list(p.vhost, p.queue, limit).await {
+    let named = match named(&p) {
+        Ok(named) => named,
+        Err(response) => return response,
+    };
+    match retry.list(p.vhost, named, limit).await {
         Ok((listed, total)) => {
             let held: Vec<Value> = listed
                 .into_iter()
@@ -116,7 +141,7 @@ async fn act(ops: &Ops, p: &Params, what: &str) -> Response {
     let Some(target) = target(p) else {
         return error(
             StatusCode::BAD_REQUEST,
-            "give either id=N or queue=NAME (with vhost=V, default \"/\")",
+            "give one of id=N, queue=NAME or exchange=NAME (with vhost=V, default \"/\")",
         );
     };
     let Some(retry) = ops.retry() else {
@@ -154,7 +179,7 @@ fn not_held(target: &Target, what: &str) -> Response {
             StatusCode::NOT_FOUND,
             format!("no held message with id {id} (or it is being published)"),
         ),
-        Target::Queue { .. } => count(what, 0),
+        Target::Queue { .. } | Target::Exchange { .. } => count(what, 0),
     }
 }
 

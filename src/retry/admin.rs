@@ -14,13 +14,30 @@ use crate::store::{Held, Loc, Reader};
 pub enum Target {
     /// One message, by store id.
     Id(u64),
-    /// Every message held for a queue.
+    /// Every message held for a queue (retries and dead letters, not
+    /// delayed publishes).
     Queue {
         /// Virtual host.
         vhost: String,
         /// Queue.
         queue: String,
     },
+    /// Every delayed publish held for an `x-delayed-message` exchange.
+    Exchange {
+        /// Virtual host.
+        vhost: String,
+        /// Exchange.
+        exchange: String,
+    },
+}
+
+/// Which kind of held message a listing shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Retries and dead letters (named by their queue).
+    Retry,
+    /// Delayed publishes (named by their exchange).
+    Delayed,
 }
 
 /// The engine task is gone (nackd is stopping).
@@ -49,6 +66,8 @@ pub struct Listed {
     pub publishing: bool,
     /// Goes to its `on_exhausted` exchange, not back to the queue.
     pub dead_letter: bool,
+    /// A delayed publish: `queue` names the exchange it goes to.
+    pub delayed: bool,
     /// Why its last republish was set aside (the broker's reply), if it was.
     pub blocked: Option<String>,
     #[serde(skip)]
@@ -152,7 +171,7 @@ const DUE_EDGES: [(&str, u64); 12] = [
 pub(super) enum Command {
     List {
         vhost: Option<String>,
-        queue: Option<String>,
+        named: Option<(String, Kind)>,
         limit: usize,
         reply: oneshot::Sender<(Vec<Listed>, usize, Reader)>,
     },
@@ -187,13 +206,13 @@ impl RetryHandle {
     pub async fn list(
         &self,
         vhost: Option<String>,
-        queue: Option<String>,
+        named: Option<(String, Kind)>,
         limit: usize,
     ) -> Result<(Vec<(Listed, Option<Held>)>, usize), EngineGone> {
         let (listed, total, reader) = self
             .ask(|reply| Command::List {
                 vhost,
-                queue,
+                named,
                 limit,
                 reply,
             })
@@ -233,11 +252,12 @@ impl Engine {
         match command {
             Command::List {
                 vhost,
-                queue,
+                named,
                 limit,
                 reply,
             } => {
-                let (listed, total) = self.list(vhost.as_deref(), queue.as_deref(), limit);
+                let named = named.as_ref().map(|(n, k)| (n.as_str(), *k));
+                let (listed, total) = self.list(vhost.as_deref(), named, limit);
                 let _ = reply.send((listed, total, self.reader.clone()));
             }
             Command::Fire { target, reply } => {
@@ -263,17 +283,20 @@ impl Engine {
 
     /// Ids of the target's messages, in due order.
     fn matching(&self, target: &Target) -> Vec<u64> {
-        let queue = match target {
+        // A queue and a delayed exchange of one name share their interned
+        // name: the kind tells them apart.
+        let (vhost, name, delayed) = match target {
             Target::Id(id) => return self.ledger.get(*id).map(|_| vec![*id]).unwrap_or_default(),
-            Target::Queue { vhost, queue } => match self.ledger.find(vhost, queue) {
-                Some(q) => q,
-                None => return Vec::new(),
-            },
+            Target::Queue { vhost, queue } => (vhost, queue, false),
+            Target::Exchange { vhost, exchange } => (vhost, exchange, true),
+        };
+        let Some(queue) = self.ledger.find(vhost, name) else {
+            return Vec::new();
         };
         let mut ids: Vec<(u64, u64)> = self
             .ledger
             .iter()
-            .filter(|(_, e)| e.meta.queue == queue)
+            .filter(|(_, e)| e.meta.queue == queue && e.meta.delayed == delayed)
             .map(|(id, e)| (e.due_ms, id))
             .collect();
         ids.sort_unstable();
@@ -298,13 +321,21 @@ impl Engine {
         fired
     }
 
-    fn list(&self, vhost: Option<&str>, queue: Option<&str>, limit: usize) -> (Vec<Listed>, usize) {
+    fn list(
+        &self,
+        vhost: Option<&str>,
+        named: Option<(&str, Kind)>,
+        limit: usize,
+    ) -> (Vec<Listed>, usize) {
         let mut found: Vec<(u64, u64)> = self
             .ledger
             .iter()
             .filter(|(_, e)| {
                 let (v, q) = self.ledger.name(e.meta.queue);
-                vhost.is_none_or(|want| &**v == want) && queue.is_none_or(|want| &**q == want)
+                vhost.is_none_or(|want| &**v == want)
+                    && named.is_none_or(|(want, kind)| {
+                        &**q == want && e.meta.delayed == (kind == Kind::Delayed)
+                    })
             })
             .map(|(id, e)| (e.due_ms, id))
             .collect();
@@ -325,7 +356,8 @@ impl Engine {
                     size: e.meta.size,
                     attempts: e.attempts,
                     publishing: e.inflight,
-                    dead_letter: e.meta.dead_letter,
+                    dead_letter: e.meta.dead_letter && !e.meta.delayed,
+                    delayed: e.meta.delayed,
                     blocked: self.ledger.reason(e.blocked()).map(|r| r.reply.clone()),
                     loc: e.loc,
                 })

@@ -679,3 +679,92 @@ async fn several_exchanges_and_restart_remembers() {
     }
     nackd.stop().await;
 }
+
+const TOKEN: &str = "delayed-admin-token-0123456789";
+
+/// An operator sees and handles delayed publishes by exchange, apart from
+/// the retries of a queue of the same name: the admin API lists them as
+/// delayed, fires one now, purges the rest; the per-exchange gauge follows.
+#[tokio::test]
+async fn delayed_messages_are_listed_fired_and_purged_by_exchange() {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start_delayed(
+        store.path(),
+        &format!("[metrics]\nadmin_token = \"{TOKEN}\"\n"),
+    )
+    .await;
+    let ops = nackd.metrics;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let (x, q) = (unique("dops-x"), unique("dops-q"));
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    bind(&ch, &x, &q, "k").await;
+    let broker = direct().await;
+    let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
+    for i in 0..3u8 {
+        let c = publish_to(&ch, &x, "k", &[b'a' + i], Some(AMQPValue::LongInt(600_000))).await;
+        assert!(c.is_ack());
+    }
+    let enc = |s: &str| s.replace('/', "%2F");
+    let held = common::ops::json(
+        ops,
+        "GET",
+        &format!("/api/held?exchange={}", enc(&x)),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(held["total"], 3, "{held}");
+    let first = &held["held"][0];
+    assert_eq!(first["delayed"], true, "{first}");
+    assert_eq!(first["dead_letter"], false, "{first}");
+    assert_eq!(first["queue"], x.as_str(), "{first}");
+    // The same name as a queue: no retries there.
+    let as_queue = common::ops::json(
+        ops,
+        "GET",
+        &format!("/api/held?queue={}", enc(&x)),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(as_queue["total"], 0, "{as_queue}");
+    let scrape = common::ops::scrape(ops).await;
+    assert_eq!(
+        scrape.get(
+            "nackd_delayed_held_messages",
+            &[("vhost", "/"), ("exchange", x.as_str())]
+        ),
+        3.0
+    );
+    // Fire one now: it arrives at once.
+    let id = first["id"].as_u64().unwrap();
+    let fired = common::ops::json(ops, "POST", &format!("/api/fire?id={id}"), Some(TOKEN)).await;
+    assert_eq!(fired["fired"], 1);
+    arrival(&mut arrivals, Duration::from_secs(5), "the fired message").await;
+    // Purge the rest by exchange: nothing else arrives, nothing is held.
+    let purged = common::ops::json(
+        ops,
+        "POST",
+        &format!("/api/purge?exchange={}", enc(&x)),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(purged["purged"], 2, "{purged}");
+    let held = common::ops::json(
+        ops,
+        "GET",
+        &format!("/api/held?exchange={}", enc(&x)),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(held["total"], 0, "{held}");
+    nothing_more(&mut arrivals, Duration::from_secs(1), "a purged message").await;
+    let ch = broker.create_channel().await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    let _ = ch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    nackd.stop().await;
+}

@@ -31,9 +31,12 @@ pub struct AdminArgs {
 enum AdminAction {
     /// Held messages, soonest due first.
     List {
-        /// Only this queue.
-        #[arg(long)]
+        /// Only the retries of this queue.
+        #[arg(long, conflicts_with = "exchange")]
         queue: Option<String>,
+        /// Only the delayed publishes of this x-delayed-message exchange.
+        #[arg(long)]
+        exchange: Option<String>,
         /// Only this vhost.
         #[arg(long)]
         vhost: Option<String>,
@@ -41,9 +44,11 @@ enum AdminAction {
         #[arg(long, default_value_t = 100)]
         limit: usize,
     },
-    /// Republish now: one message (--id) or every message of a queue.
+    /// Republish now: one message (--id), every retry of a queue, or every
+    /// delayed publish of an exchange.
     Fire(Which),
-    /// Forget held messages: one (--id) or every message of a queue.
+    /// Forget held messages: one (--id), every retry of a queue, or every
+    /// delayed publish of an exchange.
     Purge(Which),
     /// The replica stream of this instance.
     Replica {
@@ -63,21 +68,28 @@ enum ReplicaAction {
 #[derive(Args, Debug)]
 struct Which {
     /// Store id (from `list`).
-    #[arg(long, conflicts_with = "queue", required_unless_present = "queue")]
+    #[arg(long, conflicts_with_all = ["queue", "exchange"], required_unless_present_any = ["queue", "exchange"])]
     id: Option<u64>,
-    /// Every held message of this queue.
-    #[arg(long)]
+    /// Every retry held for this queue.
+    #[arg(long, conflicts_with = "exchange")]
     queue: Option<String>,
-    /// Virtual host of --queue.
-    #[arg(long, default_value = "/", requires = "queue")]
+    /// Every delayed publish held for this x-delayed-message exchange.
+    #[arg(long)]
+    exchange: Option<String>,
+    /// Virtual host of --queue or --exchange.
+    #[arg(long, default_value = "/")]
     vhost: String,
 }
 
 impl Which {
     fn target(&self) -> Target {
-        match (self.id, &self.queue) {
-            (Some(id), _) => Target::Id(id),
-            (None, queue) => Target::Queue {
+        match (self.id, &self.queue, &self.exchange) {
+            (Some(id), _, _) => Target::Id(id),
+            (None, None, Some(exchange)) => Target::Exchange {
+                vhost: self.vhost.clone(),
+                exchange: exchange.clone(),
+            },
+            (None, queue, _) => Target::Queue {
                 vhost: self.vhost.clone(),
                 queue: queue.clone().unwrap_or_default(),
             },
@@ -171,6 +183,9 @@ fn with_target<B>(request: RequestBuilder<B>, target: &Target) -> RequestBuilder
     match target {
         Target::Id(id) => request.query("id", id.to_string()),
         Target::Queue { vhost, queue } => request.query("queue", queue).query("vhost", vhost),
+        Target::Exchange { vhost, exchange } => {
+            request.query("exchange", exchange).query("vhost", vhost)
+        }
     }
 }
 
@@ -214,6 +229,7 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
     let mut response = match action {
         AdminAction::List {
             queue,
+            exchange,
             vhost,
             limit,
         } => {
@@ -222,6 +238,9 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
                 .query("limit", limit.to_string());
             if let Some(queue) = queue {
                 request = request.query("queue", queue);
+            }
+            if let Some(exchange) = exchange {
+                request = request.query("exchange", exchange);
             }
             if let Some(vhost) = vhost {
                 request = request.query("vhost", vhost);
@@ -256,9 +275,14 @@ fn list_lines(body: &Value) -> String {
     for h in &held {
         let _ = writeln!(
             out,
-            "id {} vhost {} queue {} due {} retry {} size {} attempts {}{}{} headers {}",
+            "id {} vhost {} {} {} due {} retry {} size {} attempts {}{}{} headers {}",
             h["id"],
             h["vhost"],
+            if h["delayed"] == Value::Bool(true) {
+                "delayed-exchange"
+            } else {
+                "queue"
+            },
             h["queue"],
             h["due"].as_str().unwrap_or("?"),
             h["retry"],
