@@ -87,6 +87,9 @@ pub struct QueueStatus {
     pub bytes: u64,
     /// Of those, set aside (their last republish failed).
     pub blocked: u64,
+    /// Of those, delayed publishes: `queue` is then also (or only) the
+    /// name of an `x-delayed-message` exchange.
+    pub delayed: u64,
     /// Since when the queue is gone (ms since the Unix epoch), if it is.
     pub gone_since_ms: Option<u64>,
 }
@@ -395,6 +398,7 @@ impl Engine {
                 held,
                 bytes,
                 blocked: self.ledger.blocked_count(q),
+                delayed: self.ledger.delayed_count(q),
                 gone_since_ms: self.gone.get(&q).map(|b| b.since_ms),
             })
             .collect();

@@ -385,6 +385,12 @@ impl Ledger {
             .map(|(i, q)| (i as u32, &q.vhost, &q.queue, q.count, q.bytes))
     }
 
+    /// Delayed publishes among the messages held under a name (an
+    /// `x-delayed-message` exchange's).
+    pub fn delayed_count(&self, queue: u32) -> u64 {
+        self.queues[queue as usize].delayed
+    }
+
     /// Set-aside messages of a queue.
     pub fn blocked_count(&self, queue: u32) -> u64 {
         self.queues[queue as usize].blocked

@@ -738,6 +738,20 @@ async fn delayed_messages_are_listed_fired_and_purged_by_exchange() {
         ),
         3.0
     );
+    // The status page's table names it as a delayed exchange.
+    let status = common::ops::json(ops, "GET", "/status.json", None).await;
+    let row = status["engine"]["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["queue"] == x.as_str())
+        .cloned()
+        .unwrap_or_else(|| panic!("no status row for {x}: {status}"));
+    assert_eq!(
+        (row["held"].clone(), row["delayed"].clone()),
+        (3.into(), 3.into()),
+        "{row}"
+    );
     // Fire one now: it arrives at once.
     let id = first["id"].as_u64().unwrap();
     let fired = common::ops::json(ops, "POST", &format!("/api/fire?id={id}"), Some(TOKEN)).await;
