@@ -216,6 +216,13 @@ async fn declare_bind_publish() {
         Some(&AMQPValue::LongString("v".into())),
         "headers kept: {h:?}"
     );
+    // As the plugin delivers it: the delay spent, negated, of its type (a
+    // consumer republishing it as it came gets it routed at once).
+    assert_eq!(
+        h.inner().get("x-delay"),
+        Some(&AMQPValue::LongInt(-1500)),
+        "x-delay as delivered: {h:?}"
+    );
 
     // x-delay <= 0 or not an integer: routed at once, as the plugin does.
     for (what, delay) in [

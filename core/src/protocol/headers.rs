@@ -99,6 +99,27 @@ pub fn delay_ms(payload: &[u8]) -> Option<u64> {
     }
 }
 
+/// The content header a delayed message is delivered with: its `x-delay`
+/// negated (`5000` becomes `-5000`, of the same integer type where it is
+/// signed), as the delayed-message plugin delivers it, so that a consumer
+/// that republishes it as it came gets it routed at once, not delayed
+/// again. Every other byte is kept.
+pub fn delivered_with_delay_spent(payload: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let key = crate::delayed::DELAY_HEADER;
+    let spent = match header_value(payload, key)? {
+        Some(AMQPValue::ShortShortInt(v)) => AMQPValue::ShortShortInt(v.saturating_neg()),
+        Some(AMQPValue::ShortInt(v)) => AMQPValue::ShortInt(v.saturating_neg()),
+        Some(AMQPValue::LongInt(v)) => AMQPValue::LongInt(v.saturating_neg()),
+        Some(AMQPValue::LongLongInt(v)) => AMQPValue::LongLongInt(v.saturating_neg()),
+        Some(v) => match as_u64(&v) {
+            Some(n) => AMQPValue::LongLongInt(-(n.min(i64::MAX as u64) as i64)),
+            None => return Ok(payload.to_vec()),
+        },
+        None => return Ok(payload.to_vec()),
+    };
+    content::rewrite_headers(payload, &[(key, spent)])
+}
+
 /// The retry count the message carries (0 when nackd never retried it).
 pub fn retry_count(payload: &[u8]) -> u32 {
     match header_value(payload, RETRY_COUNT) {

@@ -195,6 +195,7 @@ impl Session {
             .clone()
             .expect("a complete content has a header");
         let delay_ms = headers::delay_ms(&header).expect("checked at the header");
+        let header = headers::delivered_with_delay_spent(&header).map_or(header, Bytes::from);
         let vhost = state.vhost.clone();
         let ready = state.shared.ready.may_claim();
         let channel = self.channels.get(channel_id);

@@ -327,3 +327,19 @@ fn a_session_that_ends_keeps_its_delayed_publishes() {
         "a publisher's message is not the broker's to take back"
     );
 }
+
+#[test]
+fn a_delayed_message_is_stored_with_its_delay_spent() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, Some(AMQPValue::LongInt(2500)));
+    let parks = p.take_parks();
+    let h = crate::protocol::content::decode_header(&parks[0].header).unwrap();
+    let headers = h.properties.headers().clone().unwrap();
+    assert_eq!(
+        headers.inner().get("x-delay"),
+        Some(&AMQPValue::LongInt(-2500))
+    );
+    assert_eq!(parks[0].delay, std::time::Duration::from_millis(2500));
+}
