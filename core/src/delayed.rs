@@ -19,6 +19,10 @@ pub const TYPE: &str = "x-delayed-message";
 pub const TYPE_ARG: &str = "x-delayed-type";
 /// The publish header carrying the delay in milliseconds.
 pub const DELAY_HEADER: &str = "x-delay";
+/// The longest hold: an `x-delay` above it (up to 2^63 ms) is held this
+/// long, 100 years, within what the wheel and the clock's microseconds
+/// count exactly.
+pub const MAX_DELAY_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 
 /// One delayed exchange.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

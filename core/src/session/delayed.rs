@@ -194,7 +194,9 @@ impl Session {
             .header
             .clone()
             .expect("a complete content has a header");
-        let delay_ms = headers::delay_ms(&header).expect("checked at the header");
+        let delay_ms = headers::delay_ms(&header)
+            .expect("checked at the header")
+            .min(crate::delayed::MAX_DELAY_MS);
         let header = headers::delivered_with_delay_spent(&header).map_or(header, Bytes::from);
         let vhost = state.vhost.clone();
         let ready = state.shared.ready.may_claim();

@@ -343,3 +343,18 @@ fn a_delayed_message_is_stored_with_its_delay_spent() {
     );
     assert_eq!(parks[0].delay, std::time::Duration::from_millis(2500));
 }
+
+#[test]
+fn the_largest_x_delay_is_held_a_century_not_wrapped() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(i64::MAX));
+    let parks = p.take_parks();
+    assert_eq!(
+        parks[0].delay,
+        std::time::Duration::from_millis(crate::delayed::MAX_DELAY_MS)
+    );
+    // The engine counts due times in µs: no overflow.
+    assert!(parks[0].delay.as_micros() < u128::from(u64::MAX) / 2);
+}
