@@ -26,6 +26,8 @@
 //!   `writer`, `recover`, `scan`, `inspect`).
 //! - [`replica`]: the copy in a stream of the broker cluster, the lease,
 //!   rebuild and adoption.
+//! - [`replay`]: dead-letter replay: messages of a dead-letter queue parked
+//!   back to their queues (`nackd admin replay`).
 //! - [`config`] (the file, with `replica`), `net` (TLS, the upstream
 //!   connector), `shutdown` (the one way a task or thread is stopped),
 //!   [`metrics`], `ops` (`/metrics`, health, status page, admin API),
@@ -64,6 +66,7 @@ pub mod metrics;
 mod net;
 mod ops;
 pub mod reload;
+pub mod replay;
 pub mod replica;
 pub mod retry;
 pub mod sched;
