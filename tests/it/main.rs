@@ -25,6 +25,7 @@ mod hot_reload;
 mod isolation;
 mod ops;
 mod proxy;
+mod replay;
 mod replica;
 mod republisher_health;
 mod resilience;
