@@ -300,3 +300,105 @@ async fn a_dead_letter_queue_goes_back_to_its_queues_across_a_sigkill() {
     delete_queues(&ch, &[&dlq, &a, &b]).await;
     let _ = conn.close(200, "".into()).await;
 }
+
+/// A dead-letter queue `dlq` holding `n` messages the broker dead-lettered
+/// from `orig` (ids 0..n, in order).
+async fn dead_letters(ch: &Channel, dlq: &str, orig: &str, n: u32) {
+    declare_durable(ch, dlq).await;
+    declare_dead_lettering(ch, orig, dlq).await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    publish_ids(ch, orig, 0..n).await;
+    reject_all(ch, orig, n).await;
+    wait_for(
+        Duration::from_secs(10),
+        "dead-lettered",
+        || async { (message_count(ch, dlq).await, message_count(ch, orig).await) },
+        |c| *c == (n, 0),
+    )
+    .await;
+}
+
+/// The ids of `q` in queue order, each requeued after it is read (a peek).
+async fn peek(conn: &lapin::Connection, q: &str) -> Vec<u32> {
+    let ch = conn.create_channel().await.unwrap();
+    let mut ids = Vec::new();
+    while let Some(m) = ch
+        .basic_get(q.into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+    {
+        ids.push(u32::from_be_bytes(m.delivery.data[..4].try_into().unwrap()));
+    }
+    ch.close(200, "".into()).await.unwrap();
+    ids
+}
+
+/// The API: bad parameters are refused before anything is read, a dry run
+/// leaves the queue in its order, and a store that refuses every park
+/// stops the replay with an error and the message requeued: nothing moved,
+/// nothing lost, the order kept.
+#[tokio::test]
+async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
+    let (dlq, orig) = (unique("replay-full-dlq"), unique("replay-full-orig"));
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start(&format!(
+        "[store]\npath = \"{}\"\nmax_bytes = 1\n[metrics]\nadmin_token = \"{TOKEN}\"\n\
+         [[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        store.path().display(),
+        unique("replay-full-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    dead_letters(&ch, &dlq, &orig, 20).await;
+    let api = |query: String| {
+        let path = format!("/api/replay?{query}");
+        async move { common::ops::call(nackd.metrics, "POST", &path, Some(TOKEN)).await }
+    };
+    let q = common::ops::query(&dlq);
+    let dlq_param = q.trim_start_matches("?queue=").to_string();
+
+    let r = api(format!("dlq={dlq_param}&reason=bored")).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = api(format!("dlq={dlq_param}&to={dlq_param}")).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = api("dlq=nackd-test-no-such-queue".into()).await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = common::ops::call(nackd.metrics, "POST", "/api/replay?dlq=x", None).await;
+    assert_eq!(r.status, 401, "{}", r.body);
+
+    let r = api(format!("dlq={dlq_param}&dry_run=true&limit=5")).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["examined"], 5, "{v}");
+    assert_eq!(v["destinations"][&orig], 5, "{v}");
+    assert_eq!(v["moved"], 0, "{v}");
+    let order = (0..20).collect::<Vec<u32>>();
+    assert_eq!(peek(&conn, &dlq).await, order, "a dry run keeps the order");
+
+    let r = api(format!("dlq={dlq_param}")).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("the store refused a park"),
+        "{v}"
+    );
+    assert_eq!(v["moved"], 0, "{v}");
+    let seen = wait_for(
+        Duration::from_secs(10),
+        "the refused message requeued",
+        || peek(&conn, &dlq),
+        |ids| ids.len() == 20,
+    )
+    .await;
+    assert_eq!(seen, order, "nothing lost, the order kept");
+    assert_eq!(message_count(&ch, &orig).await, 0);
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
