@@ -12,6 +12,8 @@
 //! ends the replay. Messages it leaves (filtered out, no destination, a dry
 //! run) stay unacked until the end of the pass and are then nacked with
 //! requeue in one go: they go back to their places, as after any requeue.
+//! A message whose destination queue does not exist is left too (counted
+//! per queue): nackd would hold it until the queue came back.
 //!
 //! A crash between the park and the ack leaves the message both held and
 //! back on the dead-letter queue: a second replay moves it again (one
@@ -93,6 +95,9 @@ pub struct Report {
     pub no_destination: u64,
     /// Moved (or, in a dry run, to be moved) per destination queue.
     pub destinations: BTreeMap<String, u64>,
+    /// Left there: the queue they go to does not exist (per queue). nackd
+    /// would hold them until it does; the operator decides instead.
+    pub missing_destinations: BTreeMap<String, u64>,
     /// Why the replay stopped early, if it did (what is counted was done).
     pub error: Option<String>,
 }
@@ -175,6 +180,8 @@ impl Replayer {
                 filter: check,
                 vhost: vhost.as_str().into(),
                 ch: &ch,
+                conn: &conn,
+                exists: HashMap::new(),
                 retry: &self.retry,
                 run,
                 reply,
@@ -268,6 +275,14 @@ fn check(request: &Request) -> Result<Filter, ReplayError> {
     })
 }
 
+/// The AMQP reply code of a channel or connection error, if it is one.
+fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
 fn broker(e: lapin::Error) -> ReplayError {
     ReplayError::Broker(e.to_string())
 }
@@ -283,7 +298,7 @@ async fn queue_count(ch: &Channel, dlq: &str, vhost: &str) -> Result<u64, Replay
         .await
     {
         Ok(q) => Ok(u64::from(q.message_count())),
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => {
+        Err(e) if reply_code(&e) == Some(404) => {
             Err(ReplayError::NoQueue(dlq.into(), vhost.into()))
         }
         Err(e) => Err(broker(e)),
@@ -296,6 +311,9 @@ struct Pass<'a> {
     filter: Filter,
     vhost: Arc<str>,
     ch: &'a Channel,
+    conn: &'a Connection,
+    /// Whether each destination met so far exists.
+    exists: HashMap<String, bool>,
     retry: &'a RetryHandle,
     run: u64,
     reply: ParkReply,
@@ -367,6 +385,18 @@ impl Pass<'_> {
             Verdict::Skip => return self.leave(d.delivery_tag, |r| r.skipped += 1),
             Verdict::NoDestination => return self.leave(d.delivery_tag, |r| r.no_destination += 1),
         };
+        match self.exists(&destination).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let missing = &mut self.report.missing_destinations;
+                *missing.entry(destination).or_default() += 1;
+                return self.leave(d.delivery_tag, |_| {});
+            }
+            Err(e) => {
+                self.fail(format!("broker: {e}"));
+                return self.leave(d.delivery_tag, |_| {});
+            }
+        }
         if self.report.dry_run {
             *self.report.destinations.entry(destination).or_default() += 1;
             return self.leave(d.delivery_tag, |_| {});
@@ -404,6 +434,35 @@ impl Pass<'_> {
             return self.requeue(d.delivery_tag).await;
         }
         self.in_flight.insert(d.delivery_tag, destination);
+    }
+
+    /// Whether queue `name` exists (a passive declare on a channel of its
+    /// own: a 404 closes the channel), asked once per replay.
+    async fn exists(&mut self, name: &str) -> Result<bool, lapin::Error> {
+        if let Some(known) = self.exists.get(name) {
+            return Ok(*known);
+        }
+        let ch = self.conn.create_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let known = match ch
+            .queue_declare(name.into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = ch.close(200, "".into()).await;
+                true
+            }
+            Err(e) if reply_code(&e) == Some(404) => false,
+            // Someone's exclusive queue: it exists (the broker refuses the
+            // publish if nackd may not use it, and nackd keeps it).
+            Err(e) if reply_code(&e) == Some(405) => true,
+            Err(e) => return Err(e),
+        };
+        self.exists.insert(name.to_string(), known);
+        Ok(known)
     }
 
     /// Leaves a message on the dead-letter queue (requeued at the end).

@@ -375,6 +375,16 @@ async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
     assert_eq!(v["examined"], 5, "{v}");
     assert_eq!(v["destinations"][&orig], 5, "{v}");
     assert_eq!(v["moved"], 0, "{v}");
+    let r = api(format!(
+        "dlq={dlq_param}&dry_run=true&to=nackd-test-no-such-queue"
+    ))
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(
+        v["missing_destinations"]["nackd-test-no-such-queue"], 20,
+        "{v}"
+    );
+    assert_eq!(v["destinations"], serde_json::json!({}), "{v}");
     let order = (0..20).collect::<Vec<u32>>();
     assert_eq!(peek(&conn, &dlq).await, order, "a dry run keeps the order");
 

@@ -348,6 +348,11 @@ fn replay_lines(body: &Value) -> String {
             let _ = writeln!(out, "{verb} {n} to {queue}");
         }
     }
+    if let Some(missing) = body["missing_destinations"].as_object() {
+        for (queue, n) in missing {
+            let _ = writeln!(out, "left {n}: queue {queue} does not exist");
+        }
+    }
     let _ = writeln!(
         out,
         "examined {}, {verb} {}, skipped {}, no destination {}{}",
