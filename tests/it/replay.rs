@@ -412,3 +412,52 @@ async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
     let _ = conn.close(200, "".into()).await;
     nackd.stop().await;
 }
+
+/// `spread=2s`: the nth of 20 messages is due `2s * n / 20` after the
+/// replay, and none comes back early; the replayed message keeps the
+/// broker's death headers and carries no retry count (the default reset;
+/// keeping a count is `select`'s unit test).
+#[tokio::test]
+async fn a_spread_replay_is_never_early_and_resets_the_count() {
+    let (dlq, orig) = (unique("replay-spread-dlq"), unique("replay-spread-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-spread-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    dead_letters(&ch, &dlq, &orig, 20).await;
+    let q = common::ops::query(&dlq);
+    let path = format!(
+        "/api/replay?dlq={}&spread=2s",
+        q.trim_start_matches("?queue=")
+    );
+    let began = std::time::Instant::now();
+    let v = common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await;
+    assert_eq!(v["moved"], 20, "{v}");
+    let reader = conn.create_channel().await.unwrap();
+    let mut c = consume(&reader, &orig, None).await;
+    let mut last = Duration::ZERO;
+    for _ in 0..20 {
+        let d = next(&mut c, Duration::from_secs(10))
+            .await
+            .expect("replayed");
+        let at = began.elapsed();
+        let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+        let due = Duration::from_millis(2000 * u64::from(id) / 20);
+        assert!(at >= due, "id {id} came at {at:?}, due {due:?}");
+        assert_eq!(retry_count(&d), 0, "the count starts again");
+        let h = d.properties.headers().clone().unwrap();
+        assert!(h.inner().contains_key("x-first-death-queue"), "{h:?}");
+        last = last.max(at);
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert!(
+        last >= Duration::from_millis(1900),
+        "spread: the last came at {last:?}"
+    );
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
