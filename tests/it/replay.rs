@@ -120,6 +120,28 @@ async fn drain(ch: &Channel, q: &str) -> HashMap<u32, u32> {
     seen
 }
 
+/// `(unacknowledged, ready)` of queue `q` in vhost `/`, from rabbitmqctl.
+async fn unacked_and_ready(q: &str) -> (u32, u32) {
+    let q = q.to_string();
+    tokio::task::spawn_blocking(move || {
+        let out = BROKER.ctl_ok(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages_unacknowledged",
+            "messages_ready",
+        ]);
+        out.lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() == 3 && f[0] == q)
+            .map(|f| (f[1].parse().unwrap(), f[2].parse().unwrap()))
+            .unwrap_or_else(|| panic!("no queue {q} in {out}"))
+    })
+    .await
+    .unwrap()
+}
+
 /// `(dlq, a, b)` ready counts.
 async fn counts(ch: &Channel, dlq: &str, a: &str, b: &str) -> (u32, u32, u32) {
     (
@@ -234,28 +256,16 @@ async fn a_dead_letter_queue_goes_back_to_its_queues_across_a_sigkill() {
     let out = replaying.await.unwrap();
     assert!(!out.status.success(), "the killed replay reports a failure");
 
-    // Unacked gets go back to the dead-letter queue when the connection dies.
+    // Unacked gets go back to the dead-letter queue when the broker sees
+    // the replay's connection gone: none unacknowledged any more.
     let left = wait_for(
         Duration::from_secs(30),
         "the broker requeued what the dead replay held",
-        || async {
-            let q = ch
-                .queue_declare(
-                    dlq.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            (q.message_count(), q.consumer_count())
-        },
-        |(_, consumers)| *consumers == 0,
+        || unacked_and_ready(&dlq),
+        |(unacked, _)| *unacked == 0,
     )
     .await
-    .0;
+    .1;
     assert!(
         left > 0 && left < total - 100,
         "a part moved, a part left: {left}"
