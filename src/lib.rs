@@ -28,6 +28,8 @@
 //!   rebuild and adoption.
 //! - [`delayed`]: the exchanges emulated as `x-delayed-message`, kept in
 //!   the store directory.
+//! - [`replay`]: dead-letter replay: messages of a dead-letter queue parked
+//!   back to their queues (`nackd admin replay`).
 //! - [`config`] (the file, with `replica`), `net` (TLS, the upstream
 //!   connector), `shutdown` (the one way a task or thread is stopped),
 //!   [`metrics`], `ops` (`/metrics`, health, status page, admin API),
@@ -67,6 +69,7 @@ pub mod metrics;
 mod net;
 mod ops;
 pub mod reload;
+pub mod replay;
 pub mod replica;
 pub mod retry;
 pub mod sched;

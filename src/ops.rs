@@ -43,6 +43,8 @@ pub struct Ops {
     intercepting: bool,
     clock: Clock,
     engine: OnceLock<(RetryHandle, Arc<Budget>)>,
+    /// Dead-letter replays (once the engine runs).
+    replayer: OnceLock<crate::replay::Replayer>,
     draining: AtomicBool,
     /// The last broker check of `/readyz` and when it ran.
     upstream_check: tokio::sync::Mutex<Option<(Instant, Nodes)>>,
@@ -65,6 +67,7 @@ impl Ops {
             intercepting,
             clock,
             engine: OnceLock::new(),
+            replayer: OnceLock::new(),
             draining: AtomicBool::new(false),
             upstream_check: tokio::sync::Mutex::new(None),
         })
@@ -73,6 +76,11 @@ impl Ops {
     /// The store is recovered and the engine runs.
     pub fn attach(&self, retry: RetryHandle, budget: Arc<Budget>) {
         let _ = self.engine.set((retry, budget));
+    }
+
+    /// Dead-letter replays park through the engine attached.
+    pub fn attach_replayer(&self, replayer: crate::replay::Replayer) {
+        let _ = self.replayer.set(replayer);
     }
 
     /// nackd stopped accepting clients: no longer ready.
@@ -92,6 +100,7 @@ pub fn router(ops: Arc<Ops>) -> Router {
         .route("/api/fire", post(admin::fire))
         .route("/api/purge", post(admin::purge))
         .route("/api/replica/reseed", post(admin::reseed))
+        .route("/api/replay", post(admin::replay))
         .route_layer(middleware::from_fn_with_state(
             ops.clone(),
             admin::authorize,

@@ -291,6 +291,9 @@ impl Proxy {
         };
         if let Some(i) = &intercept {
             ops.attach(i.retry.clone(), i.shared.budget.clone());
+            let replayer = crate::replay::Replayer::new(config, i.retry.clone())
+                .map_err(StartError::Credentials)?;
+            ops.attach_replayer(replayer);
         }
         Ok(Self {
             root,

@@ -8,6 +8,9 @@
 //! POST /api/fire?id=N | ?queue=Q | ?exchange=X [&vhost=V]  publish now
 //! POST /api/purge?id=N | ?queue=Q | ?exchange=X [&vhost=V] forget (no republish)
 //! POST /api/replica/reseed                  a new replica stream from the local store
+//! POST /api/replay?dlq=D[&vhost=V][&to=Q][&queue=Q][&reason=R][&limit=N]
+//!      [&spread=10m][&reset_count=false][&dry_run=true]
+//!                                           dead-letter replay (or the same as a JSON body)
 //! ```
 
 use std::sync::Arc;
@@ -169,6 +172,49 @@ pub(super) async fn reseed(State(ops): State<Arc<Ops>>) -> Response {
     match retry.reseed().await {
         Ok(done) => Json(json!({ "reseeded": done.seeded, "stream": done.stream })).into_response(),
         Err(e) => error(StatusCode::CONFLICT, e),
+    }
+}
+
+/// Dead-letter replay (`crate::replay`): parameters in the query or as a
+/// JSON body; answers the report (counts per destination, moved, skipped,
+/// no destination), with `error` and status 503 when it stopped early.
+pub(super) async fn replay(
+    State(ops): State<Arc<Ops>>,
+    uri: axum::http::Uri,
+    body: axum::body::Bytes,
+) -> Response {
+    let request = if body.is_empty() {
+        Query::<crate::replay::Request>::try_from_uri(&uri)
+            .map(|q| q.0)
+            .map_err(|e| e.body_text())
+    } else {
+        serde_json::from_slice(&body).map_err(|e| e.to_string())
+    };
+    let request = match request {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let Some(replayer) = ops.replayer.get() else {
+        return error(
+            StatusCode::CONFLICT,
+            "nackd holds nothing (no policy, or its store is not recovered yet)",
+        );
+    };
+    use crate::replay::ReplayError as E;
+    match replayer.run(request).await {
+        Ok(report) if report.error.is_some() => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(report)).into_response()
+        }
+        Ok(report) => Json(report).into_response(),
+        Err(e) => {
+            let code = match e {
+                E::Invalid(_) => StatusCode::BAD_REQUEST,
+                E::Busy => StatusCode::CONFLICT,
+                E::NoQueue(..) => StatusCode::NOT_FOUND,
+                E::NotReady(_) | E::Broker(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            error(code, e)
+        }
     }
 }
 

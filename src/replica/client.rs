@@ -93,7 +93,8 @@ impl Target {
         self.heartbeat.max(Duration::from_secs(1))
     }
 
-    fn uri(&self, node: &str) -> String {
+    /// The AMQP URI of `node` with this target's login and vhost.
+    pub(crate) fn uri(&self, node: &str) -> String {
         format!(
             "{}://{}:{}@{node}/{}?heartbeat={}&connection_timeout=5000",
             if self.tls_ca.is_some() {

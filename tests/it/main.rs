@@ -27,6 +27,7 @@ mod isolation;
 mod ops;
 mod option_c;
 mod proxy;
+mod replay;
 mod replica;
 mod republisher_health;
 mod resilience;

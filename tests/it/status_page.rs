@@ -510,3 +510,112 @@ async fn status_page_shows_not_ready_and_why() {
     page.close().await;
     nackd.stop().await;
 }
+
+/// The dead-letter replay form: the Replay button is off until a dry run
+/// counted the messages per destination (nothing moved by it), then moves
+/// exactly those back to the queue they came from.
+#[tokio::test]
+async fn status_page_replays_a_dead_letter_queue_after_a_dry_run() {
+    const TOKEN: &str = "status-page-replay-token-0123";
+    let (dlq, orig) = (unique("page-dlq"), unique("page-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("page-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    declare_durable(&ch, &dlq).await;
+    let mut args = lapin::types::FieldTable::default();
+    let dlx = |s: &str| lapin::types::AMQPValue::LongString(s.into());
+    args.insert("x-dead-letter-exchange".into(), dlx(""));
+    args.insert("x-dead-letter-routing-key".into(), dlx(&dlq));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(orig.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    for body in [b"one", b"two", b"six"] {
+        ch.basic_publish(
+            "".into(),
+            orig.as_str().into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let mut c = consume(&ch, &orig, None).await;
+    for _ in 0..3 {
+        let d = next(&mut c, Duration::from_secs(10)).await.unwrap();
+        d.reject(BasicRejectOptions { requeue: false })
+            .await
+            .unwrap();
+    }
+    ch.basic_cancel(c.tag(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let counts = || async {
+        (
+            message_count(&ch, &dlq).await,
+            message_count(&ch, &orig).await,
+        )
+    };
+    wait_for(Duration::from_secs(10), "3 dead-lettered", counts, |c| {
+        *c == (3, 0)
+    })
+    .await;
+
+    let profile = tempfile::tempdir().unwrap();
+    let mut page = browser::Browser::start(profile.path(), 1200, 900).await;
+    page.open(&format!("http://{}/", nackd.metrics)).await;
+    page.until("rendered", RENDERED).await;
+    assert_eq!(
+        page.eval("document.getElementById('replay-go').disabled")
+            .await,
+        true
+    );
+    page.eval(&format!(
+        "document.getElementById('replay-dlq').value = {dlq:?};\
+         document.getElementById('replay-token').value = {TOKEN:?};\
+         document.getElementById('replay-dry').click(); true"
+    ))
+    .await;
+    page.until(
+        "dry run counted",
+        "!document.getElementById('replay-go').disabled",
+    )
+    .await;
+    assert_eq!(
+        page.eval("[...document.querySelectorAll('#replay-counts [data-queue]')].map(r => [r.dataset.queue, r.cells[1].dataset.value])").await,
+        serde_json::json!([[orig, "3"]]),
+    );
+    wait_for(
+        Duration::from_secs(10),
+        "the dry run moved nothing",
+        counts,
+        |c| *c == (3, 0),
+    )
+    .await;
+    page.eval("document.getElementById('replay-go').click(); true")
+        .await;
+    page.until(
+        "replayed",
+        "document.getElementById('replay-state').dataset.moved === '3'",
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(10),
+        "3 back in their queue",
+        counts,
+        |c| *c == (0, 3),
+    )
+    .await;
+    page.close().await;
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+}

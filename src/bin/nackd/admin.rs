@@ -1,4 +1,4 @@
-//! `nackd admin list|fire|purge|replica reseed`: the admin API of a running
+//! `nackd admin list|fire|purge|replay|replica reseed`: the admin API of a running
 //! nackd from the command line, printed as lines an operator reads (or greps). Address and
 //! token come from the config file unless `--address` / `--token-env` say.
 
@@ -50,6 +50,15 @@ enum AdminAction {
     /// Forget held messages: one (--id), every retry of a queue, or every
     /// delayed publish of an exchange.
     Purge(Which),
+    /// Move messages from a dead-letter queue back to the queue each came
+    /// from (x-first-death-queue, else the first x-death entry, else nackd's
+    /// own headers), or to --to. Run it with --dry-run first: it prints the
+    /// counts per destination and moves nothing.
+    ///
+    /// Each message is parked in nackd's store (due at once, or spread over
+    /// --spread) and acked on the dead-letter queue only once it is durable;
+    /// messages left (filtered out, no destination) go back to their place.
+    Replay(ReplayArgs),
     /// The replica stream of this instance.
     Replica {
         #[command(subcommand)]
@@ -63,6 +72,68 @@ enum ReplicaAction {
     /// written from what the local store holds; nackd intercepts again
     /// once it is written. Refused while the stream exists.
     Reseed,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// The dead-letter queue to read.
+    dlq: String,
+    /// Virtual host of the dead-letter queue (and of the destinations).
+    #[arg(long, default_value = "/")]
+    vhost: String,
+    /// Send every taken message to this queue instead of its origin.
+    #[arg(long)]
+    to: Option<String>,
+    /// Only messages that came from this queue.
+    #[arg(long)]
+    queue: Option<String>,
+    /// Only messages that died for this reason.
+    #[arg(long, value_parser = ["rejected", "expired", "maxlen", "delivery_limit"])]
+    reason: Option<String>,
+    /// At most this many messages.
+    #[arg(long)]
+    limit: Option<u64>,
+    /// Spread their due times evenly over this long (e.g. 10m) instead of
+    /// all at once, so the consumer is not flooded.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    spread: Option<Duration>,
+    /// Whether x-retry-count starts again at 0 (true by default: a message
+    /// on a dead-letter queue usually got there by exhausting its retries,
+    /// and with its count kept, its first nack after the replay would find
+    /// the schedule exhausted and dead-letter it again at once; false keeps
+    /// the count, for messages that should get only the retries left).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    reset_count: bool,
+    /// Count per destination only: nothing is moved (messages are requeued
+    /// where they were).
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl ReplayArgs {
+    fn query<B>(&self, mut request: RequestBuilder<B>) -> RequestBuilder<B> {
+        request = request
+            .query("dlq", &self.dlq)
+            .query("vhost", &self.vhost)
+            .query("reset_count", self.reset_count.to_string())
+            .query("dry_run", self.dry_run.to_string());
+        for (key, value) in [
+            ("to", &self.to),
+            ("queue", &self.queue),
+            ("reason", &self.reason),
+        ] {
+            if let Some(value) = value {
+                request = request.query(key, value);
+            }
+        }
+        if let Some(limit) = self.limit {
+            request = request.query("limit", limit.to_string());
+        }
+        if let Some(spread) = self.spread {
+            request = request.query("spread", humantime::format_duration(spread).to_string());
+        }
+        request
+    }
 }
 
 #[derive(Args, Debug)]
@@ -194,6 +265,18 @@ fn call(address: &str, token: &str, action: &AdminAction) -> Result<String, Admi
     let (status, text) =
         send(address, token, action).map_err(|e| AdminError::from_ureq(address, e))?;
     let body: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    if let AdminAction::Replay(_) = action {
+        if body.get("examined").is_some() {
+            let lines = replay_lines(&body);
+            return match body["error"].as_str() {
+                None => Ok(lines),
+                Some(e) => Err(AdminError::Api {
+                    status,
+                    message: format!("{e}\n{lines}"),
+                }),
+            };
+        }
+    }
     if status != 200 {
         let message = body["error"].as_str().map_or(text.clone(), str::to_string);
         return Err(AdminError::Api { status, message });
@@ -201,6 +284,7 @@ fn call(address: &str, token: &str, action: &AdminAction) -> Result<String, Admi
     Ok(match action {
         AdminAction::List { .. } => list_lines(&body),
         AdminAction::Fire(_) => format!("fired {}\n", body["fired"]),
+        AdminAction::Replay(_) => replay_lines(&body),
         AdminAction::Purge(_) => format!("purged {}\n", body["purged"]),
         AdminAction::Replica { .. } => format!(
             "reseeded {} held messages into {}\n",
@@ -215,7 +299,7 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
     // Straight to nackd: no proxy from the environment, and an error
     // status is an answer to read, not a transport error.
     let timeout = match action {
-        AdminAction::Replica { .. } => RESEED_TIMEOUT,
+        AdminAction::Replica { .. } | AdminAction::Replay(_) => RESEED_TIMEOUT,
         _ => TIMEOUT,
     };
     let agent: Agent = Agent::config_builder()
@@ -253,6 +337,10 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
         AdminAction::Purge(which) => with_target(agent.post(url("/api/purge")), &which.target())
             .header("Authorization", &bearer)
             .send_empty()?,
+        AdminAction::Replay(replay) => replay
+            .query(agent.post(url("/api/replay")))
+            .header("Authorization", &bearer)
+            .send_empty()?,
         AdminAction::Replica {
             action: ReplicaAction::Reseed,
         } => agent
@@ -266,6 +354,40 @@ fn send(address: &str, token: &str, action: &AdminAction) -> Result<(u16, String
         .lossy_utf8(true)
         .read_to_string()?;
     Ok((response.status().as_u16(), text))
+}
+
+/// One line per destination, then the totals: `<queue> <n>` lines an
+/// operator reads and a script greps.
+fn replay_lines(body: &Value) -> String {
+    let mut out = String::new();
+    let dry = body["dry_run"] == Value::Bool(true);
+    let verb = if dry { "would move" } else { "moved" };
+    if let Some(destinations) = body["destinations"].as_object() {
+        for (queue, n) in destinations {
+            let _ = writeln!(out, "{verb} {n} to {queue}");
+        }
+    }
+    if let Some(missing) = body["missing_destinations"].as_object() {
+        for (queue, n) in missing {
+            let _ = writeln!(out, "left {n}: queue {queue} does not exist");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "examined {}, {verb} {}, skipped {}, no destination {}{}",
+        body["examined"],
+        if dry {
+            body["destinations"]
+                .as_object()
+                .map_or(0, |d| d.values().filter_map(Value::as_u64).sum())
+        } else {
+            body["moved"].as_u64().unwrap_or(0)
+        },
+        body["skipped"],
+        body["no_destination"],
+        if dry { " (dry run: nothing moved)" } else { "" }
+    );
+    out
 }
 
 /// One line per held message, then the count.

@@ -48,7 +48,8 @@ struct Args {
 enum Command {
     /// Inspect or edit the store of held messages (`store.path` of --config).
     Store(store::StoreArgs),
-    /// Ask a running nackd (its admin API) about held messages, or reseed its replica.
+    /// Ask a running nackd (its admin API) about held messages, replay a
+    /// dead-letter queue, or reseed its replica.
     Admin(admin::AdminArgs),
 }
 

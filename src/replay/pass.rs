@@ -1,0 +1,227 @@
+//! One pass of a replay over its dead-letter queue: `basic.get` up to the
+//! count it began with, a park per taken message, the ack once it is
+//! durable, and the requeue of what it left.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::mpsc;
+use tracing::warn;
+
+use super::select::{self, Filter, Verdict};
+use super::{reply_code, Report, Request, WINDOW};
+use crate::retry::{ClaimKey, Park, ParkReply, Parked, RetryHandle};
+use nackd_core::held::Route;
+use nackd_core::protocol::content;
+
+/// One pass over the dead-letter queue.
+pub(super) struct Pass<'a> {
+    pub(super) request: &'a Request,
+    pub(super) filter: Filter,
+    pub(super) vhost: Arc<str>,
+    pub(super) ch: &'a Channel,
+    pub(super) conn: &'a Connection,
+    /// Whether each destination met so far exists.
+    pub(super) exists: HashMap<String, bool>,
+    pub(super) retry: &'a RetryHandle,
+    pub(super) run: u64,
+    pub(super) reply: ParkReply,
+    pub(super) answers: mpsc::UnboundedReceiver<Parked>,
+    /// Delivery tag → destination, of parks not answered yet.
+    pub(super) in_flight: HashMap<u64, String>,
+    /// The highest tag left unacked on purpose (nacked with requeue at the end).
+    pub(super) left: Option<u64>,
+    /// Messages the spread is planned for.
+    pub(super) planned: u64,
+    /// Parks asked for so far.
+    pub(super) parks: u64,
+    pub(super) report: Report,
+}
+
+impl Pass<'_> {
+    /// Reads at most `count` messages, stopping at the limit or an error,
+    /// then settles every park and hands back what it left.
+    pub(super) async fn run(&mut self, count: u64) {
+        while self.report.examined < count && self.report.error.is_none() && !self.full() {
+            while self.in_flight.len() >= WINDOW {
+                self.answer().await;
+            }
+            while let Ok(parked) = self.answers.try_recv() {
+                self.settle(parked).await;
+            }
+            let got = self
+                .ch
+                .basic_get(self.request.dlq.as_str().into(), BasicGetOptions::default())
+                .await;
+            match got {
+                Ok(Some(message)) => self.take(message.delivery).await,
+                Ok(None) => break,
+                Err(e) => self.fail(format!("broker: {e}")),
+            }
+        }
+        while !self.in_flight.is_empty() {
+            self.answer().await;
+        }
+        if let Some(tag) = self.left {
+            let requeue = BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            };
+            if let Err(e) = self.ch.basic_nack(tag, requeue).await {
+                // The channel is gone: the broker requeues them anyway.
+                warn!(error = %e, "replay: could not hand back the messages it left");
+            }
+        }
+    }
+
+    /// Whether the limit is reached (moved, or counted in a dry run).
+    fn full(&self) -> bool {
+        let taken = self.report.destinations.values().sum::<u64>() + self.in_flight.len() as u64;
+        self.request.limit.is_some_and(|l| taken >= l)
+    }
+
+    fn fail(&mut self, why: String) {
+        warn!(error = why, "replay stops");
+        self.report.error.get_or_insert(why);
+    }
+
+    /// Decides what becomes of one message: parks it or leaves it.
+    async fn take(&mut self, d: lapin::message::Delivery) {
+        self.report.examined += 1;
+        let origin = select::origin(d.properties.headers().as_ref());
+        let destination = match self.filter.verdict(origin.as_ref()) {
+            Verdict::Move(q) => q,
+            Verdict::Skip => return self.leave(d.delivery_tag, |r| r.skipped += 1),
+            Verdict::NoDestination => return self.leave(d.delivery_tag, |r| r.no_destination += 1),
+        };
+        match self.exists(&destination).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let missing = &mut self.report.missing_destinations;
+                *missing.entry(destination).or_default() += 1;
+                return self.leave(d.delivery_tag, |_| {});
+            }
+            Err(e) => {
+                self.fail(format!("broker: {e}"));
+                return self.leave(d.delivery_tag, |_| {});
+            }
+        }
+        if self.report.dry_run {
+            *self.report.destinations.entry(destination).or_default() += 1;
+            return self.leave(d.delivery_tag, |_| {});
+        }
+        let payload = content::encode_header(60, d.data.len() as u64, &d.properties);
+        let reset = self.request.reset_count.unwrap_or(true);
+        let (header, retry) = match select::park_header(&payload, reset) {
+            Ok(parked) => parked,
+            Err(e) => {
+                // Headers nackd cannot rewrite: left where they are.
+                warn!(error = %e, "replay: a message's headers cannot be rewritten; left");
+                return self.leave(d.delivery_tag, |r| r.skipped += 1);
+            }
+        };
+        let spread = self.request.spread.unwrap_or_default();
+        let park = Park {
+            key: ClaimKey {
+                channel: 0,
+                epoch: self.run,
+                tag: d.delivery_tag,
+                seq: self.report.examined,
+            },
+            vhost: self.vhost.clone(),
+            queue: destination.as_str().into(),
+            delay: select::spread_delay(spread, self.parks, self.planned),
+            retry,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::from(header),
+            body: Bytes::from(d.data),
+        };
+        self.parks += 1;
+        if !self.retry.park(park, &self.reply) {
+            self.fail("the retry engine is gone".into());
+            return self.requeue(d.delivery_tag).await;
+        }
+        self.in_flight.insert(d.delivery_tag, destination);
+    }
+
+    /// Whether queue `name` exists (a passive declare on a channel of its
+    /// own: a 404 closes the channel), asked once per replay.
+    async fn exists(&mut self, name: &str) -> Result<bool, lapin::Error> {
+        if let Some(known) = self.exists.get(name) {
+            return Ok(*known);
+        }
+        let ch = self.conn.create_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let known = match ch
+            .queue_declare(name.into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = ch.close(200, "".into()).await;
+                true
+            }
+            Err(e) if reply_code(&e) == Some(404) => false,
+            // Someone's exclusive queue: it exists (the broker refuses the
+            // publish if nackd may not use it, and nackd keeps it).
+            Err(e) if reply_code(&e) == Some(405) => true,
+            Err(e) => return Err(e),
+        };
+        self.exists.insert(name.to_string(), known);
+        Ok(known)
+    }
+
+    /// Leaves a message on the dead-letter queue (requeued at the end).
+    fn leave(&mut self, tag: u64, count: impl FnOnce(&mut Report)) {
+        count(&mut self.report);
+        self.left = Some(self.left.map_or(tag, |t| t.max(tag)));
+    }
+
+    /// Waits for the engine's next answer and settles it.
+    async fn answer(&mut self) {
+        match self.answers.recv().await {
+            Some(parked) => self.settle(parked).await,
+            // Cannot happen: `self.reply` keeps the channel open.
+            None => self.in_flight.clear(),
+        }
+    }
+
+    /// Acks a durable park on the dead-letter queue, or requeues a refused one.
+    async fn settle(&mut self, parked: Parked) {
+        let tag = parked.key.tag;
+        let Some(destination) = self.in_flight.remove(&tag) else {
+            return;
+        };
+        match parked.result {
+            Ok(_) => match self.ch.basic_ack(tag, BasicAckOptions::default()).await {
+                Ok(()) => {
+                    self.report.moved += 1;
+                    *self.report.destinations.entry(destination).or_default() += 1;
+                }
+                // Parked and back on the queue: a second replay moves it again.
+                Err(e) => self.fail(format!("broker: ack of a parked message: {e}")),
+            },
+            Err(e) => {
+                self.fail(format!("the store refused a park: {e}"));
+                self.requeue(tag).await;
+            }
+        }
+    }
+
+    async fn requeue(&mut self, tag: u64) {
+        let requeue = BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        };
+        if let Err(e) = self.ch.basic_nack(tag, requeue).await {
+            warn!(error = %e, "replay: could not requeue a message (the broker will)");
+        }
+    }
+}
