@@ -10,7 +10,6 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
 
 use amq_protocol::types::AMQPValue;
 use axum::extract::{Query, Request, State};
@@ -167,8 +166,7 @@ fn count(what: &str, n: usize) -> Response {
 
 fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
     let mut v = serde_json::to_value(l).unwrap_or(Value::Null);
-    let due =
-        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(l.due_ms)).to_string();
+    let due = crate::store::inspect::when(l.due_ms);
     v["due"] = Value::String(due);
     v["headers"] = held.map_or(Value::Null, headers_json);
     v
