@@ -717,3 +717,48 @@ async fn a_huge_delay_is_never_early() {
         .await;
     nackd.stop().await;
 }
+
+/// A delete the broker refuses (`if-unused` while bound: 406) leaves the
+/// exchange delayed: its publishes do not start arriving early.
+#[tokio::test]
+async fn a_refused_delete_keeps_the_exchange_delayed() {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start_delayed(store.path(), "").await;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (x, q) = (unique("drefdel-x"), unique("drefdel-q"));
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    bind(&ch, &x, &q, "k").await;
+    let broker = direct().await;
+    let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
+
+    let other = conn.create_channel().await.unwrap();
+    let err = other
+        .exchange_delete(
+            x.as_str().into(),
+            ExchangeDeleteOptions {
+                if_unused: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("the exchange is in use");
+    assert!(is_code(&err, 406, "PRECONDITION_FAILED"), "{err}");
+
+    let sent = Instant::now();
+    publish_to(&ch, &x, "k", b"later", Some(AMQPValue::LongInt(1000))).await;
+    let d = arrival(&mut arrivals, Duration::from_secs(5), "the delayed one").await;
+    assert_eq!(&d.data[..], b"later");
+    let took = sent.elapsed();
+    assert!(
+        took >= Duration::from_millis(1000),
+        "arrived after {took:?}"
+    );
+
+    let ch = broker.create_channel().await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    let _ = ch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    nackd.stop().await;
+}

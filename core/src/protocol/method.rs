@@ -44,7 +44,9 @@ pub mod ids {
     pub const CHANNEL_CLOSE: MethodId = m(20, 40);
     pub const CHANNEL_CLOSE_OK: MethodId = m(20, 41);
     pub const EXCHANGE_DECLARE: MethodId = m(40, 10);
+    pub const EXCHANGE_DECLARE_OK: MethodId = m(40, 11);
     pub const EXCHANGE_DELETE: MethodId = m(40, 20);
+    pub const EXCHANGE_DELETE_OK: MethodId = m(40, 21);
     pub const QUEUE_DECLARE: MethodId = m(50, 10);
     pub const QUEUE_DECLARE_OK: MethodId = m(50, 11);
     pub const BASIC_CONSUME: MethodId = m(60, 20);
@@ -87,7 +89,9 @@ const DECODED: &[MethodId] = &[
     ids::CHANNEL_CLOSE,
     ids::CHANNEL_CLOSE_OK,
     ids::EXCHANGE_DECLARE,
+    ids::EXCHANGE_DECLARE_OK,
     ids::EXCHANGE_DELETE,
+    ids::EXCHANGE_DELETE_OK,
     ids::QUEUE_DECLARE,
     ids::QUEUE_DECLARE_OK,
     ids::BASIC_CONSUME,

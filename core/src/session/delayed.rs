@@ -63,6 +63,14 @@ pub(super) struct Taken {
     given_up: bool,
 }
 
+/// A delayed `exchange.declare` the broker has not answered yet.
+#[derive(Debug)]
+pub struct Declared {
+    name: Arc<str>,
+    /// Its registry entry (real type) before this declare, if delayed.
+    before: Option<String>,
+}
+
 impl Taken {
     /// The settle timeout gave it up: its publisher got a nack.
     pub(super) fn given_up(&self) -> bool {
@@ -72,7 +80,11 @@ impl Taken {
 
 impl Session {
     /// `exchange.declare` / `exchange.delete` of the client; `false`: do not
-    /// forward it (nackd sent its own version).
+    /// forward it (nackd sent its own version). The registry follows the
+    /// broker: a delayed declare is remembered before it leaves and
+    /// forgotten again if the broker refuses it; a delete is acted on at
+    /// its `delete-ok` (one refused, `if-unused` while bound, leaves the
+    /// exchange delayed: its publishes must not start arriving early).
     pub(super) fn on_client_exchange(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         let Some(state) = self.scope.as_ref() else {
             return true;
@@ -85,22 +97,83 @@ impl Session {
             {
                 let Some(real) = d.arguments.inner().get(TYPE_ARG).and_then(text) else {
                     // As the plugin's absence would: the broker refuses the type.
+                    self.expect_declare_ok(channel_id, d.nowait, None);
                     return true;
                 };
                 let name = d.exchange.as_str();
                 debug!(exchange = name, kind = %real, "delayed exchange declared");
+                let before = registry.kind(&vhost, name);
                 registry.declare(&vhost, name, &real);
+                let declared = Declared {
+                    name: Arc::from(name),
+                    before,
+                };
+                self.expect_declare_ok(channel_id, d.nowait, Some(declared));
                 let mut declare = d.clone();
                 declare.kind = real.as_str().into();
                 let class = AMQPClass::Exchange(exchange::AMQPMethod::Declare(declare));
                 self.emit_upstream(&method::encode(channel_id, &class));
                 false
             }
-            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) => {
+                self.expect_declare_ok(channel_id, d.nowait, None);
+                true
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) if d.nowait => {
                 registry.delete(&vhost, d.exchange.as_str());
                 true
             }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
+                let name = Arc::from(d.exchange.as_str());
+                self.channels
+                    .get(channel_id)
+                    .exchange_deletes
+                    .push_back(name);
+                true
+            }
             _ => true,
+        }
+    }
+
+    fn expect_declare_ok(&mut self, channel_id: u16, nowait: bool, declared: Option<Declared>) {
+        if !nowait {
+            let channel = self.channels.get(channel_id);
+            channel.exchange_declares.push_back(declared);
+        }
+    }
+
+    /// The broker's `exchange.declare-ok` / `delete-ok` on a channel.
+    pub(super) fn on_broker_exchange_ok(&mut self, channel_id: u16, delete: bool) {
+        let channel = self.channels.get(channel_id);
+        if !delete {
+            channel.exchange_declares.pop_front();
+            return;
+        }
+        let Some(name) = channel.exchange_deletes.pop_front() else {
+            return;
+        };
+        if let Some(state) = self.scope.as_ref() {
+            state.shared.delayed.delete(&state.vhost, &name);
+        }
+    }
+
+    /// The broker closes a channel: declares it has not answered were
+    /// refused (or never done), deletes likewise.
+    pub(super) fn on_broker_channel_close_exchanges(&mut self, channel_id: u16) {
+        let channel = self.channels.get(channel_id);
+        channel.exchange_deletes.clear();
+        let refused = std::mem::take(&mut channel.exchange_declares);
+        let Some(state) = self.scope.as_ref() else {
+            return;
+        };
+        // The latest refused declare first: the entry before the earliest.
+        for declared in refused.into_iter().flatten().rev() {
+            let registry = &state.shared.delayed;
+            debug!(exchange = %declared.name, "the broker refused a delayed declare");
+            match declared.before {
+                Some(kind) => registry.declare(&state.vhost, &declared.name, &kind),
+                None => registry.delete(&state.vhost, &declared.name),
+            }
         }
     }
 

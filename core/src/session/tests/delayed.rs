@@ -149,6 +149,10 @@ fn a_delayed_declare_goes_as_its_real_type_and_is_remembered() {
             nowait: false,
         })),
     ));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
     let shared = &p.s.scope.as_ref().unwrap().shared;
     assert!(!shared.delayed.is_delayed("/", X));
 }
@@ -326,4 +330,72 @@ fn a_session_that_ends_keeps_its_delayed_publishes() {
         p.cancelled().is_empty(),
         "a publisher's message is not the broker's to take back"
     );
+}
+
+impl Pair {
+    fn is_delayed(&self) -> bool {
+        let shared = &self.s.scope.as_ref().unwrap().shared;
+        shared.delayed.is_delayed("/", X)
+    }
+
+    fn delete(&mut self, ch: u16, if_unused: bool) {
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+                exchange: X.into(),
+                if_unused,
+                nowait: false,
+            })),
+        ));
+        self.upstream();
+    }
+
+    /// The broker closes channel `ch` with `code`.
+    fn broker_closes(&mut self, ch: u16, code: crate::protocol::reply::ReplyCode) {
+        self.broker(&method::channel_close(ch, code, "refused"));
+        self.client_got();
+    }
+}
+
+#[test]
+fn a_delete_the_broker_refuses_leaves_the_exchange_delayed() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    p.open(2, false);
+    p.delete(2, true);
+    assert!(
+        p.is_delayed(),
+        "nothing is deleted before the broker says so"
+    );
+    // Bound, so not unused: the broker refuses, the exchange stays.
+    p.broker_closes(2, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(p.is_delayed(), "a refused delete changes nothing");
+    p.publish(1, ms(100));
+    assert!(p.upstream().is_empty(), "still held by nackd");
+    assert_eq!(p.take_parks().len(), 1);
+    // A delete the broker does: forgotten at its delete-ok.
+    p.delete(1, false);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
+    assert!(!p.is_delayed());
+}
+
+#[test]
+fn a_delayed_declare_the_broker_refuses_is_not_remembered() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    // E.g. a plain exchange of another type has the name: 406.
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(!p.is_delayed(), "the broker refused the declare");
+    p.open(2, false);
+    p.publish(2, ms(100));
+    assert_eq!(p.upstream(), ["publish 2", "header 2", "body 2"]);
 }
