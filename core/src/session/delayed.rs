@@ -404,20 +404,25 @@ impl Session {
         }
     }
 
-    /// The settle timeout gives up taken publishes among `seqs`: their
-    /// publishers get a nack now; the rest of `seqs` is left.
+    /// The settle timeout gives up taken publishes among `seqs`: no longer
+    /// waited for; on a confirm channel their publishers get a nack now
+    /// (and a late stored copy is cancelled); the rest of `seqs` is left.
     pub(super) fn give_up_taken(&mut self, seqs: &mut std::collections::BTreeSet<u64>) {
         let mine: Vec<u64> = seqs.iter().copied().filter(|s| self.is_taken(*s)).collect();
         for seq in mine {
             seqs.remove(&seq);
             self.unanswered.remove(&seq);
             let taken = self.taken.get_mut(&seq).expect("listed above");
-            taken.given_up = true;
             let (channel, epoch, tag) = (taken.channel, taken.epoch, taken.tag);
+            let Some(tag) = tag else {
+                // No confirms: its publisher was told nothing, and the
+                // store's copy (when it answers) is the only one there is.
+                warn!("the store did not answer a delayed publish within the settle timeout: the close goes on, the publish is kept if the store takes it");
+                continue;
+            };
+            taken.given_up = true;
             warn!("the store did not answer a delayed publish within the settle timeout: its publisher gets a nack");
-            if let Some(tag) = tag {
-                self.answer_taken(channel, epoch, tag, false);
-            }
+            self.answer_taken(channel, epoch, tag, false);
         }
     }
 

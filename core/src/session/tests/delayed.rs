@@ -399,3 +399,36 @@ fn a_delayed_declare_the_broker_refuses_is_not_remembered() {
     p.publish(2, ms(100));
     assert_eq!(p.upstream(), ["publish 2", "header 2", "body 2"]);
 }
+
+#[test]
+fn a_delayed_publish_without_confirms_outlives_the_settle_timeout() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.client(&super::channel_close(1));
+    assert!(p.upstream().is_empty(), "the close waits for the store");
+    // The store is slow: the close goes on without its answer.
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["channel.close 1"]);
+    // Its publisher was told nothing (no confirms): the copy the store
+    // took at last is the only one, and must not be cancelled.
+    let parks = p.take_parks();
+    p.answer(&parks[0], Ok(11));
+    assert!(p.cancelled().is_empty(), "the publish would be lost");
+    // Likewise when the session ends before the store answers.
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.client(&super::channel_close(1));
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    let parks = p.take_parks();
+    p.s.end([crate::held::Parked {
+        key: parks[0].key,
+        result: Ok(12),
+    }]);
+    assert!(p.cancelled().is_empty(), "the publish would be lost");
+}
