@@ -24,11 +24,13 @@ use amq_protocol::types::AMQPValue;
 use bytes::{Bytes, BytesMut};
 use tracing::{debug, warn};
 
+use super::capture::Reservation;
 use super::confirms::{Confirm, Renumber};
 use super::machine::{Effect, Session};
 use super::peer::Fault;
 use crate::delayed::{TYPE, TYPE_ARG};
 use crate::held::{ClaimKey, Park, Route, StoreError};
+use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
 use crate::protocol::headers;
 use crate::protocol::method::{self, ids, MethodId};
@@ -46,6 +48,12 @@ pub struct Taking {
     /// The content header payload, once come.
     header: Option<Bytes>,
     body: BytesMut,
+    /// Its share of the capture budget, taken at the header for the size
+    /// it announces (memory is bounded by configuration, not by clients).
+    _reserved: Option<Reservation>,
+    /// It did not fit in the budget: its content is read and dropped, its
+    /// publisher gets a nack.
+    over_budget: bool,
 }
 
 /// A publish nackd took, until the store answers.
@@ -205,6 +213,8 @@ impl Session {
             content: BytesMut::new(),
             header: None,
             body: BytesMut::new(),
+            _reserved: None,
+            over_budget: false,
         }));
         Ok(true)
     }
@@ -216,7 +226,9 @@ impl Session {
         let Some(taking) = channel.taking.as_mut() else {
             return Ok(());
         };
-        taking.content.extend_from_slice(&frame.raw);
+        if !taking.over_budget {
+            taking.content.extend_from_slice(&frame.raw);
+        }
         match frame.kind {
             FrameType::Header => {
                 let payload = frame.payload();
@@ -231,8 +243,30 @@ impl Session {
                         "a delayed publish (x-delay) on a transactional channel",
                     ));
                 }
+                let size = usize::try_from(content::body_size(&payload)?)
+                    .unwrap_or(usize::MAX)
+                    .saturating_add(payload.len());
+                let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
+                match budget.and_then(|b| b.reserve(size)) {
+                    Some(reserved) => taking._reserved = Some(reserved),
+                    None if !channel.confirm => {
+                        // Nackd cannot say no: routed at once, as when
+                        // the store cannot take it.
+                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
+                        self.stats.delayed_refused.inc();
+                        let taking = channel.taking.take().expect("checked above");
+                        self.forward_publish(channel_id, *taking);
+                        return Ok(());
+                    }
+                    None => {
+                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget: the publisher gets a nack");
+                        taking.over_budget = true;
+                        taking.content = BytesMut::new();
+                    }
+                }
                 taking.header = Some(payload);
             }
+            FrameType::Body if taking.over_budget => {}
             FrameType::Body => taking.body.extend_from_slice(frame.payload_slice()),
             _ => {}
         }
@@ -279,6 +313,13 @@ impl Session {
                 .get_or_insert_with(|| Box::new(Renumber::new(published)))
                 .take()
         });
+        if taking.over_budget {
+            let tag = tag.expect("only a confirm channel's publish is refused");
+            self.stats.delayed_refused.inc();
+            self.answer_taken(channel_id, epoch, tag, false);
+            self.flush_after_publish(channel_id);
+            return;
+        }
         if let Err(reason) = ready {
             self.stats.delayed_refused.inc();
             match tag {

@@ -432,3 +432,81 @@ fn a_delayed_publish_without_confirms_outlives_the_settle_timeout() {
     }]);
     assert!(p.cancelled().is_empty(), "the publish would be lost");
 }
+
+impl Pair {
+    /// A delayed publish to `X` of a `size`-byte body in frames of 1000.
+    fn publish_big(&mut self, ch: u16, size: usize) {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut h = FieldTable::default();
+        h.insert("x-delay".into(), AMQPValue::LongLongInt(100));
+        let props = BasicProperties::default().with_headers(h);
+        put_frame(
+            &mut out,
+            FrameType::Header,
+            ch,
+            &encode_header(60, size as u64, &props),
+        );
+        for chunk in vec![7u8; size].chunks(1000) {
+            put_frame(&mut out, FrameType::Body, ch, chunk);
+        }
+        self.client(&out);
+    }
+}
+
+#[test]
+fn a_delayed_publish_beyond_the_memory_budget_is_not_buffered() {
+    // A budget of 4 KB: a 10 KB delayed publish does not fit.
+    let mut p = super::pair_with("delays = [\"1m\"]", 4096);
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.publish_big(1, 10_000);
+    assert!(p.take_parks().is_empty());
+    assert!(p.upstream().is_empty(), "never routed early");
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
+    // One that fits is taken as usual, and the budget is given back.
+    p.publish_big(1, 2000);
+    assert_eq!(p.take_parks().len(), 1);
+    let budget = &p.s.scope.as_ref().unwrap().shared.budget;
+    assert_eq!(budget.used(), 0);
+    // Without confirms nackd cannot say no: routed at once, as when the
+    // store cannot take it.
+    p.open(2, false);
+    p.publish_big(2, 10_000);
+    assert!(p.take_parks().is_empty());
+    let mut expect = vec!["publish 2", "header 2"];
+    expect.extend(["body 2"; 10]);
+    assert_eq!(p.upstream(), expect);
+    // A body size no memory could hold is refused before anything grows.
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: X.into(),
+            routing_key: "k".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    ));
+    let mut h = FieldTable::default();
+    h.insert("x-delay".into(), AMQPValue::LongLongInt(100));
+    let props = BasicProperties::default().with_headers(h);
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        1,
+        &encode_header(60, u64::MAX, &props),
+    );
+    put_frame(&mut out, FrameType::Body, 1, b"abc");
+    p.client(&out);
+    assert!(p.upstream().is_empty());
+    assert!(p.take_parks().is_empty());
+}
