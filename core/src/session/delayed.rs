@@ -200,7 +200,9 @@ impl Session {
             channel.published += 1;
         }
         let p = method::peek_publish(payload)?;
-        if !state.shared.delayed.is_delayed(&state.vhost, p.exchange) {
+        // On a channel the broker closed, it discards what the client
+        // still sends: nackd must not deliver it later either.
+        if channel.closing || !state.shared.delayed.is_delayed(&state.vhost, p.exchange) {
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
             }

@@ -510,3 +510,23 @@ fn a_delayed_publish_beyond_the_memory_budget_is_not_buffered() {
     assert!(p.upstream().is_empty());
     assert!(p.take_parks().is_empty());
 }
+
+#[test]
+fn a_delayed_publish_after_the_broker_closed_its_channel_is_not_taken() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    // An earlier publish failed (say 404): the broker closes the channel
+    // and discards what the client pipelined after it.
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    p.publish(1, ms(100));
+    assert!(
+        p.take_parks().is_empty(),
+        "the broker would have discarded it: nackd must not deliver it later"
+    );
+    assert!(p.client_got().is_empty(), "no confirm on a closed channel");
+}
