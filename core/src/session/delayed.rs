@@ -75,6 +75,8 @@ pub(super) struct Taken {
 #[derive(Debug)]
 pub struct Declared {
     name: Arc<str>,
+    /// The real type it set.
+    kind: String,
     /// Its registry entry (real type) before this declare, if delayed.
     before: Option<String>,
 }
@@ -114,6 +116,7 @@ impl Session {
                 registry.declare(&vhost, name, &real);
                 let declared = Declared {
                     name: Arc::from(name),
+                    kind: real.clone(),
                     before,
                 };
                 self.expect_declare_ok(channel_id, d.nowait, Some(declared));
@@ -178,6 +181,11 @@ impl Session {
         for declared in refused.into_iter().flatten().rev() {
             let registry = &state.shared.delayed;
             debug!(exchange = %declared.name, "the broker refused a delayed declare");
+            if registry.kind(&state.vhost, &declared.name) != Some(declared.kind) {
+                // Another session declared it since (maybe the declare
+                // the broker did take): its entry stays.
+                continue;
+            }
             match declared.before {
                 Some(kind) => registry.declare(&state.vhost, &declared.name, &kind),
                 None => registry.delete(&state.vhost, &declared.name),

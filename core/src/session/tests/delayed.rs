@@ -530,3 +530,16 @@ fn a_delayed_publish_after_the_broker_closed_its_channel_is_not_taken() {
     );
     assert!(p.client_got().is_empty(), "no confirm on a closed channel");
 }
+
+#[test]
+fn a_refused_declare_leaves_another_sessions_declare_alone() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1); // direct
+                          // Meanwhile another session declares it as topic, and the broker
+                          // takes that one: this one is refused (406).
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    shared.delayed.declare("/", X, "topic");
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(p.is_delayed(), "the other declare stands");
+}
