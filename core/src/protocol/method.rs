@@ -194,8 +194,8 @@ pub fn peek_deliver(payload: &[u8]) -> Result<DeliverArgs<'_>, FrameError> {
 }
 
 /// The arguments of a `basic.publish`, read in place (as
-/// [`peek_deliver`]): asked of publishes only while some exchange is
-/// delayed.
+/// [`peek_deliver`]): asked of every publish of a session that
+/// intercepts (to find those to delayed exchanges).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PublishArgs<'a> {
     /// The exchange it is published to.
@@ -223,6 +223,14 @@ pub fn peek_publish(payload: &[u8]) -> Result<PublishArgs<'_>, FrameError> {
         routing_key,
         mandatory: bits & 1 != 0,
     })
+}
+
+/// The exchange of a `basic.publish` payload [`peek_publish`] refuses
+/// (say its routing key is not UTF-8, which RabbitMQ takes), if that much
+/// reads.
+pub fn publish_exchange(payload: &[u8]) -> Option<&str> {
+    let mut rest = payload.get(6..)?;
+    take_short(&mut rest).ok()
 }
 
 /// A short string (one length octet, then UTF-8) off the front of `rest`.

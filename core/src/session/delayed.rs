@@ -39,7 +39,9 @@ use crate::protocol::method::{self, ids, MethodId};
 #[derive(Debug)]
 pub struct Taking {
     exchange: Arc<str>,
-    routing_key: String,
+    /// Its routing key; `None` when not UTF-8 (or the method does not
+    /// decode): nackd cannot keep it, so it does not take it with a delay.
+    routing_key: Option<String>,
     /// Its method frame, as the client sent it.
     method: Bytes,
     /// Its frames after the method, as sent (kept while it may still go
@@ -207,18 +209,26 @@ impl Session {
         if channel.confirm {
             channel.published += 1;
         }
-        let p = method::peek_publish(payload)?;
+        // A routing key that is not UTF-8 is legal (RabbitMQ routes it):
+        // such a publish is the broker's to judge, unless it is for a
+        // delayed exchange (see `Taking::routing_key`).
+        let (exchange, routing_key) = match method::peek_publish(payload) {
+            Ok(p) => (Some(p.exchange), Some(p.routing_key)),
+            Err(_) => (method::publish_exchange(payload), None),
+        };
         // On a channel the broker closed, it discards what the client
         // still sends: nackd must not deliver it later either.
-        if channel.closing || !state.shared.delayed.is_delayed(&state.vhost, p.exchange) {
+        let delayed = exchange
+            .filter(|x| !channel.closing && state.shared.delayed.is_delayed(&state.vhost, x));
+        let Some(exchange) = delayed else {
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
             }
             return Ok(false);
-        }
+        };
         channel.taking = Some(Box::new(Taking {
-            exchange: Arc::from(p.exchange),
-            routing_key: p.routing_key.to_string(),
+            exchange: Arc::from(exchange),
+            routing_key: routing_key.map(str::to_string),
             method: frame.raw.clone(),
             content: BytesMut::new(),
             header: None,
@@ -251,6 +261,11 @@ impl Session {
                 if channel.tx {
                     return Err(FrameError::NotImplemented(
                         "a delayed publish (x-delay) on a transactional channel",
+                    ));
+                }
+                if taking.routing_key.is_none() {
+                    return Err(FrameError::NotImplemented(
+                        "a delayed publish (x-delay) whose routing key is not UTF-8",
                     ));
                 }
                 let size = usize::try_from(content::body_size(&payload)?)
@@ -365,7 +380,7 @@ impl Session {
             retry: 0,
             route: Route::Delayed {
                 exchange: taking.exchange.to_string(),
-                routing_key: taking.routing_key,
+                routing_key: taking.routing_key.expect("checked at the header"),
             },
             on_return: None,
             header,

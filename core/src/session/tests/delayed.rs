@@ -543,3 +543,57 @@ fn a_refused_declare_leaves_another_sessions_declare_alone() {
     p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
     assert!(p.is_delayed(), "the other declare stands");
 }
+
+/// A `basic.publish` to `exchange` whose routing key is the byte 0xff
+/// (legal AMQP, and RabbitMQ routes it), with a 3-byte content.
+fn publish_binary_key(ch: u16, exchange: &str, delay: Option<AMQPValue>) -> BytesMut {
+    let mut payload = vec![0, 60, 0, 40, 0, 0];
+    payload.push(exchange.len() as u8);
+    payload.extend_from_slice(exchange.as_bytes());
+    payload.extend_from_slice(&[1, 0xff, 0]);
+    let mut out = BytesMut::new();
+    put_frame(&mut out, FrameType::Method, ch, &payload);
+    let mut props = BasicProperties::default();
+    if let Some(d) = delay {
+        let mut h = FieldTable::default();
+        h.insert("x-delay".into(), d);
+        props = props.with_headers(h);
+    }
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        ch,
+        &encode_header(60, 3, &props),
+    );
+    put_frame(&mut out, FrameType::Body, ch, b"abc");
+    out
+}
+
+#[test]
+fn a_publish_with_a_routing_key_that_is_not_utf8_goes_as_sent() {
+    let mut p = pair();
+    p.open(1, true);
+    // No delayed exchange yet, then one: a publish elsewhere is the
+    // broker's to judge (RabbitMQ takes any bytes as a routing key).
+    for _ in 0..2 {
+        let sent = publish_binary_key(1, "plain", ms(100));
+        p.client(&sent);
+        assert_eq!(&std::mem::take(p.s.transmit().1)[..], &sent[..]);
+        p.declare_delayed(1);
+    }
+    p.broker(&method::ack(1, 2, true));
+    assert_eq!(p.client_got(), ["ack 2+"]);
+    // To the delayed exchange nackd cannot keep that key: it says so
+    // rather than route the message early.
+    p.client(&publish_binary_key(1, X, ms(100)));
+    assert_eq!(p.upstream(), ["connection.close"], "nothing of the publish");
+    assert!(p.take_parks().is_empty());
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 540, "{}", c.reply_text);
+        }
+        other => panic!("{other:?}"),
+    }
+}
