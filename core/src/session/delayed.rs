@@ -297,6 +297,13 @@ impl Session {
         }
         if !channel.publishing.in_flight() {
             let taking = channel.taking.take().expect("checked above");
+            if channel.closing {
+                // The broker closed the channel meanwhile: it would have
+                // discarded this publish, and so does nackd.
+                debug!(exchange = %taking.exchange, "a delayed publish on a channel the broker closed: dropped, as the broker drops it");
+                self.flush_after_publish(channel_id);
+                return Ok(());
+            }
             self.park_publish(channel_id, *taking);
         }
         Ok(())

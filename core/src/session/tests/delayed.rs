@@ -597,3 +597,44 @@ fn a_publish_with_a_routing_key_that_is_not_utf8_goes_as_sent() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_delayed_publish_whose_channel_the_broker_closes_midway_is_not_taken() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    let mut all = BytesMut::new();
+    p.publish_into(&mut all, 1, ms(100));
+    let body_at = all.len() - (8 + 3);
+    // Method and header; then the broker closes the channel; then the body.
+    p.client(&all[..body_at]);
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    p.client(&all[body_at..]);
+    assert!(
+        p.take_parks().is_empty(),
+        "the broker discards it after its close: nackd must not deliver it later"
+    );
+}
+
+impl Pair {
+    /// The frames of [`Pair::publish`], into `out`.
+    fn publish_into(&mut self, out: &mut BytesMut, ch: u16, delay: Option<AMQPValue>) {
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut props = BasicProperties::default();
+        if let Some(d) = delay {
+            let mut h = FieldTable::default();
+            h.insert("x-delay".into(), d);
+            props = props.with_headers(h);
+        }
+        put_frame(out, FrameType::Header, ch, &encode_header(60, 3, &props));
+        put_frame(out, FrameType::Body, ch, b"abc");
+    }
+}
