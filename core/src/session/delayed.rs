@@ -470,6 +470,24 @@ impl Session {
             && self.upstream_takes_acks();
         if alive {
             warn!(error = %e, "cannot store a delayed publish (no confirms on its channel): it is routed at once");
+            let channel = self.channels.get(channel_id);
+            if channel.confirm {
+                // `confirm.select` came since: the broker numbers this
+                // publish, its publisher does not. The next publish the
+                // publisher numbers is one not yet accounted for.
+                let next = channel.published + 1 - u64::from(channel.taking.is_some());
+                channel
+                    .renumber
+                    .get_or_insert_with(|| Box::new(Renumber::new(next)))
+                    .extra();
+            }
+            if channel.taking.is_some() {
+                // Nothing of the publish nackd is reading went upstream:
+                // this one goes first (after what waits behind a barrier),
+                // as the broker numbers it.
+                self.emit_upstream(&raw);
+                return;
+            }
             self.send_own(channel_id, raw, None);
         } else {
             tracing::error!(error = %e, "cannot store a delayed publish, and its channel is gone: the message is lost (its publisher used no confirms)");

@@ -638,3 +638,29 @@ impl Pair {
         put_frame(out, FrameType::Body, ch, b"abc");
     }
 }
+
+#[test]
+fn a_publish_routed_at_once_after_confirm_select_takes_no_publisher_tag() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100)); // no confirms yet: taken, publisher tag none
+    p.client(&frame_of(
+        1,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
+    ));
+    p.upstream();
+    // The store refuses it: routed at once, now on a confirm channel, so
+    // the broker numbers it (its 1) though the publisher did not.
+    let parks = p.take_parks();
+    p.answer(&parks[0], Err(StoreError::Full("test".into())));
+    assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    p.publish(1, None); // publisher 1 = broker 2
+    p.upstream();
+    p.broker(&method::ack(1, 1, false));
+    assert!(p.client_got().is_empty(), "broker 1 is not the publisher's");
+    p.broker(&method::ack(1, 2, false));
+    assert_eq!(p.client_got(), ["ack 1"]);
+}
