@@ -88,6 +88,11 @@ impl Taken {
     pub(super) fn given_up(&self) -> bool {
         self.given_up
     }
+
+    /// Taken on a channel without confirms: its publisher hears nothing.
+    pub(super) fn unconfirmed(&self) -> bool {
+        self.tag.is_none()
+    }
 }
 
 impl Session {

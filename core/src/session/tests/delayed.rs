@@ -664,3 +664,17 @@ fn a_publish_routed_at_once_after_confirm_select_takes_no_publisher_tag() {
     p.broker(&method::ack(1, 2, false));
     assert_eq!(p.client_got(), ["ack 1"]);
 }
+
+#[test]
+fn a_delayed_publish_without_confirms_refused_after_the_session_ended_is_counted_lost() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    let parks = p.take_parks();
+    p.s.end([crate::held::Parked {
+        key: parks[0].key,
+        result: Err(StoreError::Full("test".into())),
+    }]);
+    assert_eq!(p.s.stats.delayed_lost.get(), 1, "a silent loss");
+}
