@@ -512,7 +512,8 @@ pub struct Limits {
     /// Time sessions get to finish after SIGINT/SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
     pub shutdown_grace: Duration,
-    /// Bytes of deliveries kept in memory in case they are nacked.
+    /// Bytes of deliveries kept in memory in case they are nacked, and of
+    /// delayed publishes being read.
     #[serde(default = "default_capture_budget")]
     pub capture_budget: usize,
 }

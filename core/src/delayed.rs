@@ -92,6 +92,12 @@ impl DelayedExchanges {
         set.contains_key(&(vhost.to_string(), exchange.to_string()))
     }
 
+    /// The real type of `exchange` of `vhost`, if it is delayed.
+    pub fn kind(&self, vhost: &str, exchange: &str) -> Option<String> {
+        let set = self.set.read().unwrap_or_else(|e| e.into_inner());
+        set.get(&(vhost.to_string(), exchange.to_string())).cloned()
+    }
+
     /// Every delayed exchange, in order.
     pub fn list(&self) -> Vec<DelayedExchange> {
         let set = self.set.read().unwrap_or_else(|e| e.into_inner());

@@ -14,7 +14,6 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
 
 use amq_protocol::types::AMQPValue;
 use axum::extract::{Query, Request, State};
@@ -99,15 +98,12 @@ fn target(p: &Params) -> Option<Target> {
 
 /// The name a listing is narrowed to: a queue's retries or an exchange's
 /// delayed publishes (not both at once).
-fn named(p: &Params) -> Result<Option<(String, Kind)>, Response> {
+fn named(p: &Params) -> Result<Option<(String, Kind)>, &'static str> {
     match (&p.queue, &p.exchange) {
         (Some(q), None) => Ok(Some((q.clone(), Kind::Retry))),
         (None, Some(x)) => Ok(Some((x.clone(), Kind::Delayed))),
         (None, None) => Ok(None),
-        _ => Err(error(
-            StatusCode::BAD_REQUEST,
-            "give queue=NAME or exchange=NAME, not both",
-        )),
+        _ => Err("give queue=NAME or exchange=NAME, not both"),
     }
 }
 
@@ -118,7 +114,7 @@ pub(super) async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -
     let limit = p.limit.unwrap_or(DEFAULT_LIMIT).min(MAX_LIMIT);
     let named = match named(&p) {
         Ok(named) => named,
-        Err(response) => return response,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
     };
     match retry.list(p.vhost, named, limit).await {
         Ok((listed, total)) => {
@@ -238,8 +234,7 @@ fn count(what: &str, n: usize) -> Response {
 
 fn listed_json(l: &Listed, held: Option<&Held>) -> Value {
     let mut v = serde_json::to_value(l).unwrap_or(Value::Null);
-    let due =
-        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(l.due_ms)).to_string();
+    let due = crate::store::inspect::when(l.due_ms);
     v["due"] = Value::String(due);
     v["headers"] = held.map_or(Value::Null, headers_json);
     v

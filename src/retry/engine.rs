@@ -547,7 +547,10 @@ impl Engine {
         // The wheel keeps the exact due time; the record keeps it rounded up
         // to its millisecond, so that a message recovered after a restart is
         // never early either.
-        let due_us = self.clock.now_us() + park.delay.as_micros() as u64;
+        // Saturating: a huge delay (an `x-delay` is the publisher's number)
+        // waits as good as forever; it must not wrap around to a short one.
+        let delay_us = u64::try_from(park.delay.as_micros()).unwrap_or(u64::MAX);
+        let due_us = self.clock.now_us().saturating_add(delay_us);
         let held = Held {
             id,
             vhost: park.vhost,

@@ -41,8 +41,16 @@ pub fn held(dir: &Path) -> io::Result<Vec<Held>> {
     Ok(held)
 }
 
-fn when(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+/// A due time (ms since the epoch) as RFC 3339; one past the year 9999
+/// (an `x-delay` is the publisher's number) as its milliseconds, since
+/// humantime cannot write it (its `to_string` would panic).
+pub fn when(ms: u64) -> String {
+    let at = humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms));
+    let mut text = String::new();
+    match write!(text, "{at}") {
+        Ok(()) => text,
+        Err(_) => format!("{ms} ms after the epoch"),
+    }
 }
 
 /// `nackd store stats`: totals and per-queue counts.
@@ -127,4 +135,16 @@ pub fn purge(dir: &Path, queue: &str) -> io::Result<usize> {
     }
     log.commit().map_err(|e| io::Error::other(e.to_string()))?;
     Ok(purged)
+}
+
+#[cfg(test)]
+mod when_tests {
+    #[test]
+    fn a_due_time_past_the_year_9999_is_written_too() {
+        assert_eq!(super::when(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            super::when(u64::MAX),
+            format!("{} ms after the epoch", u64::MAX)
+        );
+    }
 }

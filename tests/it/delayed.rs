@@ -789,3 +789,86 @@ async fn delayed_messages_are_listed_fired_and_purged_by_exchange() {
         .await;
     nackd.stop().await;
 }
+
+/// An `x-delay` so large that its microseconds do not fit in 64 bits is
+/// never early: it waits (as good as forever), it does not wrap around to
+/// a delay of a few microseconds.
+#[tokio::test]
+async fn a_huge_delay_is_never_early() {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start_delayed(store.path(), "").await;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let (x, q) = (unique("dhuge-x"), unique("dhuge-q"));
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    bind(&ch, &x, &q, "k").await;
+    let broker = direct().await;
+    let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
+
+    // 2^64 µs / 1000, rounded up: times 1000 it wraps to 384 µs.
+    let huge = AMQPValue::LongLongInt(18_446_744_073_709_552);
+    let confirm = publish_to(&ch, &x, "k", b"huge", Some(huge)).await;
+    assert!(confirm.is_ack(), "{confirm:?}");
+    let sent = Instant::now();
+    let confirm = publish_to(&ch, &x, "k", b"soon", Some(AMQPValue::LongInt(800))).await;
+    assert!(confirm.is_ack(), "{confirm:?}");
+    let d = arrival(&mut arrivals, Duration::from_secs(5), "the 800 ms one").await;
+    assert_eq!(&d.data[..], b"soon", "the huge delay came first");
+    assert!(sent.elapsed() >= Duration::from_millis(800));
+    nothing_more(&mut arrivals, Duration::from_millis(500), "the huge delay").await;
+
+    let ch = broker.create_channel().await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    let _ = ch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    nackd.stop().await;
+}
+
+/// A delete the broker refuses (`if-unused` while bound: 406) leaves the
+/// exchange delayed: its publishes do not start arriving early.
+#[tokio::test]
+async fn a_refused_delete_keeps_the_exchange_delayed() {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start_delayed(store.path(), "").await;
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (x, q) = (unique("drefdel-x"), unique("drefdel-q"));
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    bind(&ch, &x, &q, "k").await;
+    let broker = direct().await;
+    let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
+
+    let other = conn.create_channel().await.unwrap();
+    let err = other
+        .exchange_delete(
+            x.as_str().into(),
+            ExchangeDeleteOptions {
+                if_unused: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("the exchange is in use");
+    assert!(is_code(&err, 406, "PRECONDITION_FAILED"), "{err}");
+
+    let sent = Instant::now();
+    publish_to(&ch, &x, "k", b"later", Some(AMQPValue::LongInt(1000))).await;
+    let d = arrival(&mut arrivals, Duration::from_secs(5), "the delayed one").await;
+    assert_eq!(&d.data[..], b"later");
+    let took = sent.elapsed();
+    assert!(
+        took >= Duration::from_millis(1000),
+        "arrived after {took:?}"
+    );
+
+    let ch = broker.create_channel().await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    let _ = ch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    nackd.stop().await;
+}

@@ -44,7 +44,9 @@ pub mod ids {
     pub const CHANNEL_CLOSE: MethodId = m(20, 40);
     pub const CHANNEL_CLOSE_OK: MethodId = m(20, 41);
     pub const EXCHANGE_DECLARE: MethodId = m(40, 10);
+    pub const EXCHANGE_DECLARE_OK: MethodId = m(40, 11);
     pub const EXCHANGE_DELETE: MethodId = m(40, 20);
+    pub const EXCHANGE_DELETE_OK: MethodId = m(40, 21);
     pub const QUEUE_DECLARE: MethodId = m(50, 10);
     pub const QUEUE_DECLARE_OK: MethodId = m(50, 11);
     pub const BASIC_CONSUME: MethodId = m(60, 20);
@@ -87,7 +89,9 @@ const DECODED: &[MethodId] = &[
     ids::CHANNEL_CLOSE,
     ids::CHANNEL_CLOSE_OK,
     ids::EXCHANGE_DECLARE,
+    ids::EXCHANGE_DECLARE_OK,
     ids::EXCHANGE_DELETE,
+    ids::EXCHANGE_DELETE_OK,
     ids::QUEUE_DECLARE,
     ids::QUEUE_DECLARE_OK,
     ids::BASIC_CONSUME,
@@ -190,8 +194,8 @@ pub fn peek_deliver(payload: &[u8]) -> Result<DeliverArgs<'_>, FrameError> {
 }
 
 /// The arguments of a `basic.publish`, read in place (as
-/// [`peek_deliver`]): asked of publishes only while some exchange is
-/// delayed.
+/// [`peek_deliver`]): asked of every publish of a session that
+/// intercepts (to find those to delayed exchanges).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PublishArgs<'a> {
     /// The exchange it is published to.
@@ -219,6 +223,14 @@ pub fn peek_publish(payload: &[u8]) -> Result<PublishArgs<'_>, FrameError> {
         routing_key,
         mandatory: bits & 1 != 0,
     })
+}
+
+/// The exchange of a `basic.publish` payload [`peek_publish`] refuses
+/// (say its routing key is not UTF-8, which RabbitMQ takes), if that much
+/// reads.
+pub fn publish_exchange(payload: &[u8]) -> Option<&str> {
+    let mut rest = payload.get(6..)?;
+    take_short(&mut rest).ok()
 }
 
 /// A short string (one length octet, then UTF-8) off the front of `rest`.

@@ -30,7 +30,10 @@ impl Budget {
     pub fn reserve(self: &Arc<Self>, bytes: usize) -> Option<Reservation> {
         let mut used = self.used.load(Ordering::Relaxed);
         loop {
-            if used + bytes > self.limit {
+            if used
+                .checked_add(bytes)
+                .is_none_or(|total| total > self.limit)
+            {
                 self.refused.fetch_add(1, Ordering::Relaxed);
                 return None;
             }

@@ -189,6 +189,13 @@ pub struct Channel {
     /// Frames of nackd's own to the client (confirms) waiting for the
     /// broker's content in flight on this channel to end.
     pub to_client_after: Vec<Bytes>,
+    /// `exchange.declare`s sent that the broker answers, in order: for a
+    /// delayed one, the registry's entry before it (to restore if the
+    /// broker refuses it).
+    pub exchange_declares: VecDeque<Option<super::delayed::Declared>>,
+    /// `exchange.delete`s sent that the broker answers: the exchanges,
+    /// forgotten as delayed at their `delete-ok`.
+    pub exchange_deletes: VecDeque<Arc<str>>,
     /// Log span of this channel (a child of the connection's span).
     pub span: Option<tracing::Span>,
 }

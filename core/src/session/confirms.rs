@@ -60,6 +60,13 @@ impl Renumber {
         self.next += 1;
     }
 
+    /// The broker gets a publish the publisher did not number (one nackd
+    /// took before `confirm.select` and routes now): its confirm is
+    /// nobody's.
+    pub fn extra(&mut self) {
+        self.forwarded.push_back(0);
+    }
+
     /// nackd takes the next publish: its number, for [`Renumber::answer`].
     pub fn take(&mut self) -> u64 {
         let tag = self.next;

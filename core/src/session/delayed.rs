@@ -24,11 +24,13 @@ use amq_protocol::types::AMQPValue;
 use bytes::{Bytes, BytesMut};
 use tracing::{debug, warn};
 
+use super::capture::Reservation;
 use super::confirms::{Confirm, Renumber};
 use super::machine::{Effect, Session};
 use super::peer::Fault;
 use crate::delayed::{TYPE, TYPE_ARG};
 use crate::held::{ClaimKey, Park, Route, StoreError};
+use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
 use crate::protocol::headers;
 use crate::protocol::method::{self, ids, MethodId};
@@ -37,7 +39,9 @@ use crate::protocol::method::{self, ids, MethodId};
 #[derive(Debug)]
 pub struct Taking {
     exchange: Arc<str>,
-    routing_key: String,
+    /// Its routing key; `None` when not UTF-8 (or the method does not
+    /// decode): nackd cannot keep it, so it does not take it with a delay.
+    routing_key: Option<String>,
     /// Its method frame, as the client sent it.
     method: Bytes,
     /// Its frames after the method, as sent (kept while it may still go
@@ -46,6 +50,12 @@ pub struct Taking {
     /// The content header payload, once come.
     header: Option<Bytes>,
     body: BytesMut,
+    /// Its share of the capture budget, taken at the header for the size
+    /// it announces (memory is bounded by configuration, not by clients).
+    _reserved: Option<Reservation>,
+    /// It did not fit in the budget: its content is read and dropped, its
+    /// publisher gets a nack.
+    over_budget: bool,
 }
 
 /// A publish nackd took, until the store answers.
@@ -63,16 +73,35 @@ pub(super) struct Taken {
     given_up: bool,
 }
 
+/// A delayed `exchange.declare` the broker has not answered yet.
+#[derive(Debug)]
+pub struct Declared {
+    name: Arc<str>,
+    /// The real type it set.
+    kind: String,
+    /// Its registry entry (real type) before this declare, if delayed.
+    before: Option<String>,
+}
+
 impl Taken {
     /// The settle timeout gave it up: its publisher got a nack.
     pub(super) fn given_up(&self) -> bool {
         self.given_up
     }
+
+    /// Taken on a channel without confirms: its publisher hears nothing.
+    pub(super) fn unconfirmed(&self) -> bool {
+        self.tag.is_none()
+    }
 }
 
 impl Session {
     /// `exchange.declare` / `exchange.delete` of the client; `false`: do not
-    /// forward it (nackd sent its own version).
+    /// forward it (nackd sent its own version). The registry follows the
+    /// broker: a delayed declare is remembered before it leaves and
+    /// forgotten again if the broker refuses it; a delete is acted on at
+    /// its `delete-ok` (one refused, `if-unused` while bound, leaves the
+    /// exchange delayed: its publishes must not start arriving early).
     pub(super) fn on_client_exchange(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         let Some(state) = self.scope.as_ref() else {
             return true;
@@ -85,22 +114,89 @@ impl Session {
             {
                 let Some(real) = d.arguments.inner().get(TYPE_ARG).and_then(text) else {
                     // As the plugin's absence would: the broker refuses the type.
+                    self.expect_declare_ok(channel_id, d.nowait, None);
                     return true;
                 };
                 let name = d.exchange.as_str();
                 debug!(exchange = name, kind = %real, "delayed exchange declared");
+                let before = registry.kind(&vhost, name);
                 registry.declare(&vhost, name, &real);
+                let declared = Declared {
+                    name: Arc::from(name),
+                    kind: real.clone(),
+                    before,
+                };
+                self.expect_declare_ok(channel_id, d.nowait, Some(declared));
                 let mut declare = d.clone();
                 declare.kind = real.as_str().into();
                 let class = AMQPClass::Exchange(exchange::AMQPMethod::Declare(declare));
                 self.emit_upstream(&method::encode(channel_id, &class));
                 false
             }
-            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) => {
+                self.expect_declare_ok(channel_id, d.nowait, None);
+                true
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) if d.nowait => {
                 registry.delete(&vhost, d.exchange.as_str());
                 true
             }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
+                let name = Arc::from(d.exchange.as_str());
+                self.channels
+                    .get(channel_id)
+                    .exchange_deletes
+                    .push_back(name);
+                true
+            }
             _ => true,
+        }
+    }
+
+    fn expect_declare_ok(&mut self, channel_id: u16, nowait: bool, declared: Option<Declared>) {
+        if !nowait {
+            let channel = self.channels.get(channel_id);
+            channel.exchange_declares.push_back(declared);
+        }
+    }
+
+    /// The broker's `exchange.declare-ok` / `delete-ok` on a channel.
+    pub(super) fn on_broker_exchange_ok(&mut self, channel_id: u16, delete: bool) {
+        let channel = self.channels.get(channel_id);
+        if !delete {
+            channel.exchange_declares.pop_front();
+            return;
+        }
+        let Some(name) = channel.exchange_deletes.pop_front() else {
+            return;
+        };
+        if let Some(state) = self.scope.as_ref() {
+            state.shared.delayed.delete(&state.vhost, &name);
+        }
+    }
+
+    /// The broker closes a channel: declares it has not answered were
+    /// refused (or never done), deletes likewise.
+    pub(super) fn on_broker_channel_close_exchanges(&mut self, channel_id: u16) {
+        let channel = self.channels.get(channel_id);
+        channel.exchange_deletes.clear();
+        let refused = std::mem::take(&mut channel.exchange_declares);
+        let Some(state) = self.scope.as_ref() else {
+            return;
+        };
+        // The latest refused declare first: the entry before the earliest.
+        for declared in refused.into_iter().flatten().rev() {
+            let registry = &state.shared.delayed;
+            debug!(exchange = %declared.name, "the broker refused a delayed declare");
+            if registry.kind(&state.vhost, &declared.name) != Some(declared.kind) {
+                // Another session declared it since (maybe the declare
+                // the broker did take): its entry stays.
+                continue;
+            }
+            match declared.before {
+                Some(kind) => registry.declare(&state.vhost, &declared.name, &kind),
+                None => registry.delete(&state.vhost, &declared.name),
+            }
         }
     }
 
@@ -118,20 +214,32 @@ impl Session {
         if channel.confirm {
             channel.published += 1;
         }
-        let p = method::peek_publish(payload)?;
-        if !state.shared.delayed.is_delayed(&state.vhost, p.exchange) {
+        // A routing key that is not UTF-8 is legal (RabbitMQ routes it):
+        // such a publish is the broker's to judge, unless it is for a
+        // delayed exchange (see `Taking::routing_key`).
+        let (exchange, routing_key) = match method::peek_publish(payload) {
+            Ok(p) => (Some(p.exchange), Some(p.routing_key)),
+            Err(_) => (method::publish_exchange(payload), None),
+        };
+        // On a channel the broker closed, it discards what the client
+        // still sends: nackd must not deliver it later either.
+        let delayed = exchange
+            .filter(|x| !channel.closing && state.shared.delayed.is_delayed(&state.vhost, x));
+        let Some(exchange) = delayed else {
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
             }
             return Ok(false);
-        }
+        };
         channel.taking = Some(Box::new(Taking {
-            exchange: Arc::from(p.exchange),
-            routing_key: p.routing_key.to_string(),
+            exchange: Arc::from(exchange),
+            routing_key: routing_key.map(str::to_string),
             method: frame.raw.clone(),
             content: BytesMut::new(),
             header: None,
             body: BytesMut::new(),
+            _reserved: None,
+            over_budget: false,
         }));
         Ok(true)
     }
@@ -143,7 +251,9 @@ impl Session {
         let Some(taking) = channel.taking.as_mut() else {
             return Ok(());
         };
-        taking.content.extend_from_slice(&frame.raw);
+        if !taking.over_budget {
+            taking.content.extend_from_slice(&frame.raw);
+        }
         match frame.kind {
             FrameType::Header => {
                 let payload = frame.payload();
@@ -158,13 +268,47 @@ impl Session {
                         "a delayed publish (x-delay) on a transactional channel",
                     ));
                 }
+                if taking.routing_key.is_none() {
+                    return Err(FrameError::NotImplemented(
+                        "a delayed publish (x-delay) whose routing key is not UTF-8",
+                    ));
+                }
+                let size = usize::try_from(content::body_size(&payload)?)
+                    .unwrap_or(usize::MAX)
+                    .saturating_add(payload.len());
+                let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
+                match budget.and_then(|b| b.reserve(size)) {
+                    Some(reserved) => taking._reserved = Some(reserved),
+                    None if !channel.confirm => {
+                        // Nackd cannot say no: routed at once, as when
+                        // the store cannot take it.
+                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
+                        self.stats.delayed_refused.inc();
+                        let taking = channel.taking.take().expect("checked above");
+                        self.forward_publish(channel_id, *taking);
+                        return Ok(());
+                    }
+                    None => {
+                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget: the publisher gets a nack");
+                        taking.over_budget = true;
+                        taking.content = BytesMut::new();
+                    }
+                }
                 taking.header = Some(payload);
             }
+            FrameType::Body if taking.over_budget => {}
             FrameType::Body => taking.body.extend_from_slice(frame.payload_slice()),
             _ => {}
         }
         if !channel.publishing.in_flight() {
             let taking = channel.taking.take().expect("checked above");
+            if channel.closing {
+                // The broker closed the channel meanwhile: it would have
+                // discarded this publish, and so does nackd.
+                debug!(exchange = %taking.exchange, "a delayed publish on a channel the broker closed: dropped, as the broker drops it");
+                self.flush_after_publish(channel_id);
+                return Ok(());
+            }
             self.park_publish(channel_id, *taking);
         }
         Ok(())
@@ -209,6 +353,13 @@ impl Session {
                 .get_or_insert_with(|| Box::new(Renumber::new(published)))
                 .take()
         });
+        if taking.over_budget {
+            let tag = tag.expect("only a confirm channel's publish is refused");
+            self.stats.delayed_refused.inc();
+            self.answer_taken(channel_id, epoch, tag, false);
+            self.flush_after_publish(channel_id);
+            return;
+        }
         if let Err(reason) = ready {
             self.stats.delayed_refused.inc();
             match tag {
@@ -244,7 +395,7 @@ impl Session {
             retry: 0,
             route: Route::Delayed {
                 exchange: taking.exchange.to_string(),
-                routing_key: taking.routing_key,
+                routing_key: taking.routing_key.expect("checked at the header"),
             },
             on_return: None,
             header,
@@ -327,6 +478,24 @@ impl Session {
             && self.upstream_takes_acks();
         if alive {
             warn!(error = %e, "cannot store a delayed publish (no confirms on its channel): it is routed at once");
+            let channel = self.channels.get(channel_id);
+            if channel.confirm {
+                // `confirm.select` came since: the broker numbers this
+                // publish, its publisher does not. The next publish the
+                // publisher numbers is one not yet accounted for.
+                let next = channel.published + 1 - u64::from(channel.taking.is_some());
+                channel
+                    .renumber
+                    .get_or_insert_with(|| Box::new(Renumber::new(next)))
+                    .extra();
+            }
+            if channel.taking.is_some() {
+                // Nothing of the publish nackd is reading went upstream:
+                // this one goes first (after what waits behind a barrier),
+                // as the broker numbers it.
+                self.emit_upstream(&raw);
+                return;
+            }
             self.send_own(channel_id, raw, None);
         } else {
             tracing::error!(error = %e, "cannot store a delayed publish, and its channel is gone: the message is lost (its publisher used no confirms)");
@@ -334,20 +503,25 @@ impl Session {
         }
     }
 
-    /// The settle timeout gives up taken publishes among `seqs`: their
-    /// publishers get a nack now; the rest of `seqs` is left.
+    /// The settle timeout gives up taken publishes among `seqs`: no longer
+    /// waited for; on a confirm channel their publishers get a nack now
+    /// (and a late stored copy is cancelled); the rest of `seqs` is left.
     pub(super) fn give_up_taken(&mut self, seqs: &mut std::collections::BTreeSet<u64>) {
         let mine: Vec<u64> = seqs.iter().copied().filter(|s| self.is_taken(*s)).collect();
         for seq in mine {
             seqs.remove(&seq);
             self.unanswered.remove(&seq);
             let taken = self.taken.get_mut(&seq).expect("listed above");
-            taken.given_up = true;
             let (channel, epoch, tag) = (taken.channel, taken.epoch, taken.tag);
+            let Some(tag) = tag else {
+                // No confirms: its publisher was told nothing, and the
+                // store's copy (when it answers) is the only one there is.
+                warn!("the store did not answer a delayed publish within the settle timeout: the close goes on, the publish is kept if the store takes it");
+                continue;
+            };
+            taken.given_up = true;
             warn!("the store did not answer a delayed publish within the settle timeout: its publisher gets a nack");
-            if let Some(tag) = tag {
-                self.answer_taken(channel, epoch, tag, false);
-            }
+            self.answer_taken(channel, epoch, tag, false);
         }
     }
 

@@ -231,6 +231,17 @@ impl Session {
         // publisher was told "nack").
         let taken = std::mem::take(&mut self.taken);
         let kept = |p: &Parked| taken.get(&p.key.seq).is_some_and(|t| !t.given_up());
+        let late: Vec<Parked> = late.into_iter().collect();
+        for p in &late {
+            if let (Some(t), Err(e)) = (taken.get(&p.key.seq), &p.result) {
+                if t.unconfirmed() {
+                    // Its publisher used no confirms and its connection is
+                    // gone: nothing can route it now.
+                    tracing::error!(error = %e, "cannot store a delayed publish, and its session has ended: the message is lost (its publisher used no confirms)");
+                    self.stats.delayed_lost.inc();
+                }
+            }
+        }
         let mut cancel: Vec<u64> = late
             .into_iter()
             .filter(|p| !kept(p))

@@ -1,6 +1,6 @@
 //! Frames from the broker: tracking, capture of deliveries, tune capping.
 
-use amq_protocol::protocol::{basic, channel as amqp_channel, connection, AMQPClass};
+use amq_protocol::protocol::{basic, channel as amqp_channel, connection, exchange, AMQPClass};
 use tracing::info;
 
 use super::close::Origin;
@@ -78,10 +78,17 @@ impl Session {
                 self.channels.remove(channel_id);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) if channel_id != 0 => {
+                self.on_broker_channel_close_exchanges(channel_id);
                 // The broker requeues the channel's unacked deliveries.
                 self.forget_deferred(channel_id);
                 self.channels.get(channel_id).closing = true;
                 self.cancel_after_publish(channel_id);
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) if channel_id != 0 => {
+                self.on_broker_exchange_ok(channel_id, false);
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(_)) if channel_id != 0 => {
+                self.on_broker_exchange_ok(channel_id, true);
             }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
                 return !self.on_broker_confirm(channel_id, true, a.delivery_tag, a.multiple);

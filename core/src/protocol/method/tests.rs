@@ -152,12 +152,18 @@ fn decoded_methods() -> Vec<AMQPClass> {
                 arguments: FieldTable::default(),
             },
         )),
+        Exchange(amq_protocol::protocol::exchange::AMQPMethod::DeclareOk(
+            amq_protocol::protocol::exchange::DeclareOk {},
+        )),
         Exchange(amq_protocol::protocol::exchange::AMQPMethod::Delete(
             amq_protocol::protocol::exchange::Delete {
                 exchange: "waits".into(),
                 if_unused: false,
                 nowait: false,
             },
+        )),
+        Exchange(amq_protocol::protocol::exchange::AMQPMethod::DeleteOk(
+            amq_protocol::protocol::exchange::DeleteOk {},
         )),
     ]
 }

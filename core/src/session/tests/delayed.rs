@@ -149,6 +149,10 @@ fn a_delayed_declare_goes_as_its_real_type_and_is_remembered() {
             nowait: false,
         })),
     ));
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
     let shared = &p.s.scope.as_ref().unwrap().shared;
     assert!(!shared.delayed.is_delayed("/", X));
 }
@@ -357,4 +361,351 @@ fn the_largest_x_delay_is_held_a_century_not_wrapped() {
     );
     // The engine counts due times in µs: no overflow.
     assert!(parks[0].delay.as_micros() < u128::from(u64::MAX) / 2);
+}
+
+impl Pair {
+    fn is_delayed(&self) -> bool {
+        let shared = &self.s.scope.as_ref().unwrap().shared;
+        shared.delayed.is_delayed("/", X)
+    }
+
+    fn delete(&mut self, ch: u16, if_unused: bool) {
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+                exchange: X.into(),
+                if_unused,
+                nowait: false,
+            })),
+        ));
+        self.upstream();
+    }
+
+    /// The broker closes channel `ch` with `code`.
+    fn broker_closes(&mut self, ch: u16, code: crate::protocol::reply::ReplyCode) {
+        self.broker(&method::channel_close(ch, code, "refused"));
+        self.client_got();
+    }
+}
+
+#[test]
+fn a_delete_the_broker_refuses_leaves_the_exchange_delayed() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    p.open(2, false);
+    p.delete(2, true);
+    assert!(
+        p.is_delayed(),
+        "nothing is deleted before the broker says so"
+    );
+    // Bound, so not unused: the broker refuses, the exchange stays.
+    p.broker_closes(2, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(p.is_delayed(), "a refused delete changes nothing");
+    p.publish(1, ms(100));
+    assert!(p.upstream().is_empty(), "still held by nackd");
+    assert_eq!(p.take_parks().len(), 1);
+    // A delete the broker does: forgotten at its delete-ok.
+    p.delete(1, false);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
+    assert!(!p.is_delayed());
+}
+
+#[test]
+fn a_delayed_declare_the_broker_refuses_is_not_remembered() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    // E.g. a plain exchange of another type has the name: 406.
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(!p.is_delayed(), "the broker refused the declare");
+    p.open(2, false);
+    p.publish(2, ms(100));
+    assert_eq!(p.upstream(), ["publish 2", "header 2", "body 2"]);
+}
+
+#[test]
+fn a_delayed_publish_without_confirms_outlives_the_settle_timeout() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.client(&super::channel_close(1));
+    assert!(p.upstream().is_empty(), "the close waits for the store");
+    // The store is slow: the close goes on without its answer.
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["channel.close 1"]);
+    // Its publisher was told nothing (no confirms): the copy the store
+    // took at last is the only one, and must not be cancelled.
+    let parks = p.take_parks();
+    p.answer(&parks[0], Ok(11));
+    assert!(p.cancelled().is_empty(), "the publish would be lost");
+    // Likewise when the session ends before the store answers.
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    p.client(&super::channel_close(1));
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    let parks = p.take_parks();
+    p.s.end([crate::held::Parked {
+        key: parks[0].key,
+        result: Ok(12),
+    }]);
+    assert!(p.cancelled().is_empty(), "the publish would be lost");
+}
+
+impl Pair {
+    /// A delayed publish to `X` of a `size`-byte body in frames of 1000.
+    fn publish_big(&mut self, ch: u16, size: usize) {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut h = FieldTable::default();
+        h.insert("x-delay".into(), AMQPValue::LongLongInt(100));
+        let props = BasicProperties::default().with_headers(h);
+        put_frame(
+            &mut out,
+            FrameType::Header,
+            ch,
+            &encode_header(60, size as u64, &props),
+        );
+        for chunk in vec![7u8; size].chunks(1000) {
+            put_frame(&mut out, FrameType::Body, ch, chunk);
+        }
+        self.client(&out);
+    }
+}
+
+#[test]
+fn a_delayed_publish_beyond_the_memory_budget_is_not_buffered() {
+    // A budget of 4 KB: a 10 KB delayed publish does not fit.
+    let mut p = super::pair_with("delays = [\"1m\"]", 4096);
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.publish_big(1, 10_000);
+    assert!(p.take_parks().is_empty());
+    assert!(p.upstream().is_empty(), "never routed early");
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
+    // One that fits is taken as usual, and the budget is given back.
+    p.publish_big(1, 2000);
+    assert_eq!(p.take_parks().len(), 1);
+    let budget = &p.s.scope.as_ref().unwrap().shared.budget;
+    assert_eq!(budget.used(), 0);
+    // Without confirms nackd cannot say no: routed at once, as when the
+    // store cannot take it.
+    p.open(2, false);
+    p.publish_big(2, 10_000);
+    assert!(p.take_parks().is_empty());
+    let mut expect = vec!["publish 2", "header 2"];
+    expect.extend(["body 2"; 10]);
+    assert_eq!(p.upstream(), expect);
+    // A body size no memory could hold is refused before anything grows.
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&frame_of(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: X.into(),
+            routing_key: "k".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    ));
+    let mut h = FieldTable::default();
+    h.insert("x-delay".into(), AMQPValue::LongLongInt(100));
+    let props = BasicProperties::default().with_headers(h);
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        1,
+        &encode_header(60, u64::MAX, &props),
+    );
+    put_frame(&mut out, FrameType::Body, 1, b"abc");
+    p.client(&out);
+    assert!(p.upstream().is_empty());
+    assert!(p.take_parks().is_empty());
+}
+
+#[test]
+fn a_delayed_publish_after_the_broker_closed_its_channel_is_not_taken() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    // An earlier publish failed (say 404): the broker closes the channel
+    // and discards what the client pipelined after it.
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    p.publish(1, ms(100));
+    assert!(
+        p.take_parks().is_empty(),
+        "the broker would have discarded it: nackd must not deliver it later"
+    );
+    assert!(p.client_got().is_empty(), "no confirm on a closed channel");
+}
+
+#[test]
+fn a_refused_declare_leaves_another_sessions_declare_alone() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1); // direct
+                          // Meanwhile another session declares it as topic, and the broker
+                          // takes that one: this one is refused (406).
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    shared.delayed.declare("/", X, "topic");
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(p.is_delayed(), "the other declare stands");
+}
+
+/// A `basic.publish` to `exchange` whose routing key is the byte 0xff
+/// (legal AMQP, and RabbitMQ routes it), with a 3-byte content.
+fn publish_binary_key(ch: u16, exchange: &str, delay: Option<AMQPValue>) -> BytesMut {
+    let mut payload = vec![0, 60, 0, 40, 0, 0];
+    payload.push(exchange.len() as u8);
+    payload.extend_from_slice(exchange.as_bytes());
+    payload.extend_from_slice(&[1, 0xff, 0]);
+    let mut out = BytesMut::new();
+    put_frame(&mut out, FrameType::Method, ch, &payload);
+    let mut props = BasicProperties::default();
+    if let Some(d) = delay {
+        let mut h = FieldTable::default();
+        h.insert("x-delay".into(), d);
+        props = props.with_headers(h);
+    }
+    put_frame(
+        &mut out,
+        FrameType::Header,
+        ch,
+        &encode_header(60, 3, &props),
+    );
+    put_frame(&mut out, FrameType::Body, ch, b"abc");
+    out
+}
+
+#[test]
+fn a_publish_with_a_routing_key_that_is_not_utf8_goes_as_sent() {
+    let mut p = pair();
+    p.open(1, true);
+    // No delayed exchange yet, then one: a publish elsewhere is the
+    // broker's to judge (RabbitMQ takes any bytes as a routing key).
+    for _ in 0..2 {
+        let sent = publish_binary_key(1, "plain", ms(100));
+        p.client(&sent);
+        assert_eq!(&std::mem::take(p.s.transmit().1)[..], &sent[..]);
+        p.declare_delayed(1);
+    }
+    p.broker(&method::ack(1, 2, true));
+    assert_eq!(p.client_got(), ["ack 2+"]);
+    // To the delayed exchange nackd cannot keep that key: it says so
+    // rather than route the message early.
+    p.client(&publish_binary_key(1, X, ms(100)));
+    assert_eq!(p.upstream(), ["connection.close"], "nothing of the publish");
+    assert!(p.take_parks().is_empty());
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 540, "{}", c.reply_text);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_delayed_publish_whose_channel_the_broker_closes_midway_is_not_taken() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_delayed(1);
+    let mut all = BytesMut::new();
+    p.publish_into(&mut all, 1, ms(100));
+    let body_at = all.len() - (8 + 3);
+    // Method and header; then the broker closes the channel; then the body.
+    p.client(&all[..body_at]);
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    p.client(&all[body_at..]);
+    assert!(
+        p.take_parks().is_empty(),
+        "the broker discards it after its close: nackd must not deliver it later"
+    );
+}
+
+impl Pair {
+    /// The frames of [`Pair::publish`], into `out`.
+    fn publish_into(&mut self, out: &mut BytesMut, ch: u16, delay: Option<AMQPValue>) {
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut props = BasicProperties::default();
+        if let Some(d) = delay {
+            let mut h = FieldTable::default();
+            h.insert("x-delay".into(), d);
+            props = props.with_headers(h);
+        }
+        put_frame(out, FrameType::Header, ch, &encode_header(60, 3, &props));
+        put_frame(out, FrameType::Body, ch, b"abc");
+    }
+}
+
+#[test]
+fn a_publish_routed_at_once_after_confirm_select_takes_no_publisher_tag() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100)); // no confirms yet: taken, publisher tag none
+    p.client(&frame_of(
+        1,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
+    ));
+    p.upstream();
+    // The store refuses it: routed at once, now on a confirm channel, so
+    // the broker numbers it (its 1) though the publisher did not.
+    let parks = p.take_parks();
+    p.answer(&parks[0], Err(StoreError::Full("test".into())));
+    assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    p.publish(1, None); // publisher 1 = broker 2
+    p.upstream();
+    p.broker(&method::ack(1, 1, false));
+    assert!(p.client_got().is_empty(), "broker 1 is not the publisher's");
+    p.broker(&method::ack(1, 2, false));
+    assert_eq!(p.client_got(), ["ack 1"]);
+}
+
+#[test]
+fn a_delayed_publish_without_confirms_refused_after_the_session_ended_is_counted_lost() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declare_delayed(1);
+    p.publish(1, ms(100));
+    let parks = p.take_parks();
+    p.s.end([crate::held::Parked {
+        key: parks[0].key,
+        result: Err(StoreError::Full("test".into())),
+    }]);
+    assert_eq!(p.s.stats.delayed_lost.get(), 1, "a silent loss");
 }
