@@ -872,3 +872,40 @@ async fn a_refused_delete_keeps_the_exchange_delayed() {
         .await;
     nackd.stop().await;
 }
+
+/// A publisher that only publishes delayed messages sends the broker
+/// nothing itself (nackd takes every publish, and a busy client library
+/// sends no heartbeats): nackd sends them in its name, or the broker would
+/// close the connection after two heartbeats.
+#[tokio::test]
+async fn a_publisher_of_delayed_messages_only_is_not_closed_by_the_broker() {
+    let store = tempfile::tempdir().unwrap();
+    let nackd = start_delayed(store.path(), "").await;
+    let conn = lapin::Connection::connect(
+        &nackd.uri("heartbeat=1"),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let x = unique("dhb-x");
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut n = 0u32;
+    while Instant::now() < until {
+        let c = publish_to(&ch, &x, "k", b"hb", Some(AMQPValue::LongInt(600_000))).await;
+        assert!(c.is_ack(), "publish {n}: {c:?}");
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(conn.status().connected(), "the broker closed the publisher");
+    let broker = direct().await;
+    let bch = broker.create_channel().await.unwrap();
+    let _ = bch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    nackd.stop().await;
+}

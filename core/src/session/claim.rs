@@ -495,6 +495,7 @@ impl Session {
 
     /// Client frames go upstream, or wait behind a barrier.
     pub(super) fn emit_upstream(&mut self, bytes: &[u8]) {
+        self.upstream_tx = self.now;
         if self.barrier_up {
             self.behind_barrier.extend_from_slice(bytes);
         } else {

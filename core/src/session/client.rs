@@ -46,7 +46,10 @@ impl Session {
         }
         match frame.kind {
             // Heartbeats mean nothing in order: never held back.
-            FrameType::Heartbeat => self.to_upstream.extend_from_slice(&frame.raw),
+            FrameType::Heartbeat => {
+                self.upstream_tx = self.now;
+                self.to_upstream.extend_from_slice(&frame.raw)
+            }
             FrameType::Method if frame.channel != 0 => {
                 if self.scope.is_some() && self.hold_publish(&frame)? {
                     return Ok(());
@@ -81,6 +84,7 @@ impl Session {
             self.behind_barrier.extend_from_slice(raw);
             return;
         }
+        self.upstream_tx = self.now;
         self.to_upstream.extend_from_slice(raw);
         self.flush_after_publish(channel_id);
     }

@@ -156,6 +156,16 @@ impl Session {
         if !self.may_read(Peer::Upstream) {
             self.upstream_rx = now;
         }
+        let client_spoke = now.duration_since(self.client_rx) < self.heartbeat;
+        if self.open && client_spoke && now.duration_since(self.upstream_tx) >= self.heartbeat / 2 {
+            // The client speaks but nackd took what it sent (delayed
+            // publishes): the broker gets a heartbeat in its name, as a
+            // client library sends one when it has nothing else to send
+            // (a silent client sends its own, or is closed below).
+            self.upstream_tx = now;
+            self.to_upstream
+                .extend_from_slice(&crate::protocol::method::heartbeat());
+        }
         if now.duration_since(self.client_rx) > limit {
             warn!(heartbeat = ?self.heartbeat, "client missed two heartbeats; closing");
             self.on_client_gone(None);

@@ -55,6 +55,10 @@ pub struct Session {
     pub(super) open: bool,
     pub(super) client_rx: Instant,
     pub(super) upstream_rx: Instant,
+    /// When client frames (or nackd's heartbeat) last went toward the
+    /// broker: a client whose frames nackd takes (delayed publishes) still
+    /// owes the broker a heartbeat.
+    pub(super) upstream_tx: Instant,
     pub(super) close: Close,
     /// What this session intercepts (none when no policy is configured).
     pub(super) scope: Option<Scope>,
@@ -108,6 +112,7 @@ impl Session {
             open: false,
             client_rx: now,
             upstream_rx: now,
+            upstream_tx: now,
             close: Close::default(),
             scope: interception.map(|shared| Scope::new(shared.clone())),
             barrier_up: false,

@@ -709,3 +709,25 @@ fn a_delayed_publish_without_confirms_refused_after_the_session_ended_is_counted
     }]);
     assert_eq!(p.s.stats.delayed_lost.get(), 1, "a silent loss");
 }
+
+/// A publisher whose every frame nackd takes still owes the broker its
+/// heartbeats: without them the broker closes the connection after two.
+#[test]
+fn a_publisher_of_delayed_messages_only_keeps_its_broker_connection_alive() {
+    let mut p = pair();
+    p.client(&super::tune_ok(2));
+    p.open(1, true);
+    p.declare_delayed(1);
+    p.upstream();
+    let mut heartbeats = 0;
+    for _ in 0..12 {
+        p.publish(1, ms(60_000));
+        p.store(true);
+        p.time_passes(std::time::Duration::from_millis(500));
+        p.timer_fires();
+        heartbeats += p.upstream().iter().filter(|f| *f == "heartbeat").count();
+        p.broker(&crate::protocol::method::heartbeat());
+    }
+    // 6 s of publishes nackd took: a heartbeat at least every second.
+    assert!(heartbeats >= 5, "{heartbeats} heartbeats in 6 s");
+}
