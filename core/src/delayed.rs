@@ -78,6 +78,11 @@ impl DelayedExchanges {
         })
     }
 
+    /// No exchange is delayed (one atomic load: every publish asks).
+    pub fn none(&self) -> bool {
+        !self.any.load(Ordering::Acquire)
+    }
+
     /// Whether nackd emulates the type at all.
     pub fn enabled(&self) -> bool {
         self.enabled

@@ -214,6 +214,13 @@ impl Session {
         if channel.confirm {
             channel.published += 1;
         }
+        if state.shared.delayed.none() {
+            // The pass-through path: no exchange is delayed, nothing to read.
+            if let Some(r) = channel.renumber.as_mut() {
+                r.forward();
+            }
+            return Ok(false);
+        }
         // A routing key that is not UTF-8 is legal (RabbitMQ routes it):
         // such a publish is the broker's to judge, unless it is for a
         // delayed exchange (see `Taking::routing_key`).
