@@ -471,3 +471,61 @@ async fn a_spread_replay_is_never_early_and_resets_the_count() {
     let _ = conn.close(200, "".into()).await;
     nackd.stop().await;
 }
+
+/// An HTTP client that goes away mid-replay (a closed terminal, a proxy's
+/// timeout) does not stop it half way: dropping the request's future
+/// closed the replay's connection with parks in flight, so messages
+/// nackd had stored went back to the dead-letter queue too (moved twice
+/// by the next replay) and the rest stayed there (found by review).
+#[tokio::test]
+async fn a_replay_whose_client_goes_away_runs_to_its_end() {
+    use tokio::io::AsyncWriteExt;
+    let (dlq, orig) = (unique("replay-gone-dlq"), unique("replay-gone-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-gone-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    const N: u32 = 3000;
+    dead_letters(&ch, &dlq, &orig, N).await;
+    let q = common::ops::query(&dlq);
+    let mut http = tokio::net::TcpStream::connect(nackd.metrics).await.unwrap();
+    let request = format!(
+        "POST /api/replay?dlq={} HTTP/1.1\r\nHost: nackd\r\nAuthorization: Bearer {TOKEN}\r\n\
+         Content-Length: 0\r\n\r\n",
+        q.trim_start_matches("?queue=")
+    );
+    http.write_all(request.as_bytes()).await.unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "the replay under way",
+        || async { message_count(&ch, &orig).await },
+        |n| *n > 0,
+    )
+    .await;
+    drop(http);
+    let left = wait_for(
+        Duration::from_secs(60),
+        "the dead-letter queue emptied",
+        || unacked_and_ready(&dlq),
+        |c| *c == (0, 0),
+    )
+    .await;
+    assert_eq!(left, (0, 0));
+    let seen = wait_for(
+        Duration::from_secs(20),
+        "every message back",
+        || async { message_count(&ch, &orig).await },
+        |n| *n >= N,
+    )
+    .await;
+    assert_eq!(seen, N);
+    let ids = drain(&ch, &orig).await;
+    assert_eq!(ids.len(), N as usize);
+    assert!(ids.values().all(|n| *n == 1), "moved once each");
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
