@@ -190,14 +190,25 @@ pub(super) async fn replay(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
-    let Some(replayer) = ops.replayer.get() else {
+    if ops.replayer.get().is_none() {
         return error(
             StatusCode::CONFLICT,
             "nackd holds nothing (no policy, or its store is not recovered yet)",
         );
+    }
+    // A task of its own: a client that goes away must not drop the replay
+    // half way (its connection closed with parks in flight puts stored
+    // messages back on the dead-letter queue too).
+    let run = tokio::spawn(async move {
+        let replayer = ops.replayer.get().expect("checked above");
+        replayer.run(request).await
+    });
+    let result = match run.await {
+        Ok(result) => result,
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
     use crate::replay::ReplayError as E;
-    match replayer.run(request).await {
+    match result {
         Ok(report) if report.error.is_some() => {
             (StatusCode::SERVICE_UNAVAILABLE, Json(report)).into_response()
         }

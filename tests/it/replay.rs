@@ -471,3 +471,122 @@ async fn a_spread_replay_is_never_early_and_resets_the_count() {
     let _ = conn.close(200, "".into()).await;
     nackd.stop().await;
 }
+
+/// `--queue` with `--spread`: only the messages the filter takes are
+/// spread, over the whole spread. Planned over every message of the
+/// dead-letter queue, 20 taken of 40 were all due within the first half
+/// (found by review: a filtered replay flooded its consumer). Not fixed:
+/// a counting pass first races the broker's requeue of what it read (a
+/// count or a get right after the nack can miss them).
+#[tokio::test]
+#[ignore = "known: the spread is planned over every message read, not over those moved"]
+async fn a_filtered_spread_replay_spreads_what_it_moves_over_the_whole_spread() {
+    let (dlq, a, b) = (
+        unique("replay-fspread-dlq"),
+        unique("replay-fspread-a"),
+        unique("replay-fspread-b"),
+    );
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-fspread-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    dead_letters(&ch, &dlq, &b, 20).await;
+    declare_dead_lettering(&ch, &a, &dlq).await;
+    publish_ids(&ch, &a, 0..20).await;
+    reject_all(&ch, &a, 20).await;
+    wait_for(
+        Duration::from_secs(10),
+        "dead-lettered",
+        || async { message_count(&ch, &dlq).await },
+        |c| *c == 40,
+    )
+    .await;
+    let q = |name: &str| {
+        common::ops::query(name)
+            .trim_start_matches("?queue=")
+            .to_string()
+    };
+    let path = format!("/api/replay?dlq={}&queue={}&spread=2s", q(&dlq), q(&a));
+    let began = std::time::Instant::now();
+    let v = common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await;
+    assert_eq!(v["moved"], 20, "{v}");
+    let reader = conn.create_channel().await.unwrap();
+    let mut c = consume(&reader, &a, None).await;
+    let mut last = Duration::ZERO;
+    for _ in 0..20 {
+        let d = next(&mut c, Duration::from_secs(10))
+            .await
+            .expect("replayed");
+        last = last.max(began.elapsed());
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert!(
+        last >= Duration::from_millis(1800),
+        "20 moved of 40 examined, spread over 2 s: the last came at {last:?}"
+    );
+    assert_eq!(message_count(&ch, &dlq).await, 20, "b's left in place");
+    delete_queues(&ch, &[&dlq, &a, &b]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
+
+/// An HTTP client that goes away mid-replay (a closed terminal, a proxy's
+/// timeout) does not stop it half way: dropping the request's future
+/// closed the replay's connection with parks in flight, so messages
+/// nackd had stored went back to the dead-letter queue too (moved twice
+/// by the next replay) and the rest stayed there (found by review).
+#[tokio::test]
+async fn a_replay_whose_client_goes_away_runs_to_its_end() {
+    use tokio::io::AsyncWriteExt;
+    let (dlq, orig) = (unique("replay-gone-dlq"), unique("replay-gone-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-gone-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    const N: u32 = 3000;
+    dead_letters(&ch, &dlq, &orig, N).await;
+    let q = common::ops::query(&dlq);
+    let mut http = tokio::net::TcpStream::connect(nackd.metrics).await.unwrap();
+    let request = format!(
+        "POST /api/replay?dlq={} HTTP/1.1\r\nHost: nackd\r\nAuthorization: Bearer {TOKEN}\r\n\
+         Content-Length: 0\r\n\r\n",
+        q.trim_start_matches("?queue=")
+    );
+    http.write_all(request.as_bytes()).await.unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "the replay under way",
+        || async { message_count(&ch, &orig).await },
+        |n| *n > 0,
+    )
+    .await;
+    drop(http);
+    let left = wait_for(
+        Duration::from_secs(60),
+        "the dead-letter queue emptied",
+        || unacked_and_ready(&dlq),
+        |c| *c == (0, 0),
+    )
+    .await;
+    assert_eq!(left, (0, 0));
+    let seen = wait_for(
+        Duration::from_secs(20),
+        "every message back",
+        || async { message_count(&ch, &orig).await },
+        |n| *n >= N,
+    )
+    .await;
+    assert_eq!(seen, N);
+    let ids = drain(&ch, &orig).await;
+    assert_eq!(ids.len(), N as usize);
+    assert!(ids.values().all(|n| *n == 1), "moved once each");
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
