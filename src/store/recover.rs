@@ -133,26 +133,32 @@ pub(super) fn read(dir: &Path, numbers: &[u32]) -> io::Result<(Recovered, BTreeM
     }
     let formats = formats(dir, &known)?;
     let sealed = scan::sealed_lengths(&formats);
-    let gaps = scan::gaps(numbers, &formats);
-    log_damage(dir, &gaps);
-    recovered.damage.extend(gaps);
+    let mut damage = Vec::new();
     for &n in numbers {
         let bytes = std::fs::read(segment_path(dir, n))?;
         let sealed = sealed.get(&n).copied();
         let scanned = scan::scan_sealed(&bytes, n, sealed, |rec, loc| replay.record(rec, loc));
         let framing = scanned.framing();
         log_damage(dir, &scanned.damage);
-        recovered.damage.extend(scanned.damage);
+        damage.extend(scanned.damage);
         segments.insert(n, Segment::new(bytes.len() as u64, framing));
     }
+    // After the scan: whether a gap is damage depends on whether the
+    // segment after it reads from its start.
+    let gaps = scan::gaps(numbers, &formats, &damage);
+    log_damage(dir, &gaps);
+    recovered.damage = gaps;
+    recovered.damage.extend(damage);
     replay.warn_resurrected(&recovered.damage);
     replay.finish(&mut recovered, &mut segments);
     info!(dir = %dir.display(), held = recovered.held.len(), segments = segments.len(), damaged_bytes = recovered.damaged_bytes(), "store recovered");
     Ok((recovered, segments))
 }
 
-/// The format each segment's header announces, by number. Fails on a
-/// segment a newer nackd wrote: reading it as damage would lose it.
+/// The format each segment's header announces, by number; none for a
+/// segment whose header does not check (a gap before it is counted as
+/// lost: [`scan::gaps`]). Fails on a segment a newer nackd wrote: reading
+/// it as damage would lose it.
 fn formats(dir: &Path, numbers: &[u32]) -> io::Result<BTreeMap<u32, Format>> {
     let mut formats = BTreeMap::new();
     for &n in numbers {

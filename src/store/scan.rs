@@ -252,25 +252,48 @@ pub fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
 }
 
 /// The segments missing between the first and the last of `numbers`
-/// (ascending), as the segments' `formats` (by number) tell. Segments are
-/// numbered one after the other and nackd only ever removes the oldest, so
-/// a gap is damage (each segment as long as its successor's header says)
-/// unless the segment after it says otherwise: a format 2 header naming
-/// the segment before the gap as its predecessor (the gap was gone when it
-/// was made), or a format 1 segment, which names none: nackd before format
-/// 2 removed segments in the middle once nothing in them was live.
-pub fn gaps(numbers: &[u32], formats: &BTreeMap<u32, Format>) -> Vec<Damage> {
+/// (ascending), as the segments' `formats` (by number; none for a segment
+/// whose header does not check) and the `damage` their scan found tell.
+/// Segments are numbered one after the other and nackd only ever removes
+/// the oldest, so a gap is damage (each segment as long as its successor's
+/// header says) unless the segment after it shows it is not: its own
+/// format 2 header naming the segment before the gap as its predecessor
+/// (the gap was gone when it was made), or a format 1 segment that reads
+/// from its start, with no format 2 segment before it (nackd before format
+/// 2 removed segments in the middle once nothing in them was live).
+///
+/// Anything else after a gap is counted as damage, also when it cannot be
+/// told for sure. A header that does not check may have named the segment
+/// before the gap, or one in it; if one in it, the segment before the gap
+/// may have been cut unseen (its sealed length was in the lost successor's
+/// header), and only the gap, reported, says so. A segment that reads as
+/// format 1 after a format 2 one was written by a format 2 nackd, with a
+/// header, since damaged; one whose start does not read (damage from byte
+/// 0) may be such a header too. The segment after the gap is damaged in all
+/// these cases and reported anyway, so an undamaged store never reports a
+/// gap it did not lose; at worst a damaged one also reports as lost a
+/// segment an older nackd removed.
+pub fn gaps(numbers: &[u32], formats: &BTreeMap<u32, Format>, damage: &[Damage]) -> Vec<Damage> {
     let sealed = sealed_lengths(formats);
-    let mut damage = Vec::new();
+    let starts_damaged = |n: u32| damage.iter().any(|d| d.segment == n && d.from == 0);
+    let mut gone = Vec::new();
+    // A segment up to the one before the gap was written in format 2 (its
+    // header checks, or it starts like one and does not).
+    let mut salted_before = false;
     for w in numbers.windows(2) {
         let (before, after) = (w[0], w[1]);
+        salted_before |= !matches!(formats.get(&before), Some(Format::Legacy));
         if after == before + 1 {
             continue;
         }
         match formats.get(&after) {
-            Some(Format::Salted(h)) if h.prev.map(|(n, _)| n) == Some(before) => continue,
+            Some(Format::Salted(h))
+                if h.segment == after && h.prev.map(|(n, _)| n) == Some(before) =>
+            {
+                continue
+            }
             Some(Format::Salted(_)) => {}
-            _ => {
+            Some(Format::Legacy) if !salted_before && !starts_damaged(after) => {
                 warn!(
                     from = before + 1,
                     to = after - 1,
@@ -278,15 +301,21 @@ pub fn gaps(numbers: &[u32], formats: &BTreeMap<u32, Format>) -> Vec<Damage> {
                 );
                 continue;
             }
+            Some(Format::Legacy | Format::Newer(_)) | None => warn!(
+                from = before + 1,
+                to = after - 1,
+                segment = after,
+                "store: segments missing in the middle, and the start of the segment after them, which would say whether they were there, is damaged: counted as lost"
+            ),
         }
-        damage.extend((before + 1..after).map(|segment| Damage {
+        gone.extend((before + 1..after).map(|segment| Damage {
             segment,
             from: 0,
             to: sealed.get(&segment).copied().unwrap_or(0),
             bad: Harm::Gone,
         }));
     }
-    damage
+    gone
 }
 
 /// Where reading goes on after a bad record at `at`, and what was skipped.
@@ -449,7 +478,7 @@ mod tests {
         let salted = |n, prev| Format::Salted(Header::new(n, prev));
         let gone = |numbers: &[u32], formats: Vec<(u32, Format)>| -> Vec<(u32, u64)> {
             let formats = formats.into_iter().collect();
-            gaps(numbers, &formats)
+            gaps(numbers, &formats, &[])
                 .iter()
                 .map(|d| (d.segment, d.to))
                 .collect()
@@ -466,6 +495,72 @@ mod tests {
         assert_eq!(gone(&[3, 5], removed), vec![(4, 80)]);
         let two = vec![(2, Format::Legacy), (5, salted(5, Some((4, 80))))];
         assert_eq!(gone(&[2, 5], two), vec![(3, 0), (4, 80)]);
+    }
+
+    /// A gap before a segment whose header does not check is counted as
+    /// lost: that header may have named a segment in the gap (and held the
+    /// sealed length of the one before it). So is a gap before a segment
+    /// that reads as format 1 (an empty one too) while an older one is in
+    /// format 2 (a format 2 nackd wrote it, with a header, since damaged),
+    /// or whose start does not read (it may be such a header).
+    #[test]
+    fn a_gap_no_intact_header_accounts_for_is_damage() {
+        let salted = |n, prev| Format::Salted(Header::new(n, prev));
+        let gone = |numbers: &[u32], formats: Vec<(u32, Format)>| -> Vec<(u32, u64)> {
+            let formats = formats.into_iter().collect();
+            gaps(numbers, &formats, &[])
+                .iter()
+                .map(|d| (d.segment, d.to))
+                .collect()
+        };
+        // Segment 3's header does not check (no entry); 4's says 3's length.
+        let torn = vec![(1, salted(1, None)), (4, salted(4, Some((3, 44))))];
+        assert_eq!(gone(&[1, 3, 4], torn), vec![(2, 0)]);
+        let legacy_then_torn = vec![(1, Format::Legacy), (4, salted(4, Some((3, 44))))];
+        assert_eq!(
+            gone(&[1, 3, 4], legacy_then_torn),
+            vec![(2, 0)],
+            "it may have named 1; it cannot be told, so it is counted"
+        );
+        let looks_legacy = vec![
+            (1, salted(1, None)),
+            (3, Format::Legacy),
+            (4, salted(4, Some((3, 44)))),
+        ];
+        assert_eq!(gone(&[1, 3, 4], looks_legacy), vec![(2, 0)]);
+        // Its predecessor's header does not check: it was format 2 too.
+        let after_torn = vec![(3, Format::Legacy), (4, salted(4, Some((3, 44))))];
+        assert_eq!(gone(&[1, 3, 4], after_torn), vec![(2, 0)]);
+        let older_salted = vec![
+            (1, salted(1, None)),
+            (2, salted(2, Some((1, 60)))),
+            (4, Format::Legacy),
+            (5, salted(5, Some((4, 0)))),
+        ];
+        assert_eq!(gone(&[1, 2, 4, 5], older_salted), vec![(3, 0)]);
+        // All format 1 as far as can be read, but the start of the segment
+        // after the gap does not read: it may be a damaged header.
+        let legacy: BTreeMap<_, _> = [
+            (1, Format::Legacy),
+            (3, Format::Legacy),
+            (4, salted(4, Some((3, 44)))),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            gaps(&[1, 3, 4], &legacy, &[]),
+            vec![],
+            "read from its start"
+        );
+        let start = Damage {
+            segment: 3,
+            from: 0,
+            to: 44,
+            bad: Harm::LegacyRest,
+        };
+        let found = gaps(&[1, 3, 4], &legacy, &[start]);
+        let found: Vec<_> = found.iter().map(|d| (d.segment, d.to, d.bad)).collect();
+        assert_eq!(found, vec![(2, 0, Harm::Gone)]);
     }
 
     /// Review 2, finding 5: the search for the next record after damage
