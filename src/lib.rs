@@ -63,6 +63,7 @@
 // One audited exception: `sched` (a syscall libc has no safe form of).
 #![deny(unsafe_code)]
 
+pub mod coalesce;
 pub mod config;
 pub mod delayed;
 pub mod metrics;

@@ -314,6 +314,7 @@ impl Proxy {
                 clock,
                 intercept,
                 metrics,
+                coalesce: config.runtime.coalesce,
             },
             max_connections: config.limits.max_connections,
             grace: config.limits.shutdown_grace,

@@ -32,6 +32,7 @@ use nackd_core::held::{Parked, StoreError};
 use nackd_core::protocol::frame::{self, ProtocolHeader};
 use nackd_core::session::{Effect, Interception, Limits, Peer, Session};
 
+use crate::coalesce::{self, Coalesce};
 use crate::metrics::{Metrics, Open};
 use crate::net::{Connector, Io};
 use crate::retry::{ParkReply, RetryHandle};
@@ -61,6 +62,8 @@ pub struct Context {
     pub intercept: Option<Intercept>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// `runtime.coalesce`: the pause before reading a streaming peer.
+    pub coalesce: Duration,
 }
 
 /// Client address and span fields for [`serve`].
@@ -82,6 +85,7 @@ pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: Can
         clock,
         intercept,
         metrics,
+        coalesce,
     } = cx;
     let deadline = clock.now() + limits.handshake_timeout;
     let Some(first) = protocol_header(&mut client, deadline, &limits, &metrics).await else {
@@ -123,6 +127,7 @@ pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: Can
         upstream_in: BytesMut::new(),
         engine,
         metrics,
+        coalesce: Coalesce::new(coalesce, Instant::now()),
     };
     pump.run(client, upstream, force).await;
 }
@@ -183,6 +188,7 @@ struct Pump {
     upstream_in: BytesMut,
     engine: Option<EngineLink>,
     metrics: Arc<Metrics>,
+    coalesce: Coalesce,
 }
 
 impl Pump {
@@ -197,12 +203,20 @@ impl Pump {
         tokio::pin!(timer, forced);
         let mut unflushed = [false; 2];
         std::future::poll_fn(|cx| {
+            if let Some(pause) = self.coalesce.on_wake(Instant::now()) {
+                // Deliberate: the peer streams, and what it sends during
+                // the pause goes out in one read and one write.
+                self.metrics.coalesce_pauses.inc();
+                std::thread::sleep(pause);
+            }
             let mut sides = Sides {
                 client: &mut client,
                 upstream: &mut upstream,
                 unflushed: &mut unflushed,
             };
-            self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut())
+            let turned = self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut());
+            self.coalesce.on_sleep(Instant::now());
+            turned
         })
         .await;
         self.end();
@@ -271,6 +285,7 @@ impl Pump {
                 Poll::Pending => break,
                 Poll::Ready(Ok(n)) if n > 0 => {
                     bytes.inc_by(n as u64);
+                    self.coalesce.read(side(peer));
                     self.core.handle_bytes(peer, input, now);
                     progress = true;
                 }
@@ -311,6 +326,7 @@ impl Pump {
                 Poll::Ready(Ok(0)) => break std::io::ErrorKind::WriteZero.into(),
                 Poll::Ready(Ok(n)) => {
                     out.advance(n);
+                    self.coalesce.wrote(side(peer));
                     (*unflushed, progress) = (true, true);
                 }
                 Poll::Ready(Err(e)) => break e,
@@ -391,6 +407,14 @@ struct Sides<'a> {
     client: &'a mut Io,
     upstream: &'a mut Io,
     unflushed: &'a mut [bool; 2],
+}
+
+/// `peer` as a side of [`Coalesce`].
+fn side(peer: Peer) -> usize {
+    match peer {
+        Peer::Client => coalesce::CLIENT,
+        Peer::Upstream => coalesce::UPSTREAM,
+    }
 }
 
 fn reserve(buf: &mut BytesMut) {

@@ -48,6 +48,20 @@ fn scheduling_is_normal_or_batch() {
 }
 
 #[test]
+fn coalesce_is_a_short_pause_or_off() {
+    let default = Config::parse("", Path::new("x")).unwrap();
+    assert_eq!(default.runtime.coalesce, Duration::from_micros(100));
+    let off = Config::parse("[runtime]\ncoalesce = \"0s\"\n", Path::new("x")).unwrap();
+    assert_eq!(off.runtime.coalesce, Duration::ZERO);
+    let set = Config::parse("[runtime]\ncoalesce = \"250us\"\n", Path::new("x")).unwrap();
+    assert_eq!(set.runtime.coalesce, Duration::from_micros(250));
+    let e = err("[runtime]\ncoalesce = \"5ms\"\n");
+    assert!(e.contains("runtime.coalesce: must be at most 1ms"), "{e}");
+    let e = err("[runtime]\ncoalesce = \"now\"\n");
+    assert!(e.contains("runtime.coalesce"), "{e}");
+}
+
+#[test]
 fn errors_name_the_key() {
     let e = err("[listen]\naddress = \"nowhere\"\n");
     assert!(e.starts_with("nackd.toml: listen.address: "), "{e}");
