@@ -35,6 +35,9 @@ const CONNECT_BATCH: usize = 20;
 pub enum Figure {
     /// 1 producer / 1 consumer, 1 KiB, as fast as confirms allow.
     Throughput,
+    /// Request and reply: a publisher that waits for each confirm, a
+    /// consumer with prefetch 1 that acks each delivery.
+    Sync,
     /// Publish → deliver latency at `--rate`.
     Latency,
     /// Idle connections beside busy pairs.
@@ -144,6 +147,15 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
             false,
         );
     }
+    if args.wants(Figure::Sync) {
+        let sides = alternate(common.rounds, targets, |target| sync(target, common)).await?;
+        print_rates(
+            "sync        1 KiB, confirm and ack each message",
+            &sides,
+            None,
+            false,
+        );
+    }
     if args.wants(Figure::Latency) {
         let sides = alternate(common.rounds, targets, |target| {
             latency(target, args.rate, common)
@@ -239,6 +251,21 @@ async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResul
 
 async fn throughput(target: Target, sizes: Sizes, common: &Common) -> BenchResult<Rate> {
     let pair = Pair::start(&target.addr, "throughput", flat_out(sizes)).await?;
+    let rate = measure(std::slice::from_ref(&pair), &target, common).await;
+    pair.stop().await?;
+    rate
+}
+
+/// One message in flight at a time on each side: what a proxy that holds
+/// frames back to batch them would slow down.
+async fn sync(target: Target, common: &Common) -> BenchResult<Rate> {
+    let spec = PairSpec {
+        window: 1,
+        prefetch: 1,
+        ack_every: 1,
+        ..flat_out(Sizes::Fixed(KIB))
+    };
+    let pair = Pair::start(&target.addr, "sync", spec).await?;
     let rate = measure(std::slice::from_ref(&pair), &target, common).await;
     pair.stop().await?;
     rate
