@@ -157,9 +157,6 @@ pub struct Metrics {
     pub upstreams: Gauge,
     /// Upstream connects that failed.
     pub upstream_failures: Counter,
-    /// Pauses of a session thread before reading a streaming peer
-    /// (`runtime.coalesce`).
-    pub coalesce_pauses: Counter,
     /// What the sessions count (frames, nacks held, passed, deferred).
     pub session: Arc<SessionStats>,
     /// Bytes proxied, by direction.
@@ -309,7 +306,6 @@ impl Metrics {
             clients_refused: Counter::default(),
             upstreams: Gauge::default(),
             upstream_failures: Counter::default(),
-            coalesce_pauses: Counter::default(),
             session: Arc::new(SessionStats::new(&f.session)),
             bytes: Directions::of(&f.bytes),
             held: Family::default(),
@@ -405,8 +401,8 @@ impl Metrics {
         );
         r.register(
             "nackd_coalesce_pauses",
-            "Pauses of a session thread before reading a peer that streams (runtime.coalesce)",
-            self.coalesce_pauses.clone(),
+            "Waits of an idle session thread while a peer streams (runtime.coalesce)",
+            crate::coalesce::PAUSES.clone(),
         );
         r.register(
             "nackd_frames",

@@ -62,7 +62,7 @@ pub struct Context {
     pub intercept: Option<Intercept>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// `runtime.coalesce`: the pause before reading a streaming peer.
+    /// `runtime.coalesce`: the wait of an idle thread while a peer streams.
     pub coalesce: Duration,
 }
 
@@ -203,12 +203,7 @@ impl Pump {
         tokio::pin!(timer, forced);
         let mut unflushed = [false; 2];
         std::future::poll_fn(|cx| {
-            if let Some(pause) = self.coalesce.on_wake(Instant::now()) {
-                // Deliberate: the peer streams, and what it sends during
-                // the pause goes out in one read and one write.
-                self.metrics.coalesce_pauses.inc();
-                std::thread::sleep(pause);
-            }
+            self.coalesce.on_wake(Instant::now());
             let mut sides = Sides {
                 client: &mut client,
                 upstream: &mut upstream,

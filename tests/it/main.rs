@@ -18,6 +18,7 @@ mod cluster;
 mod cluster_adopt;
 mod cluster_replica;
 mod cluster_smoke;
+mod coalesce;
 mod deferral;
 mod delayed;
 mod deploy;

@@ -118,6 +118,7 @@ fn main() -> ExitCode {
 /// The session threads `[runtime]` asks for.
 fn runtime(config: &Config) -> tokio::runtime::Runtime {
     let batch = config.runtime.scheduling == Scheduling::Batch;
+    let coalesce = !config.runtime.coalesce.is_zero();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.runtime.worker_threads)
         .thread_name("nackd-worker")
@@ -127,7 +128,14 @@ fn runtime(config: &Config) -> tokio::runtime::Runtime {
                     tracing::warn!(error = %e, "runtime.scheduling = \"batch\" not applied");
                 }
             }
+            if coalesce {
+                if let Err(e) = nackd::coalesce::precise_sleeps() {
+                    tracing::warn!(error = %e, "runtime.coalesce: timer slack not lowered");
+                }
+            }
         })
+        // An idle thread waits `runtime.coalesce` while a peer streams.
+        .on_thread_park(nackd::coalesce::on_park)
         .enable_all()
         .build()
         .expect("tokio runtime")
