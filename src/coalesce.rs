@@ -5,31 +5,47 @@
 //! wakes nackd for every message or two, and each wake-up costs a sleep, a
 //! wake, a read and a write, nearly all of it in the kernel. Once a session
 //! has been woken several times in a row soon after it went to sleep, each
-//! time by a peer that sent without waiting for anything from nackd, the
-//! session thread, when it next has nothing to do, waits `coalesce` before
-//! it sleeps on its sockets: what the peers send meanwhile is then read in
+//! time by a peer that sent without waiting for anything from nackd, its
+//! thread, when it next has nothing to do, waits `coalesce` before it
+//! sleeps on its sockets: what the peers send meanwhile is then read in
 //! one go and carried on in one write.
 //!
 //! The wait happens only where the thread would sleep anyway (tokio's
 //! `on_thread_park`, see [`on_park`]):
 //! - a session with work ready is never delayed by it, and a thread that
 //!   is never idle never waits;
-//! - a frame that arrives during a wait is handled when it ends: one
-//!   `coalesce` at most (the thread's timer slack is set to 1 µs so that
-//!   the sleep is not stretched, see [`precise_sleeps`]);
-//! - with no session streaming (request and reply, a publisher waiting for
-//!   its confirms, a consumer with prefetch 1, any peer that sends only
-//!   after nackd wrote to it, or a quiet spell of `coalesce`), the thread
-//!   does not wait at all: a lone frame goes through at once.
+//! - between two waits the thread always turns its I/O driver once, so a
+//!   frame waits for one wait at most (the timer slack of session threads
+//!   is 1 µs, see [`precise_sleeps`], so a wait is not stretched by the
+//!   default 50 µs; a CPU too busy to run nackd stretches it anyway);
+//! - while no session of the thread streams, the thread does not wait at
+//!   all: request and reply (a publisher waiting for each confirm, a
+//!   consumer with prefetch 1 on one channel), a peer that sends only
+//!   after nackd wrote to it, a quiet spell of `coalesce`, or a peer that
+//!   sends once per `coalesce` or more slowly.
 //!
-//! While a session streams, a frame of another session on the same thread
-//! that arrives during a wait waits for it too, up to `coalesce`.
+//! A peer that sends about once per `coalesce / 2` to `coalesce` still
+//! counts as streaming, and each of its messages waits for most of a wait
+//! with little to batch: the price of a fixed wait, paid in latency (up
+//! to `coalesce`), not in CPU.
+//!
+//! What a wait holds up is the whole thread: every connection it serves
+//! (with the default single session thread, all of them) and the I/O of
+//! the metrics and admin endpoint, which share its runtime. While one
+//! connection streams, a reply on another waits up to `coalesce` per
+//! frame; so does a message that arrives in many small reads (several
+//! reads of one message look like a stream). The retry engine and the
+//! store writer have threads of their own and never wait.
+//!
+//! Tuned for one session thread (the default): with more, sessions move
+//! between threads, and a session that moved starts its streak again.
 //!
 //! Gaps are timed on the monotonic clock, not on nackd's clock: they
 //! measure the thread's sleeps, which a hand-driven test clock would
 //! flatten to zero.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
@@ -38,6 +54,9 @@ use prometheus_client::metrics::counter::Counter;
 /// Short gaps in a row, each ended by a peer that sent unprompted, before
 /// a session counts as streaming.
 pub const STREAK: u32 = 4;
+
+/// After a wait, a gap is short below `pause / AFTER_A_WAIT`.
+pub const AFTER_A_WAIT: u32 = 4;
 
 /// The longest wait `runtime.coalesce` accepts.
 pub const MAX_PAUSE: Duration = Duration::from_millis(1);
@@ -50,7 +69,11 @@ thread_local! {
     static WANTED: Cell<Option<Duration>> = const { Cell::new(None) };
     /// The time this thread has spent waiting, in all.
     static WAITED: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    /// This thread, as a number no other thread has.
+    static THREAD: u64 = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
 }
+
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(0);
 
 /// The two sides of a session, as indices.
 pub const CLIENT: usize = 0;
@@ -61,9 +84,10 @@ pub const UPSTREAM: usize = 1;
 #[derive(Debug)]
 pub struct Coalesce {
     pause: Duration,
-    /// When the session last went to sleep, and the thread's [`WAITED`]
-    /// then: a wait of the thread is not part of the session's gap.
-    asleep_at: (Instant, Duration),
+    /// When the session last went to sleep, the thread's [`WAITED`] then
+    /// (a wait of the thread is not part of the session's gap) and which
+    /// thread it was.
+    asleep_at: (Instant, Duration, u64),
     /// Whether this wake-up came soon after the session went to sleep.
     short_gap: bool,
     /// Wake-ups in a row that were short gaps with an unprompted read.
@@ -79,7 +103,7 @@ impl Coalesce {
     pub fn new(pause: Duration, now: Instant) -> Self {
         Self {
             pause,
-            asleep_at: (now, waited()),
+            asleep_at: (now, waited(), thread_id()),
             short_gap: false,
             streak: 0,
             prompted: [false; 2],
@@ -88,13 +112,25 @@ impl Coalesce {
     }
 
     /// The session is woken at `now`.
+    ///
+    /// After a wait of its thread, the gap counts as short only if the
+    /// peer's bytes were there (nearly) when the wait ended: a peer that
+    /// sends once per `pause` to `2 × pause` would otherwise keep the
+    /// thread waiting for one message at a time, a wake-up more per
+    /// message instead of fewer. A session that moved to another thread
+    /// (more than one worker) starts its streak again.
     pub fn on_wake(&mut self, now: Instant) {
-        let (at, waited_then) = self.asleep_at;
-        let thread_waited = waited().saturating_sub(waited_then);
+        let (at, waited_then, thread) = self.asleep_at;
+        let (waited_now, here) = (waited(), thread_id());
+        let thread_waited = waited_now.saturating_sub(waited_then);
         let gap = now
             .saturating_duration_since(at)
             .saturating_sub(thread_waited);
-        self.short_gap = gap < self.pause;
+        let limit = match thread_waited.is_zero() {
+            true => self.pause,
+            false => self.pause / AFTER_A_WAIT,
+        };
+        self.short_gap = thread == here && gap < limit;
         self.unprompted = false;
     }
 
@@ -117,7 +153,7 @@ impl Coalesce {
             true => self.streak.saturating_add(1),
             false => 0,
         };
-        self.asleep_at = (now, waited());
+        self.asleep_at = (now, waited(), thread_id());
         if !self.pause.is_zero() && self.streak >= STREAK {
             WANTED.with(|wanted| wanted.set(Some(self.pause)));
         }
@@ -131,6 +167,10 @@ impl Coalesce {
 
 fn waited() -> Duration {
     WAITED.with(Cell::get)
+}
+
+fn thread_id() -> u64 {
+    THREAD.with(|id| *id)
 }
 
 /// The wait this thread owes a streaming session, taken (at most one per

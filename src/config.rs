@@ -464,8 +464,8 @@ pub struct Runtime {
     /// How Linux schedules the session threads.
     #[serde(default)]
     pub scheduling: Scheduling,
-    /// How long a session thread pauses before reading a peer that streams
-    /// (see [`crate::coalesce`]); zero turns it off.
+    /// How long an idle session thread waits, while a peer streams, before
+    /// it reads again (see [`crate::coalesce`]); zero turns it off.
     #[serde(default = "default_coalesce", with = "humantime_serde")]
     pub coalesce: Duration,
 }

@@ -60,7 +60,8 @@
 //!    its queue on a confirm channel.
 //! 7. The broker's confirm comes back through `retry/engine/outcome.rs`,
 //!    which deletes it from the store: completed.
-// One audited exception: `sched` (a syscall libc has no safe form of).
+// Two audited exceptions: `sched` and `coalesce::precise_sleeps` (syscalls
+// libc has no safe form of).
 #![deny(unsafe_code)]
 
 pub mod coalesce;

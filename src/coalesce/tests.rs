@@ -45,6 +45,42 @@ fn the_threads_own_wait_is_not_a_gap() {
 }
 
 #[test]
+fn a_steady_peer_slower_than_the_wait_stops_the_waits() {
+    // A burst, then a message every 1.5 waits: each arrives after the
+    // wait ended, so waiting would only add a wake-up per message.
+    let mut t = Instant::now();
+    let mut c = Coalesce::new(PAUSE, t);
+    let mut owed = None;
+    for _ in 0..STREAK {
+        owed = wake(&mut c, &mut t, SHORT, UPSTREAM);
+    }
+    assert_eq!(owed, Some(PAUSE));
+    waited_for(PAUSE);
+    // From sleep to wake 150 µs, of which the thread waited 100.
+    assert_eq!(wake(&mut c, &mut t, PAUSE * 3 / 2, UPSTREAM), None);
+    for _ in 0..20 {
+        assert_eq!(wake(&mut c, &mut t, PAUSE * 3 / 2, UPSTREAM), None);
+    }
+}
+
+#[test]
+fn a_session_that_moved_to_another_thread_starts_again() {
+    let mut t = Instant::now();
+    let mut c = Coalesce::new(PAUSE, t);
+    for _ in 0..STREAK {
+        wake(&mut c, &mut t, SHORT, UPSTREAM);
+    }
+    assert!(c.streaming());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Woken on another worker: not a short gap of this thread.
+            assert_eq!(wake(&mut c, &mut t, SHORT, UPSTREAM), None);
+            assert!(!c.streaming());
+        });
+    });
+}
+
+#[test]
 fn a_quiet_spell_ends_the_stream() {
     let mut t = Instant::now();
     let mut c = Coalesce::new(PAUSE, t);
@@ -177,6 +213,7 @@ proptest! {
             let owed = play(&streams);
             let mut prompted = [false; 2];
             let mut run = 0;
+            let mut waited_before = false;
             for (w, owed) in streams.iter().zip(owed) {
                 let mut unprompted = false;
                 for side in [CLIENT, UPSTREAM] {
@@ -189,8 +226,12 @@ proptest! {
                         prompted[side] = true;
                     }
                 }
-                run = if w.gap_us < 100 && unprompted { run + 1 } else { 0 };
+                // After a wait of the thread, only a peer whose bytes were
+                // there when it ended counts.
+                let limit = if waited_before { 25 } else { 100 };
+                run = if w.gap_us < limit && unprompted { run + 1 } else { 0 };
                 assert_eq!(owed, run >= STREAK, "after {w:?}");
+                waited_before = owed;
             }
         })
         .join()
