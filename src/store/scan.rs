@@ -469,20 +469,27 @@ mod tests {
         );
     }
 
+    /// A format 2 segment `n` whose header names `prev` (number, length).
+    fn salted(n: u32, prev: Option<(u32, u64)>) -> Format {
+        Format::Salted(Header::new(n, prev))
+    }
+
+    /// The segments [`gaps`] counts as lost (number, bytes), for segments
+    /// `numbers` whose starts read as `formats`.
+    fn gone(numbers: &[u32], formats: Vec<(u32, Format)>) -> Vec<(u32, u64)> {
+        let formats = formats.into_iter().collect();
+        gaps(numbers, &formats, &[])
+            .iter()
+            .map(|d| (d.segment, d.to))
+            .collect()
+    }
+
     /// Review 2, finding 3: a gap is damage when a format 2 header says a
     /// segment in it was there; gaps among format 1 segments (an older
     /// nackd removed segments in the middle) and gaps a format 2 header
     /// says were already gone are not.
     #[test]
     fn only_a_gap_a_header_names_is_damage() {
-        let salted = |n, prev| Format::Salted(Header::new(n, prev));
-        let gone = |numbers: &[u32], formats: Vec<(u32, Format)>| -> Vec<(u32, u64)> {
-            let formats = formats.into_iter().collect();
-            gaps(numbers, &formats, &[])
-                .iter()
-                .map(|d| (d.segment, d.to))
-                .collect()
-        };
         let legacy = vec![
             (1, Format::Legacy),
             (3, Format::Legacy),
@@ -505,14 +512,6 @@ mod tests {
     /// or whose start does not read (it may be such a header).
     #[test]
     fn a_gap_no_intact_header_accounts_for_is_damage() {
-        let salted = |n, prev| Format::Salted(Header::new(n, prev));
-        let gone = |numbers: &[u32], formats: Vec<(u32, Format)>| -> Vec<(u32, u64)> {
-            let formats = formats.into_iter().collect();
-            gaps(numbers, &formats, &[])
-                .iter()
-                .map(|d| (d.segment, d.to))
-                .collect()
-        };
         // Segment 3's header does not check (no entry); 4's says 3's length.
         let torn = vec![(1, salted(1, None)), (4, salted(4, Some((3, 44))))];
         assert_eq!(gone(&[1, 3, 4], torn), vec![(2, 0)]);
