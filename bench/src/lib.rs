@@ -128,6 +128,8 @@ pub struct Targets {
     pub broker_pid: Option<(u32, &'static str)>,
     /// `--nackd-config` and its settings on one line, if the started nackd got one.
     pub nackd_settings: Option<String>,
+    /// The same for the baseline nackd.
+    pub baseline_settings: Option<String>,
 }
 
 impl Targets {
@@ -164,6 +166,7 @@ impl Targets {
             baseline: None,
             broker_pid: cpu::broker_pid(&common.broker),
             nackd_settings,
+            baseline_settings: None,
         })
     }
 
@@ -174,15 +177,24 @@ impl Targets {
         Ok(())
     }
 
-    /// Starts `binary`, another nackd build, in front of the broker with
-    /// the same settings as the measured one: a side for
-    /// [`rounds::alternate`] that compares two builds in one run.
-    pub fn start_baseline(&mut self, binary: &std::path::Path, common: &Common) -> BenchResult<()> {
-        let extra = match &common.nackd_config {
-            Some(path) => read_nackd_config(path)?.0,
-            None => String::new(),
-        };
-        self.baseline = Some(NackdProcess::start(binary, &self.broker, &extra)?);
+    /// Starts `binary`, another nackd build (or the same one with other
+    /// settings), in front of the broker: a side for [`rounds::alternate`]
+    /// that compares two builds or two configs in one run. It gets `extra`
+    /// (the scenario's own TOML) and `config`, or else `--nackd-config`.
+    pub fn start_baseline(
+        &mut self,
+        binary: &std::path::Path,
+        common: &Common,
+        extra: &str,
+        config: Option<&std::path::Path>,
+    ) -> BenchResult<()> {
+        let mut toml = extra.to_string();
+        if let Some(path) = config.or(common.nackd_config.as_deref()) {
+            let (more, shown) = read_nackd_config(path)?;
+            toml = format!("{more}\n{toml}");
+            self.baseline_settings = Some(shown);
+        }
+        self.baseline = Some(NackdProcess::start(binary, &self.broker, &toml)?);
         Ok(())
     }
 
@@ -319,6 +331,9 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
             b.pid(),
             b.addr()
         );
+        if let Some(settings) = &targets.baseline_settings {
+            println!("baseline cf {settings}");
+        }
     }
     if let Some(haproxy) = &targets.haproxy {
         println!("haproxy     {}", haproxy.describe());

@@ -76,6 +76,11 @@ pub struct Args {
     /// change, in the same alternating rounds.
     #[arg(long, value_name = "BIN")]
     baseline_nackd: Option<std::path::PathBuf>,
+    /// Start the baseline nackd with this TOML instead of `--nackd-config`
+    /// (the same binary as the measured one unless `--baseline-nackd`):
+    /// one setting on and off, side by side.
+    #[arg(long, value_name = "FILE")]
+    baseline_config: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -105,8 +110,12 @@ pub async fn run(args: Args) -> BenchResult<()> {
     if args.haproxy {
         targets.start_haproxy(args.haproxy_splice)?;
     }
-    if let Some(binary) = &args.baseline_nackd {
-        targets.start_baseline(binary, common)?;
+    if args.baseline_nackd.is_some() || args.baseline_config.is_some() {
+        let binary = match &args.baseline_nackd {
+            Some(binary) => binary.clone(),
+            None => crate::launcher::NackdProcess::sibling_binary()?,
+        };
+        targets.start_baseline(&binary, common, "", args.baseline_config.as_deref())?;
     }
     print_header("passthrough", common, &machine, &targets);
     let result = tokio::select! {

@@ -61,6 +61,22 @@ pub struct Args {
     /// Declare the work queues as quorum queues (durable).
     #[arg(long)]
     pub quorum: bool,
+    /// Also measure nackd through this other binary (e.g. a build of an
+    /// earlier commit), as the lane `nackd-baseline`, in the same rounds.
+    #[arg(long, value_name = "BIN")]
+    pub baseline_nackd: Option<std::path::PathBuf>,
+    /// Start the `nackd-baseline` lane with this TOML instead of
+    /// `--nackd-config` (the same binary unless `--baseline-nackd`): one
+    /// setting on and off, side by side, e.g. `[runtime] coalesce = "0s"`.
+    #[arg(long, value_name = "FILE")]
+    pub baseline_config: Option<std::path::PathBuf>,
+}
+
+/// One column of the comparison: a mechanism, and for nackd which process.
+struct Lane {
+    label: &'static str,
+    mechanism: Mechanism,
+    addr: String,
 }
 
 /// The ways of retrying later.
@@ -161,8 +177,34 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         "[[policy]]\nqueues = [\"nackd-bench-retry-*\"]\ndelays = [{}]\n",
         delays.join(", ")
     );
-    let targets = Targets::start(common, &policy)?;
+    let mut targets = Targets::start(common, &policy)?;
+    if args.baseline_nackd.is_some() || args.baseline_config.is_some() {
+        let binary = match &args.baseline_nackd {
+            Some(binary) => binary.clone(),
+            None => crate::launcher::NackdProcess::sibling_binary()?,
+        };
+        targets.start_baseline(&binary, common, &policy, args.baseline_config.as_deref())?;
+    }
     print_header("retry", common, &machine, &targets);
+    let mut lanes = Vec::new();
+    for &mechanism in &args.mechanisms {
+        let (label, addr) = match mechanism {
+            Mechanism::Nackd => ("nackd", targets.proxy.to_string()),
+            _ => (mechanism.label(), targets.broker.clone()),
+        };
+        lanes.push(Lane {
+            label,
+            mechanism,
+            addr,
+        });
+        if let (Mechanism::Nackd, Some(b)) = (mechanism, &targets.baseline) {
+            lanes.push(Lane {
+                label: "nackd-baseline",
+                mechanism,
+                addr: b.addr().to_string(),
+            });
+        }
+    }
     println!(
         "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; {} work queues; knee = highest rate with p99 <= {} ms",
         args.delays,
@@ -172,18 +214,20 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     );
     let rounds = common.rounds.max(1);
     println!(
-        "method      {rounds} rounds; each round runs every rate with the mechanisms in turn; per mechanism and rate the median of the rounds' p50/p99 counts"
+        "method      {rounds} rounds; each round runs every rate with the mechanisms in turn (the first one alternates by round); per mechanism and rate the median of the rounds' p50/p99 counts"
     );
     println!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  earliest ms  deliveries/s  finished");
     let mut runs: HashMap<(usize, u64), Vec<Run>> = HashMap::new();
     for round in 1..=rounds {
         for &rate in &args.rates {
-            for (m, mechanism) in args.mechanisms.iter().enumerate() {
-                let addr = match mechanism {
-                    Mechanism::Nackd => targets.proxy.to_string(),
-                    _ => targets.broker.clone(),
-                };
-                let o = one_rate(*mechanism, rate, &args, &targets.broker, &addr).await?;
+            // The lane going first alternates by round, so neither always
+            // runs on the machine the other left behind.
+            let mut order: Vec<(usize, &Lane)> = lanes.iter().enumerate().collect();
+            if round % 2 == 0 {
+                order.reverse();
+            }
+            for (m, lane) in order {
+                let o = one_rate(lane.mechanism, rate, &args, &targets.broker, &lane.addr).await?;
                 let run = Run {
                     p50: o.p(50.0),
                     p99: o.p(99.0),
@@ -195,7 +239,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 let earliest = o.lateness_us.iter().min().copied().unwrap_or(0).min(0);
                 println!(
                     "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>11.1}  {:>12.0}  {}/{}",
-                    mechanism.label(),
+                    lane.label,
                     round,
                     rate,
                     run.p50,
@@ -214,7 +258,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
     println!("median      mechanism             retries/s  p50 ms   p99 ms   max ms  early  all finished");
     let mut knees = Vec::new();
-    for (m, mechanism) in args.mechanisms.iter().enumerate() {
+    let mut medians: HashMap<(usize, u64), (f64, f64)> = HashMap::new();
+    for (m, lane) in lanes.iter().enumerate() {
         let mut knee = None;
         for &rate in &args.rates {
             let runs = &runs[&(m, rate)];
@@ -224,12 +269,13 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 v[v.len() / 2]
             };
             let (p50, p99) = (median(|r| r.p50), median(|r| r.p99));
+            medians.insert((m, rate), (p50, p99));
             let max = runs.iter().map(|r| r.max).fold(0.0, f64::max);
             let early: usize = runs.iter().map(|r| r.early).sum();
             let complete = runs.iter().all(|r| r.complete);
             println!(
                 "median      {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {}",
-                mechanism.label(),
+                lane.label,
                 rate,
                 p50,
                 p99,
@@ -241,7 +287,20 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 knee = Some(rate);
             }
         }
-        knees.push((*mechanism, knee));
+        knees.push((lane.label, knee));
+    }
+    if let Some(b) = lanes.iter().position(|l| l.label == "nackd-baseline") {
+        for &rate in &args.rates {
+            let ((p50, p99), (b50, b99)) = (medians[&(0, rate)], medians[&(b, rate)]);
+            println!(
+                "versus      nackd / nackd-baseline at {rate:>5}/s: p50 {:.3} / {:.3} ms, p99 {:.3} / {:.3} ms, p99 ratio {:.2}",
+                p50,
+                b50,
+                p99,
+                b99,
+                p99 / b99.max(0.001)
+            );
+        }
     }
     let describe = |k: Option<u64>| match k {
         Some(r) if Some(&r) == args.rates.last() => format!(">= {r} retries/s (every rate tried)"),
@@ -249,19 +308,19 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         None => format!("< {} retries/s (no rate tried)", args.rates[0]),
     };
     for (m, k) in &knees {
-        println!("knee        {:<21} {}", m.label(), describe(*k));
+        println!("knee        {:<21} {}", m, describe(*k));
     }
     if let Some(nackd) = knees[0].1 {
         for (m, k) in &knees[1..] {
             match k {
                 Some(k) => println!(
                     "ratio       knee nackd / {:<21} {:.2}",
-                    m.label(),
+                    m,
                     nackd as f64 / *k as f64
                 ),
                 None => println!(
                     "ratio       knee nackd / {:<21} above (the recipe has no knee in range)",
-                    m.label()
+                    m
                 ),
             }
         }
