@@ -159,6 +159,12 @@ impl Coalesce {
         }
     }
 
+    /// Whether coalescing is on (a pause above zero): off, a session need
+    /// not call [`on_wake`](Self::on_wake) and [`on_sleep`](Self::on_sleep).
+    pub fn on(&self) -> bool {
+        !self.pause.is_zero()
+    }
+
     /// Whether the session streams now.
     pub fn streaming(&self) -> bool {
         self.streak >= STREAK

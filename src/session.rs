@@ -202,15 +202,21 @@ impl Pump {
         let forced = force.cancelled_owned();
         tokio::pin!(timer, forced);
         let mut unflushed = [false; 2];
+        // Off (`coalesce = "0s"`), a wake-up reads no clock for it.
+        let coalescing = self.coalesce.on();
         std::future::poll_fn(|cx| {
-            self.coalesce.on_wake(Instant::now());
+            if coalescing {
+                self.coalesce.on_wake(Instant::now());
+            }
             let mut sides = Sides {
                 client: &mut client,
                 upstream: &mut upstream,
                 unflushed: &mut unflushed,
             };
             let turned = self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut());
-            self.coalesce.on_sleep(Instant::now());
+            if coalescing {
+                self.coalesce.on_sleep(Instant::now());
+            }
             turned
         })
         .await;
