@@ -12,30 +12,38 @@
 //!
 //! The wait happens only where the thread would sleep anyway (tokio's
 //! `on_thread_park`, see [`on_park`]):
-//! - a session with work ready is never delayed by it, and a thread that
-//!   is never idle never waits;
-//! - between two waits the thread always turns its I/O driver once, so a
-//!   frame waits for one wait at most (the timer slack of session threads
-//!   is 1 µs, see [`precise_sleeps`], so a wait is not stretched by the
-//!   default 50 µs; a CPU too busy to run nackd stretches it anyway);
+//! - a session with work ready when the thread looks for work is never
+//!   delayed by it, and a thread that is never idle never waits; a task
+//!   woken from another thread during a wait (an answer of the retry
+//!   engine, a new connection) runs when the wait ends;
+//! - a wait is owed only right after a streaming session slept: a thread
+//!   that was busy for longer than `coalesce` since then does not wait (what
+//!   it would wait for is there already), and at most one wait is owed per
+//!   park (the timer slack of session threads is 1 µs, see
+//!   [`precise_sleeps`], so a wait is not stretched by the default 50 µs;
+//!   a CPU too busy to run nackd stretches it anyway);
 //! - while no session of the thread streams, the thread does not wait at
 //!   all: request and reply (a publisher waiting for each confirm, a
 //!   consumer with prefetch 1 on one channel), a peer that sends only
 //!   after nackd wrote to it, a quiet spell of `coalesce`, or a peer that
-//!   sends once per `coalesce` or more slowly.
+//!   sends once per `coalesce` or more slowly;
+//! - nor while another session, one that does not stream, heard from its
+//!   peer in the last [`HEARD_LATELY`] (1 ms): its next frame (a confirm, a
+//!   reply, a lone publish) is not held back for a batch it is not part
+//!   of. Coalescing therefore works on a thread whose busy connections all
+//!   stream, and steps aside while any other one talks.
 //!
 //! A peer that sends about once per `coalesce / 2` to `coalesce` still
 //! counts as streaming, and each of its messages waits for most of a wait
 //! with little to batch: the price of a fixed wait, paid in latency (up
 //! to `coalesce`), not in CPU.
 //!
-//! What a wait holds up is the whole thread: every connection it serves
-//! (with the default single session thread, all of them) and the I/O of
-//! the metrics and admin endpoint, which share its runtime. While one
-//! connection streams, a reply on another waits up to `coalesce` per
-//! frame; so does a message that arrives in many small reads (several
-//! reads of one message look like a stream). The retry engine and the
-//! store writer have threads of their own and never wait.
+//! What a wait can still hold up: a frame of a connection that was quiet
+//! for more than 1 ms and arrives during a wait, the I/O of the metrics
+//! and admin endpoint (they share the session runtime), and a message
+//! that arrives in many small reads (several reads of one message look
+//! like a stream). Each waits one `coalesce` at most. The retry engine and
+//! the store writer have threads of their own and never wait.
 //!
 //! Tuned for one session thread (the default): with more, sessions move
 //! between threads, and a session that moved starts its streak again.
@@ -64,9 +72,19 @@ pub const MAX_PAUSE: Duration = Duration::from_millis(1);
 /// Waits so far, every thread (`nackd_coalesce_pauses_total`).
 pub static PAUSES: LazyLock<Counter> = LazyLock::new(Counter::default);
 
+/// For this long after a session that does not stream heard from its
+/// peer, its thread does not wait for another session's stream: that
+/// session's next frame (a reply, a confirm, a lone publish) is not held
+/// back for a batch it is not part of.
+pub const HEARD_LATELY: Duration = Duration::from_millis(1);
+
 thread_local! {
-    /// The wait a streaming session asked this thread for, at its next park.
-    static WANTED: Cell<Option<Duration>> = const { Cell::new(None) };
+    /// The wait a streaming session asked this thread for, at its next
+    /// park: the pause, when it asked, and which session it is.
+    static WANTED: Cell<Option<(Duration, Instant, u64)>> = const { Cell::new(None) };
+    /// When sessions of this thread that do not stream last heard from
+    /// their peers (see [`Heard`]).
+    static HEARD: Cell<Heard> = const { Cell::new(Heard { last: None, other: None }) };
     /// The time this thread has spent waiting, in all.
     static WAITED: Cell<Duration> = const { Cell::new(Duration::ZERO) };
     /// This thread, as a number no other thread has.
@@ -74,6 +92,39 @@ thread_local! {
 }
 
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(0);
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(0);
+
+/// The latest read of a session that does not stream, and the latest of
+/// any other session than that one: enough to tell whether a session
+/// other than a given one was heard lately.
+#[derive(Clone, Copy, Debug)]
+struct Heard {
+    last: Option<(Instant, u64)>,
+    other: Option<Instant>,
+}
+
+impl Heard {
+    fn note(self, at: Instant, session: u64) -> Self {
+        let other = match self.last {
+            Some((then, by)) if by != session => Some(then),
+            _ => self.other,
+        };
+        Self {
+            last: Some((at, session)),
+            other,
+        }
+    }
+
+    /// Whether a session other than `session` was heard within
+    /// [`HEARD_LATELY`] before `now`.
+    fn lately_other_than(self, session: u64, now: Instant) -> bool {
+        let lately = |at: Instant| now.saturating_duration_since(at) < HEARD_LATELY;
+        match self.last {
+            Some((at, by)) if by != session => lately(at),
+            _ => self.other.is_some_and(lately),
+        }
+    }
+}
 
 /// The two sides of a session, as indices.
 pub const CLIENT: usize = 0;
@@ -84,6 +135,8 @@ pub const UPSTREAM: usize = 1;
 #[derive(Debug)]
 pub struct Coalesce {
     pause: Duration,
+    /// This session, among the thread's (see [`Heard`]).
+    id: u64,
     /// When the session last went to sleep, the thread's [`WAITED`] then
     /// (a wait of the thread is not part of the session's gap) and which
     /// thread it was.
@@ -96,6 +149,8 @@ pub struct Coalesce {
     prompted: [bool; 2],
     /// A side sent without having been written to, in this wake-up.
     unprompted: bool,
+    /// A side sent anything in this wake-up.
+    heard: bool,
 }
 
 impl Coalesce {
@@ -103,11 +158,13 @@ impl Coalesce {
     pub fn new(pause: Duration, now: Instant) -> Self {
         Self {
             pause,
+            id: NEXT_SESSION.fetch_add(1, Ordering::Relaxed),
             asleep_at: (now, waited(), thread_id()),
             short_gap: false,
             streak: 0,
             prompted: [false; 2],
             unprompted: false,
+            heard: false,
         }
     }
 
@@ -132,10 +189,12 @@ impl Coalesce {
         };
         self.short_gap = thread == here && gap < limit;
         self.unprompted = false;
+        self.heard = false;
     }
 
     /// `side` sent bytes.
     pub fn read(&mut self, side: usize) {
+        self.heard = true;
         if !std::mem::take(&mut self.prompted[side]) {
             self.unprompted = true;
         }
@@ -147,15 +206,21 @@ impl Coalesce {
     }
 
     /// The session goes back to sleep at `now`; if it streams, the thread
-    /// waits before its next park.
+    /// waits before its next park, unless another session that does not
+    /// stream heard from its peer lately.
     pub fn on_sleep(&mut self, now: Instant) {
         self.streak = match self.short_gap && self.unprompted {
             true => self.streak.saturating_add(1),
             false => 0,
         };
         self.asleep_at = (now, waited(), thread_id());
-        if !self.pause.is_zero() && self.streak >= STREAK {
-            WANTED.with(|wanted| wanted.set(Some(self.pause)));
+        if self.pause.is_zero() {
+            return;
+        }
+        if self.streak >= STREAK {
+            WANTED.with(|wanted| wanted.set(Some((self.pause, now, self.id))));
+        } else if self.heard {
+            HEARD.with(|heard| heard.set(heard.get().note(now, self.id)));
         }
     }
 
@@ -179,10 +244,22 @@ fn thread_id() -> u64 {
     THREAD.with(|id| *id)
 }
 
-/// The wait this thread owes a streaming session, taken (at most one per
-/// park); what [`on_park`] sleeps.
-pub fn take_wait() -> Option<Duration> {
-    WANTED.with(Cell::take)
+/// The wait this thread owes a streaming session at a park at `now`,
+/// taken (at most one per park); what [`on_park`] sleeps. None when:
+/// - no session of the thread streams;
+/// - the session asked more than its pause before `now` (the thread was
+///   busy meanwhile: what it would wait for is already there);
+/// - another session, one that does not stream, heard from its peer
+///   within [`HEARD_LATELY`]: its next frame is not held for the stream.
+pub fn take_wait(now: Instant) -> Option<Duration> {
+    let (pause, asked, by) = WANTED.with(Cell::take)?;
+    if now.saturating_duration_since(asked) > pause {
+        return None;
+    }
+    if HEARD.with(Cell::get).lately_other_than(by, now) {
+        return None;
+    }
+    Some(pause)
 }
 
 /// Counts `slept` as time the thread waited (not part of sessions' gaps).
@@ -194,7 +271,15 @@ pub fn waited_for(slept: Duration) {
 /// nothing to do; if a session streams, wait before sleeping on the
 /// sockets.
 pub fn on_park() {
-    if let Some(pause) = take_wait() {
+    let Some(pause) = take_wait(Instant::now()) else {
+        return;
+    };
+    // Tasks already queued for the runtime (woken from another thread, a
+    // new connection) run first: the thread is not idle after all.
+    let queued = tokio::runtime::Handle::try_current()
+        .map(|h| h.metrics().global_queue_depth())
+        .unwrap_or(0);
+    if queued == 0 {
         let start = Instant::now();
         std::thread::sleep(pause);
         waited_for(start.elapsed());

@@ -2,7 +2,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use super::{take_wait, waited_for, Coalesce, CLIENT, STREAK, UPSTREAM};
+use super::{take_wait, waited_for, Coalesce, Heard, CLIENT, HEARD_LATELY, STREAK, UPSTREAM};
 
 const PAUSE: Duration = Duration::from_micros(100);
 const SHORT: Duration = Duration::from_micros(10);
@@ -16,7 +16,7 @@ fn wake(c: &mut Coalesce, t: &mut Instant, gap: Duration, read: usize) -> Option
     c.wrote(1 - read);
     *t += SHORT;
     c.on_sleep(*t);
-    take_wait()
+    take_wait(*t)
 }
 
 #[test]
@@ -27,7 +27,77 @@ fn a_streaming_peer_makes_the_idle_thread_wait_after_a_streak() {
         assert_eq!(wake(&mut c, &mut t, SHORT, UPSTREAM), None);
     }
     assert_eq!(wake(&mut c, &mut t, SHORT, UPSTREAM), Some(PAUSE));
-    assert_eq!(take_wait(), None, "one wait per park");
+    assert_eq!(take_wait(t), None, "one wait per park");
+}
+
+#[test]
+fn a_wait_asked_for_long_before_the_park_is_not_owed() {
+    // The thread stayed busy for two pauses after the stream's session
+    // slept: what it would wait for is there already.
+    let mut t = Instant::now();
+    let mut c = Coalesce::new(PAUSE, t);
+    for _ in 0..STREAK {
+        t += SHORT;
+        c.on_wake(t);
+        c.read(UPSTREAM);
+        t += SHORT;
+        c.on_sleep(t);
+    }
+    assert!(c.streaming());
+    assert_eq!(take_wait(t + 2 * PAUSE), None);
+}
+
+#[test]
+fn another_session_heard_lately_keeps_the_thread_from_waiting() {
+    // A streams; B, on the same thread, does request and reply: B's next
+    // frame (a confirm) must not wait for A's batch.
+    let mut t = Instant::now();
+    let mut a = Coalesce::new(PAUSE, t);
+    let mut b = Coalesce::new(PAUSE, t);
+    for _ in 0..STREAK {
+        wake(&mut a, &mut t, SHORT, UPSTREAM);
+    }
+    assert!(a.streaming());
+    t += SHORT;
+    b.on_wake(t);
+    b.read(CLIENT);
+    b.wrote(UPSTREAM);
+    b.on_sleep(t);
+    let heard_at = t;
+    // A streams on; once B has been quiet for HEARD_LATELY, A's stream
+    // makes the thread wait again.
+    loop {
+        let owed = wake(&mut a, &mut t, SHORT, UPSTREAM);
+        if t - heard_at < HEARD_LATELY {
+            assert_eq!(owed, None, "B heard {:?} ago", t - heard_at);
+        } else {
+            assert_eq!(owed, Some(PAUSE));
+            break;
+        }
+    }
+}
+
+#[test]
+fn heard_tells_apart_the_asking_session_from_the_others() {
+    let t = Instant::now();
+    let (x, z) = (1, 2);
+    let soon = t + HEARD_LATELY / 2;
+    let later = t + HEARD_LATELY * 2;
+    let none = Heard {
+        last: None,
+        other: None,
+    };
+    assert!(!none.lately_other_than(x, soon));
+    // Only x heard: x's own reads never stop x's wait; anyone else's do.
+    let only_x = none.note(t, x).note(t, x);
+    assert!(!only_x.lately_other_than(x, soon));
+    assert!(only_x.lately_other_than(z, soon));
+    assert!(!only_x.lately_other_than(z, later));
+    // z, then x again: z is still remembered for x.
+    let both = only_x.note(t, z).note(t, x);
+    assert!(both.lately_other_than(x, soon));
+    assert!(both.lately_other_than(z, soon));
+    assert!(!both.lately_other_than(x, later));
 }
 
 #[test]
@@ -170,7 +240,7 @@ fn play(wakes: &[Wake]) -> Vec<bool> {
         }
         t += Duration::from_micros(w.work_us);
         c.on_sleep(t);
-        let wait = take_wait();
+        let wait = take_wait(t);
         if let Some(pause) = wait {
             let slept = pause + Duration::from_micros(w.slack_us);
             t += slept;
@@ -203,11 +273,15 @@ proptest! {
             .map(|w| Wake { gap_us: w.gap_us.max(100), ..w.clone() })
             .collect();
         let streams = wakes.clone();
+        // Each play on a thread of its own: the sessions of one thread
+        // would keep each other from waiting (`Heard`).
+        let alone = |wakes: Vec<Wake>| std::thread::spawn(move || play(&wakes)).join().unwrap();
+        let (replied, quieted) = (alone(replies), alone(quiet));
         std::thread::spawn(move || {
             // Every read answers the write before it: the sides it read
             // from are written to again in the same wake-up.
-            assert!(!play(&replies).contains(&true), "request and reply waited");
-            assert!(!play(&quiet).contains(&true), "a quiet session waited");
+            assert!(!replied.contains(&true), "request and reply waited");
+            assert!(!quieted.contains(&true), "a quiet session waited");
             // Streaming: owed exactly after a run of STREAK short,
             // unprompted wake-ups (prompted per side as the model below).
             let owed = play(&streams);
@@ -277,6 +351,30 @@ fn an_idle_thread_waits_while_a_session_streams() {
         .unwrap()
     });
     assert!(waited >= PAUSE, "{waited:?}");
+}
+
+#[test]
+fn an_idle_thread_does_not_wait_while_another_session_converses() {
+    let runtime = session_runtime();
+    let waited = runtime.block_on(async {
+        tokio::spawn(async {
+            let mut a = streaming_session();
+            let mut b = Coalesce::new(PAUSE, Instant::now());
+            a.on_wake(Instant::now());
+            a.read(UPSTREAM);
+            a.on_sleep(Instant::now());
+            // B heard from its client and wrote upstream: its answer is due.
+            b.on_wake(Instant::now());
+            b.read(CLIENT);
+            b.wrote(UPSTREAM);
+            b.on_sleep(Instant::now());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            super::waited()
+        })
+        .await
+        .unwrap()
+    });
+    assert_eq!(waited, Duration::ZERO);
 }
 
 #[test]

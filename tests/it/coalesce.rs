@@ -17,15 +17,15 @@ use lapin::BasicProperties;
 
 const PAUSES: &str = "nackd_coalesce_pauses_total";
 
-/// nackd with the longest wait (1 ms): every gap of a busy test machine
-/// is short, so only the rule "an answer is never waited for" keeps the
-/// request-and-reply half at zero.
-fn nackd(dir: &std::path::Path) -> Process {
+/// nackd with `coalesce` = `pause`; the tests use the longest (1 ms):
+/// every gap of a busy test machine is short, so only the rule "an answer
+/// is never waited for" keeps the request-and-reply half at zero.
+fn nackd(dir: &std::path::Path, pause: &str) -> Process {
     let path = dir.join("nackd.toml");
     std::fs::write(
         &path,
         format!(
-            "[upstream]\naddress = \"{BROKER}\"\n[store]\npath = \"{}\"\n[runtime]\ncoalesce = \"1ms\"\n",
+            "[upstream]\naddress = \"{BROKER}\"\n[store]\npath = \"{}\"\n[runtime]\ncoalesce = \"{pause}\"\n",
             dir.join("store").display()
         ),
     )
@@ -36,7 +36,7 @@ fn nackd(dir: &std::path::Path) -> Process {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stream_is_coalesced_and_request_and_reply_never_waits() {
     let dir = tempfile::tempdir().unwrap();
-    let nackd = nackd(dir.path());
+    let nackd = nackd(dir.path(), "1ms");
     let url = format!("amqp://guest:guest@{}/%2f", nackd.addr);
 
     // Request and reply on two connections: each publish waits for its
@@ -62,8 +62,29 @@ async fn a_stream_is_coalesced_and_request_and_reply_never_waits() {
     let after_sync = scrape(nackd.metrics).await.get(PAUSES, &[]);
     assert_eq!(after_sync, 0.0, "request and reply made nackd wait");
 
+    stream(&pub_conn, &sub_conn, 20_000).await;
+    let after_stream = scrape(nackd.metrics).await.get(PAUSES, &[]);
+    assert!(
+        after_stream > 0.0,
+        "20 000 messages streamed through nackd without one wait"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn zero_never_waits_even_for_a_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let nackd = nackd(dir.path(), "0s");
+    let url = format!("amqp://guest:guest@{}/%2f", nackd.addr);
+    let (pub_conn, sub_conn) = (connect(&url).await, connect(&url).await);
+    stream(&pub_conn, &sub_conn, 20_000).await;
+    let pauses = scrape(nackd.metrics).await.get(PAUSES, &[]);
+    assert_eq!(pauses, 0.0, "coalesce = \"0s\" waited");
+}
+
+/// `n` messages of 1 KiB published without confirms on `pub_conn` to a
+/// new queue, consumed (auto-ack) on `sub_conn`: all arrive, in order.
+async fn stream(pub_conn: &lapin::Connection, sub_conn: &lapin::Connection, n: u32) {
     // A stream: publishes without confirms, an auto-ack consumer.
-    const N: u32 = 20_000;
     let s = unique("coalesce-stream");
     let streamer = pub_conn.create_channel().await.unwrap();
     declare_durable(&streamer, &s).await;
@@ -82,7 +103,7 @@ async fn a_stream_is_coalesced_and_request_and_reply_never_waits() {
         .unwrap();
     let body = vec![7u8; 1024];
     let send = tokio::spawn(async move {
-        for i in 0..N {
+        for i in 0..n {
             let mut msg = i.to_be_bytes().to_vec();
             msg.extend_from_slice(&body);
             streamer
@@ -97,7 +118,7 @@ async fn a_stream_is_coalesced_and_request_and_reply_never_waits() {
                 .unwrap();
         }
     });
-    for i in 0..N {
+    for i in 0..n {
         let d = tokio::time::timeout(Duration::from_secs(30), stream.next())
             .await
             .unwrap_or_else(|_| panic!("message {i} of the stream did not arrive"))
@@ -107,9 +128,4 @@ async fn a_stream_is_coalesced_and_request_and_reply_never_waits() {
         assert_eq!(d.data.len(), 4 + 1024);
     }
     send.await.unwrap();
-    let after_stream = scrape(nackd.metrics).await.get(PAUSES, &[]);
-    assert!(
-        after_stream > 0.0,
-        "{N} messages streamed through nackd without one wait"
-    );
 }
