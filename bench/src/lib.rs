@@ -198,6 +198,20 @@ impl Targets {
         Ok(())
     }
 
+    /// The binary of the baseline side: `binary` if given, else the nackd
+    /// this command measures (another config of the same build), which a
+    /// `--proxy` run does not know.
+    pub fn baseline_binary(
+        common: &Common,
+        binary: Option<&std::path::Path>,
+    ) -> BenchResult<std::path::PathBuf> {
+        match (binary, common.proxy) {
+            (Some(binary), _) => Ok(binary.to_owned()),
+            (None, None) => Ok(NackdProcess::sibling_binary()?),
+            (None, Some(_)) => Err("--baseline-config with --proxy: the running nackd's binary is unknown; add --baseline-nackd BIN".into()),
+        }
+    }
+
     /// The sides to measure: direct, nackd, and HAProxy and the baseline
     /// nackd if started.
     pub fn sides(&self) -> Vec<Side> {

@@ -111,10 +111,7 @@ pub async fn run(args: Args) -> BenchResult<()> {
         targets.start_haproxy(args.haproxy_splice)?;
     }
     if args.baseline_nackd.is_some() || args.baseline_config.is_some() {
-        let binary = match &args.baseline_nackd {
-            Some(binary) => binary.clone(),
-            None => crate::launcher::NackdProcess::sibling_binary()?,
-        };
+        let binary = Targets::baseline_binary(common, args.baseline_nackd.as_deref())?;
         targets.start_baseline(&binary, common, "", args.baseline_config.as_deref())?;
     }
     print_header("passthrough", common, &machine, &targets);
