@@ -159,8 +159,13 @@ async fn a_missing_on_exhausted_exchange_delays_no_other_queue() {
     let mut lateness = healthy_retries(&conn, &qb, 30, Duration::from_millis(300)).await;
     report("with a missing on_exhausted exchange", &mut lateness);
     let (max, normal_max) = (percentile(&mut lateness, 1.0), percentile(&mut normal, 1.0));
+    // What this catches: healthy retries held behind the missing
+    // exchange, whose messages are tried again only after a 1 s backoff.
+    // The 30 fall due together, so one stall of a loaded machine makes the
+    // whole batch late at once (CI stop 32 on 4.3: 278 ms against 17 ms,
+    // the test alone 2-6 ms); the limit stays below the backoff.
     assert!(
-        max <= normal_max + Duration::from_millis(250),
+        max <= normal_max + Duration::from_millis(750),
         "healthy retries late: {max:?} against {normal_max:?} without the bad exchange"
     );
 
