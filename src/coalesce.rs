@@ -27,10 +27,11 @@
 //!   consumer with prefetch 1 on one channel), a peer that sends only
 //!   after nackd wrote to it, a quiet spell of `coalesce`, or a peer that
 //!   sends once per `coalesce` or more slowly;
-//! - nor while another session, one that does not stream, heard from its
-//!   peer in the last [`HEARD_LATELY`] (1 ms): its next frame (a confirm, a
-//!   reply, a lone publish) is not held back for a batch it is not part
-//!   of. Coalescing therefore works on a thread whose busy connections all
+//! - nor while another session, one that does not stream (and did not
+//!   in the last [`STREAMED_LATELY`], 50 ms: a stream that paused is
+//!   still a stream), heard from its peer in the last [`HEARD_LATELY`]
+//!   (1 ms): its next frame (a confirm, a reply, a lone publish) is not
+//!   held back for a batch it is not part of. Coalescing therefore works on a thread whose busy connections all
 //!   stream, and steps aside while any other one talks.
 //!
 //! A peer that sends about once per `coalesce / 2` to `coalesce` still
@@ -77,6 +78,11 @@ pub static PAUSES: LazyLock<Counter> = LazyLock::new(Counter::default);
 /// session's next frame (a reply, a confirm, a lone publish) is not held
 /// back for a batch it is not part of.
 pub const HEARD_LATELY: Duration = Duration::from_millis(1);
+
+/// A session that streamed this recently is a stream that paused (a long
+/// gap, a wake-up with only answers in it), not one that talks: its reads
+/// keep no other stream from waiting.
+pub const STREAMED_LATELY: Duration = Duration::from_millis(50);
 
 thread_local! {
     /// The wait a streaming session asked this thread for, at its next
@@ -151,6 +157,8 @@ pub struct Coalesce {
     unprompted: bool,
     /// A side sent anything in this wake-up.
     heard: bool,
+    /// When the session last slept as a stream.
+    streamed_at: Option<Instant>,
 }
 
 impl Coalesce {
@@ -165,6 +173,7 @@ impl Coalesce {
             prompted: [false; 2],
             unprompted: false,
             heard: false,
+            streamed_at: None,
         }
     }
 
@@ -218,10 +227,16 @@ impl Coalesce {
             return;
         }
         if self.streak >= STREAK {
+            self.streamed_at = Some(now);
             WANTED.with(|wanted| wanted.set(Some((self.pause, now, self.id))));
-        } else if self.heard {
+        } else if self.heard && !self.streamed_lately(now) {
             HEARD.with(|heard| heard.set(heard.get().note(now, self.id)));
         }
+    }
+
+    fn streamed_lately(&self, now: Instant) -> bool {
+        self.streamed_at
+            .is_some_and(|at| now.saturating_duration_since(at) < STREAMED_LATELY)
     }
 
     /// Whether coalescing is on (a pause above zero): off, a session need

@@ -2,7 +2,9 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use super::{take_wait, waited_for, Coalesce, Heard, CLIENT, HEARD_LATELY, STREAK, UPSTREAM};
+use super::{
+    take_wait, waited_for, Coalesce, Heard, CLIENT, HEARD_LATELY, STREAK, STREAMED_LATELY, UPSTREAM,
+};
 
 const PAUSE: Duration = Duration::from_micros(100);
 const SHORT: Duration = Duration::from_micros(10);
@@ -75,6 +77,40 @@ fn another_session_heard_lately_keeps_the_thread_from_waiting() {
             break;
         }
     }
+}
+
+#[test]
+fn a_stream_that_paused_keeps_another_stream_waiting() {
+    // Two streams on one thread (a publisher's and a consumer's session):
+    // B's streak breaks (a wake-up with only an answer in it), but its
+    // reads are still a stream's, not a conversation, for STREAMED_LATELY.
+    let mut t = Instant::now();
+    let mut a = Coalesce::new(PAUSE, t);
+    let mut b = Coalesce::new(PAUSE, t);
+    // Long enough that the reads of their first wake-ups, before either
+    // streamed, are no longer "heard lately".
+    let began = t;
+    while t - began < 2 * HEARD_LATELY {
+        wake(&mut a, &mut t, SHORT, UPSTREAM);
+        wake(&mut b, &mut t, SHORT, CLIENT);
+    }
+    assert!(a.streaming() && b.streaming());
+    b.wrote(CLIENT);
+    assert_eq!(wake(&mut b, &mut t, SHORT, CLIENT), None);
+    assert!(!b.streaming());
+    assert_eq!(wake(&mut a, &mut t, SHORT, UPSTREAM), Some(PAUSE));
+    // B quiet for longer than STREAMED_LATELY, then it talks: now it is
+    // a conversation, and A's stream steps aside.
+    let mut a2 = Coalesce::new(PAUSE, t);
+    t += STREAMED_LATELY;
+    for _ in 0..STREAK {
+        wake(&mut a2, &mut t, SHORT, UPSTREAM);
+    }
+    t += SHORT;
+    b.on_wake(t);
+    b.read(CLIENT);
+    b.on_sleep(t);
+    assert_eq!(wake(&mut a2, &mut t, SHORT, UPSTREAM), None);
 }
 
 #[test]
