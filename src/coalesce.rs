@@ -31,19 +31,30 @@
 //!   in the last [`STREAMED_LATELY`], 50 ms: a stream that paused is
 //!   still a stream), heard from its peer in the last [`HEARD_LATELY`]
 //!   (1 ms): its next frame (a confirm, a reply, a lone publish) is not
-//!   held back for a batch it is not part of. Coalescing therefore works on a thread whose busy connections all
-//!   stream, and steps aside while any other one talks.
+//!   held back for a batch it is not part of. Coalescing therefore
+//!   works on a thread whose busy connections all stream, and steps
+//!   aside while any other one talks.
 //!
 //! A peer that sends about once per `coalesce / 2` to `coalesce` still
 //! counts as streaming, and each of its messages waits for most of a wait
 //! with little to batch: the price of a fixed wait, paid in latency (up
 //! to `coalesce`), not in CPU.
 //!
-//! What a wait can still hold up: a frame of a connection that was quiet
-//! for more than 1 ms and arrives during a wait, the I/O of the metrics
-//! and admin endpoint (they share the session runtime), and a message
-//! that arrives in many small reads (several reads of one message look
-//! like a stream). Each waits one `coalesce` at most. The retry engine and
+//! What a wait can still hold up, one `coalesce` at most each:
+//! - a frame of a connection that was quiet for more than 1 ms and
+//!   arrives during a wait: a confirm or reply the broker takes longer
+//!   than 1 ms to send (a persistent message's confirm, an RPC reply);
+//! - a confirm on a channel of a connection that itself streams (its
+//!   session is a stream), or of one that streamed in the last 50 ms;
+//! - the I/O of the metrics and admin endpoint (they share the session
+//!   runtime);
+//! - a message that arrives in many small reads (several reads of one
+//!   message look like a stream).
+//!
+//! And what can keep a stream from batching: a busy session whose every
+//! read answers a write (it never counts as a stream, so it counts as
+//! talking), and heartbeats of many idle connections (each counts as
+//! talking for 1 ms). The retry engine and
 //! the store writer have threads of their own and never wait.
 //!
 //! Tuned for one session thread (the default): with more, sessions move

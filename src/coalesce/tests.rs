@@ -113,6 +113,34 @@ fn a_stream_that_paused_keeps_another_stream_waiting() {
     assert_eq!(wake(&mut a2, &mut t, SHORT, UPSTREAM), None);
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// `Heard` keeps two marks, and answers as a list of every mark would:
+    /// whether a session other than the asker was heard within
+    /// HEARD_LATELY, for any order of marks by up to four sessions.
+    #[test]
+    fn heard_answers_as_the_list_of_all_marks(
+        marks in prop::collection::vec((0..4u64, 0..600u64), 0..40),
+        asker in 0..4u64,
+        after_us in 0..1500u64,
+    ) {
+        let mut at = Instant::now();
+        let mut heard = Heard { last: None, other: None };
+        let mut all = Vec::new();
+        for (id, step_us) in marks {
+            at += Duration::from_micros(step_us);
+            heard = heard.note(at, id);
+            all.push((at, id));
+        }
+        let now = at + Duration::from_micros(after_us);
+        let expected = all
+            .iter()
+            .any(|&(t, id)| id != asker && now - t < HEARD_LATELY);
+        prop_assert_eq!(heard.lately_other_than(asker, now), expected);
+    }
+}
+
 #[test]
 fn heard_tells_apart_the_asking_session_from_the_others() {
     let t = Instant::now();
@@ -375,12 +403,20 @@ fn an_idle_thread_waits_while_a_session_streams() {
     let runtime = session_runtime();
     let waited = runtime.block_on(async {
         tokio::spawn(async {
-            let mut c = streaming_session();
-            c.on_wake(Instant::now());
-            c.read(UPSTREAM);
-            c.on_sleep(Instant::now());
-            // Nothing to do for a while: the thread parks, and waits first.
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // A wait is owed only to a park within a pause of the stream's
+            // sleep; a loaded machine may preempt the thread in between,
+            // so a fresh stream tries again (50 misses in a row: broken).
+            for _ in 0..50 {
+                let mut c = streaming_session();
+                c.on_wake(Instant::now());
+                c.read(UPSTREAM);
+                c.on_sleep(Instant::now());
+                // Nothing to do for a while: the thread parks, and waits first.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                if !super::waited().is_zero() {
+                    break;
+                }
+            }
             super::waited()
         })
         .await
@@ -389,6 +425,10 @@ fn an_idle_thread_waits_while_a_session_streams() {
     assert!(waited >= PAUSE, "{waited:?}");
 }
 
+/// The rule itself is checked on the model clock in
+/// `another_session_heard_lately_keeps_the_thread_from_waiting`; here, in
+/// a real runtime, on a loaded machine the thread may also skip the wait
+/// because it parked more than a pause after the stream slept.
 #[test]
 fn an_idle_thread_does_not_wait_while_another_session_converses() {
     let runtime = session_runtime();
