@@ -54,8 +54,8 @@
 //! And what can keep a stream from batching: a busy session whose every
 //! read answers a write (it never counts as a stream, so it counts as
 //! talking), and heartbeats of many idle connections (each counts as
-//! talking for 1 ms). The retry engine and
-//! the store writer have threads of their own and never wait.
+//! talking for 1 ms). The retry engine and the store writer have
+//! threads of their own and never wait.
 //!
 //! Tuned for one session thread (the default): with more, sessions move
 //! between threads, and a session that moved starts its streak again.
@@ -234,7 +234,7 @@ impl Coalesce {
             false => 0,
         };
         self.asleep_at = (now, waited(), thread_id());
-        if self.pause.is_zero() {
+        if !self.on() {
             return;
         }
         if self.streak >= STREAK {

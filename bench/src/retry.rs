@@ -72,6 +72,9 @@ pub struct Args {
     pub baseline_config: Option<std::path::PathBuf>,
 }
 
+/// The label of the lane `--baseline-nackd`/`--baseline-config` adds.
+const BASELINE: &str = "nackd-baseline";
+
 /// One column of the comparison: a mechanism, and for nackd which process.
 struct Lane {
     label: &'static str,
@@ -196,7 +199,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         });
         if let (Mechanism::Nackd, Some(b)) = (mechanism, &targets.baseline) {
             lanes.push(Lane {
-                label: "nackd-baseline",
+                label: BASELINE,
                 mechanism,
                 addr: b.addr().to_string(),
             });
@@ -286,7 +289,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         }
         knees.push((lane.label, knee));
     }
-    if let Some(b) = lanes.iter().position(|l| l.label == "nackd-baseline") {
+    if let Some(b) = lanes.iter().position(|l| l.label == BASELINE) {
         for &rate in &args.rates {
             let ((p50, p99), (b50, b99)) = (medians[&(0, rate)], medians[&(b, rate)]);
             println!(
