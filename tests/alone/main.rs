@@ -7,11 +7,4 @@
 //!
 //! Run one with a filter, e.g. `cargo test --test alone -- restart::`.
 
-#[path = "../common/mod.rs"]
-mod common;
-
-mod broker_restart;
-mod client_suites;
-mod deb;
-mod due_backlog;
-mod restart;
+include!("modules.rs");

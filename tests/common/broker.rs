@@ -40,10 +40,24 @@ struct Target {
     ctl: Option<Vec<String>>,
 }
 
+/// What names the broker under test: the test binary itself when it was
+/// built for one (`it43` and `alone43` run against 4.3, `it40` against
+/// 4.0: `Cargo.toml`'s `[[test]]` targets, so that one `cargo nextest run`
+/// schedules the suite on every broker), else `NACKD_TEST_BROKER`.
+pub fn chosen() -> String {
+    let binary = env!("CARGO_CRATE_NAME");
+    for (suffix, release) in [("43", "4.3"), ("40", "4.0")] {
+        if binary.ends_with(suffix) {
+            return release.into();
+        }
+    }
+    std::env::var("NACKD_TEST_BROKER").unwrap_or_default()
+}
+
 fn target() -> &'static Target {
     static TARGET: OnceLock<Target> = OnceLock::new();
     TARGET.get_or_init(|| {
-        let var = std::env::var("NACKD_TEST_BROKER").unwrap_or_default();
+        let var = chosen();
         let custom_ctl = std::env::var("NACKD_TEST_BROKER_CTL")
             .ok()
             .filter(|c| !c.trim().is_empty())

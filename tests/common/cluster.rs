@@ -12,9 +12,11 @@
 //! `scripts/cluster stop` to free its ~400 MB. The script serialises itself
 //! with a file lock, so binaries and threads never start it twice.
 //!
-//! Tests in one binary run in parallel threads: a test that stops a node
-//! holds [`Cluster::exclusive`], one that needs all three nodes up holds
-//! [`Cluster::steady`], and the two never overlap.
+//! Tests run in parallel (threads of one binary, or processes under
+//! `cargo nextest`): a test that stops a node holds [`Cluster::exclusive`],
+//! one that needs all three nodes up holds [`Cluster::steady`], and the two
+//! never overlap. Both are file locks ([`super::lock_file`]), one per
+//! release, so they hold across processes.
 #![allow(dead_code)]
 
 use std::process::Command;
@@ -22,7 +24,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use lapin::Connection;
-use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::{lock_file, Lock};
 
 pub const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster");
 
@@ -30,10 +33,7 @@ pub const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster")
 /// `NACKD_TEST_BROKER`; panics on one it has no cluster of (tests never
 /// skip).
 fn release() -> &'static str {
-    match std::env::var("NACKD_TEST_BROKER")
-        .unwrap_or_default()
-        .trim()
-    {
+    match super::broker::chosen().trim() {
         "" | "3.10" => "3.10",
         "4.3" => "4.3",
         other => panic!(
@@ -49,9 +49,11 @@ pub struct Cluster {
     addrs: Vec<String>,
     /// What node 1 says in `connection.start`, e.g. "4.3.6".
     version: String,
-    /// Readers: tests that need every node; writer: a test that stops one.
-    nodes: RwLock<()>,
 }
+
+/// A hold on the cluster's nodes ([`Cluster::steady`] or
+/// [`Cluster::exclusive`]), released when dropped.
+pub struct Nodes(std::fs::File);
 
 /// The cluster, started on first use in this test binary; panics (with the
 /// script's stderr) when it cannot be had: tests never skip.
@@ -60,17 +62,24 @@ pub fn cluster() -> &'static Cluster {
     // A failure is kept too, so parallel tests do not each retry a start
     // that takes half a minute and fails again.
     let got = CLUSTER.get_or_init(|| {
+        // Each test is a process of its own under nextest: a cluster whose
+        // three nodes answer as the release asked for is taken as it is
+        // (`scripts/cluster start` would check it again with rabbitmqctl,
+        // seconds of CPU per test).
+        let known = addrs_of(release());
+        if let Some(version) = formed().then(|| check_release(&known).ok()).flatten() {
+            return Ok(Cluster {
+                addrs: known,
+                version,
+            });
+        }
         let addrs = run(&["start"])?;
         let addrs: Vec<String> = addrs.lines().map(str::to_owned).collect();
         if addrs.len() != 3 {
             return Err(format!("scripts/cluster start printed {addrs:?}"));
         }
         let version = check_release(&addrs)?;
-        Ok(Cluster {
-            addrs,
-            version,
-            nodes: RwLock::const_new(()),
-        })
+        Ok(Cluster { addrs, version })
     });
     let cluster = match got {
         Ok(c) => c,
@@ -87,6 +96,22 @@ pub fn cluster() -> &'static Cluster {
         }));
     });
     cluster
+}
+
+/// Whether `scripts/cluster` formed the cluster of this release once (its
+/// marker in the state directory; `stop` removes the directory).
+fn formed() -> bool {
+    let dir = std::env::var("NACKD_CLUSTER_DIR").unwrap_or_else(|_| match release() {
+        "4.3" => "/tmp/nackd-cluster-4.3".into(),
+        _ => "/tmp/nackd-cluster".into(),
+    });
+    std::path::Path::new(&dir).join("formed").exists()
+}
+
+/// The three AMQP addresses `scripts/cluster` gives the nodes of `release`.
+fn addrs_of(release: &str) -> Vec<String> {
+    let base = if release == "4.3" { 5690 } else { 5680 };
+    (1..=3).map(|n| format!("127.0.0.1:{}", base + n)).collect()
 }
 
 /// Every node's version, which must be one, and the release asked for
@@ -181,19 +206,24 @@ impl Cluster {
 
     /// Held by a test that needs all three nodes up (they are when it
     /// returns).
-    pub async fn steady(&self) -> RwLockReadGuard<'_, ()> {
-        let guard = self.nodes.read().await;
-        self.all_up().await;
-        guard
+    pub async fn steady(&self) -> Nodes {
+        self.hold(Lock::Shared).await
     }
 
-    /// Held by a test that stops or kills nodes; no other cluster test of
-    /// this binary runs meanwhile. All three nodes are up when it returns.
+    /// Held by a test that stops or kills nodes; no other cluster test
+    /// runs meanwhile. All three nodes are up when it returns.
     /// (Do not also take [`Cluster::steady`]: that would wait for ever.)
-    pub async fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
-        let guard = self.nodes.write().await;
+    pub async fn exclusive(&self) -> Nodes {
+        self.hold(Lock::Exclusive).await
+    }
+
+    async fn hold(&self, how: Lock) -> Nodes {
+        let name = format!("cluster-{}", release());
+        let file = tokio::task::spawn_blocking(move || lock_file(&name, how))
+            .await
+            .unwrap();
         self.all_up().await;
-        guard
+        Nodes(file)
     }
 
     /// Brings back a node an earlier (failed) test left down.

@@ -25,31 +25,49 @@ pub mod process;
 pub mod raw;
 pub mod republish;
 
-/// Held by a test that restarts the default broker or loads the machine
-/// (`tests/alone`): no other such test runs meanwhile, whatever the test
-/// threads. The tests of `tests/it` share the machine; those of
-/// `tests/alone` take turns.
+/// Held by a test that restarts the broker under test or loads the
+/// machine (`tests/alone`): no other such test against the same broker
+/// runs meanwhile, whatever runs them (threads of one `cargo test` binary,
+/// or one process per test under `cargo nextest`, whose settings also keep
+/// the rest of the pass away: `.config/nextest.toml`). The tests of
+/// `tests/it` share the machine; those of `tests/alone` take turns.
 pub fn alone() -> Alone {
-    let mut taken = ALONE.lock().unwrap_or_else(|p| p.into_inner());
-    while *taken {
-        taken = FREED.wait(taken).unwrap_or_else(|p| p.into_inner());
-    }
-    *taken = true;
-    Alone(())
+    let broker = broker::chosen();
+    let name = format!("alone-{}", broker.trim().replace([':', '/'], "_"));
+    Alone(lock_file(&name, Lock::Exclusive))
 }
 
-static ALONE: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
-static FREED: std::sync::Condvar = std::sync::Condvar::new();
-
 /// The turn [`alone`] gave; the next test's when dropped (a failed test
-/// drops it too).
-pub struct Alone(());
+/// drops it too, and a killed one's lock dies with its process).
+pub struct Alone(std::fs::File);
 
-impl Drop for Alone {
-    fn drop(&mut self) {
-        *ALONE.lock().unwrap_or_else(|p| p.into_inner()) = false;
-        FREED.notify_one();
+/// How a test holds one of the machine-wide locks of [`lock_file`].
+#[derive(Clone, Copy, Debug)]
+pub enum Lock {
+    /// Beside other holders of the shared lock.
+    Shared,
+    /// Alone.
+    Exclusive,
+}
+
+/// Takes the machine-wide lock `name` (a file in the system's temporary
+/// directory, locked with `flock`): tests in other processes, and other
+/// threads of this one, wait for it as they would for an `RwLock`. The
+/// lock goes with the returned file.
+pub fn lock_file(name: &str, how: Lock) -> std::fs::File {
+    let path = std::env::temp_dir().join(format!("nackd-tests-{name}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("cannot open the test lock {}: {e}", path.display()));
+    match how {
+        Lock::Shared => file.lock_shared(),
+        Lock::Exclusive => file.lock(),
     }
+    .unwrap_or_else(|e| panic!("cannot lock {}: {e}", path.display()));
+    file
 }
 
 /// A nackd running inside the test's runtime.

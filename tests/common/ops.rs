@@ -168,11 +168,13 @@ impl Scrape {
 }
 
 /// Scrapes `/metrics` until `f` holds for one scrape and returns it; panics
-/// with `what` and that last scrape after 15 s. Metrics are updated by
+/// with `what` and that last scrape after 60 s. Metrics are updated by
 /// different threads (sessions, the retry engine, the store writer): wait
 /// for every value a test asserts in the same `f`.
 pub async fn until(addr: SocketAddr, what: &str, f: impl Fn(&Scrape) -> bool) -> Scrape {
-    super::wait_for(std::time::Duration::from_secs(15), what, || scrape(addr), f).await
+    // A bound on "eventually", not a performance claim: generous, since
+    // the suite's passes share a loaded machine.
+    super::wait_for(std::time::Duration::from_secs(60), what, || scrape(addr), f).await
 }
 
 /// Scrapes `/metrics` and parses the text format.

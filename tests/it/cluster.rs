@@ -166,7 +166,7 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     .await;
     // nackd acked every one upstream: the broker has none of them left.
     wait_for(
-        Duration::from_secs(10),
+        Duration::from_secs(30),
         "the queue empty",
         || ready(q),
         |n| *n == 0,

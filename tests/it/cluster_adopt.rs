@@ -24,7 +24,9 @@ const ADOPTED: &str = "nackd_replica_adopted_messages_total";
 /// Messages A holds when it is killed, and each adopter of its own.
 const N: u32 = 3000;
 const OWN: u32 = 100;
-const DELAY: Duration = Duration::from_secs(30);
+/// Long enough that parking all of them ends before the first is due, on a
+/// machine loaded by other tests.
+const DELAY: Duration = Duration::from_secs(60);
 
 /// A nackd process and its instance id.
 type Named = (Process, String);
@@ -36,13 +38,13 @@ async fn a_killed_with_two_adopters(
     q: &str,
 ) -> (Named, Named, String, HashMap<u32, Instant>) {
     let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
-    let a = Process::start(&config(dir, &gone, q, "30s", ""));
+    let a = Process::start(&config(dir, &gone, q, "60s", ""));
     publish_range(q, 0..N).await;
     let mut nacked = park_all(&a, q, N).await;
-    let b = Process::start(&config(dir, &one, q, "30s", ""));
+    let b = Process::start(&config(dir, &one, q, "60s", ""));
     publish_range(q, N..N + OWN).await;
     nacked.extend(park_all(&b, q, OWN).await);
-    let c = Process::start(&config(dir, &two, q, "30s", ""));
+    let c = Process::start(&config(dir, &two, q, "60s", ""));
     publish_range(q, N + OWN..N + 2 * OWN).await;
     nacked.extend(park_all(&c, q, OWN).await);
     a.kill9();
@@ -260,7 +262,7 @@ async fn an_adopter_killed_half_way_and_restarted_on_its_store_fires_nothing_twi
     adopter.kill9();
     let killed = Instant::now();
     eprintln!("adopter killed with {parked} of {N} parked, started again");
-    let adopter = Process::start(&config(dir.path(), &id, &q, "30s", ""));
+    let adopter = Process::start(&config(dir.path(), &id, &q, "60s", ""));
     adopter.wait_for_log(&["cut off half way: not held"]);
     let took = tokio::select! {
         t = committed(&adopter, &gone, killed) => { eprintln!("the restarted adopter adopted again"); t }

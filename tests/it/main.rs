@@ -8,31 +8,4 @@
 //! Run one area with a filter, e.g. `cargo test --test it -- retry::`;
 //! the broker is `NACKD_TEST_BROKER` (3.10 by default, see `common::broker`).
 
-#[path = "../common/mod.rs"]
-mod common;
-
-mod alerts;
-mod brokers;
-mod cli;
-mod cluster;
-mod cluster_adopt;
-mod cluster_replica;
-mod cluster_smoke;
-mod coalesce;
-mod deferral;
-mod delayed;
-mod deploy;
-mod durability;
-mod hot_reload;
-mod isolation;
-mod ops;
-mod option_c;
-mod proxy;
-mod replay;
-mod replica;
-mod republisher_health;
-mod resilience;
-mod retry;
-mod status_page;
-mod store;
-mod tls;
+include!("modules.rs");

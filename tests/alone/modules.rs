@@ -1,0 +1,12 @@
+// The modules of the `alone` tests, included by main.rs (built against
+// RabbitMQ 3.10, or NACKD_TEST_BROKER) and main43.rs (built against 4.3):
+// one list, so that both binaries run the same tests.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod broker_restart;
+mod client_suites;
+mod deb;
+mod due_backlog;
+mod restart;

@@ -1,0 +1,6 @@
+//! The `it` tests (main.rs) built to run against RabbitMQ 4.3
+//! (`scripts/broker4`'s rabbit43@localhost, and the 4.3 cluster of
+//! `scripts/cluster`): `common::broker::chosen` knows this binary by its
+//! name. `cargo nextest run` schedules both builds together.
+
+include!("modules.rs");

@@ -1,0 +1,13 @@
+//! The fallback tests against RabbitMQ 4.0 (`scripts/broker4`'s
+//! rabbit40@localhost): there every requeue counts toward a quorum queue's
+//! delivery limit, so what nackd does when it cannot hold a nack is tried
+//! where a wrong requeue costs the message. The modules are tests/it's
+//! own; this binary is built for 4.0 (see `common::broker::chosen`).
+
+#[path = "common/mod.rs"]
+mod common;
+
+#[path = "it/brokers.rs"]
+mod brokers;
+#[path = "it/deferral.rs"]
+mod deferral;
