@@ -2,15 +2,19 @@
 //! directory (`delayed-exchanges.json`) and merged with the
 //! `[[delayed_exchange]]` tables at startup.
 //!
-//! The file is the whole list, rewritten atomically on every change (a
+//! The file is the whole list, rewritten atomically after a change (a
 //! temporary file, fsynced, renamed over it, the directory fsynced), so it
-//! is either the old list or the new one. A file that does not parse stops
-//! startup: forgetting that an exchange is delayed would publish its
-//! delayed messages at once.
+//! is either the old list or the new one. A thread of its own writes it
+//! (`nackd-registry`): a session only wakes it, and changes that come
+//! while it writes are saved together in the next write. The list is
+//! bounded per vhost (`[delayed] max_exchanges`), so is the file. A file
+//! that does not parse stops startup: forgetting that an exchange is
+//! delayed would publish its delayed messages at once.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -153,24 +157,39 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
         "delayed exchanges (x-delayed-message) emulated"
     );
     let registry: Arc<OnceLock<Weak<DelayedExchanges>>> = Arc::default();
-    let set = DelayedExchanges::new(initial, Some(persist(dir, registry.clone())));
+    let limit = config.delayed_settings().max_exchanges;
+    let set = DelayedExchanges::new(initial, limit, Some(persist(dir, registry.clone())?));
     let _ = registry.set(Arc::downgrade(&set));
     Ok(set)
 }
 
-/// The hook that writes the list. Saves from several sessions may race:
-/// each writes, under one lock, the registry's list as it is when it gets
-/// the lock (not the one it was called with), so the last write is the
-/// latest list.
-fn persist(dir: PathBuf, registry: Arc<OnceLock<Weak<DelayedExchanges>>>) -> Persist {
-    let lock = Mutex::new(());
-    Box::new(move |list: &[DelayedExchange]| {
-        let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
-        match registry.get().and_then(Weak::upgrade) {
-            Some(set) => save(&dir, &set.list()),
-            None => save(&dir, list),
-        }
-    })
+/// The hook sessions call after a change: it wakes the writer thread,
+/// which saves the registry's list as it is when it writes (changes that
+/// came meanwhile go in together), until the registry is gone.
+fn persist(
+    dir: PathBuf,
+    registry: Arc<OnceLock<Weak<DelayedExchanges>>>,
+) -> Result<Persist, String> {
+    let (wake, woken) = mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("nackd-registry".into())
+        .spawn(move || {
+            while woken.recv().is_ok() {
+                while woken.try_recv().is_ok() {}
+                let Some(set) = registry.get().and_then(Weak::upgrade) else {
+                    return;
+                };
+                let list = set.list();
+                drop(set);
+                if let Err(e) = save(&dir, &list) {
+                    tracing::error!(error = %e, file = %path(&dir).display(), "cannot store the list of delayed exchanges: it is kept in memory only until the next change");
+                }
+            }
+        })
+        .map_err(|e| format!("cannot start the thread that saves delayed exchanges: {e}"))?;
+    Ok(Box::new(move || {
+        let _ = wake.send(());
+    }))
 }
 
 #[cfg(test)]
@@ -248,8 +267,19 @@ mod tests {
         );
         set.declare("/", "new", "fanout");
         set.delete("/", "saved");
-        let on_disk = load(dir.path()).unwrap();
-        assert_eq!(on_disk, set.list());
+        // The writer thread saves it soon after.
+        let began = std::time::Instant::now();
+        let on_disk = loop {
+            let on_disk = load(dir.path()).unwrap();
+            if on_disk == set.list() {
+                break on_disk;
+            }
+            assert!(
+                began.elapsed() < std::time::Duration::from_secs(10),
+                "not saved: {on_disk:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         assert!(on_disk.contains(&exchange("/", "new", "fanout")));
         // A restart sees what the last one declared.
         let again = open(&config(dir.path(), "")).unwrap();

@@ -436,6 +436,11 @@ impl Metrics {
             self.session.delayed_lost.clone(),
         );
         r.register(
+            "nackd_delayed_publishes_denied",
+            "Delayed publishes the broker would refuse from their publisher (permissions, a missing exchange): sent to it as they were, for it to refuse them",
+            self.session.delayed_denied.clone(),
+        );
+        r.register(
             "nackd_nacks_passed",
             "Nacks and rejects forwarded to the broker as sent, by reason",
             f.session.passed.clone(),

@@ -2,12 +2,15 @@
 //! plugin's type): which `(vhost, exchange)` are delayed, and of which
 //! real type the broker has them.
 //!
-//! Sessions learn them from the declares they forward and forget them on
-//! deletes; the `nackd` crate loads the set at startup (its file in the
-//! store directory, the `[[delayed_exchange]]` tables) and keeps it durable
-//! through the [`Persist`] hook, which runs before the declare goes to the
-//! broker. Every publish asks [`DelayedExchanges::is_delayed`]: one atomic
-//! load while no exchange is delayed.
+//! Sessions learn them from the declares the broker accepted and forget
+//! them on the deletes it accepted (never before its answer: a refused
+//! declare or delete changes nothing); the `nackd` crate loads the set at
+//! startup (its file in the store directory, the `[[delayed_exchange]]`
+//! tables) and keeps it durable off the session threads: every change
+//! wakes the [`Persist`] hook, which only signals a writer. Each vhost
+//! holds at most [`DelayedExchanges::limit`] of them. Every publish asks
+//! [`DelayedExchanges::is_delayed`]: one atomic load while no exchange is
+//! delayed.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,23 +38,31 @@ pub struct DelayedExchange {
     pub kind: String,
 }
 
-/// Keeps the whole set durable: called with every entry after a change,
-/// before the change is acted on. An error is logged and the change kept
-/// in memory (the declare still goes to the broker).
-pub type Persist = Box<dyn Fn(&[DelayedExchange]) -> std::io::Result<()> + Send + Sync>;
+/// Told that the set changed (after the change): it must not block, the
+/// caller is a session's thread. The `nackd` crate's hook wakes a writer
+/// that saves [`DelayedExchanges::list`] as it is then.
+pub type Persist = Box<dyn Fn() + Send + Sync>;
+
+/// How many delayed exchanges one vhost may have, unless configured.
+pub const DEFAULT_LIMIT: usize = 10_000;
 
 /// The delayed exchanges every session of this nackd knows.
 pub struct DelayedExchanges {
     enabled: bool,
     set: RwLock<BTreeMap<(String, String), String>>,
     any: AtomicBool,
+    /// Most exchanges a vhost may have delayed (a declare beyond is refused).
+    limit: usize,
     persist: Option<Persist>,
 }
 
 impl DelayedExchanges {
     /// The set `initial`, kept durable by `persist` (none: memory only).
+    /// Each vhost may have `limit` of them (the set may start with more:
+    /// no new one is admitted there then).
     pub fn new(
         initial: impl IntoIterator<Item = DelayedExchange>,
+        limit: usize,
         persist: Option<Persist>,
     ) -> Arc<Self> {
         let set: BTreeMap<_, _> = initial
@@ -63,6 +74,7 @@ impl DelayedExchanges {
             enabled: true,
             set: RwLock::new(set),
             any,
+            limit,
             persist,
         })
     }
@@ -74,8 +86,30 @@ impl DelayedExchanges {
             enabled: false,
             set: RwLock::default(),
             any: AtomicBool::new(false),
+            limit: 0,
             persist: None,
         })
+    }
+
+    /// Most delayed exchanges one vhost may have.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Whether `name` of `vhost` may become delayed: it is already, or its
+    /// vhost has fewer than [`DelayedExchanges::limit`].
+    pub fn admits(&self, vhost: &str, name: &str) -> bool {
+        let set = self.set.read().unwrap_or_else(|e| e.into_inner());
+        if set.contains_key(&(vhost.to_string(), name.to_string())) {
+            return true;
+        }
+        let from = (vhost.to_string(), String::new());
+        let count = set
+            .range(from..)
+            .take_while(|((v, _), _)| v == vhost)
+            .take(self.limit)
+            .count();
+        count < self.limit
     }
 
     /// No exchange is delayed (one atomic load: every publish asks).
@@ -142,11 +176,8 @@ impl DelayedExchanges {
     }
 
     fn save(&self) {
-        let Some(persist) = &self.persist else {
-            return;
-        };
-        if let Err(e) = persist(&self.list()) {
-            tracing::error!(error = %e, "cannot store the list of delayed exchanges: it is kept in memory only until the next change");
+        if let Some(persist) = &self.persist {
+            persist();
         }
     }
 }
@@ -160,13 +191,17 @@ mod tests {
     fn declares_and_deletes_are_seen_and_saved() {
         let saved: Arc<Mutex<Vec<Vec<DelayedExchange>>>> = Arc::default();
         let sink = saved.clone();
+        let me: Arc<std::sync::OnceLock<std::sync::Weak<DelayedExchanges>>> = Arc::default();
+        let seen = me.clone();
         let set = DelayedExchanges::new(
             [],
-            Some(Box::new(move |l: &[DelayedExchange]| {
-                sink.lock().unwrap().push(l.to_vec());
-                Ok(())
+            DEFAULT_LIMIT,
+            Some(Box::new(move || {
+                let set = seen.get().and_then(std::sync::Weak::upgrade).unwrap();
+                sink.lock().unwrap().push(set.list());
             })),
         );
+        me.set(Arc::downgrade(&set)).unwrap();
         assert!(!set.is_delayed("/", "d"));
         set.declare("/", "d", "direct");
         assert!(set.is_delayed("/", "d"));
@@ -178,5 +213,19 @@ mod tests {
         assert_eq!(saved.len(), 2);
         assert_eq!(saved[0][0].kind, "direct");
         assert!(saved[1].is_empty());
+    }
+
+    #[test]
+    fn a_vhost_admits_no_more_than_the_limit() {
+        let set = DelayedExchanges::new([], 2, None);
+        assert!(set.admits("/", "a"));
+        set.declare("/", "a", "direct");
+        set.declare("/", "b", "direct");
+        assert!(!set.admits("/", "c"), "the vhost is full");
+        assert!(set.admits("/", "a"), "a known one may be declared again");
+        assert!(set.admits("other", "c"), "another vhost has room");
+        assert!(set.admits("/x", "c"), "a vhost named after it too");
+        set.delete("/", "b");
+        assert!(set.admits("/", "c"));
     }
 }

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 pub mod capture;
 pub mod channel;
+mod check;
 mod claim;
 mod client;
 mod close;

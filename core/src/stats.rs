@@ -159,6 +159,10 @@ pub struct SessionStats {
     /// Delayed publishes without confirms that could neither be stored
     /// nor routed (their channel was gone).
     pub delayed_lost: Counter,
+    /// Delayed publishes the broker would refuse from their publisher
+    /// (permissions, a missing exchange, ...): sent to it as they were,
+    /// for it to refuse them in the publisher's name.
+    pub delayed_denied: Counter,
     /// Recent retries and exhaustions, for the status page (the retry
     /// engine adds its own).
     pub recent: Arc<Recent>,
@@ -183,6 +187,7 @@ impl SessionStats {
             delayed_taken: Counter::default(),
             delayed_refused: Counter::default(),
             delayed_lost: Counter::default(),
+            delayed_denied: Counter::default(),
             recent: Arc::default(),
         }
     }

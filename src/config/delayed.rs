@@ -16,6 +16,15 @@ pub struct Delayed {
     pub unroutable: Unroutable,
     /// Exchange of `unroutable = "alternate"` (same routing key).
     pub alternate_exchange: Option<String>,
+    /// Most exchanges one vhost may have delayed: a declare of one more
+    /// closes its connection with 530 NOT_ALLOWED (the list is kept in the
+    /// store directory and read at every start).
+    #[serde(default = "default_max_exchanges")]
+    pub max_exchanges: usize,
+}
+
+fn default_max_exchanges() -> usize {
+    nackd_core::delayed::DEFAULT_LIMIT
 }
 
 fn default_enabled() -> bool {
@@ -28,6 +37,7 @@ impl Default for Delayed {
             enabled: default_enabled(),
             unroutable: Unroutable::default(),
             alternate_exchange: None,
+            max_exchanges: default_max_exchanges(),
         }
     }
 }
@@ -94,6 +104,9 @@ fn check_name(value: &str) -> Result<(), &'static str> {
 impl Delayed {
     pub(super) fn check(&self) -> Result<(), (String, String)> {
         let err = |key: &str, reason: String| Err((format!("delayed.{key}"), reason));
+        if !(1..=1_000_000).contains(&self.max_exchanges) {
+            return err("max_exchanges", "must be 1 .. 1000000".into());
+        }
         match (self.unroutable, &self.alternate_exchange) {
             (Unroutable::Alternate, None) => err(
                 "alternate_exchange",

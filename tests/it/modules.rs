@@ -30,3 +30,4 @@ mod retry;
 mod status_page;
 mod store;
 mod tls;
+mod trust;

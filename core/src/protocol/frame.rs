@@ -144,6 +144,10 @@ pub enum FrameError {
     /// transaction).
     #[error("not implemented by nackd: {0}")]
     NotImplemented(&'static str),
+    /// Something nackd refuses to take on (a delayed exchange beyond its
+    /// limit).
+    #[error("refused by nackd: {0}")]
+    NotAllowed(&'static str),
 }
 
 impl FrameError {
@@ -158,6 +162,7 @@ impl FrameError {
             Self::ChannelOutOfRange { .. } => ReplyCode::ChannelError,
             Self::Syntax(_) => ReplyCode::SyntaxError,
             Self::NotImplemented(_) => ReplyCode::NotImplemented,
+            Self::NotAllowed(_) => ReplyCode::NotAllowed,
         }
     }
 }

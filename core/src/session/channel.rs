@@ -195,7 +195,11 @@ pub struct Channel {
     pub exchange_declares: VecDeque<Option<super::delayed::Declared>>,
     /// `exchange.delete`s sent that the broker answers: the exchanges,
     /// forgotten as delayed at their `delete-ok`.
-    pub exchange_deletes: VecDeque<Arc<str>>,
+    pub exchange_deletes: VecDeque<Option<super::delayed::Deleted>>,
+    /// Publishes nackd took and gives back to the broker as sent, waiting
+    /// for the client content going upstream on this channel to end (they
+    /// follow it, in the client's order).
+    pub handed_over: Vec<Bytes>,
     /// Log span of this channel (a child of the connection's span).
     pub span: Option<tracing::Span>,
 }

@@ -628,6 +628,8 @@ impl Session {
     /// The broker closed channel `channel_id`: acks waiting behind a client
     /// publish there will never be applied; their copies are cancelled.
     pub(super) fn cancel_after_publish(&mut self, channel_id: u16) {
+        // The broker discards what the client sends on it until close-ok.
+        self.channels.get(channel_id).handed_over.clear();
         let waiting = std::mem::take(&mut self.channels.get(channel_id).after_publish);
         for id in waiting.into_iter().filter_map(|(_, id)| id) {
             self.effects.push_back(Effect::Cancel(id));

@@ -37,7 +37,7 @@ impl Session {
                 class,
                 AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))
             );
-            if (upstream_closed && !close_ok) || !self.on_client_method(frame.channel, &class) {
+            if (upstream_closed && !close_ok) || !self.on_client_method(frame.channel, &class)? {
                 return Ok(());
             }
         }
@@ -93,6 +93,12 @@ impl Session {
     /// frames that waited for it go upstream.
     pub(super) fn flush_after_publish(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
+        if !channel.publishing.in_flight() && !channel.handed_over.is_empty() {
+            for raw in std::mem::take(&mut channel.handed_over) {
+                self.emit_upstream(&raw);
+            }
+        }
+        let channel = self.channels.get(channel_id);
         if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
             let mut acks = false;
             for (frame, held) in std::mem::take(&mut channel.after_publish) {
@@ -113,25 +119,29 @@ impl Session {
     }
 
     /// Observes a decoded client method; `false` means "do not forward it".
-    pub(super) fn on_client_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
+    pub(super) fn on_client_method(
+        &mut self,
+        channel_id: u16,
+        class: &AMQPClass,
+    ) -> Result<bool, Fault> {
         if channel_id != 0 {
             self.on_client_channel_end(channel_id, class);
         }
         match class {
-            AMQPClass::Connection(method) => return self.on_client_connection_method(method),
             AMQPClass::Exchange(_) if channel_id != 0 => {
                 return self.on_client_exchange(channel_id, class);
             }
+            AMQPClass::Connection(method) => return Ok(self.on_client_connection_method(method)),
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
-                return self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple);
+                return Ok(self.on_settle(channel_id, Settle::Ack, a.delivery_tag, a.multiple));
             }
             AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
                 let settle = Settle::Nack(n.requeue);
-                return self.on_settle(channel_id, settle, n.delivery_tag, n.multiple);
+                return Ok(self.on_settle(channel_id, settle, n.delivery_tag, n.multiple));
             }
             AMQPClass::Basic(basic::AMQPMethod::Reject(r)) if channel_id != 0 => {
                 let settle = Settle::Reject(r.requeue);
-                return self.on_settle(channel_id, settle, r.delivery_tag, false);
+                return Ok(self.on_settle(channel_id, settle, r.delivery_tag, false));
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_))
             | AMQPClass::Basic(
@@ -151,7 +161,7 @@ impl Session {
             _ if channel_id != 0 => self.channels.get(channel_id).on_client_method(class),
             _ => {}
         }
-        true
+        Ok(true)
     }
 
     /// A close or recover of the client's channel makes the broker requeue
@@ -177,7 +187,7 @@ impl Session {
             connection::AMQPMethod::StartOk(ok) => {
                 Span::current().record("user", tracing::field::display(sasl_user(ok)));
             }
-            connection::AMQPMethod::TuneOk(tune) => self.on_tune_ok(tune),
+            connection::AMQPMethod::TuneOk(tune) => return self.on_tune_ok(tune),
             connection::AMQPMethod::Open(open) => {
                 Span::current().record("vhost", open.virtual_host.as_str());
                 if let Some(state) = self.scope.as_mut() {
@@ -210,21 +220,36 @@ impl Session {
         true
     }
 
-    pub(super) fn on_tune_ok(&mut self, tune: &connection::TuneOk) {
+    /// The client's `tune-ok`; `false`: nackd sent the broker its own
+    /// (one channel more: the one it reserves, see `check`).
+    pub(super) fn on_tune_ok(&mut self, tune: &connection::TuneOk) -> bool {
         let frame_max = match tune.frame_max {
             0 => self.limits.max_frame,
             n => n.min(self.limits.max_frame),
         };
         self.client_decoder.set_frame_max(frame_max);
         self.upstream_decoder.set_frame_max(frame_max);
-        self.channel_max = tune.channel_max;
         self.heartbeat = Duration::from_secs(tune.heartbeat.into());
+        let (client, upstream) = match self.reserves_channel() {
+            true => self.checks.tuned(tune.channel_max),
+            false => (tune.channel_max, tune.channel_max),
+        };
+        self.channel_max = client;
         debug!(
             frame_max,
-            channel_max = tune.channel_max,
+            channel_max = client,
+            reserved = ?self.checks.channel(),
             heartbeat = tune.heartbeat,
             "tuned"
         );
+        if upstream == tune.channel_max {
+            return true;
+        }
+        let mut ok = tune.clone();
+        ok.channel_max = upstream;
+        let ok = AMQPClass::Connection(connection::AMQPMethod::TuneOk(ok));
+        self.emit_upstream(&method::encode(0, &ok));
+        false
     }
 
     /// After a client fault only the close handshake matters.

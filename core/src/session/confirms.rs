@@ -67,6 +67,15 @@ impl Renumber {
         self.forwarded.push_back(0);
     }
 
+    /// A publish nackd took goes to the broker after all (the broker would
+    /// refuse it: it does so itself): the broker's confirm of its next
+    /// publish is the publisher's for `tag`.
+    pub fn hand_over(&mut self, tag: u64) {
+        if self.taken.remove(&tag) {
+            self.forwarded.push_back(tag);
+        }
+    }
+
     /// nackd takes the next publish: its number, for [`Renumber::answer`].
     pub fn take(&mut self) -> u64 {
         let tag = self.next;
@@ -121,8 +130,11 @@ impl Renumber {
                 self.base += 1;
             }
         }
-        if let Some(&top) = covered.last() {
-            if multiple && self.taken.range(..top).next().is_none() {
+        // A publish handed over goes to the broker after later ones: the
+        // highest covered is not always the last.
+        if let Some(&top) = covered.iter().max() {
+            let older_open = self.forwarded.iter().any(|t| *t != 0 && *t < top);
+            if multiple && !older_open && self.taken.range(..top).next().is_none() {
                 // Nothing below `top` waits for nackd: one frame says it all.
                 self.before_open = false;
                 return vec![Confirm {

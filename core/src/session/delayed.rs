@@ -2,29 +2,36 @@
 //! delayed-message plugin's `x-delayed-message` exchanges.
 //!
 //! - `exchange.declare` of that type with `x-delayed-type = T` goes to the
-//!   broker as type `T` (its arguments kept), and the exchange is
-//!   remembered ([`crate::delayed::DelayedExchanges`], durable before the
-//!   declare leaves); `exchange.delete` forgets it.
-//! - A `basic.publish` to a delayed exchange is held until its content
-//!   header says whether it carries `x-delay` > 0. If not, it goes to the
-//!   broker as sent. If so, the whole message is taken: parked with
-//!   [`Route::Delayed`] (the engine publishes it to the exchange when
-//!   due), and on a confirm channel the publisher's `basic.ack` goes once
-//!   it is stored (`basic.nack` if it cannot be); [`Renumber`] keeps the
-//!   publisher's delivery tags its own while some publishes go to the
-//!   broker and some to nackd.
+//!   broker as type `T` (its arguments kept), in its waiting form even when
+//!   the client sent `nowait` (whose `declare-ok` then stays with nackd):
+//!   the exchange becomes delayed ([`crate::delayed::DelayedExchanges`])
+//!   only once the broker said yes to the client's own declare. A delete
+//!   of a delayed exchange likewise: it is forgotten at the broker's
+//!   `delete-ok`, a refused one leaves it delayed.
+//! - A `basic.publish` to a delayed exchange (or to one whose delayed
+//!   declare waits for the broker) is held until its content header says
+//!   whether it carries `x-delay` > 0. If not, it goes to the broker as
+//!   sent. If so, the whole message is taken, and the broker is asked
+//!   whether it would take that publish from this client (`check`: the
+//!   reserved channel); a publish it would refuse goes to the broker as
+//!   sent, so that the client gets the broker's own refusal. One it would
+//!   take is parked with [`Route::Delayed`] (the engine publishes it to the
+//!   exchange when due), and on a confirm channel the publisher's
+//!   `basic.ack` goes once it is stored (`basic.nack` if it cannot be);
+//!   [`Renumber`] keeps the publisher's delivery tags its own while some
+//!   publishes go to the broker and some to nackd.
 //! - On a `tx.select` channel a delayed publish closes the connection
 //!   with 540 NOT_IMPLEMENTED: nackd cannot make it part of a transaction.
 
 use std::sync::Arc;
 
-use amq_protocol::protocol::exchange;
-use amq_protocol::protocol::AMQPClass;
+use amq_protocol::protocol::{channel as amqp_channel, exchange, AMQPClass};
 use amq_protocol::types::AMQPValue;
 use bytes::{Bytes, BytesMut};
 use tracing::{debug, warn};
 
 use super::capture::Reservation;
+use super::check::Verdict;
 use super::confirms::{Confirm, Renumber};
 use super::machine::{Effect, Session};
 use super::peer::Fault;
@@ -59,15 +66,20 @@ pub struct Taking {
 }
 
 /// A publish nackd took, until the store answers.
-#[derive(Debug)]
 pub(super) struct Taken {
     channel: u16,
     epoch: u64,
+    /// The exchange it was published to.
+    exchange: Arc<str>,
     /// The publisher's tag, on a confirm channel.
     tag: Option<u64>,
-    /// The whole publish as sent, on a channel without confirms: if it
-    /// cannot be stored it goes to the broker at once rather than nowhere.
+    /// The whole publish as sent: it goes to the broker if the broker
+    /// would refuse it from this client (the refusal is then the broker's
+    /// own), and on a channel without confirms if it cannot be stored
+    /// (routed at once rather than nowhere).
     raw: Option<Bytes>,
+    /// What is parked once the broker said it would take the publish.
+    park: Option<Park>,
     /// The settle timeout gave it up (the publisher got a nack): a late
     /// stored copy is dropped.
     given_up: bool,
@@ -79,8 +91,16 @@ pub struct Declared {
     name: Arc<str>,
     /// The real type it set.
     kind: String,
-    /// Its registry entry (real type) before this declare, if delayed.
-    before: Option<String>,
+    /// The client sent `nowait`: the broker's `declare-ok` is nackd's.
+    swallow: bool,
+}
+
+/// An `exchange.delete` of a delayed exchange the broker has not answered.
+#[derive(Debug)]
+pub struct Deleted {
+    name: Arc<str>,
+    /// The client sent `nowait`: the broker's `delete-ok` is nackd's.
+    swallow: bool,
 }
 
 impl Taken {
@@ -97,14 +117,19 @@ impl Taken {
 
 impl Session {
     /// `exchange.declare` / `exchange.delete` of the client; `false`: do not
-    /// forward it (nackd sent its own version). The registry follows the
-    /// broker: a delayed declare is remembered before it leaves and
-    /// forgotten again if the broker refuses it; a delete is acted on at
-    /// its `delete-ok` (one refused, `if-unused` while bound, leaves the
-    /// exchange delayed: its publishes must not start arriving early).
-    pub(super) fn on_client_exchange(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
+    /// forward it (nackd sent its own version). The delayed exchanges
+    /// follow the broker: a delayed declare, or a delete of a delayed
+    /// exchange, goes in its waiting form and counts once the broker
+    /// accepted it (a refused one changes nothing); until then publishes to
+    /// that exchange are taken and their checks wait (`check`), so that no
+    /// check overtakes the change on another channel.
+    pub(super) fn on_client_exchange(
+        &mut self,
+        channel_id: u16,
+        class: &AMQPClass,
+    ) -> Result<bool, Fault> {
         let Some(state) = self.scope.as_ref() else {
-            return true;
+            return Ok(true);
         };
         let registry = state.shared.delayed.clone();
         let vhost = state.vhost.clone();
@@ -115,41 +140,58 @@ impl Session {
                 let Some(real) = d.arguments.inner().get(TYPE_ARG).and_then(text) else {
                     // As the plugin's absence would: the broker refuses the type.
                     self.expect_declare_ok(channel_id, d.nowait, None);
-                    return true;
+                    return Ok(true);
                 };
-                let name = d.exchange.as_str();
-                debug!(exchange = name, kind = %real, "delayed exchange declared");
-                let before = registry.kind(&vhost, name);
-                registry.declare(&vhost, name, &real);
+                let name: Arc<str> = Arc::from(d.exchange.as_str());
+                if !registry.admits(&vhost, &name) && !self.declaring.contains_key(&name) {
+                    warn!(exchange = %name, limit = registry.limit(), "a delayed exchange beyond the limit of its vhost: refused");
+                    return Err(FrameError::NotAllowed(
+                        "a delayed exchange beyond the limit of its vhost ([delayed] max_exchanges)",
+                    ));
+                }
+                debug!(exchange = %name, kind = %real, "delayed exchange declared");
                 let declared = Declared {
-                    name: Arc::from(name),
+                    name: name.clone(),
                     kind: real.clone(),
-                    before,
+                    swallow: d.nowait,
                 };
-                self.expect_declare_ok(channel_id, d.nowait, Some(declared));
+                self.expect_declare_ok(channel_id, false, Some(declared));
+                *self.declaring.entry(name).or_default() += 1;
+                self.checks.hold();
                 let mut declare = d.clone();
                 declare.kind = real.as_str().into();
+                declare.nowait = false;
                 let class = AMQPClass::Exchange(exchange::AMQPMethod::Declare(declare));
                 self.emit_upstream(&method::encode(channel_id, &class));
-                false
+                Ok(false)
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) => {
                 self.expect_declare_ok(channel_id, d.nowait, None);
-                true
-            }
-            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) if d.nowait => {
-                registry.delete(&vhost, d.exchange.as_str());
-                true
+                Ok(true)
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
-                let name = Arc::from(d.exchange.as_str());
-                self.channels
-                    .get(channel_id)
-                    .exchange_deletes
-                    .push_back(name);
-                true
+                let name: Arc<str> = Arc::from(d.exchange.as_str());
+                let delayed =
+                    registry.is_delayed(&vhost, &name) || self.declaring.contains_key(&name);
+                let deletes = &mut self.channels.get(channel_id).exchange_deletes;
+                if !delayed {
+                    if !d.nowait {
+                        deletes.push_back(None);
+                    }
+                    return Ok(true);
+                }
+                deletes.push_back(Some(Deleted {
+                    name,
+                    swallow: d.nowait,
+                }));
+                self.checks.hold();
+                let mut delete = d.clone();
+                delete.nowait = false;
+                let class = AMQPClass::Exchange(exchange::AMQPMethod::Delete(delete));
+                self.emit_upstream(&method::encode(channel_id, &class));
+                Ok(false)
             }
-            _ => true,
+            _ => Ok(true),
         }
     }
 
@@ -160,43 +202,63 @@ impl Session {
         }
     }
 
-    /// The broker's `exchange.declare-ok` / `delete-ok` on a channel.
-    pub(super) fn on_broker_exchange_ok(&mut self, channel_id: u16, delete: bool) {
+    /// The broker's `exchange.declare-ok` / `delete-ok` on a channel: a
+    /// delayed declare or delete counts now. `false`: the client sent
+    /// `nowait`, the answer is nackd's.
+    pub(super) fn on_broker_exchange_ok(&mut self, channel_id: u16, delete: bool) -> bool {
         let channel = self.channels.get(channel_id);
-        if !delete {
-            channel.exchange_declares.pop_front();
-            return;
-        }
-        let Some(name) = channel.exchange_deletes.pop_front() else {
-            return;
+        let (name, swallow) = match delete {
+            false => match channel.exchange_declares.pop_front() {
+                Some(Some(declared)) => {
+                    if let Some(state) = self.scope.as_ref() {
+                        let registry = &state.shared.delayed;
+                        registry.declare(&state.vhost, &declared.name, &declared.kind);
+                    }
+                    self.end_declaring(&declared.name);
+                    (declared.name, declared.swallow)
+                }
+                _ => return true,
+            },
+            true => match channel.exchange_deletes.pop_front() {
+                Some(Some(deleted)) => {
+                    if let Some(state) = self.scope.as_ref() {
+                        state.shared.delayed.delete(&state.vhost, &deleted.name);
+                    }
+                    (deleted.name, deleted.swallow)
+                }
+                _ => return true,
+            },
         };
-        if let Some(state) = self.scope.as_ref() {
-            state.shared.delayed.delete(&state.vhost, &name);
+        debug!(exchange = %name, delete, "the broker accepted a change to the delayed exchanges");
+        self.checks.release(&mut self.to_upstream);
+        !swallow
+    }
+
+    /// A delayed declare of `name` is answered (yes or no).
+    fn end_declaring(&mut self, name: &Arc<str>) {
+        if let Some(n) = self.declaring.get_mut(name) {
+            *n -= 1;
+            if *n == 0 {
+                self.declaring.remove(name);
+            }
         }
     }
 
-    /// The broker closes a channel: declares it has not answered were
-    /// refused (or never done), deletes likewise.
+    /// The broker closes a channel: declares and deletes it has not
+    /// answered were refused (or never done): the delayed exchanges stay
+    /// as they were.
     pub(super) fn on_broker_channel_close_exchanges(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        channel.exchange_deletes.clear();
-        let refused = std::mem::take(&mut channel.exchange_declares);
-        let Some(state) = self.scope.as_ref() else {
-            return;
-        };
-        // The latest refused declare first: the entry before the earliest.
-        for declared in refused.into_iter().flatten().rev() {
-            let registry = &state.shared.delayed;
+        let deletes = std::mem::take(&mut channel.exchange_deletes);
+        let declares = std::mem::take(&mut channel.exchange_declares);
+        for declared in declares.into_iter().flatten() {
             debug!(exchange = %declared.name, "the broker refused a delayed declare");
-            if registry.kind(&state.vhost, &declared.name) != Some(declared.kind) {
-                // Another session declared it since (maybe the declare
-                // the broker did take): its entry stays.
-                continue;
-            }
-            match declared.before {
-                Some(kind) => registry.declare(&state.vhost, &declared.name, &kind),
-                None => registry.delete(&state.vhost, &declared.name),
-            }
+            self.end_declaring(&declared.name);
+            self.checks.release(&mut self.to_upstream);
+        }
+        for deleted in deletes.into_iter().flatten() {
+            debug!(exchange = %deleted.name, "the broker refused a delete of a delayed exchange");
+            self.checks.release(&mut self.to_upstream);
         }
     }
 
@@ -214,7 +276,7 @@ impl Session {
         if channel.confirm {
             channel.published += 1;
         }
-        if state.shared.delayed.none() {
+        if state.shared.delayed.none() && self.declaring.is_empty() {
             // The pass-through path: no exchange is delayed, nothing to read.
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
@@ -230,8 +292,11 @@ impl Session {
         };
         // On a channel the broker closed, it discards what the client
         // still sends: nackd must not deliver it later either.
-        let delayed = exchange
-            .filter(|x| !channel.closing && state.shared.delayed.is_delayed(&state.vhost, x));
+        let declaring = &self.declaring;
+        let delayed = exchange.filter(|x| {
+            !channel.closing
+                && (state.shared.delayed.is_delayed(&state.vhost, x) || declaring.contains_key(*x))
+        });
         let Some(exchange) = delayed else {
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
@@ -382,11 +447,9 @@ impl Session {
             self.flush_after_publish(channel_id);
             return;
         }
-        let raw = tag.is_none().then(|| {
-            let mut raw = BytesMut::from(&taking.method[..]);
-            raw.extend_from_slice(&taking.content);
-            raw.freeze()
-        });
+        let mut raw = BytesMut::from(&taking.method[..]);
+        raw.extend_from_slice(&taking.content);
+        let raw = raw.freeze();
         let seq = self.claims + 1;
         let key = ClaimKey {
             channel: channel_id,
@@ -408,8 +471,25 @@ impl Session {
             header,
             body: taking.body.freeze(),
         };
-        debug!(exchange = %taking.exchange, delay_ms, ?tag, "delayed publish taken; storing");
-        self.effects.push_back(Effect::Park(park));
+        // The broker's word first: nothing is stored that it would refuse.
+        self.upstream_tx = self.now;
+        if !self.checks.ask(seq, &raw, &mut self.to_upstream) {
+            // No channel to ask on (the broker allows the client one).
+            self.stats.delayed_refused.inc();
+            match tag {
+                Some(tag) => {
+                    warn!(exchange = %taking.exchange, "cannot check a delayed publish (no channel to spare): the publisher gets a nack");
+                    self.answer_taken(channel_id, epoch, tag, false);
+                }
+                None => {
+                    warn!(exchange = %taking.exchange, "cannot check a delayed publish (no channel to spare; no confirms on its channel): it is routed at once");
+                    self.emit_upstream(&raw);
+                }
+            }
+            self.flush_after_publish(channel_id);
+            return;
+        }
+        debug!(exchange = %taking.exchange, delay_ms, ?tag, "delayed publish taken; asking the broker");
         self.claims = seq;
         self.unanswered.insert(seq, self.now);
         self.channels.get(channel_id).last_claim = seq;
@@ -418,12 +498,139 @@ impl Session {
             Taken {
                 channel: channel_id,
                 epoch,
+                exchange: taking.exchange,
                 tag,
-                raw,
+                raw: Some(raw),
+                park: Some(park),
                 given_up: false,
             },
         );
         self.flush_after_publish(channel_id);
+    }
+
+    /// Whether nackd reserves a channel on this session's upstream
+    /// connection to check delayed publishes (it emulates the type).
+    pub(super) fn reserves_channel(&self) -> bool {
+        self.scope
+            .as_ref()
+            .is_some_and(|s| s.shared.delayed.enabled())
+    }
+
+    /// A frame the broker sent on the reserved channel (never the
+    /// client's).
+    pub(super) fn on_check_frame(&mut self, frame: &Frame) -> Result<(), Fault> {
+        if frame.kind != FrameType::Method {
+            return Ok(());
+        }
+        let class = method::decode_any(frame.payload_slice())?;
+        match self.checks.on_broker_method(&class, &mut self.to_upstream) {
+            Some(Verdict::Granted(seq)) => self.on_granted(seq),
+            Some(Verdict::Refused(seq)) => {
+                if let AMQPClass::Channel(amqp_channel::AMQPMethod::Close(c)) = &class {
+                    debug!(
+                        code = c.reply_code,
+                        text = c.reply_text.as_str(),
+                        "the broker refuses a delayed publish from this client"
+                    );
+                }
+                self.on_refused(seq);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// The broker would take publish `seq` from this client: it is parked
+    /// (unless given up meanwhile, or its exchange is no longer delayed:
+    /// then it goes to the broker as sent).
+    fn on_granted(&mut self, seq: u64) {
+        let Some(taken) = self.taken.get_mut(&seq) else {
+            return;
+        };
+        let still_delayed = self.declaring.contains_key(&taken.exchange)
+            || self
+                .scope
+                .as_ref()
+                .is_some_and(|s| s.shared.delayed.is_delayed(&s.vhost, &taken.exchange));
+        if taken.given_up || !still_delayed {
+            let taken = self.taken.remove(&seq).expect("looked up above");
+            self.unanswered.remove(&seq);
+            if !taken.given_up {
+                debug!(exchange = %taken.exchange, "its exchange is not delayed after all: the publish goes to the broker as sent");
+                self.hand_over(taken);
+            }
+            self.release_if_settled();
+            return;
+        }
+        let park = taken.park.take().expect("a check is answered once");
+        if taken.tag.is_some() {
+            // Only a publish without confirms goes at once if it cannot
+            // be stored.
+            taken.raw = None;
+        }
+        self.effects.push_back(Effect::Park(park));
+    }
+
+    /// The broker would refuse publish `seq` from this client: it goes to
+    /// the broker as sent, on its channel, for the broker to refuse it
+    /// there in the client's name, as it would without nackd.
+    fn on_refused(&mut self, seq: u64) {
+        let Some(taken) = self.taken.remove(&seq) else {
+            return;
+        };
+        self.unanswered.remove(&seq);
+        self.stats.delayed_denied.inc();
+        if !taken.given_up {
+            self.hand_over(taken);
+        }
+        self.release_if_settled();
+    }
+
+    /// A publish nackd took goes to the broker as sent, on its channel
+    /// (unless that channel is gone: the broker would discard it).
+    /// `false`: it did not go.
+    fn hand_over(&mut self, taken: Taken) -> bool {
+        let Some(raw) = taken.raw else {
+            return false;
+        };
+        let alive = self
+            .channels
+            .get_epoch(taken.channel, taken.epoch)
+            .is_some_and(|c| !c.closing)
+            && self.upstream_takes_acks();
+        if !alive {
+            return false;
+        }
+        let channel = self.channels.get(taken.channel);
+        match taken.tag {
+            // The broker numbers it now: its confirm is the publisher's.
+            Some(tag) => {
+                if let Some(r) = channel.renumber.as_mut() {
+                    r.hand_over(tag);
+                }
+            }
+            None if channel.confirm => {
+                // `confirm.select` came since: the broker numbers this
+                // publish, its publisher does not. The next publish the
+                // publisher numbers is one not yet accounted for.
+                let next = channel.published + 1 - u64::from(channel.taking.is_some());
+                channel
+                    .renumber
+                    .get_or_insert_with(|| Box::new(Renumber::new(next)))
+                    .extra();
+            }
+            None => {}
+        }
+        if channel.taking.is_some() || !channel.publishing.in_flight() {
+            // In the client's order (behind a barrier if one is up); a
+            // publish nackd is reading sent nothing upstream yet, and its
+            // number comes after this one's.
+            self.emit_upstream(&raw);
+        } else {
+            // After the client content going upstream on this channel.
+            channel.handed_over.push(raw);
+        }
+        true
     }
 
     /// Sends a whole publish nackd held to the broker (frames of nackd's
@@ -462,52 +669,23 @@ impl Session {
             }
             (Err(e), false) => {
                 self.stats.delayed_refused.inc();
-                match (taken.tag, taken.raw) {
-                    (Some(tag), _) => {
+                match taken.tag {
+                    Some(tag) => {
                         warn!(error = %e, "cannot store a delayed publish: the publisher gets a nack");
                         self.answer_taken(taken.channel, taken.epoch, tag, false);
                     }
-                    (None, Some(raw)) => self.route_now(taken.channel, taken.epoch, raw, &e),
-                    (None, None) => {}
+                    // Early rather than nowhere: routed at once.
+                    None if self.hand_over(taken) => {
+                        warn!(error = %e, "cannot store a delayed publish (no confirms on its channel): it is routed at once");
+                    }
+                    None => {
+                        tracing::error!(error = %e, "cannot store a delayed publish, and its channel is gone: the message is lost (its publisher used no confirms)");
+                        self.stats.delayed_lost.inc();
+                    }
                 }
             }
         }
         self.release_if_settled();
-    }
-
-    /// A publish without confirms nackd could not store goes to the broker
-    /// at once (early, rather than nowhere), unless its channel is gone.
-    fn route_now(&mut self, channel_id: u16, epoch: u64, raw: Bytes, e: &StoreError) {
-        let alive = self
-            .channels
-            .get_epoch(channel_id, epoch)
-            .is_some_and(|c| !c.closing)
-            && self.upstream_takes_acks();
-        if alive {
-            warn!(error = %e, "cannot store a delayed publish (no confirms on its channel): it is routed at once");
-            let channel = self.channels.get(channel_id);
-            if channel.confirm {
-                // `confirm.select` came since: the broker numbers this
-                // publish, its publisher does not. The next publish the
-                // publisher numbers is one not yet accounted for.
-                let next = channel.published + 1 - u64::from(channel.taking.is_some());
-                channel
-                    .renumber
-                    .get_or_insert_with(|| Box::new(Renumber::new(next)))
-                    .extra();
-            }
-            if channel.taking.is_some() {
-                // Nothing of the publish nackd is reading went upstream:
-                // this one goes first (after what waits behind a barrier),
-                // as the broker numbers it.
-                self.emit_upstream(&raw);
-                return;
-            }
-            self.send_own(channel_id, raw, None);
-        } else {
-            tracing::error!(error = %e, "cannot store a delayed publish, and its channel is gone: the message is lost (its publisher used no confirms)");
-            self.stats.delayed_lost.inc();
-        }
     }
 
     /// The settle timeout gives up taken publishes among `seqs`: no longer

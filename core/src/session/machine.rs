@@ -83,6 +83,12 @@ pub struct Session {
     pub(super) deferrals: Deferrals,
     /// Delayed publishes taken, until the store answers: claim number → it.
     pub(super) taken: BTreeMap<u64, super::delayed::Taken>,
+    /// The broker's word on delayed publishes (the reserved channel).
+    pub(super) checks: super::check::Checks,
+    /// Delayed declares of this session the broker has not answered, by
+    /// exchange: publishes to them are taken meanwhile (a publish sent
+    /// right after a declare must not go out at once).
+    pub(super) declaring: std::collections::HashMap<Arc<str>, usize>,
     pub(super) stats: Arc<SessionStats>,
 }
 
@@ -126,6 +132,8 @@ impl Session {
             release_at: None,
             deferrals: Deferrals::new(stats.deferred_now.clone()),
             taken: BTreeMap::new(),
+            checks: super::check::Checks::default(),
+            declaring: std::collections::HashMap::new(),
             stats,
         }
     }

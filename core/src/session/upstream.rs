@@ -21,6 +21,9 @@ impl Session {
     }
 
     pub(super) fn on_upstream_frame(&mut self, frame: Frame) -> Result<(), Fault> {
+        if frame.channel != 0 && self.checks.channel() == Some(frame.channel) {
+            return self.on_check_frame(&frame);
+        }
         let span = self.channel_span(frame.channel);
         let _in_channel = span.enter();
         if let Some(class) = self.inspect(Peer::Upstream, &frame)? {
@@ -45,11 +48,20 @@ impl Session {
     pub(super) fn on_upstream_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         match class {
             AMQPClass::Connection(connection::AMQPMethod::Tune(tune))
-                if tune.frame_max == 0 || tune.frame_max > self.limits.max_frame =>
+                if tune.frame_max == 0
+                    || tune.frame_max > self.limits.max_frame
+                    || self.reserves_channel() =>
             {
-                // Offer the client no more than nackd accepts.
+                // Offer the client no more than nackd accepts, and one
+                // channel fewer when nackd reserves one (`check`).
                 let mut capped = tune.clone();
-                capped.frame_max = self.limits.max_frame;
+                capped.frame_max = match tune.frame_max {
+                    0 => self.limits.max_frame,
+                    n => n.min(self.limits.max_frame),
+                };
+                if self.reserves_channel() {
+                    capped.channel_max = self.checks.offer(tune.channel_max);
+                }
                 let tune = AMQPClass::Connection(connection::AMQPMethod::Tune(capped));
                 self.to_client.extend_from_slice(&method::encode(0, &tune));
                 return false;
@@ -85,10 +97,10 @@ impl Session {
                 self.cancel_after_publish(channel_id);
             }
             AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) if channel_id != 0 => {
-                self.on_broker_exchange_ok(channel_id, false);
+                return self.on_broker_exchange_ok(channel_id, false);
             }
             AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(_)) if channel_id != 0 => {
-                self.on_broker_exchange_ok(channel_id, true);
+                return self.on_broker_exchange_ok(channel_id, true);
             }
             AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel_id != 0 => {
                 return !self.on_broker_confirm(channel_id, true, a.delivery_tag, a.multiple);

@@ -74,6 +74,7 @@ fn fired_with(
         enabled: true,
         unroutable,
         alternate_exchange: alternate.map(str::to_string),
+        ..Delayed::default()
     };
     let start = crate::retry::Start {
         dir: dir.to_owned(),

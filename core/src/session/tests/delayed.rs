@@ -49,7 +49,18 @@ impl Pair {
         self.client_got();
     }
 
-    /// Declares `X` as a delayed exchange of real type `direct`.
+    /// Declares `X` as a delayed exchange and the broker accepts it.
+    fn declared(&mut self, ch: u16) {
+        self.declare_delayed(ch);
+        self.broker(&frame_of(
+            ch,
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+        ));
+        self.client_got();
+    }
+
+    /// Declares `X` as a delayed exchange of real type `direct` (the broker
+    /// has not answered yet).
     fn declare_delayed(&mut self, ch: u16) -> Vec<String> {
         let mut args = FieldTable::default();
         args.insert(
@@ -98,6 +109,8 @@ impl Pair {
         );
         put_frame(&mut out, FrameType::Body, ch, b"abc");
         self.client(&out);
+        // The broker would take it from this client (see `check`).
+        self.grant_checks();
     }
 }
 
@@ -139,8 +152,12 @@ fn a_delayed_declare_goes_as_its_real_type_and_is_remembered() {
         }
         other => panic!("{other:?}"),
     }
-    let shared = &p.s.scope.as_ref().unwrap().shared;
-    assert!(shared.delayed.is_delayed("/", X));
+    assert!(!p.is_delayed(), "not before the broker accepted it");
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    assert!(p.is_delayed());
     p.client(&frame_of(
         1,
         AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
@@ -161,7 +178,7 @@ fn a_delayed_declare_goes_as_its_real_type_and_is_remembered() {
 fn publishes_without_a_positive_integer_delay_go_as_sent() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     for delay in [
         None,
         ms(0),
@@ -178,7 +195,7 @@ fn publishes_without_a_positive_integer_delay_go_as_sent() {
 fn a_delayed_publish_is_confirmed_by_nackd_in_the_publishers_numbering() {
     let mut p = pair();
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, None); // publisher 1 = broker 1
     p.publish(1, ms(5000)); // publisher 2: nackd's
     p.publish(1, None); // publisher 3 = broker 2
@@ -221,7 +238,7 @@ fn a_delayed_publish_is_confirmed_by_nackd_in_the_publishers_numbering() {
 fn a_delayed_publish_the_store_refuses_is_nacked() {
     let mut p = pair();
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     let parks = p.take_parks();
     p.answer(&parks[0], Err(StoreError::Full("test".into())));
@@ -232,7 +249,7 @@ fn a_delayed_publish_the_store_refuses_is_nacked() {
 fn a_delayed_publish_on_a_tx_channel_closes_the_connection_with_540() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.client(&frame_of(
         1,
         AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})),
@@ -259,7 +276,7 @@ fn a_delayed_publish_on_a_tx_channel_closes_the_connection_with_540() {
 fn a_channel_close_waits_for_the_store_to_answer_a_delayed_publish() {
     let mut p = pair();
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     p.client(&super::channel_close(1));
     assert!(p.upstream().is_empty(), "the close waits for the store");
@@ -279,7 +296,7 @@ fn nackds_confirm_never_splits_a_content_to_the_client() {
             nowait: false,
         })),
     ));
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     p.client_got();
     // A delivery on channel 1 has begun: deliver and header, body to come.
@@ -315,7 +332,7 @@ fn nackds_confirm_never_splits_a_content_to_the_client() {
 fn a_session_that_ends_keeps_its_delayed_publishes() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     p.publish(1, ms(200));
     let parks = p.take_parks();
@@ -336,7 +353,7 @@ fn a_session_that_ends_keeps_its_delayed_publishes() {
 fn a_delayed_message_is_stored_with_its_delay_spent() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, Some(AMQPValue::LongInt(2500)));
     let parks = p.take_parks();
     let h = crate::protocol::content::decode_header(&parks[0].header).unwrap();
@@ -352,7 +369,7 @@ fn a_delayed_message_is_stored_with_its_delay_spent() {
 fn the_largest_x_delay_is_held_a_century_not_wrapped() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(i64::MAX));
     let parks = p.take_parks();
     assert_eq!(
@@ -392,11 +409,7 @@ impl Pair {
 fn a_delete_the_broker_refuses_leaves_the_exchange_delayed() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
-    p.broker(&frame_of(
-        1,
-        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
-    ));
+    p.declared(1);
     p.open(2, false);
     p.delete(2, true);
     assert!(
@@ -435,7 +448,7 @@ fn a_delayed_declare_the_broker_refuses_is_not_remembered() {
 fn a_delayed_publish_without_confirms_outlives_the_settle_timeout() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     p.client(&super::channel_close(1));
     assert!(p.upstream().is_empty(), "the close waits for the store");
@@ -451,7 +464,7 @@ fn a_delayed_publish_without_confirms_outlives_the_settle_timeout() {
     // Likewise when the session ends before the store answers.
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     p.client(&super::channel_close(1));
     p.time_passes(super::SETTLE_TIMEOUT);
@@ -490,6 +503,7 @@ impl Pair {
             put_frame(&mut out, FrameType::Body, ch, chunk);
         }
         self.client(&out);
+        self.grant_checks();
     }
 }
 
@@ -498,7 +512,7 @@ fn a_delayed_publish_beyond_the_memory_budget_is_not_buffered() {
     // A budget of 4 KB: a 10 KB delayed publish does not fit.
     let mut p = super::pair_with("delays = [\"1m\"]", 4096);
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish_big(1, 10_000);
     assert!(p.take_parks().is_empty());
     assert!(p.upstream().is_empty(), "never routed early");
@@ -546,11 +560,7 @@ fn a_delayed_publish_beyond_the_memory_budget_is_not_buffered() {
 fn a_delayed_publish_after_the_broker_closed_its_channel_is_not_taken() {
     let mut p = pair();
     p.open(1, true);
-    p.declare_delayed(1);
-    p.broker(&frame_of(
-        1,
-        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
-    ));
+    p.declared(1);
     // An earlier publish failed (say 404): the broker closes the channel
     // and discards what the client pipelined after it.
     p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
@@ -610,7 +620,7 @@ fn a_publish_with_a_routing_key_that_is_not_utf8_goes_as_sent() {
         let sent = publish_binary_key(1, "plain", ms(100));
         p.client(&sent);
         assert_eq!(&std::mem::take(p.s.transmit().1)[..], &sent[..]);
-        p.declare_delayed(1);
+        p.declared(1);
     }
     p.broker(&method::ack(1, 2, true));
     assert_eq!(p.client_got(), ["ack 2+"]);
@@ -633,7 +643,7 @@ fn a_publish_with_a_routing_key_that_is_not_utf8_goes_as_sent() {
 fn a_delayed_publish_whose_channel_the_broker_closes_midway_is_not_taken() {
     let mut p = pair();
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     let mut all = BytesMut::new();
     p.publish_into(&mut all, 1, ms(100));
     let body_at = all.len() - (8 + 3);
@@ -674,7 +684,7 @@ impl Pair {
 fn a_publish_routed_at_once_after_confirm_select_takes_no_publisher_tag() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100)); // no confirms yet: taken, publisher tag none
     p.client(&frame_of(
         1,
@@ -700,7 +710,7 @@ fn a_publish_routed_at_once_after_confirm_select_takes_no_publisher_tag() {
 fn a_delayed_publish_without_confirms_refused_after_the_session_ended_is_counted_lost() {
     let mut p = pair();
     p.open(1, false);
-    p.declare_delayed(1);
+    p.declared(1);
     p.publish(1, ms(100));
     let parks = p.take_parks();
     p.s.end([crate::held::Parked {
@@ -712,22 +722,325 @@ fn a_delayed_publish_without_confirms_refused_after_the_session_ended_is_counted
 
 /// A publisher whose every frame nackd takes still owes the broker its
 /// heartbeats: without them the broker closes the connection after two.
+/// nackd's checks of those publishes are frames the broker hears (and
+/// where there are none, nackd sends a heartbeat: see `tick`).
 #[test]
 fn a_publisher_of_delayed_messages_only_keeps_its_broker_connection_alive() {
     let mut p = pair();
     p.client(&super::tune_ok(2));
     p.open(1, true);
-    p.declare_delayed(1);
+    p.declared(1);
     p.upstream();
-    let mut heartbeats = 0;
-    for _ in 0..12 {
+    p.checks.clear();
+    let mut silent = 0;
+    for i in 0..12 {
         p.publish(1, ms(60_000));
         p.store(true);
         p.time_passes(std::time::Duration::from_millis(500));
         p.timer_fires();
-        heartbeats += p.upstream().iter().filter(|f| *f == "heartbeat").count();
+        let sent = p.upstream();
+        match sent.is_empty() && p.checks.is_empty() {
+            true => silent += 1,
+            false => silent = 0,
+        }
+        assert!(silent < 2, "the broker heard nothing for a second ({i})");
+        p.checks.clear();
         p.broker(&crate::protocol::method::heartbeat());
     }
-    // 6 s of publishes nackd took: a heartbeat at least every second.
-    assert!(heartbeats >= 5, "{heartbeats} heartbeats in 6 s");
+}
+
+impl Pair {
+    /// A publish to `X` with `x-delay`, whose check the test answers.
+    fn publish_unanswered(&mut self, ch: u16, delay: Option<AMQPValue>) {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&frame_of(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: X.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut h = FieldTable::default();
+        if let Some(d) = delay {
+            h.insert("x-delay".into(), d);
+        }
+        let props = BasicProperties::default().with_headers(h);
+        put_frame(
+            &mut out,
+            FrameType::Header,
+            ch,
+            &encode_header(60, 3, &props),
+        );
+        put_frame(&mut out, FrameType::Body, ch, b"abc");
+        self.client(&out);
+    }
+
+    /// The broker refuses the oldest check: it closes the reserved channel.
+    fn refuse_check(&mut self) {
+        let reserved = self.s.checks.channel().unwrap();
+        self.broker(&method::channel_close(
+            reserved,
+            crate::protocol::reply::ReplyCode::CommandInvalid,
+            "ACCESS_REFUSED - write access to exchange 'waits' in vhost '/' refused for user 'ro'",
+        ));
+    }
+
+    /// A nowait declare of `X` as delayed.
+    fn declare_nowait(&mut self, ch: u16) {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-delayed-type".into(),
+            AMQPValue::LongString(LongString::from("direct")),
+        );
+        self.client(&frame_of(
+            ch,
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange: X.into(),
+                kind: "x-delayed-message".into(),
+                passive: false,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                nowait: true,
+                arguments: args,
+            })),
+        ));
+    }
+}
+
+/// Trust, item 1: the broker is asked, in the publisher's name, before a
+/// delayed publish is held; one it would refuse goes to it as sent, and
+/// the refusal the client gets is the broker's own.
+#[test]
+fn a_delayed_publish_the_broker_would_refuse_goes_to_it_as_sent() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declared(1);
+    p.checks.clear();
+    p.publish_unanswered(1, ms(60_000));
+    assert!(
+        p.upstream().is_empty(),
+        "nothing on the client's channel yet"
+    );
+    assert_eq!(
+        p.checks,
+        [
+            "Channel(Open(Open))",
+            "Tx(Select(Select))",
+            "publish 2047",
+            "header 2047",
+            "body 2047",
+            "Tx(Rollback(Rollback))"
+        ]
+    );
+    assert!(
+        p.take_parks().is_empty(),
+        "nothing stored before the broker's word"
+    );
+    assert!(p.client_got().is_empty(), "no confirm yet");
+    p.refuse_check();
+    // nackd answers the broker's close on its channel, and sends the
+    // publish on the client's channel as it was sent.
+    assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    assert!(
+        p.checks.iter().any(|c| c.contains("CloseOk")),
+        "{:?}",
+        p.checks
+    );
+    assert!(p.take_parks().is_empty(), "never stored");
+    assert!(p.client_got().is_empty(), "nackd confirms nothing");
+    assert_eq!(p.s.stats.delayed_denied.get(), 1);
+    // The broker refuses it there too: its close reaches the client as is.
+    p.broker(&method::channel_close(
+        1,
+        crate::protocol::reply::ReplyCode::CommandInvalid,
+        "ACCESS_REFUSED",
+    ));
+    assert_eq!(p.client_got(), ["channel.close 1"]);
+}
+
+/// A refused check on a channel that publishes more: the broker confirms
+/// the handed-over publish under its own number, which is the publisher's
+/// again, and a `multiple` confirm never covers a publish still open.
+#[test]
+fn a_handed_over_publish_keeps_the_publishers_numbering() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declared(1);
+    p.publish_unanswered(1, ms(60_000)); // publisher 1: checked
+    p.publish_unanswered(1, None); // publisher 2 = broker 1
+    p.refuse_check(); // publisher 1 = broker 2 (say the broker took it after all)
+    assert_eq!(
+        p.upstream(),
+        [
+            "publish 1",
+            "header 1",
+            "body 1",
+            "publish 1",
+            "header 1",
+            "body 1"
+        ]
+    );
+    p.broker(&method::ack(1, 1, false));
+    assert_eq!(p.client_got(), ["ack 2"], "not 2+: 1 is still open");
+    p.broker(&method::ack(1, 2, true));
+    assert_eq!(p.client_got(), ["ack 1+"], "1 is the only one open");
+}
+
+/// The reserved channel is the broker's highest; the client is offered one
+/// fewer and may not use it.
+#[test]
+fn the_client_cannot_use_the_reserved_channel() {
+    let mut p = pair();
+    p.client(&frame_of(
+        super::RESERVED,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    assert_eq!(p.upstream(), ["connection.close"]);
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 504, "{c:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Trust, items 1 and 2: a `nowait` declare goes to the broker in its
+/// waiting form; the exchange is delayed only at the broker's
+/// `declare-ok`, which the client (that asked for none) does not get. A
+/// publish sent right after it is held meanwhile, its check waiting for
+/// the answer.
+#[test]
+fn a_nowait_declare_counts_at_the_brokers_ok_and_a_publish_after_it_waits() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declare_nowait(1);
+    let sent = p.upstream();
+    assert_eq!(sent.len(), 1);
+    assert!(sent[0].contains("nowait: false"), "{sent:?}");
+    assert!(!p.is_delayed());
+    p.publish_unanswered(1, ms(60_000));
+    p.upstream();
+    assert!(
+        p.checks.is_empty(),
+        "the check waits for the declare's answer"
+    );
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+    ));
+    assert!(p.is_delayed());
+    assert!(
+        p.client_got().is_empty(),
+        "the client asked for no declare-ok"
+    );
+    p.upstream();
+    assert!(
+        p.checks.iter().any(|c| c == "publish 2047"),
+        "{:?}",
+        p.checks
+    );
+    p.grant_checks();
+    assert_eq!(p.take_parks().len(), 1, "held once the broker said yes");
+}
+
+/// Trust, item 1: a declare the broker refuses (no configure permission,
+/// another type) changes nothing, `nowait` or not; a publish that waited
+/// for it goes to the broker as sent.
+#[test]
+fn a_refused_nowait_declare_changes_nothing_and_the_publish_goes_as_sent() {
+    let mut p = pair();
+    p.open(1, false);
+    p.open(2, false);
+    p.declare_nowait(1);
+    p.publish_unanswered(2, ms(60_000));
+    p.upstream();
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(!p.is_delayed(), "the broker refused the declare");
+    // Its check went when the answer came; the broker takes the publish
+    // (say the exchange exists), but it is not a delayed exchange's.
+    p.grant_checks();
+    assert_eq!(p.upstream(), ["publish 2", "header 2", "body 2"]);
+    assert!(p.take_parks().is_empty());
+}
+
+/// Trust, item 2: a `nowait` delete of a delayed exchange the broker
+/// refuses (`if-unused` while bound: 406) leaves it delayed; one it does
+/// makes it plain at its `delete-ok`, which the client does not get.
+#[test]
+fn a_refused_nowait_delete_leaves_the_exchange_delayed() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declared(1);
+    let delete = |if_unused| {
+        frame_of(
+            1,
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+                exchange: X.into(),
+                if_unused,
+                nowait: true,
+            })),
+        )
+    };
+    p.client(&delete(true));
+    let sent = p.upstream();
+    assert!(sent[0].contains("nowait: false"), "{sent:?}");
+    p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
+    assert!(p.is_delayed(), "a refused delete changes nothing");
+    p.open(1, false);
+    p.client(&delete(false));
+    p.upstream();
+    assert!(p.is_delayed(), "not before the broker's answer");
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
+    assert!(!p.is_delayed());
+    assert!(
+        p.client_got().is_empty(),
+        "the client asked for no delete-ok"
+    );
+}
+
+/// Each vhost holds at most `[delayed] max_exchanges`: one more closes the
+/// connection with 530, and nothing goes to the broker.
+#[test]
+fn a_delayed_exchange_beyond_the_limit_is_refused_with_530() {
+    let mut p = pair();
+    p.open(1, false);
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    for i in 0..crate::delayed::DEFAULT_LIMIT {
+        shared.delayed.declare("/", &format!("d{i}"), "direct");
+    }
+    assert_eq!(p.declare_delayed(1), ["connection.close"]);
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 530, "{c:?}");
+            assert!(c.reply_text.as_str().contains("max_exchanges"), "{c:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!p.is_delayed());
+}
+
+/// A check the settle timeout gave up (its publisher got a nack) is not
+/// held when the broker answers at last.
+#[test]
+fn a_check_given_up_is_not_held_when_the_broker_answers_late() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declared(1);
+    p.publish_unanswered(1, ms(60_000));
+    p.client(&super::channel_close(1));
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
+    p.grant_checks();
+    assert!(p.take_parks().is_empty(), "its publisher was told nack");
 }
