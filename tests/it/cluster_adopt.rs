@@ -57,7 +57,7 @@ async fn adopting_a_quarter(b: Named, c: Named) -> (Named, Named, f64) {
     let began = Instant::now();
     loop {
         assert!(
-            began.elapsed() < Duration::from_secs(60),
+            began.elapsed() < Duration::from_secs(180),
             "nobody adopted the instance"
         );
         // Parked adopted messages are held (not scheduled yet).
@@ -83,8 +83,10 @@ async fn committed(p: &Process, gone: &str, since: Instant) -> Duration {
             .any(|l| l.contains("adopted the held messages") && l.contains(gone))
     };
     while !done() {
+        // A bound on "eventually" (an adoption parks one message at a
+        // time, and the suite's tests share the machine), not a claim.
         assert!(
-            since.elapsed() < Duration::from_secs(60),
+            since.elapsed() < Duration::from_secs(180),
             "no adoption of {gone} committed"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;

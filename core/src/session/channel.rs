@@ -111,8 +111,15 @@ impl ContentState {
     }
 }
 
+/// Consumers a channel remembers after their `nowait` cancel.
+const LINGERING: usize = 16;
+
+/// The consumer a delivery went to: its tag, and which `basic.consume` of
+/// the channel it is (a tag is free again once its consumer is cancelled).
+pub type ConsumerRef = (Arc<str>, u64);
+
 /// A claimed tag waiting for the store.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Claimed {
     /// How the client settled it (what goes to the broker if nackd cannot
     /// hold it).
@@ -122,6 +129,8 @@ pub struct Claimed {
     /// How long a deferral waits if the store refuses it (the delay it is
     /// parked for; `None`, the fallback, once its schedule is exhausted).
     pub delay: Option<std::time::Duration>,
+    /// The consumer its delivery went to (`None`: a `basic.get`).
+    pub from: Option<ConsumerRef>,
 }
 
 /// One channel of one client connection.
@@ -134,6 +143,11 @@ pub struct Channel {
     /// their `cancel-ok` (oldest first), with how many: until those come,
     /// the broker delivers under that tag to the consumer it cancels.
     reusing: Vec<(Arc<str>, usize, Consumer)>,
+    /// Consumers the client cancelled with `nowait` (newest last, at most
+    /// [`LINGERING`]): no `cancel-ok` says when the broker stopped, so
+    /// deliveries it sent before the cancel are still theirs when they
+    /// come (a settle nackd rewrites must cover them).
+    lingering: Vec<(Arc<str>, Consumer)>,
     /// `basic.consume` sent without nowait, waiting for `consume-ok`.
     pending_consumes: VecDeque<Consumer>,
     /// `basic.get` sent, waiting for `get-ok` / `get-empty`.
@@ -270,6 +284,7 @@ impl Channel {
                     // The broker applies those cancels first.
                     self.reusing.push((Arc::from(tag), cancels, consumer));
                 } else {
+                    self.lingering.retain(|(t, _)| &**t != tag);
                     self.consumers.insert(Arc::from(tag), consumer);
                 }
             }
@@ -278,8 +293,11 @@ impl Channel {
                 let tag = c.consumer_tag.as_str();
                 if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
                     self.reusing.remove(at);
-                } else {
-                    self.consumers.remove(tag);
+                } else if let Some((tag, consumer)) = self.consumers.remove_entry(tag) {
+                    if self.lingering.len() == LINGERING {
+                        self.lingering.remove(0);
+                    }
+                    self.lingering.push((tag, consumer));
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
@@ -313,7 +331,19 @@ impl Channel {
     /// A `basic.deliver` to `consumer_tag`: tracked as outstanding unless
     /// its consumer does not ack (the consumer's tag is shared, not copied).
     pub fn on_deliver(&mut self, consumer_tag: &str, delivery_tag: u64) {
-        let Some((tag, consumer)) = self.consumers.get_key_value(consumer_tag) else {
+        let lingering = || {
+            let found = self
+                .lingering
+                .iter()
+                .rev()
+                .find(|(t, _)| &**t == consumer_tag);
+            found.map(|(t, c)| (t, c))
+        };
+        let Some((tag, consumer)) = self
+            .consumers
+            .get_key_value(consumer_tag)
+            .or_else(lingering)
+        else {
             return;
         };
         if consumer.no_ack {
@@ -336,8 +366,9 @@ impl Channel {
             }
             AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => {
                 if let Some(consumer) = self.pending_consumes.pop_front() {
-                    self.consumers
-                        .insert(Arc::from(ok.consumer_tag.as_str()), consumer);
+                    let tag = ok.consumer_tag.as_str();
+                    self.lingering.retain(|(t, _)| &**t != tag);
+                    self.consumers.insert(Arc::from(tag), consumer);
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
@@ -346,7 +377,7 @@ impl Channel {
             // The broker cancels a consumer (queue deleted, failover, a
             // consumer timeout on 4.3, which returns its deliveries).
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
-                self.on_broker_cancel(c.consumer_tag.as_str());
+                self.broker_cancelled(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
                 self.on_deliver(d.consumer_tag.as_str(), d.delivery_tag)
@@ -403,21 +434,36 @@ impl Channel {
     /// an earlier consumer with the same tag (cancelled by the client, the
     /// tag reused) keeps its deliveries. If the client's own nowait cancel
     /// crossed this one, the consumer is the latest with that tag.
-    fn on_broker_cancel(&mut self, tag: &str) {
-        let of_tag = |d: &Delivery| match &d.consumer {
+    /// The broker cancelled consumer `tag`: its deliveries may be back in
+    /// their queue. Those still outstanding are marked returned, and claims
+    /// of them waiting for the store are left to the broker (no ack, the
+    /// held copy cancelled: see `on_parked`). Returns the consumer.
+    pub fn broker_cancelled(&mut self, tag: &str) -> Option<ConsumerRef> {
+        let of_tag = |from: &Option<ConsumerRef>| match from {
             Some((t, started)) if &**t == tag => Some(*started),
             _ => None,
         };
         let started = match self.consumers.remove(tag) {
             Some(consumer) => Some(consumer.started),
-            None => self.outstanding.values().filter_map(of_tag).max(),
+            None => self
+                .outstanding
+                .values()
+                .filter_map(|d| of_tag(&d.consumer))
+                .chain(self.pending.values().filter_map(|c| of_tag(&c.from)))
+                .max(),
         };
         for d in self.outstanding.values_mut() {
-            if started.is_some() && of_tag(d) == started {
+            if started.is_some() && of_tag(&d.consumer) == started {
                 d.returned = true;
                 d.capture = None;
             }
         }
+        for (t, claimed) in &self.pending {
+            if started.is_some() && of_tag(&claimed.from) == started {
+                self.settled_again.insert(*t);
+            }
+        }
+        started.map(|s| (Arc::from(tag), s))
     }
 
     /// Removes and returns the deliveries a settle covers, in tag order

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use super::capture::{Captured, Capturing};
-use super::channel::{Claimed, Delivery};
+use super::channel::{Claimed, ConsumerRef, Delivery};
 use super::close::Origin;
 use super::machine::{Effect, Session};
 use super::settle::{self, Settle};
@@ -225,10 +225,11 @@ impl Session {
         let mut requeues = Vec::new();
         for (t, delivery) in covered {
             let queue = delivery.queue.clone();
+            let from = delivery.consumer.clone();
             match self.claim(channel_id, t, delivery, settle) {
-                Claim::Parked(delay) => self.note_claim(channel_id, t, settle, delay),
+                Claim::Parked(delay) => self.note_claim(channel_id, t, settle, delay, from),
                 Claim::Reject(retries) => rejects.push((t, queue, retries)),
-                Claim::Defer(reason, delay) => self.defer(channel_id, t, reason, delay),
+                Claim::Defer(reason, delay) => self.defer(channel_id, t, reason, delay, from),
                 // Behind a close, recover or tx.select nothing can be held or
                 // deferred; as sent, a requeue=false nack would drop it.
                 Claim::Pass(PassReason::Closing) if settle != Settle::Ack => {
@@ -263,7 +264,14 @@ impl Session {
     }
 
     /// Tag `tag` was claimed: its settle waits for the store's answer.
-    fn note_claim(&mut self, channel_id: u16, tag: u64, settle: Settle, delay: Option<Duration>) {
+    fn note_claim(
+        &mut self,
+        channel_id: u16,
+        tag: u64,
+        settle: Settle,
+        delay: Option<Duration>,
+        from: Option<ConsumerRef>,
+    ) {
         debug!(
             tag,
             ?settle,
@@ -271,7 +279,13 @@ impl Session {
         );
         let seq = self.claims;
         let channel = self.channels.get(channel_id);
-        channel.pending.insert(tag, Claimed { settle, seq, delay });
+        let claimed = Claimed {
+            settle,
+            seq,
+            delay,
+            from,
+        };
+        channel.pending.insert(tag, claimed);
         channel.last_claim = seq;
     }
 
@@ -421,7 +435,7 @@ impl Session {
             .and_then(|c| {
                 let claimed = c.pending.remove(&key.tag);
                 claimed
-                    .map(|c| (c.settle, c.delay))
+                    .map(|c| (c.delay, c.from))
                     .filter(|_| !c.settled_again.remove(&key.tag))
             });
         match (settle, parked.result) {
@@ -441,9 +455,15 @@ impl Session {
                 let ack = method::ack(key.channel, key.tag, false);
                 self.send_own(key.channel, ack, Some(id));
             }
-            (Some((_, delay)), Err(e)) => {
+            (Some((delay, from)), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: it stays unacked, nacked (requeue) later");
-                self.defer(key.channel, key.tag, PassReason::StoreUnavailable, delay);
+                self.defer(
+                    key.channel,
+                    key.tag,
+                    PassReason::StoreUnavailable,
+                    delay,
+                    from,
+                );
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection
@@ -617,7 +637,8 @@ impl Session {
         );
         for (channel, tag, claimed, again) in taken {
             if !again {
-                self.defer(channel, tag, PassReason::StoreUnavailable, claimed.delay);
+                let reason = PassReason::StoreUnavailable;
+                self.defer(channel, tag, reason, claimed.delay, claimed.from);
             }
         }
         for seq in seqs {

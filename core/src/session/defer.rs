@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tracing::debug;
 
+use super::channel::ConsumerRef;
 use super::close::Origin;
 use super::deferrals::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY};
 use super::machine::Session;
@@ -23,6 +24,7 @@ impl Session {
         tag: u64,
         reason: PassReason,
         delay: Option<Duration>,
+        from: Option<ConsumerRef>,
     ) {
         self.stats.defer(reason);
         let channel_closing = self
@@ -52,7 +54,8 @@ impl Session {
             ?delay,
             "cannot hold: left unacked, nacked (requeue) after the delay"
         );
-        self.deferrals.insert(channel_id, tag, self.now + delay);
+        self.deferrals
+            .insert(channel_id, tag, self.now + delay, from);
     }
 
     /// Sends the nacks (requeue) of the deferred tags that are due, as the
@@ -74,6 +77,27 @@ impl Session {
 
     /// The client settles a deferred tag a second time: that settle goes
     /// to the broker as sent (as for a claimed tag), and nackd steps back.
+    /// The broker cancelled consumer `tag` of `channel_id` and took its
+    /// unacked deliveries back (RabbitMQ 4.3's consumer timeout on a
+    /// quorum queue): nackd settles none of them any more. A claim waiting
+    /// for the store is left to the broker (no ack, the held copy
+    /// cancelled when the store answers), a deferred nack forgotten: the
+    /// broker has the message back and would refuse either settle
+    /// (unknown delivery tag) by closing the channel.
+    pub(super) fn on_broker_cancel(&mut self, channel_id: u16, tag: &str) {
+        let Some(from) = self.channels.get(channel_id).broker_cancelled(tag) else {
+            return;
+        };
+        let forgotten = self.deferrals.take_from(channel_id, &from);
+        if !forgotten.is_empty() {
+            debug!(
+                channel = channel_id,
+                tags = forgotten.len(),
+                "the broker cancelled their consumer and took them back: deferred nacks forgotten"
+            );
+        }
+    }
+
     pub(super) fn settled_again_deferred(&mut self, channel_id: u16, tag: u64) -> bool {
         self.deferrals.remove(channel_id, tag)
     }

@@ -14,6 +14,7 @@
 //! connection goes (a close, `basic.recover`, the broker gone): then it is
 //! simply forgotten, and it never holds a close or a barrier open.
 
+use super::channel::ConsumerRef;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -35,8 +36,9 @@ pub(super) const RATE_BURST: u32 = 50;
 /// The deferred tags of one session, by channel and by due time, and the
 /// rate their nacks go at.
 pub(super) struct Deferrals {
-    /// (channel, tag) → when its nack is due.
-    tags: BTreeMap<(u16, u64), Instant>,
+    /// (channel, tag) → when its nack is due, and the consumer its
+    /// delivery went to.
+    tags: BTreeMap<(u16, u64), (Instant, Option<ConsumerRef>)>,
     /// The same, in due order.
     due: BTreeSet<(Instant, u16, u64)>,
     /// The rate limit as a GCRA: the theoretical time of the next nack
@@ -57,9 +59,9 @@ impl Deferrals {
     }
 
     /// Defers `tag` of `channel` until `due`.
-    pub fn insert(&mut self, channel: u16, tag: u64, due: Instant) {
-        match self.tags.insert((channel, tag), due) {
-            Some(old) => {
+    pub fn insert(&mut self, channel: u16, tag: u64, due: Instant, from: Option<ConsumerRef>) {
+        match self.tags.insert((channel, tag), (due, from)) {
+            Some((old, _)) => {
                 self.due.remove(&(old, channel, tag));
             }
             None => {
@@ -71,7 +73,7 @@ impl Deferrals {
 
     /// Forgets `tag` of `channel`; whether it was deferred.
     pub fn remove(&mut self, channel: u16, tag: u64) -> bool {
-        let Some(due) = self.tags.remove(&(channel, tag)) else {
+        let Some((due, _)) = self.tags.remove(&(channel, tag)) else {
             return false;
         };
         self.due.remove(&(due, channel, tag));
@@ -97,6 +99,21 @@ impl Deferrals {
             (true, tag) => self.lowest(channel).is_some_and(|t| t <= tag),
             (false, tag) => self.contains(channel, tag),
         }
+    }
+
+    /// Forgets the deferred tags of `channel` whose deliveries went to
+    /// consumer `from`; returns them.
+    pub fn take_from(&mut self, channel: u16, from: &ConsumerRef) -> Vec<u64> {
+        let tags: Vec<u64> = self
+            .tags
+            .range((channel, 0)..=(channel, u64::MAX))
+            .filter(|(_, (_, f))| f.as_ref() == Some(from))
+            .map(|((_, tag), _)| *tag)
+            .collect();
+        for tag in &tags {
+            self.remove(channel, *tag);
+        }
+        tags
     }
 
     /// Takes the deferred tags of `channel`.

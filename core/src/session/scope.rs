@@ -24,6 +24,9 @@ pub struct Interception {
     pub delayed: Arc<crate::delayed::DelayedExchanges>,
 }
 
+/// Queues whose policy one session remembers at most.
+pub(super) const CACHED: usize = 1024;
+
 /// What one session intercepts: its vhost, and the policies that apply
 /// to its queues (cached until a reload).
 pub(super) struct Scope {
@@ -44,10 +47,18 @@ impl Scope {
         }
     }
 
-    /// The policy of `queue`, cached per session until a reload.
+    /// How many queues' policies are cached.
+    #[cfg(test)]
+    pub fn cached(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// The policy of `queue`, cached per session until a reload (or until
+    /// [`CACHED`] queues are: a client that consumes a new server-named
+    /// queue again and again must not grow it for ever).
     pub fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
         let (policies, changed) = self.policies.current();
-        if changed {
+        if changed || (self.cache.len() >= CACHED && !self.cache.contains_key(queue)) {
             self.cache.clear();
         }
         let vhost = &self.vhost;

@@ -96,7 +96,8 @@ fn pair_with(policy: &str, budget: usize) -> Pair {
     let ok = frame_of(0, AMQPClass::Connection(connection::AMQPMethod::TuneOk(ok)));
     s.handle_bytes(Peer::Client, &mut BytesMut::from(&ok[..]), now);
     let (to_client, to_upstream) = s.transmit();
-    (to_client.clear(), to_upstream.clear());
+    to_client.clear();
+    to_upstream.clear();
     s.open = true;
     Pair {
         s,
@@ -334,7 +335,8 @@ impl Pair {
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(ok)),
         ));
         let (to_client, to_upstream) = self.s.transmit();
-        (to_client.clear(), to_upstream.clear());
+        to_client.clear();
+        to_upstream.clear();
     }
 
     /// The broker answers every check sent so far: it would take each
@@ -1462,3 +1464,72 @@ fn a_client_gone_with_a_full_buffer_does_not_stop_the_broker_being_read() {
 }
 
 mod delayed;
+
+fn cancel(ch: u16, tag: &str, nowait: bool) -> Vec<u8> {
+    frame_of(
+        ch,
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+            consumer_tag: tag.into(),
+            nowait,
+        })),
+    )
+}
+
+/// Issue 33, item 8: after a `nowait` cancel the broker may still deliver
+/// what it sent before it read the cancel. Those deliveries are tracked:
+/// a `multiple` ack that nackd rewrites around a claimed tag settles them
+/// too (untracked, they stayed unacked for good).
+#[test]
+fn a_delivery_after_a_nowait_cancel_is_covered_by_a_rewritten_multiple_ack() {
+    let mut p = pair();
+    p.consume(1);
+    p.deliver(1, 1);
+    p.deliver(1, 2);
+    p.nack(1, 2);
+    p.client(&cancel(1, "c1", true));
+    p.upstream();
+    p.deliver(1, 3); // sent before the broker read the cancel
+    p.client(&method::ack(1, 3, true));
+    let sent = p.upstream();
+    assert!(sent.iter().any(|f| f == "ack 3"), "{sent:?}");
+    assert!(sent.iter().any(|f| f.starts_with("ack 1")), "{sent:?}");
+    assert!(
+        !sent.iter().any(|f| f.starts_with("ack 2")),
+        "2 is claimed: {sent:?}"
+    );
+}
+
+/// Issue 33, item 8: RabbitMQ 4.3 returns a timed-out consumer's
+/// deliveries to their queue and cancels it. A claim of one waiting for
+/// the store is not acked once stored (the held copy is cancelled: the
+/// broker redelivers the message), and a deferred one is not nacked: the
+/// broker would close the channel for an unknown delivery tag.
+#[test]
+fn after_the_broker_cancels_a_consumer_nackd_settles_none_of_its_tags() {
+    let mut p = refused(3); // tag 1 deferred
+    p.nack(1, 2); // tag 2 claimed, the store has not answered
+    assert_eq!(p.s.deferrals.len(), 1);
+    p.broker(&cancel(1, "c1", true));
+    assert_eq!(p.s.deferrals.len(), 0, "the deferred nack is forgotten");
+    let ids = p.store(true);
+    assert_eq!(ids.len(), 1);
+    p.time_passes(Duration::from_secs(10));
+    p.timer_fires();
+    assert!(p.upstream().is_empty(), "no ack, no nack of a returned tag");
+    assert_eq!(p.cancelled(), ids, "the held copy is cancelled");
+}
+
+/// Issue 33, item 8: each session caches the policy of the queues it
+/// meets; a client that consumes a new server-named queue again and again
+/// must not grow that cache for ever.
+#[test]
+fn the_policy_cache_of_a_session_is_bounded() {
+    let mut p = pair();
+    let scope = p.s.scope.as_mut().unwrap();
+    for i in 0..5 * super::scope::CACHED {
+        let queue: Arc<str> = Arc::from(format!("amq.gen-{i}"));
+        assert!(scope.policy(&queue).is_none());
+        assert!(scope.cached() <= super::scope::CACHED);
+    }
+    assert!(scope.policy(&Arc::from(Q)).is_some(), "still answers");
+}

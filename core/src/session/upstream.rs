@@ -108,6 +108,9 @@ impl Session {
             AMQPClass::Basic(basic::AMQPMethod::Nack(n)) if channel_id != 0 => {
                 return !self.on_broker_confirm(channel_id, false, n.delivery_tag, n.multiple);
             }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if channel_id != 0 => {
+                self.on_broker_cancel(channel_id, c.consumer_tag.as_str());
+            }
             AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) if channel_id != 0 => {
                 self.channels.get(channel_id).on_broker_method(class);
                 self.start_capture(

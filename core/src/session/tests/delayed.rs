@@ -1044,3 +1044,46 @@ fn a_check_given_up_is_not_held_when_the_broker_answers_late() {
     p.grant_checks();
     assert!(p.take_parks().is_empty(), "its publisher was told nack");
 }
+
+/// Issue 33, item 8: a publish nackd gives back to the broker goes in the
+/// client's order, behind a barrier when one is up, never ahead of a
+/// publish the client sent before it reached the broker: the broker's
+/// numbering, which the publisher's confirms follow, stays right.
+#[test]
+fn a_handed_over_publish_does_not_jump_the_barrier() {
+    let mut p = pair();
+    p.consume(2);
+    p.deliver(2, 1);
+    p.nack(2, 1); // claimed, not stored yet: a recover must wait
+    p.open(1, true);
+    p.declared(1);
+    p.publish_unanswered(1, ms(60_000)); // publisher 1: checked
+    p.client(&frame_of(
+        2,
+        AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover { requeue: true })),
+    ));
+    p.publish_unanswered(1, None); // publisher 2: behind the barrier
+    assert!(p.upstream().is_empty(), "held behind the barrier");
+    p.refuse_check(); // publisher 1 goes back to the broker, after 2
+    assert!(p.upstream().is_empty(), "still behind the barrier");
+    p.store(true);
+    p.grace_passes();
+    assert_eq!(
+        p.upstream(),
+        [
+            "ack 1",
+            "recover 2",
+            "publish 1",
+            "header 1",
+            "body 1",
+            "publish 1",
+            "header 1",
+            "body 1"
+        ]
+    );
+    // The broker numbers 2 first, then 1: each confirm is the right one.
+    p.broker(&method::ack(1, 1, false));
+    assert_eq!(p.client_got(), ["ack 2"]);
+    p.broker(&method::ack(1, 2, false));
+    assert_eq!(p.client_got(), ["ack 1"]);
+}
