@@ -214,6 +214,16 @@ pub struct Channel {
     /// for the client content going upstream on this channel to end (they
     /// follow it, in the client's order).
     pub handed_over: Vec<Bytes>,
+    /// The client's `channel.close` or `tx.select` on this channel waits
+    /// behind the barrier at this offset: a publish nackd gives back goes
+    /// before it, where the client sent it.
+    pub end_behind: Option<usize>,
+    /// The client sent `channel.close` on this channel.
+    pub client_closed: bool,
+    /// A publish nackd gave back here is one the broker refuses: it closes
+    /// the channel, and discards the client's later publishes, so nackd
+    /// takes none of them either.
+    pub refused: bool,
     /// Log span of this channel (a child of the connection's span).
     pub span: Option<tracing::Span>,
 }
@@ -587,6 +597,17 @@ impl Channels {
         for c in self.open.values_mut() {
             c.publish_behind_barrier = false;
             c.barrier_raised = false;
+            c.end_behind = None;
+        }
+    }
+
+    /// `len` bytes went in behind the barrier at `at`: the closes waiting
+    /// there from `at` on moved by as much.
+    pub fn shift_end_behind(&mut self, at: usize, len: usize) {
+        for c in self.open.values_mut() {
+            if let Some(end) = c.end_behind.as_mut().filter(|end| **end >= at) {
+                *end += len;
+            }
         }
     }
 

@@ -57,6 +57,8 @@ pub(super) struct Checks {
     /// exchanges of this session waits for the broker's answer on another
     /// channel, and a check must not overtake it.
     holds: usize,
+    /// Of `holds`, those whose change waits behind the barrier.
+    behind: usize,
 }
 
 impl Checks {
@@ -123,9 +125,23 @@ impl Checks {
         true
     }
 
+    /// Whether the check of claim `seq` is kept back for a change to the
+    /// delayed exchanges that itself waits behind the session's barrier:
+    /// the barrier must not wait for that check.
+    pub(super) fn stuck_behind_barrier(&self, seq: u64) -> bool {
+        self.behind > 0 && self.held.iter().any(|(s, _)| *s == seq)
+    }
+
     /// Checks wait until [`Checks::release`] (as often as this was called).
-    pub(super) fn hold(&mut self) {
+    /// `behind`: the change that holds them waits behind the barrier.
+    pub(super) fn hold(&mut self, behind: bool) {
         self.holds += 1;
+        self.behind += usize::from(behind);
+    }
+
+    /// The frames behind the barrier went upstream.
+    pub(super) fn barrier_lowered(&mut self) {
+        self.behind = 0;
     }
 
     /// One hold ends; at the last, the checks kept back go.
@@ -355,8 +371,8 @@ mod tests {
     #[test]
     fn held_checks_go_when_the_last_hold_ends() {
         let mut c = tuned();
-        c.hold();
-        c.hold();
+        c.hold(false);
+        c.hold(false);
         let mut out = BytesMut::new();
         assert!(c.ask(1, &publish_on(1), &mut out));
         assert!(out.is_empty(), "kept back");

@@ -589,10 +589,14 @@ impl Session {
         let now = self.now;
         if self.upstream_takes_acks() {
             let barrier = self.barrier.unwrap_or(0);
+            // A publish whose check waits for a declare (or delete) does
+            // not hold the barrier: that declare may be behind it.
+            let checks = &self.checks;
+            let waited = |seq: &u64| !checks.stuck_behind_barrier(*seq);
             let expired: BTreeSet<u64> = self
                 .unanswered
                 .range(..=barrier)
-                .filter(|(_, at)| now.duration_since(**at) >= SETTLE_TIMEOUT)
+                .filter(|(seq, at)| waited(seq) && now.duration_since(**at) >= SETTLE_TIMEOUT)
                 .map(|(seq, _)| *seq)
                 .collect();
             if !expired.is_empty() {
@@ -602,7 +606,12 @@ impl Session {
                     self.give_up_claims(&expired);
                 }
             }
-            if self.unanswered.range(..=barrier).next().is_some() {
+            let checks = &self.checks;
+            if self
+                .unanswered
+                .range(..=barrier)
+                .any(|(seq, _)| !checks.stuck_behind_barrier(*seq))
+            {
                 return;
             }
             let grace = self.barrier_acked_at.map(|t| t + ACK_GRACE);
@@ -618,6 +627,7 @@ impl Session {
         if self.barrier_up {
             self.barrier_up = false;
             self.channels.lower_barriers();
+            self.checks.barrier_lowered();
             let held = std::mem::take(&mut self.behind_barrier);
             self.to_upstream.extend_from_slice(&held);
         }

@@ -82,6 +82,12 @@ impl Session {
         let channel = self.channels.get(channel_id);
         if barrier_up && channel.publish_behind_barrier {
             self.behind_barrier.extend_from_slice(raw);
+            if !channel.publishing.in_flight() {
+                // Publishes nackd gave back follow it, behind the barrier.
+                for raw in std::mem::take(&mut channel.handed_over) {
+                    self.behind_barrier.extend_from_slice(&raw);
+                }
+            }
             return;
         }
         self.upstream_tx = self.now;
@@ -153,9 +159,16 @@ impl Session {
                 // The broker would requeue what nackd holds (or make its ack
                 // part of a transaction): ack it first.
                 self.raise_channel_barrier(channel_id);
-                self.channels.get(channel_id).on_client_method(class);
+                let (barrier_up, at) = (self.barrier_up, self.behind_barrier.len());
+                let channel = self.channels.get(channel_id);
+                if barrier_up && !matches!(class, AMQPClass::Basic(_)) {
+                    // The close or tx.select goes behind the barrier next.
+                    channel.end_behind.get_or_insert(at);
+                }
+                channel.on_client_method(class);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
+                self.on_broker_channel_close_exchanges(channel_id);
                 self.channels.remove(channel_id);
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_client_method(class),
@@ -169,6 +182,9 @@ impl Session {
     /// `tx.select` would make their nacks part of a transaction: they go
     /// now, ahead of it.
     fn on_client_channel_end(&mut self, channel_id: u16, class: &AMQPClass) {
+        if let AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) = class {
+            self.channels.get(channel_id).client_closed = true;
+        }
         match class {
             AMQPClass::Channel(
                 amqp_channel::AMQPMethod::Close(_) | amqp_channel::AMQPMethod::CloseOk(_),

@@ -133,6 +133,11 @@ impl Session {
         };
         let registry = state.shared.delayed.clone();
         let vhost = state.vhost.clone();
+        if self.channels.get(channel_id).closing {
+            // The broker closed the channel: it discards what the client
+            // still sends on it, and answers none of it.
+            return Ok(true);
+        }
         match class {
             AMQPClass::Exchange(exchange::AMQPMethod::Declare(d))
                 if d.kind.as_str() == TYPE && !d.passive && registry.enabled() =>
@@ -157,7 +162,7 @@ impl Session {
                 };
                 self.expect_declare_ok(channel_id, false, Some(declared));
                 *self.declaring.entry(name).or_default() += 1;
-                self.checks.hold();
+                self.checks.hold(self.barrier_up);
                 let mut declare = d.clone();
                 declare.kind = real.as_str().into();
                 declare.nowait = false;
@@ -184,7 +189,7 @@ impl Session {
                     name,
                     swallow: d.nowait,
                 }));
-                self.checks.hold();
+                self.checks.hold(self.barrier_up);
                 let mut delete = d.clone();
                 delete.nowait = false;
                 let class = AMQPClass::Exchange(exchange::AMQPMethod::Delete(delete));
@@ -295,6 +300,7 @@ impl Session {
         let declaring = &self.declaring;
         let delayed = exchange.filter(|x| {
             !channel.closing
+                && !channel.refused
                 && (state.shared.delayed.is_delayed(&state.vhost, x) || declaring.contains_key(*x))
         });
         let Some(exchange) = delayed else {
@@ -472,8 +478,14 @@ impl Session {
             body: taking.body.freeze(),
         };
         // The broker's word first: nothing is stored that it would refuse.
-        self.upstream_tx = self.now;
-        if !self.checks.ask(seq, &raw, &mut self.to_upstream) {
+        let before = self.to_upstream.len();
+        let asked = self.checks.ask(seq, &raw, &mut self.to_upstream);
+        if self.to_upstream.len() > before {
+            // Held back, a check is no word to the broker: the heartbeat
+            // owed in the client's name still goes.
+            self.upstream_tx = self.now;
+        }
+        if !asked {
             // No channel to ask on (the broker allows the client one).
             self.stats.delayed_refused.inc();
             match tag {
@@ -552,12 +564,22 @@ impl Session {
                 .scope
                 .as_ref()
                 .is_some_and(|s| s.shared.delayed.is_delayed(&s.vhost, &taken.exchange));
-        if taken.given_up || !still_delayed {
+        // After a refused publish on its channel, the broker discards this
+        // one: it goes there as sent, to be discarded as without nackd.
+        let refused_before = self
+            .channels
+            .get_epoch(taken.channel, taken.epoch)
+            .is_some_and(|c| c.refused);
+        if taken.given_up || !still_delayed || refused_before {
             let taken = self.taken.remove(&seq).expect("looked up above");
             self.unanswered.remove(&seq);
             if !taken.given_up {
-                debug!(exchange = %taken.exchange, "its exchange is not delayed after all: the publish goes to the broker as sent");
-                self.hand_over(taken);
+                debug!(exchange = %taken.exchange, refused_before, "the publish goes to the broker as sent after all");
+                let unconfirmed = taken.unconfirmed() && !refused_before;
+                if !self.hand_over(taken) && unconfirmed {
+                    tracing::error!("a delayed publish whose exchange is no longer delayed cannot go to the broker (its channel is closed): the message is lost (its publisher used no confirms)");
+                    self.stats.delayed_lost.inc();
+                }
             }
             self.release_if_settled();
             return;
@@ -581,7 +603,12 @@ impl Session {
         self.unanswered.remove(&seq);
         self.stats.delayed_denied.inc();
         if !taken.given_up {
-            self.hand_over(taken);
+            let (channel, epoch) = (taken.channel, taken.epoch);
+            if self.hand_over(taken) {
+                if let Some(c) = self.channels.get_epoch(channel, epoch) {
+                    c.refused = true;
+                }
+            }
         }
         self.release_if_settled();
     }
@@ -593,10 +620,15 @@ impl Session {
         let Some(raw) = taken.raw else {
             return false;
         };
+        // Not once the broker closes the channel, or the client's close
+        // went upstream (a publish after it closes the connection).
+        let barrier_up = self.barrier_up;
         let alive = self
             .channels
             .get_epoch(taken.channel, taken.epoch)
-            .is_some_and(|c| !c.closing)
+            .is_some_and(|c| {
+                !c.closing && (!c.client_closed || (barrier_up && c.end_behind.is_some()))
+            })
             && self.upstream_takes_acks();
         if !alive {
             return false;
@@ -621,16 +653,29 @@ impl Session {
             }
             None => {}
         }
-        if channel.taking.is_some() || !channel.publishing.in_flight() {
-            // In the client's order (behind a barrier if one is up); a
-            // publish nackd is reading sent nothing upstream yet, and its
-            // number comes after this one's.
-            self.emit_upstream(&raw);
-        } else {
-            // After the client content going upstream on this channel.
+        if channel.publishing.in_flight() && channel.taking.is_none() {
+            // After the client content going upstream on this channel
+            // (a publish nackd is reading sent nothing upstream yet, and
+            // its number comes after this one's).
             channel.handed_over.push(raw);
+        } else if let (true, Some(at)) = (barrier_up, channel.end_behind) {
+            // Before the channel's close or tx.select that waits behind the
+            // barrier: the client sent the publish first.
+            self.insert_behind_barrier(at, &raw);
+        } else {
+            // In the client's order (behind a barrier if one is up).
+            self.emit_upstream(&raw);
         }
         true
+    }
+
+    /// Puts `raw` into the frames behind the barrier at offset `at`; the
+    /// offsets kept past it move along.
+    fn insert_behind_barrier(&mut self, at: usize, raw: &[u8]) {
+        let tail = self.behind_barrier.split_off(at);
+        self.behind_barrier.extend_from_slice(raw);
+        self.behind_barrier.unsplit(tail);
+        self.channels.shift_end_behind(at, raw.len());
     }
 
     /// Sends a whole publish nackd held to the broker (frames of nackd's
@@ -641,6 +686,21 @@ impl Session {
         }
         self.emit_upstream(&taking.method);
         self.emit_upstream(&taking.content);
+    }
+
+    /// Taken publishes the check still holds when the session ends: the
+    /// store never saw them. Those without confirms are lost (counted);
+    /// a confirm publisher heard nothing and republishes.
+    pub(super) fn count_unparked_lost(&mut self) {
+        let lost = self
+            .taken
+            .values()
+            .filter(|t| t.park.is_some() && t.unconfirmed() && !t.given_up)
+            .count();
+        if lost > 0 {
+            tracing::error!(lost, "delayed publishes still waiting for the broker's check when the session ended: lost (their publishers used no confirms)");
+            self.stats.delayed_lost.inc_by(lost as u64);
+        }
     }
 
     /// Whether claim `seq` is a publish nackd took (answered here).

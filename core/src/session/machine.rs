@@ -240,6 +240,7 @@ impl Session {
     /// after it. Stored copies nackd never acked are the broker's again
     /// (it requeues their deliveries): they are cancelled.
     pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
+        self.count_unparked_lost();
         // A delayed publish stays held: its publisher sent it (unless the
         // publisher was told "nack").
         let taken = std::mem::take(&mut self.taken);

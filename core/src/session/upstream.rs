@@ -87,6 +87,7 @@ impl Session {
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
                 self.forget_deferred(channel_id);
+                self.on_broker_channel_close_exchanges(channel_id);
                 self.channels.remove(channel_id);
             }
             AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) if channel_id != 0 => {

@@ -991,6 +991,10 @@ fn a_refused_nowait_delete_leaves_the_exchange_delayed() {
     assert!(sent[0].contains("nowait: false"), "{sent:?}");
     p.broker_closes(1, crate::protocol::reply::ReplyCode::CommandInvalid);
     assert!(p.is_delayed(), "a refused delete changes nothing");
+    p.client(&frame_of(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
     p.open(1, false);
     p.client(&delete(false));
     p.upstream();
@@ -1087,3 +1091,5 @@ fn a_handed_over_publish_does_not_jump_the_barrier() {
     p.broker(&method::ack(1, 2, false));
     assert_eq!(p.client_got(), ["ack 1"]);
 }
+
+mod trust_review;
