@@ -163,6 +163,9 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
     Ok(set)
 }
 
+/// How often a failed write of the list is tried again.
+const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The hook sessions call after a change: it wakes the writer thread,
 /// which saves the registry's list as it is when it writes (changes that
 /// came meanwhile go in together), until the registry is gone.
@@ -174,16 +177,29 @@ fn persist(
     std::thread::Builder::new()
         .name("nackd-registry".into())
         .spawn(move || {
-            while woken.recv().is_ok() {
+            // A failed write is tried again every RETRY until one succeeds
+            // (or the next change comes).
+            let mut failed = false;
+            loop {
+                match woken.recv_timeout(RETRY) {
+                    Ok(()) => {}
+                    Err(mpsc::RecvTimeoutError::Timeout) if failed => {}
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
                 while woken.try_recv().is_ok() {}
                 let Some(set) = registry.get().and_then(Weak::upgrade) else {
                     return;
                 };
                 let list = set.list();
                 drop(set);
-                if let Err(e) = save(&dir, &list) {
-                    tracing::error!(error = %e, file = %path(&dir).display(), "cannot store the list of delayed exchanges: it is kept in memory only until the next change");
-                }
+                failed = match save(&dir, &list) {
+                    Ok(()) => false,
+                    Err(e) => {
+                        tracing::error!(error = %e, file = %path(&dir).display(), "cannot store the list of delayed exchanges: tried again every second, kept in memory meanwhile");
+                        true
+                    }
+                };
             }
         })
         .map_err(|e| format!("cannot start the thread that saves delayed exchanges: {e}"))?;
@@ -239,6 +255,27 @@ mod tests {
             let e = open(&config(dir.path(), "")).err().unwrap();
             assert!(e.contains(FILE), "startup stops: {e}");
             assert!(check(&config(dir.path(), "")).is_err());
+        }
+    }
+
+    #[test]
+    fn a_failed_write_is_tried_again_without_a_new_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let set = open(&config(dir.path(), "")).unwrap();
+        // The file's place is taken: the rename over it fails.
+        let blocker = path(dir.path());
+        std::fs::create_dir_all(blocker.join("x")).unwrap();
+        set.declare("/", "d", "direct");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(blocker.is_dir(), "the write failed");
+        std::fs::remove_dir_all(&blocker).unwrap();
+        let began = std::time::Instant::now();
+        while load(dir.path()).unwrap() != set.list() {
+            assert!(
+                began.elapsed() < std::time::Duration::from_secs(10),
+                "never saved again"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
 

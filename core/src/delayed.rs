@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// The type name the plugin registered, which nackd emulates.
 pub const TYPE: &str = "x-delayed-message";
@@ -53,6 +53,8 @@ pub struct DelayedExchanges {
     any: AtomicBool,
     /// Most exchanges a vhost may have delayed (a declare beyond is refused).
     limit: usize,
+    /// Declares sent and not answered, each holding a place under `limit`.
+    reserved: Mutex<BTreeMap<(String, String), usize>>,
     persist: Option<Persist>,
 }
 
@@ -75,6 +77,7 @@ impl DelayedExchanges {
             set: RwLock::new(set),
             any,
             limit,
+            reserved: Mutex::default(),
             persist,
         })
     }
@@ -87,6 +90,7 @@ impl DelayedExchanges {
             set: RwLock::default(),
             any: AtomicBool::new(false),
             limit: 0,
+            reserved: Mutex::default(),
             persist: None,
         })
     }
@@ -96,20 +100,48 @@ impl DelayedExchanges {
         self.limit
     }
 
-    /// Whether `name` of `vhost` may become delayed: it is already, or its
-    /// vhost has fewer than [`DelayedExchanges::limit`].
-    pub fn admits(&self, vhost: &str, name: &str) -> bool {
+    /// A declare of `name` of `vhost` goes to the broker: whether it may
+    /// make the exchange delayed (it is already, or is being declared, or
+    /// its vhost has fewer than [`DelayedExchanges::limit`] counting the
+    /// declares not answered yet). `true` keeps a place for it until
+    /// [`DelayedExchanges::unreserve`], so that declares sent together
+    /// cannot pass the limit together.
+    pub fn reserve(&self, vhost: &str, name: &str) -> bool {
         let set = self.set.read().unwrap_or_else(|e| e.into_inner());
-        if set.contains_key(&(vhost.to_string(), name.to_string())) {
-            return true;
+        let mut reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (vhost.to_string(), name.to_string());
+        if !set.contains_key(&key) && !reserved.contains_key(&key) {
+            let from = (vhost.to_string(), String::new());
+            let known = set
+                .range(from.clone()..)
+                .take_while(|((v, _), _)| v == vhost)
+                .take(self.limit)
+                .count();
+            let waiting = reserved
+                .range(from..)
+                .take_while(|((v, _), _)| v == vhost)
+                .filter(|(k, _)| !set.contains_key(*k))
+                .take(self.limit)
+                .count();
+            if known + waiting >= self.limit {
+                return false;
+            }
         }
-        let from = (vhost.to_string(), String::new());
-        let count = set
-            .range(from..)
-            .take_while(|((v, _), _)| v == vhost)
-            .take(self.limit)
-            .count();
-        count < self.limit
+        *reserved.entry(key).or_default() += 1;
+        true
+    }
+
+    /// The declare [`DelayedExchanges::reserve`] kept a place for is
+    /// answered (or will never be).
+    pub fn unreserve(&self, vhost: &str, name: &str) {
+        let mut reserved = self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (vhost.to_string(), name.to_string());
+        if let Some(n) = reserved.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                reserved.remove(&key);
+            }
+        }
     }
 
     /// No exchange is delayed (one atomic load: every publish asks).
@@ -218,14 +250,40 @@ mod tests {
     #[test]
     fn a_vhost_admits_no_more_than_the_limit() {
         let set = DelayedExchanges::new([], 2, None);
-        assert!(set.admits("/", "a"));
+        let admits = |v: &str, n: &str| {
+            let yes = set.reserve(v, n);
+            if yes {
+                set.unreserve(v, n);
+            }
+            yes
+        };
+        assert!(admits("/", "a"));
         set.declare("/", "a", "direct");
         set.declare("/", "b", "direct");
-        assert!(!set.admits("/", "c"), "the vhost is full");
-        assert!(set.admits("/", "a"), "a known one may be declared again");
-        assert!(set.admits("other", "c"), "another vhost has room");
-        assert!(set.admits("/x", "c"), "a vhost named after it too");
+        assert!(!admits("/", "c"), "the vhost is full");
+        assert!(admits("/", "a"), "a known one may be declared again");
+        assert!(admits("other", "c"), "another vhost has room");
+        assert!(admits("/x", "c"), "a vhost named after it too");
         set.delete("/", "b");
-        assert!(set.admits("/", "c"));
+        assert!(admits("/", "c"));
+    }
+
+    #[test]
+    fn declares_not_answered_yet_count_toward_the_limit() {
+        let set = DelayedExchanges::new([], 3, None);
+        set.declare("/", "a", "direct");
+        assert!(set.reserve("/", "b"));
+        assert!(set.reserve("/", "c"));
+        assert!(!set.reserve("/", "d"), "b and c are on their way");
+        assert!(
+            set.reserve("/", "b"),
+            "a second declare of b takes no new place"
+        );
+        set.unreserve("/", "b");
+        set.unreserve("/", "b");
+        assert!(set.reserve("/", "d"), "b was refused: its place is free");
+        set.declare("/", "c", "direct");
+        set.unreserve("/", "c");
+        assert!(!set.reserve("/", "e"), "a, c and d");
     }
 }

@@ -148,7 +148,7 @@ impl Session {
                     return Ok(true);
                 };
                 let name: Arc<str> = Arc::from(d.exchange.as_str());
-                if !registry.admits(&vhost, &name) && !self.declaring.contains_key(&name) {
+                if !registry.reserve(&vhost, &name) {
                     warn!(exchange = %name, limit = registry.limit(), "a delayed exchange beyond the limit of its vhost: refused");
                     return Err(FrameError::NotAllowed(
                         "a delayed exchange beyond the limit of its vhost ([delayed] max_exchanges)",
@@ -241,6 +241,9 @@ impl Session {
 
     /// A delayed declare of `name` is answered (yes or no).
     fn end_declaring(&mut self, name: &Arc<str>) {
+        if let Some(state) = self.scope.as_ref() {
+            state.shared.delayed.unreserve(&state.vhost, name);
+        }
         if let Some(n) = self.declaring.get_mut(name) {
             *n -= 1;
             if *n == 0 {
@@ -691,6 +694,18 @@ impl Session {
     /// Taken publishes the check still holds when the session ends: the
     /// store never saw them. Those without confirms are lost (counted);
     /// a confirm publisher heard nothing and republishes.
+    /// Declares the broker never answered (the session ended): their
+    /// places under `[delayed] max_exchanges` are free again.
+    pub(super) fn end_all_declaring(&mut self) {
+        if let Some(state) = self.scope.as_ref() {
+            for (name, n) in std::mem::take(&mut self.declaring) {
+                for _ in 0..n {
+                    state.shared.delayed.unreserve(&state.vhost, &name);
+                }
+            }
+        }
+    }
+
     pub(super) fn count_unparked_lost(&mut self) {
         let lost = self
             .taken

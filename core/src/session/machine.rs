@@ -241,6 +241,7 @@ impl Session {
     /// (it requeues their deliveries): they are cancelled.
     pub fn end(&mut self, late: impl IntoIterator<Item = Parked>) {
         self.count_unparked_lost();
+        self.end_all_declaring();
         // A delayed publish stays held: its publisher sent it (unless the
         // publisher was told "nack").
         let taken = std::mem::take(&mut self.taken);

@@ -286,3 +286,27 @@ fn held_checks_do_not_stop_the_heartbeat_owed_to_the_broker() {
         "the broker heard nothing for {longest} ms (heartbeat 2 s)"
     );
 }
+
+/// Declares sent together, before any declare-ok, cannot take the vhost
+/// past `[delayed] max_exchanges` together.
+#[test]
+fn declares_sent_together_stay_within_max_exchanges() {
+    let mut p = pair();
+    p.open(1, false);
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    let limit = crate::delayed::DEFAULT_LIMIT;
+    for i in 0..limit - 2 {
+        shared.delayed.declare("/", &format!("d{i}"), "direct");
+    }
+    let mut out = Vec::new();
+    for i in 0..3 {
+        out.extend_from_slice(&declare_named(1, &format!("new{i}"), false));
+    }
+    p.client(&out);
+    let sent = p.upstream();
+    assert_eq!(sent.len(), 3, "{sent:?}");
+    assert_eq!(
+        sent[2], "connection.close",
+        "the third is refused: two places were left"
+    );
+}
