@@ -156,9 +156,8 @@ fn read_token_keys_are_checked_named_and_differ_from_the_admin_token() {
         e.contains("metrics.read_token_env") && e.contains("not both"),
         "{e}"
     );
-    let e = err(
-        "[metrics]\nadmin_token = \"0123456789abcdef\"\nread_token = \"0123456789abcdef\"\n",
-    );
+    let e =
+        err("[metrics]\nadmin_token = \"0123456789abcdef\"\nread_token = \"0123456789abcdef\"\n");
     assert!(
         e.starts_with("nackd.toml: metrics.read_token: ") && e.contains("differ"),
         "{e}"

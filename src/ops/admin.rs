@@ -136,8 +136,7 @@ pub(super) fn router(ops: &Arc<Ops>) -> Router<Arc<Ops>> {
     AdminRoute::ALL
         .into_iter()
         .fold(Router::new(), |api, route| {
-            let check =
-                middleware::from_fn_with_state((ops.clone(), route.access()), authorize);
+            let check = middleware::from_fn_with_state((ops.clone(), route.access()), authorize);
             api.route(route.path(), route.handler().route_layer(check))
         })
 }
@@ -145,10 +144,13 @@ pub(super) fn router(ops: &Arc<Ops>) -> Router<Arc<Ops>> {
 /// Whether `given` is `token`, in a time that depends on `given`'s length
 /// only: no early stop at the first difference or at a length mismatch.
 fn same(given: &[u8], token: &[u8]) -> bool {
-    let diff = given.iter().enumerate().fold(given.len() ^ token.len(), |acc, (i, g)| {
-        let t = token.get(i).copied().unwrap_or(!g);
-        acc | usize::from(g ^ t)
-    });
+    let diff = given
+        .iter()
+        .enumerate()
+        .fold(given.len() ^ token.len(), |acc, (i, g)| {
+            let t = token.get(i).copied().unwrap_or(!g);
+            acc | usize::from(g ^ t)
+        });
     diff == 0
 }
 
@@ -429,5 +431,4 @@ mod tests {
         assert!(!same(b"", b"x"));
         assert!(same(b"", b""));
     }
-
 }
