@@ -694,6 +694,40 @@ async fn each_admin_route_takes_the_token_its_access_asks_for() {
     }
     assert!(refused > 0, "no route changes state?");
     assert_eq!(held().await, 1, "the refused calls changed nothing");
+    // `nackd admin`, given a config with the read token only: it lists
+    // with it, and does not fire (it has no admin token to send).
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cli.toml");
+    let text = format!(
+        "[metrics]\naddress = \"{}\"\nread_token = \"{READ_TOKEN}\"\n",
+        nackd.metrics
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let cli = |args: &'static [&'static str]| {
+        let cfg = cfg.clone();
+        let q = q.clone();
+        async move {
+            tokio::process::Command::new(common::process::NACKD)
+                .arg("--config")
+                .arg(&cfg)
+                .arg("admin")
+                .args(args)
+                .args(["--queue", &q])
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let out = cli(&["list"]).await;
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && listed.contains(&format!("\"{q}\"")),
+        "admin list with the read token: {listed} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&["fire"]).await;
+    assert!(!out.status.success(), "admin fire without the admin token");
+    assert_eq!(held().await, 1, "nothing fired");
     let direct = direct().await;
     let dch = direct.create_channel().await.unwrap();
     let dead = dch
