@@ -402,6 +402,11 @@ pub struct Metrics {
     pub admin_token: Option<String>,
     /// Or the name of an environment variable holding it.
     pub admin_token_env: Option<String>,
+    /// Bearer token of the admin API's calls that change nothing (list
+    /// held messages), inline. Must differ from the admin token.
+    pub read_token: Option<String>,
+    /// Or the name of an environment variable holding it.
+    pub read_token_env: Option<String>,
 }
 
 /// Shortest admin token accepted.
@@ -417,38 +422,94 @@ impl Default for Metrics {
             address: default_metrics(),
             admin_token: None,
             admin_token_env: None,
+            read_token: None,
+            read_token_env: None,
         }
     }
 }
 
 impl Metrics {
-    /// The admin token: inline, from `admin_token_env`, or `None` (API off).
+    /// What needs no environment: each token inline or from a variable,
+    /// not both; inline ones valid, and not the same twice.
+    fn check(&self) -> Result<(), (String, String)> {
+        for (inline, env, name) in [
+            (&self.admin_token, &self.admin_token_env, "admin_token"),
+            (&self.read_token, &self.read_token_env, "read_token"),
+        ] {
+            if inline.is_some() && env.is_some() {
+                return Err((
+                    format!("metrics.{name}_env"),
+                    format!("set {name} or {name}_env, not both"),
+                ));
+            }
+            if let Some(token) = inline {
+                check_token(token).map_err(|reason| (format!("metrics.{name}"), reason))?;
+            }
+        }
+        if self.read_token.is_some() && self.read_token == self.admin_token {
+            return Err((
+                "metrics.read_token".into(),
+                "must differ from the admin token".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The admin token: inline, from `admin_token_env`, or `None`.
     /// Errors name the key.
     pub fn admin_token(&self) -> Result<Option<String>, String> {
-        let token = match (&self.admin_token, &self.admin_token_env) {
-            (Some(t), _) => t.clone(),
-            (None, Some(var)) => std::env::var(var)
-                .map_err(|_| format!("metrics.admin_token_env: {var} is not set"))?,
-            (None, None) => return Ok(None),
-        };
-        let key = if self.admin_token.is_some() {
-            "metrics.admin_token"
-        } else {
-            "metrics.admin_token_env"
-        };
-        check_token(&token).map_err(|reason| format!("{key}: {reason}"))?;
-        Ok(Some(token))
+        token(&self.admin_token, &self.admin_token_env, "admin_token")
     }
+
+    /// The read token: inline, from `read_token_env`, or `None`.
+    /// Errors name the key.
+    pub fn read_token(&self) -> Result<Option<String>, String> {
+        token(&self.read_token, &self.read_token_env, "read_token")
+    }
+
+    /// Both tokens (the admin API is off without either). Errors name the
+    /// key: a token unset or invalid, or the read token equal to the admin
+    /// token (it would change state).
+    pub fn tokens(&self) -> Result<(Option<String>, Option<String>), String> {
+        let (admin, read) = (self.admin_token()?, self.read_token()?);
+        if admin.is_some() && admin == read {
+            let key = match self.read_token {
+                Some(_) => "metrics.read_token",
+                None => "metrics.read_token_env",
+            };
+            return Err(format!("{key}: must differ from the admin token"));
+        }
+        Ok((admin, read))
+    }
+}
+
+/// `metrics.<name>` inline, or from the variable `metrics.<name>_env`
+/// names, checked; `None` when neither is set.
+fn token(
+    inline: &Option<String>,
+    env: &Option<String>,
+    name: &str,
+) -> Result<Option<String>, String> {
+    let (token, key) = match (inline, env) {
+        (Some(t), _) => (t.clone(), format!("metrics.{name}")),
+        (None, Some(var)) => (
+            std::env::var(var).map_err(|_| format!("metrics.{name}_env: {var} is not set"))?,
+            format!("metrics.{name}_env"),
+        ),
+        (None, None) => return Ok(None),
+    };
+    check_token(&token).map_err(|reason| format!("{key}: {reason}"))?;
+    Ok(Some(token))
 }
 
 fn check_token(token: &str) -> Result<(), String> {
     if token.chars().count() < ADMIN_TOKEN_MIN {
         return Err(format!(
-            "the admin token must be at least {ADMIN_TOKEN_MIN} characters"
+            "a token must be at least {ADMIN_TOKEN_MIN} characters"
         ));
     }
     if !token.chars().all(|c| c.is_ascii_graphic()) {
-        return Err("the admin token must be printable ASCII without spaces".into());
+        return Err("a token must be printable ASCII without spaces".into());
     }
     Ok(())
 }
@@ -672,15 +733,7 @@ impl Config {
                 ));
             }
         }
-        if let (Some(_), Some(_)) = (&self.metrics.admin_token, &self.metrics.admin_token_env) {
-            return Err((
-                "metrics.admin_token_env".into(),
-                "set admin_token or admin_token_env, not both".into(),
-            ));
-        }
-        if let Some(token) = &self.metrics.admin_token {
-            check_token(token).map_err(|reason| ("metrics.admin_token".to_string(), reason))?;
-        }
+        self.metrics.check()?;
         if let Some(delayed) = &self.delayed {
             delayed.check()?;
         }

@@ -70,6 +70,8 @@ pub mod delayed;
 pub mod metrics;
 mod net;
 mod ops;
+/// The admin API's routes and which token each takes.
+pub use ops::{Access, AdminRoute};
 pub mod reload;
 pub mod replay;
 pub mod replica;

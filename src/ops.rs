@@ -1,6 +1,6 @@
 //! The operations listener (`[metrics] address`): `/metrics`, `/healthz`,
 //! `/readyz`, the status page `/` with its data `/status.json`, and the
-//! admin API under `/api/` (off unless an admin token is configured).
+//! admin API under `/api/` (off unless an admin or a read token is configured).
 //!
 //! It starts before the store is recovered, so `/healthz` answers during a
 //! long recovery while `/readyz` says "not yet".
@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{middleware, Json, Router};
+use axum::routing::get;
+use axum::{Json, Router};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -28,18 +28,33 @@ use nackd_core::session::Budget;
 mod admin;
 mod status;
 
+pub use admin::{Access, AdminRoute};
+
 /// How long `/readyz` waits for a TCP connect to the broker.
 const UPSTREAM_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a broker check of `/readyz` answers for: requests in between
 /// share it, so probes (or anyone) cannot make nackd open a connection each.
 const UPSTREAM_CHECK_TTL: Duration = Duration::from_secs(1);
 
+/// The admin API's bearer tokens (`metrics.admin_token`,
+/// `metrics.read_token`); the API is off without either.
+#[derive(Clone, Debug, Default)]
+pub struct Tokens {
+    /// Every admin route.
+    pub admin: Option<String>,
+    /// The admin routes that change nothing ([`Access::Read`]).
+    pub read: Option<String>,
+}
+
 /// What the handlers share.
 pub struct Ops {
     metrics: Arc<Metrics>,
     /// `host:port` of each broker node.
     nodes: Vec<String>,
+    /// Takes every admin route.
     admin_token: Option<String>,
+    /// Takes the admin routes that change nothing.
+    read_token: Option<String>,
     intercepting: bool,
     clock: Clock,
     engine: OnceLock<(RetryHandle, Arc<Budget>)>,
@@ -56,14 +71,15 @@ impl Ops {
     pub fn new(
         metrics: Arc<Metrics>,
         nodes: Vec<String>,
-        admin_token: Option<String>,
+        tokens: Tokens,
         intercepting: bool,
         clock: Clock,
     ) -> Arc<Self> {
         Arc::new(Self {
             metrics,
             nodes,
-            admin_token,
+            admin_token: tokens.admin,
+            read_token: tokens.read,
             intercepting,
             clock,
             engine: OnceLock::new(),
@@ -95,16 +111,7 @@ impl Ops {
 
 /// The routes.
 pub fn router(ops: Arc<Ops>) -> Router {
-    let api = Router::new()
-        .route("/api/held", get(admin::list))
-        .route("/api/fire", post(admin::fire))
-        .route("/api/purge", post(admin::purge))
-        .route("/api/replica/reseed", post(admin::reseed))
-        .route("/api/replay", post(admin::replay))
-        .route_layer(middleware::from_fn_with_state(
-            ops.clone(),
-            admin::authorize,
-        ));
+    let api = admin::router(&ops);
     Router::new()
         .route("/", get(status::page))
         .route("/status.json", get(status::json))

@@ -81,15 +81,12 @@ async fn start_ops(
     clock: &Clock,
     root: &CancellationToken,
 ) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
-    let admin_token = config
-        .metrics
-        .admin_token()
-        .map_err(StartError::Credentials)?;
+    let (admin, read) = config.metrics.tokens().map_err(StartError::Credentials)?;
     let nodes = connector.addresses().map(str::to_string).collect();
     let ops = Ops::new(
         metrics.clone(),
         nodes,
-        admin_token,
+        ops::Tokens { admin, read },
         intercepting,
         clock.clone(),
     );
@@ -115,10 +112,7 @@ pub fn preflight(config: &Config) -> Result<(), StartError> {
         listen_tls(tls)?;
     }
     upstream(config)?;
-    config
-        .metrics
-        .admin_token()
-        .map_err(StartError::Credentials)?;
+    config.metrics.tokens().map_err(StartError::Credentials)?;
     if !config.intercepting() {
         // Nothing is intercepted: no republisher, no store, no replica.
         return Ok(());

@@ -145,6 +145,69 @@ fn admin_token_keys_are_checked_and_named() {
 }
 
 #[test]
+fn read_token_keys_are_checked_named_and_differ_from_the_admin_token() {
+    let e = err("[metrics]\nread_token = \"short\"\n");
+    assert!(
+        e.starts_with("nackd.toml: metrics.read_token: ") && e.contains("at least 16"),
+        "{e}"
+    );
+    let e = err("[metrics]\nread_token = \"0123456789abcdef\"\nread_token_env = \"T\"\n");
+    assert!(
+        e.contains("metrics.read_token_env") && e.contains("not both"),
+        "{e}"
+    );
+    let e =
+        err("[metrics]\nadmin_token = \"0123456789abcdef\"\nread_token = \"0123456789abcdef\"\n");
+    assert!(
+        e.starts_with("nackd.toml: metrics.read_token: ") && e.contains("differ"),
+        "{e}"
+    );
+    let ok = Config::parse(
+        "[metrics]\nadmin_token = \"0123456789abcdef\"\nread_token = \"fedcba9876543210\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        ok.metrics.tokens().unwrap(),
+        (
+            Some("0123456789abcdef".to_string()),
+            Some("fedcba9876543210".to_string())
+        )
+    );
+    // Read-only alone is allowed: the admin API lists, nothing changes.
+    let read_only = Config::parse(
+        "[metrics]\nread_token = \"fedcba9876543210\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        read_only.metrics.tokens().unwrap(),
+        (None, Some("fedcba9876543210".to_string()))
+    );
+    // The same token through a variable is caught when it is read (cargo
+    // and nextest set CARGO_MANIFEST_DIR for the test process).
+    let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap();
+    let same = Config::parse(
+        &format!("[metrics]\nadmin_token = {dir:?}\nread_token_env = \"CARGO_MANIFEST_DIR\"\n"),
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        same.metrics.tokens().unwrap_err(),
+        "metrics.read_token_env: must differ from the admin token"
+    );
+    let env = Config::parse(
+        "[metrics]\nread_token_env = \"NACKD_TEST_TOKEN_UNSET_2\"\n",
+        Path::new("x"),
+    )
+    .unwrap();
+    assert_eq!(
+        env.metrics.tokens().unwrap_err(),
+        "metrics.read_token_env: NACKD_TEST_TOKEN_UNSET_2 is not set"
+    );
+}
+
+#[test]
 fn republish_keys_have_defaults_and_are_checked_by_name() {
     let c = Config::parse("", Path::new("x")).unwrap();
     assert_eq!(c.republish.heartbeat, Duration::from_secs(10));

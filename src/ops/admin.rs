@@ -1,6 +1,8 @@
 //! The admin API: list held messages, fire them now, purge them. Every call
-//! carries `Authorization: Bearer <metrics.admin_token>`; without a
-//! configured token the API does not exist (404).
+//! carries `Authorization: Bearer <token>`: the admin token
+//! (`metrics.admin_token`) may call every route, the read token
+//! (`metrics.read_token`) only those that change nothing ([`Access`]).
+//! Without either configured the API does not exist (404).
 //!
 //! ```text
 //! GET  /api/held?queue=Q&vhost=V&limit=N   soonest due first (limit 100, at most 10000)
@@ -18,9 +20,10 @@ use std::sync::Arc;
 use amq_protocol::types::AMQPValue;
 use axum::extract::{Query, Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::Next;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::routing::{get, post, MethodRouter};
+use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -47,37 +50,149 @@ fn error(code: StatusCode, message: impl std::fmt::Display) -> Response {
     (code, Json(json!({ "error": message.to_string() }))).into_response()
 }
 
-/// Compares without stopping at the first difference.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Which token an admin route takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Changes nothing: the read token or the admin token.
+    Read,
+    /// Changes state (held messages, the replica stream, a dead-letter
+    /// queue): the admin token only; the read token gets 403.
+    Change,
 }
 
-/// Checks the bearer token on every admin call.
-pub(super) async fn authorize(
-    State(ops): State<Arc<Ops>>,
+/// The admin API's routes. The router is built from [`AdminRoute::ALL`],
+/// so each route served has its [`Access`] decided here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdminRoute {
+    /// `GET /api/held`: list held messages.
+    Held,
+    /// `POST /api/fire`: publish held messages now.
+    Fire,
+    /// `POST /api/purge`: forget held messages.
+    Purge,
+    /// `POST /api/replica/reseed`: write a new replica stream.
+    Reseed,
+    /// `POST /api/replay`: dead-letter replay. A dry run too: it moves
+    /// nothing, but it takes each message off the dead-letter queue and
+    /// puts it back, which the broker sees (a redelivery, counted toward a
+    /// quorum queue's delivery limit, or a new place in the queue's order).
+    Replay,
+}
+
+impl AdminRoute {
+    /// Every route the admin API serves.
+    pub const ALL: [AdminRoute; 5] = [
+        AdminRoute::Held,
+        AdminRoute::Fire,
+        AdminRoute::Purge,
+        AdminRoute::Reseed,
+        AdminRoute::Replay,
+    ];
+
+    /// Its path.
+    pub fn path(self) -> &'static str {
+        match self {
+            AdminRoute::Held => "/api/held",
+            AdminRoute::Fire => "/api/fire",
+            AdminRoute::Purge => "/api/purge",
+            AdminRoute::Reseed => "/api/replica/reseed",
+            AdminRoute::Replay => "/api/replay",
+        }
+    }
+
+    /// Its HTTP method.
+    pub fn method(self) -> &'static str {
+        match self {
+            AdminRoute::Held => "GET",
+            AdminRoute::Fire | AdminRoute::Purge | AdminRoute::Reseed | AdminRoute::Replay => {
+                "POST"
+            }
+        }
+    }
+
+    /// Which token it takes.
+    pub fn access(self) -> Access {
+        match self {
+            AdminRoute::Held => Access::Read,
+            AdminRoute::Fire | AdminRoute::Purge | AdminRoute::Reseed | AdminRoute::Replay => {
+                Access::Change
+            }
+        }
+    }
+
+    fn handler(self) -> MethodRouter<Arc<Ops>> {
+        match self {
+            AdminRoute::Held => get(list),
+            AdminRoute::Fire => post(fire),
+            AdminRoute::Purge => post(purge),
+            AdminRoute::Reseed => post(reseed),
+            AdminRoute::Replay => post(replay),
+        }
+    }
+}
+
+/// The admin routes, each behind the token check its [`Access`] asks for.
+pub(super) fn router(ops: &Arc<Ops>) -> Router<Arc<Ops>> {
+    AdminRoute::ALL
+        .into_iter()
+        .fold(Router::new(), |api, route| {
+            let check = middleware::from_fn_with_state((ops.clone(), route.access()), authorize);
+            api.route(route.path(), route.handler().route_layer(check))
+        })
+}
+
+/// Whether `given` is `token`, in a time that depends on `given`'s length
+/// only: no early stop at the first difference or at a length mismatch.
+fn same(given: &[u8], token: &[u8]) -> bool {
+    let diff = given
+        .iter()
+        .enumerate()
+        .fold(given.len() ^ token.len(), |acc, (i, g)| {
+            let t = token.get(i).copied().unwrap_or(!g);
+            acc | usize::from(g ^ t)
+        });
+    diff == 0
+}
+
+/// Checks the bearer token of an admin call: 401 without a known token,
+/// 403 for the read token on a route that changes state.
+async fn authorize(
+    State((ops, access)): State<(Arc<Ops>, Access)>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(token) = &ops.admin_token else {
+    if ops.admin_token.is_none() && ops.read_token.is_none() {
         return error(
             StatusCode::NOT_FOUND,
-            "the admin API is off: set metrics.admin_token or metrics.admin_token_env",
+            "the admin API is off: set metrics.admin_token (or metrics.read_token)",
         );
-    };
+    }
     let given = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if !given.is_some_and(|g| same(g.trim().as_bytes(), token.as_bytes())) {
-        let mut response = error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-        response.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            header::HeaderValue::from_static("Bearer"),
-        );
-        return response;
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|g| g.trim().as_bytes());
+    // Both compared, whichever matches: the time taken says nothing of which.
+    let matches = |token: &Option<String>| {
+        given.is_some_and(|g| token.as_ref().is_some_and(|t| same(g, t.as_bytes())))
+    };
+    let (admin, read) = (matches(&ops.admin_token), matches(&ops.read_token));
+    if admin || (read && access == Access::Read) {
+        return next.run(request).await;
     }
-    next.run(request).await
+    if read {
+        return error(
+            StatusCode::FORBIDDEN,
+            "the read token cannot change state: this call needs the admin token",
+        );
+    }
+    let mut response = error(StatusCode::UNAUTHORIZED, "missing or wrong token");
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    response
 }
 
 fn target(p: &Params) -> Option<Target> {
@@ -107,7 +222,7 @@ fn named(p: &Params) -> Result<Option<(String, Kind)>, &'static str> {
     }
 }
 
-pub(super) async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
+async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
     let Some(retry) = ops.retry() else {
         return Json(json!({ "total": 0, "held": [] })).into_response();
     };
@@ -128,11 +243,11 @@ pub(super) async fn list(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -
     }
 }
 
-pub(super) async fn fire(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
+async fn fire(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
     act(&ops, &p, "fired").await
 }
 
-pub(super) async fn purge(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
+async fn purge(State(ops): State<Arc<Ops>>, Query(p): Query<Params>) -> Response {
     act(&ops, &p, "purged").await
 }
 
@@ -161,7 +276,7 @@ async fn act(ops: &Ops, p: &Params, what: &str) -> Response {
 /// local store holds; answers once it is written and nackd intercepts
 /// again: `{"reseeded": n, "stream": name}`. Refused (409) while the stream
 /// exists or the lease is not held.
-pub(super) async fn reseed(State(ops): State<Arc<Ops>>) -> Response {
+async fn reseed(State(ops): State<Arc<Ops>>) -> Response {
     let Some(retry) = ops.retry() else {
         return error(StatusCode::CONFLICT, "nackd intercepts nothing: no replica");
     };
@@ -174,7 +289,7 @@ pub(super) async fn reseed(State(ops): State<Arc<Ops>>) -> Response {
 /// Dead-letter replay (`crate::replay`): parameters in the query or as a
 /// JSON body; answers the report (counts per destination, moved, skipped,
 /// no destination), with `error` and status 503 when it stopped early.
-pub(super) async fn replay(
+async fn replay(
     State(ops): State<Arc<Ops>>,
     uri: axum::http::Uri,
     body: axum::body::Bytes,
@@ -293,5 +408,27 @@ fn amqp_json(v: &AMQPValue) -> Value {
                 .collect(),
         ),
         AMQPValue::Void => Value::Null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_is_equality() {
+        let token = b"0123456789abcdef";
+        assert!(same(token, token));
+        for given in [
+            &b""[..],
+            b"0123456789abcde",
+            b"0123456789abcdeF",
+            b"0123456789abcdef0",
+            b"1123456789abcdef",
+        ] {
+            assert!(!same(given, token), "{given:?}");
+        }
+        assert!(!same(b"", b"x"));
+        assert!(same(b"", b""));
     }
 }

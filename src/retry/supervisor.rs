@@ -80,6 +80,9 @@ async fn supervise(
     stop: CancellationToken,
 ) {
     if start.replica.is_none() {
+        // Nobody reads reseeds: a reseed is refused at once ("no
+        // [replica]") instead of waiting for an answer that never comes.
+        drop(reseeds);
         return run_alone(start, commands, ready, stop).await;
     }
     let opened = tokio::select! {
@@ -88,6 +91,7 @@ async fn supervise(
     };
     let Some((mut log, mut recovered)) = opened else {
         ready.set(Ready::Failed);
+        drop(reseeds);
         return drain(commands, stop).await;
     };
     let (adopt_tx, mut adopts) = mpsc::channel::<Adopt>(256);

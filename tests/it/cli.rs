@@ -77,7 +77,19 @@ fn check_config_rejects_what_startup_rejects() {
             "republish.password_env",
             format!("[republish]\npassword_env = \"NACKD_TEST_UNSET_PASSWORD_1\"\n{policy}"),
         ),
-        ("metrics.admin_token_env", String::new()),
+        (
+            "metrics.admin_token_env",
+            "admin_token_env = \"NACKD_TEST_UNSET_TOKEN_1\"\n".into(),
+        ),
+        (
+            "metrics.read_token_env",
+            "read_token_env = \"NACKD_TEST_UNSET_TOKEN_2\"\n".into(),
+        ),
+        (
+            "metrics.read_token",
+            "admin_token = \"same-token-0123456789\"\nread_token = \"same-token-0123456789\"\n"
+                .into(),
+        ),
         (
             "store.path",
             format!("[store]\npath = \"{}\"\n{policy}", a_file.display()),
@@ -103,14 +115,10 @@ fn check_config_rejects_what_startup_rejects() {
         String::from_utf8_lossy(&out.stderr)
     );
     for (i, (key, extra)) in cases.iter().enumerate() {
-        // `[metrics]` is in the base: its case adds the key there.
-        let text = match *key {
-            "metrics.admin_token_env" => base.replacen(
-                "[metrics]\n",
-                "[metrics]\nadmin_token_env = \"NACKD_TEST_UNSET_TOKEN_1\"\n",
-                1,
-            ),
-            _ => format!("{base}{extra}"),
+        // `[metrics]` is in the base: its cases add their keys there.
+        let text = match key.starts_with("metrics.") {
+            true => base.replacen("[metrics]\n", &format!("[metrics]\n{extra}"), 1),
+            false => format!("{base}{extra}"),
         };
         let path = write(&dir, &format!("case{i}.toml"), &text);
         let check = check_config(&path);

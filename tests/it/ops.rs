@@ -606,6 +606,171 @@ async fn admin_api_is_off_without_a_token() {
     nackd.stop().await;
 }
 
+const READ_TOKEN: &str = "test-read-token-0123456789";
+
+/// Every admin route the router serves (`nackd::AdminRoute::ALL`, which the
+/// router is built from) with no token, a wrong one, the read token and
+/// the admin token: 401, 401, then 403 on each route that changes state
+/// (and nothing changed: the held message is still held, the dead-letter
+/// message never redelivered) or its answer on each that reads; the admin
+/// token gets every route's answer. A route added without a request here
+/// does not compile.
+#[tokio::test]
+async fn each_admin_route_takes_the_token_its_access_asks_for() {
+    use nackd::{Access, AdminRoute};
+    let (q, dlq) = (unique("tokens"), unique("tokens-dlq"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\nread_token = \"{READ_TOKEN}\"\n\
+         [[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1h\"]\n"
+    ))
+    .await;
+    common::ops::wait_intercepting(nackd.metrics).await;
+    // One held message, and one message on a dead-letter queue.
+    let conn = nackd.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_durable(&ch, &q).await;
+    declare_durable(&ch, &dlq).await;
+    publish(&ch, &q, b"held").await;
+    publish(&ch, &dlq, b"dead").await;
+    let mut c = consume(&ch, &q, Some(1)).await;
+    next_in_10s(&mut c).await.nack(nack()).await.unwrap();
+    until(&nackd, "1 held", |s| s.sum("nackd_held_messages") == 1.0).await;
+
+    let queue = common::ops::query(&q);
+    let dlq_param = common::ops::query(&dlq).replacen("?queue=", "", 1);
+    // A request to each route, and what the admin token gets from it.
+    let request = |route: AdminRoute| -> (String, u16) {
+        match route {
+            AdminRoute::Held => (format!("{}{queue}", route.path()), 200),
+            AdminRoute::Fire => (format!("{}{queue}", route.path()), 200),
+            AdminRoute::Purge => (format!("{}{queue}", route.path()), 200),
+            // This nackd runs no replica: the reseed is refused.
+            AdminRoute::Reseed => (route.path().to_string(), 409),
+            AdminRoute::Replay => (format!("{}?dlq={dlq_param}&dry_run=true", route.path()), 200),
+        }
+    };
+    let held = || async {
+        let listed = json(
+            nackd.metrics,
+            "GET",
+            &format!("/api/held{queue}"),
+            Some(READ_TOKEN),
+        )
+        .await;
+        listed["total"].as_u64().unwrap()
+    };
+
+    let mut refused = 0;
+    for route in AdminRoute::ALL {
+        let (path, _) = request(route);
+        let method = route.method();
+        for (token, what) in [
+            (None, "no token"),
+            (Some("wrong-token-0123456789"), "a wrong token"),
+        ] {
+            let r = call(nackd.metrics, method, &path, token).await;
+            assert_eq!(r.status, 401, "{method} {path} with {what}: {}", r.body);
+        }
+        let r = call(nackd.metrics, method, &path, Some(READ_TOKEN)).await;
+        match route.access() {
+            Access::Read => assert_eq!(
+                r.status,
+                request(route).1,
+                "{method} {path} with the read token: {}",
+                r.body
+            ),
+            Access::Change => {
+                assert_eq!(
+                    r.status, 403,
+                    "{method} {path} with the read token: {}",
+                    r.body
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert!(refused > 0, "no route changes state?");
+    assert_eq!(held().await, 1, "the refused calls changed nothing");
+    // `nackd admin`, given a config with the read token only: it lists
+    // with it, and does not fire (it has no admin token to send).
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cli.toml");
+    let text = format!(
+        "[metrics]\naddress = \"{}\"\nread_token = \"{READ_TOKEN}\"\n",
+        nackd.metrics
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let cli = |args: &'static [&'static str]| {
+        let cfg = cfg.clone();
+        let q = q.clone();
+        async move {
+            tokio::process::Command::new(common::process::NACKD)
+                .arg("--config")
+                .arg(&cfg)
+                .arg("admin")
+                .args(args)
+                .args(["--queue", &q])
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let out = cli(&["list"]).await;
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && listed.contains(&format!("\"{q}\"")),
+        "admin list with the read token: {listed} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&["fire"]).await;
+    assert!(!out.status.success(), "admin fire without the admin token");
+    assert_eq!(held().await, 1, "nothing fired");
+    let direct = direct().await;
+    let dch = direct.create_channel().await.unwrap();
+    let dead = dch
+        .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the dead-letter message is still there");
+    assert!(
+        !dead.delivery.redelivered,
+        "a refused dry run never took it off the queue"
+    );
+    dch.basic_publish(
+        "".into(),
+        dlq.as_str().into(),
+        BasicPublishOptions::default(),
+        b"dead",
+        lapin::BasicProperties::default(),
+    )
+    .await
+    .unwrap();
+
+    for route in AdminRoute::ALL {
+        let (path, status) = request(route);
+        let method = route.method();
+        let r = call(nackd.metrics, method, &path, Some(TOKEN)).await;
+        assert_eq!(
+            r.status, status,
+            "{method} {path} with the admin token: {}",
+            r.body
+        );
+    }
+    // The admin token's fire did it: the held message is delivered again.
+    let d = next_in_10s(&mut c).await;
+    assert_eq!(&*d.data, b"held");
+    d.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(held().await, 0);
+
+    delete_queues(&dch, &[&q, &dlq]).await;
+    direct.close(200, "".into()).await.unwrap();
+    conn.close(200, "".into()).await.unwrap();
+    nackd.stop().await;
+}
+
 #[tokio::test]
 async fn every_pass_through_and_deferral_reason_is_counted() {
     let (tx_q, pass_q, big_q) = (

@@ -20,7 +20,8 @@ pub struct AdminArgs {
     /// host:port of its metrics listener (default: metrics.address of --config).
     #[arg(long)]
     address: Option<String>,
-    /// Environment variable holding the admin token (default: the token of --config).
+    /// Environment variable holding the token (default: from --config, the
+    /// read token for `list` if there is one, else the admin token).
     #[arg(long)]
     token_env: Option<String>,
     #[command(subcommand)]
@@ -212,6 +213,21 @@ fn address_and_token(config: &Path, args: &AdminArgs) -> Result<(String, String)
     });
     let token = match (&args.token_env, &loaded) {
         (Some(var), _) => std::env::var(var).map_err(|_| format!("--token-env: {var} is not set")),
+        // Listing changes nothing: the read token does (and is the
+        // smaller one to hold), else the admin token.
+        (None, Some(c)) if matches!(args.action, AdminAction::List { .. }) => c
+            .metrics
+            .read_token()
+            .and_then(|read| match read {
+                Some(t) => Ok(Some(t)),
+                None => c.metrics.admin_token(),
+            })
+            .and_then(|t| {
+                t.ok_or_else(|| {
+                    "no token: set metrics.read_token or metrics.admin_token, or pass --token-env"
+                        .into()
+                })
+            }),
         (None, Some(c)) => c.metrics.admin_token().and_then(|t| {
             t.ok_or_else(|| "no admin token: set metrics.admin_token or pass --token-env".into())
         }),
