@@ -224,6 +224,14 @@ pub struct Republish {
     /// What becomes of held messages whose queue is gone.
     #[serde(default)]
     pub queue_gone: QueueGone,
+    /// Above this offset of nackd's clock from the broker's, `/readyz`
+    /// warns (nackd stays ready) and a warning is logged.
+    #[serde(default = "default_max_clock_offset", with = "humantime_serde")]
+    pub max_clock_offset: Duration,
+}
+
+fn default_max_clock_offset() -> Duration {
+    Duration::from_secs(2)
 }
 
 fn default_guest() -> String {
@@ -257,6 +265,7 @@ impl Default for Republish {
             confirm_window: default_confirm_window(),
             max_pending_bytes: default_max_pending_bytes(),
             queue_gone: QueueGone::default(),
+            max_clock_offset: default_max_clock_offset(),
         }
     }
 }

@@ -190,6 +190,8 @@ pub struct Metrics {
     /// 1 while older store segments are still being read after a start
     /// (new nacks are held meanwhile; what they held fires once read).
     pub store_recovering: Gauge,
+    /// nackd's clock minus the broker's, in seconds (NaN until measured).
+    pub clock_offset: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Store writes or fsyncs that failed.
     pub store_errors: Counter,
     /// Bytes of the store's live puts (what disk use is bounded by).
@@ -322,6 +324,11 @@ impl Metrics {
             store_bytes: Gauge::default(),
             store_open: Gauge::default(),
             store_recovering: Gauge::default(),
+            clock_offset: {
+                let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+                g.set(f64::NAN);
+                g
+            },
             store_errors: Counter::default(),
             store_live_bytes: Gauge::default(),
             store_compacted_bytes: Counter::default(),
@@ -543,6 +550,12 @@ impl Metrics {
             "Bytes the store's compaction copied forward",
             Unit::Bytes,
             self.store_compacted_bytes.clone(),
+        );
+        r.register_with_unit(
+            "nackd_clock_offset",
+            "nackd's clock minus the broker's (measured each minute from the broker's x-death time, good to about a second; NaN until measured)",
+            Unit::Seconds,
+            self.clock_offset.clone(),
         );
         r.register(
             "nackd_store_recovering",

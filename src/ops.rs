@@ -57,6 +57,8 @@ pub struct Ops {
     read_token: Option<String>,
     intercepting: bool,
     clock: Clock,
+    /// `republish.max_clock_offset`: above it, `/readyz` warns.
+    max_clock_offset: Duration,
     engine: OnceLock<(RetryHandle, Arc<Budget>)>,
     /// Dead-letter replays (once the engine runs).
     replayer: OnceLock<crate::replay::Replayer>,
@@ -74,6 +76,7 @@ impl Ops {
         tokens: Tokens,
         intercepting: bool,
         clock: Clock,
+        max_clock_offset: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             metrics,
@@ -82,6 +85,7 @@ impl Ops {
             read_token: tokens.read,
             intercepting,
             clock,
+            max_clock_offset,
             engine: OnceLock::new(),
             replayer: OnceLock::new(),
             draining: AtomicBool::new(false),
@@ -190,9 +194,10 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // Older segments still being read after a start: nacks are held as
     // usual, what those segments hold fires once they are read.
     let recovering = ops.metrics.store_recovering.get() == 1;
+    let warnings = clock_warnings(ops.metrics.clock_offset.get(), ops.max_clock_offset);
     let mut body = json!({ "ready": ready, "upstream": upstream, "store": store,
         "store_recovering": recovering, "republish": republish, "draining": draining,
-        "reasons": reasons });
+        "reasons": reasons, "warnings": warnings });
     if nodes.0.len() > 1 {
         body["nodes"] = nodes.to_json();
     }
@@ -224,6 +229,19 @@ fn unready_reasons(
         reasons.push("draining: nackd is shutting down".into());
     }
     reasons
+}
+
+/// What `/readyz` warns about without being unready: nackd's clock off
+/// the broker's by more than `max` (`offset`: NaN until measured).
+fn clock_warnings(offset: f64, max: Duration) -> Vec<String> {
+    if offset.is_nan() || offset.abs() <= max.as_secs_f64() {
+        return Vec::new();
+    }
+    let side = if offset > 0.0 { "ahead of" } else { "behind" };
+    vec![format!(
+        "clock: nackd's clock is {:.1} s {side} the broker's (more than {max:?}): due times can be off by that much after a restart or an adoption",
+        offset.abs()
+    )]
 }
 
 /// What each broker node answered: `ok` or `unreachable: why`.
@@ -282,6 +300,21 @@ impl Ops {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 33, item 7: `/readyz` warns about a clock off the broker's by
+    /// more than the bound, either way, and not before it is measured.
+    #[test]
+    fn the_clock_warns_only_above_its_bound() {
+        let max = Duration::from_secs(2);
+        assert!(clock_warnings(f64::NAN, max).is_empty());
+        assert!(clock_warnings(1.9, max).is_empty());
+        assert!(clock_warnings(-2.0, max).is_empty());
+        let ahead = clock_warnings(3.25, max);
+        assert_eq!(ahead.len(), 1);
+        assert!(ahead[0].contains("3.2 s ahead of"), "{ahead:?}");
+        let behind = clock_warnings(-7.0, max);
+        assert!(behind[0].contains("7.0 s behind"), "{behind:?}");
+    }
 
     #[test]
     fn ready_has_no_reason_and_each_failed_check_names_one() {

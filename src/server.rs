@@ -60,6 +60,20 @@ async fn interception(
         metrics: metrics.clone(),
         clock: clock.clone(),
     };
+    // The vhost the offset is measured on: one the republish user works in.
+    let vhost = config
+        .policies
+        .first()
+        .map_or_else(|| "/".to_string(), |p| p.vhost.clone());
+    retry::republish::offset::spawn(
+        connector.clone(),
+        start.options.republish.login.clone(),
+        vhost,
+        clock.clone(),
+        metrics.clone(),
+        config.republish.max_clock_offset,
+        root.child_token(),
+    );
     let (retry, engine) = retry::start(start, root.child_token());
     let shared = Arc::new(Interception {
         policies: live.clone(),
@@ -89,6 +103,7 @@ async fn start_ops(
         ops::Tokens { admin, read },
         intercepting,
         clock.clone(),
+        config.republish.max_clock_offset,
     );
     let address = config.metrics.address;
     let listener = ops::bind(address)

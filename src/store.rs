@@ -102,7 +102,8 @@ mod segment;
 mod writer;
 
 pub use log::{
-    segment_numbers, Backlog, Log, Options, Reader, Relocation, Segments, SEGMENT_BYTES,
+    read_clock_mark, segment_numbers, write_clock_mark, Backlog, Log, Options, Reader, Relocation,
+    Segments, CLOCK, SEGMENT_BYTES,
 };
 pub use recover::{Recovered, Report};
 pub use reserve::RESERVE_BYTES;

@@ -9,5 +9,7 @@ mod common;
 
 #[path = "it/brokers.rs"]
 mod brokers;
+#[path = "it/clock.rs"]
+mod clock;
 #[path = "it/deferral.rs"]
 mod deferral;

@@ -185,6 +185,15 @@ impl Engine {
         let (clock, connector) = (start.clock.clone(), start.connector.clone());
         let (options, metrics) = (start.options.clone(), start.metrics.clone());
         let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
+        // Before anything is scheduled: a wall clock that went back since
+        // the store last wrote must not make its messages wait longer (nor
+        // what is held from now on early, once the wall clock is set right).
+        if let Some(ms) = store::read_clock_mark(log.dir()) {
+            let behind = clock.raise_to_ms(ms);
+            if !behind.is_zero() {
+                warn!(behind = ?behind, "the wall clock is behind the time the store last recorded (it was set back): nackd's clock goes on from that time");
+            }
+        }
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone(), clock.clone());
         let paused = writer.paused;
@@ -965,6 +974,71 @@ mod tests {
         assert!(matches!(exit, Exit::Stopped));
         let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
         assert!(recovered.held.is_empty(), "the local copy is deleted");
+    }
+
+    /// Issue 33, item 7: the host slept (its monotonic clock stood still,
+    /// its wall clock went on) before a nack. The stored due time is the
+    /// wall clock at the nack plus the delay: a restart does not fire it
+    /// early by the time slept.
+    #[tokio::test]
+    async fn a_due_time_after_a_suspend_is_the_wall_clock_at_the_nack_plus_the_delay() {
+        use nackd_core::clock::Clock;
+        const T: u64 = 1_800_000_000_000;
+        const SLEPT_MS: u64 = 600_000;
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Clock::manual(T);
+        let mut started = start(dir.path());
+        started.clock = clock.clone();
+        let (handle, engine): (RetryHandle, _) =
+            crate::retry::start(started, CancellationToken::new());
+        clock.step_wall(SLEPT_MS as i64);
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        let parked = park(1);
+        let delay_ms = parked.delay.as_millis() as u64;
+        assert!(handle.park(parked, &reply));
+        answers.recv().await.unwrap().result.unwrap();
+        engine.stop(Duration::from_secs(10)).await;
+        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        let due = recovered.held[0].1;
+        assert!(
+            due >= T + SLEPT_MS + delay_ms,
+            "stored due {due} is {} ms before the wall clock at the nack plus the delay",
+            (T + SLEPT_MS + delay_ms).saturating_sub(due)
+        );
+    }
+
+    /// Issue 33, item 7: a restart after the wall clock was set back. The
+    /// message waits for the time it had left when the store last wrote:
+    /// not less (never early), and not the step longer.
+    #[tokio::test]
+    async fn a_restart_on_a_wall_clock_set_back_holds_for_the_time_that_was_left() {
+        use nackd_core::clock::Clock;
+        const T: u64 = 1_800_000_000_000;
+        const BACK_MS: u64 = 600_000;
+        let dir = tempfile::tempdir().unwrap();
+        let mut before = start(dir.path());
+        before.clock = Clock::manual(T);
+        let (handle, engine): (RetryHandle, _) =
+            crate::retry::start(before, CancellationToken::new());
+        let (reply, mut answers) = mpsc::unbounded_channel();
+        let parked = park(1);
+        let delay_ms = parked.delay.as_millis() as u64;
+        assert!(handle.park(parked, &reply));
+        let id = answers.recv().await.unwrap().result.unwrap();
+        engine.stop(Duration::from_secs(10)).await;
+        // The restart: its wall clock was set back meanwhile.
+        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
+        let mut after = start(dir.path());
+        after.clock = Clock::manual(T - BACK_MS);
+        let ready = crate::retry::Readiness::new();
+        let engine = Engine::new(log, recovered, &after, None, ready);
+        let due = engine.ledger.get(id).expect("held again").due_ms;
+        let left = due.saturating_sub(engine.clock.now_ms());
+        assert!(left >= delay_ms, "early: {left} ms left of {delay_ms}");
+        assert!(
+            left < delay_ms + BACK_MS,
+            "{left} ms left of {delay_ms}: late by the wall clock's step back"
+        );
     }
 
     /// Writes messages 1..=`n` (due far ahead) to the store in `dir`, as a

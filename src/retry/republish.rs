@@ -46,6 +46,7 @@ mod check;
 mod conn;
 mod lane;
 mod login;
+pub mod offset;
 mod precheck;
 mod returned;
 mod task;

@@ -892,6 +892,34 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
     sync_dir(dir)
 }
 
+/// The file that holds the latest time (ms since the epoch, on nackd's
+/// [`Clock`](nackd_core::clock::Clock)) at which the store wrote a batch.
+/// A restart raises its clock to it: if the wall clock went back meanwhile,
+/// every message is held for the time it had left then, never less.
+/// Written at most once a second, not fsynced: a lost write leaves an
+/// earlier time, which only holds messages longer.
+pub const CLOCK: &str = "CLOCK";
+
+/// What [`CLOCK`] says, if it is there and readable.
+pub fn read_clock_mark(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join(CLOCK)).ok()?;
+    let ms = text.trim().parse().ok();
+    if ms.is_none() {
+        warn!(
+            file = CLOCK,
+            "store: unreadable; the clock is not raised to it"
+        );
+    }
+    ms
+}
+
+/// Replaces [`CLOCK`] with `ms` (not durably: see there).
+pub fn write_clock_mark(dir: &Path, ms: u64) -> io::Result<()> {
+    let tmp = dir.join(format!("{CLOCK}.tmp"));
+    std::fs::write(&tmp, format!("{ms}\n"))?;
+    std::fs::rename(&tmp, dir.join(CLOCK))
+}
+
 /// Creates segment `n` after `prev` (its number and sealed length), with
 /// its header written and fsynced, then the directory: a segment exists
 /// only with its header, else it is a torn one. Returns the file to append

@@ -34,6 +34,8 @@ const BATCH_BYTES: usize = 16 * 1024 * 1024;
 const COMPACT_STEP: u64 = 4 * 1024 * 1024;
 /// How often lost deletes are written again when nothing else comes.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// How often at most the clock's time is written to [`super::CLOCK`].
+const MARK_EVERY: Duration = Duration::from_secs(1);
 
 /// An operation for the writer thread.
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
@@ -178,6 +180,8 @@ struct Thread<C> {
     reserve: Reserve,
     /// What the owner was last told ([`Event::Firing`]).
     paused: Option<PauseReason>,
+    /// When the clock was last written to [`super::CLOCK`].
+    marked: Option<Instant>,
 }
 
 impl<C> Thread<C> {
@@ -201,6 +205,7 @@ impl<C> Thread<C> {
             compact_after: None,
             reserve,
             paused: None,
+            marked: None,
         }
     }
 
@@ -210,6 +215,7 @@ impl<C> Thread<C> {
         while let Some(batch) = self.next_batch(&rx) {
             let answers = self.apply(batch);
             self.commit(answers);
+            self.mark_clock();
             self.use_reserve();
             self.log.reclaim();
             self.compact();
@@ -293,6 +299,23 @@ impl<C> Thread<C> {
             }
         }
         answers
+    }
+
+    /// Writes the clock's time to [`super::CLOCK`], at most once a
+    /// second: a restart raises its clock to it, so that a wall clock set
+    /// back meanwhile makes no message wait longer than it had left.
+    fn mark_clock(&mut self) {
+        let now = self.clock.now();
+        if self
+            .marked
+            .is_some_and(|t| now.saturating_duration_since(t) < MARK_EVERY)
+        {
+            return;
+        }
+        self.marked = Some(now);
+        if let Err(e) = super::write_clock_mark(self.log.dir(), self.clock.now_ms()) {
+            debug!(error = %e, "store: cannot write the clock's time");
+        }
     }
 
     /// Commits, then answers every put: `Ok` only if the commit covered it.

@@ -8,6 +8,7 @@ mod common;
 mod alerts;
 mod brokers;
 mod cli;
+mod clock;
 mod cluster;
 mod cluster_adopt;
 mod cluster_replica;

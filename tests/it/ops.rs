@@ -242,7 +242,7 @@ async fn health_and_readiness() {
     assert_eq!(
         serde_json::from_str::<serde_json::Value>(&r.body).unwrap(),
         serde_json::json!({ "ready": true, "upstream": "ok", "store": "ok", "store_recovering": false,
-            "republish": { "/": "ok" }, "draining": false, "reasons": [] })
+            "republish": { "/": "ok" }, "draining": false, "reasons": [], "warnings": [] })
     );
     nackd.stop().await;
 

@@ -132,6 +132,24 @@ fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// The time of the first `x-death` entry, in seconds since the epoch: when
+/// the broker last dead-lettered the message, on the broker's clock.
+/// Decoded only within nackd's nesting limit.
+pub fn death_time(payload: &[u8]) -> Option<u64> {
+    let header = content::decode_header(payload).ok()?;
+    let headers = header.properties.headers().as_ref()?;
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get(X_DEATH) else {
+        return None;
+    };
+    match deaths.as_slice().first()? {
+        AMQPValue::FieldTable(t) => match t.inner().get("time")? {
+            AMQPValue::Timestamp(secs) => Some(*secs),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// `x-death` with this queue's `rejected` entry counted up (or created) and
 /// moved first, as RabbitMQ does when it dead-letters.
 fn x_death(existing: Option<AMQPValue>, r: &Retry<'_>) -> AMQPValue {

@@ -201,3 +201,17 @@ fn original_exchange_is_neither_invented_for_a_later_retry_nor_overwritten() {
         &AMQPValue::LongString("app".into())
     );
 }
+
+/// Issue 33, item 7: the broker's dead-lettering time is read from the
+/// first `x-death` entry (the newest), and a message without one has none.
+#[test]
+fn the_death_time_is_the_first_x_death_entrys() {
+    let plain = content::encode_header(60, 0, &AMQPProperties::default());
+    assert_eq!(death_time(&plain), None);
+    let once = rewrite(&plain, &retry(1)).unwrap();
+    assert_eq!(death_time(&once), Some(retry(1).now_secs));
+    let mut other = retry(2);
+    other.queue = "another-queue";
+    let twice = rewrite(&once, &other).unwrap();
+    assert_eq!(death_time(&twice), Some(other.now_secs));
+}
