@@ -75,6 +75,7 @@ pub mod replay;
 pub mod replica;
 pub mod retry;
 pub mod sched;
+pub mod screen;
 pub mod server;
 mod session;
 mod shutdown;
