@@ -125,28 +125,24 @@ async fn relay(lapin: TcpStream, broker: Io, node: &str, what: &'static str) {
     };
     let down = async move {
         let (mut buf, mut out) = (BytesMut::with_capacity(8192), BytesMut::new());
+        let mut folds = Vec::new();
         loop {
             if broker_rx.read_buf(&mut buf).await? == 0 {
                 return Ok::<_, io::Error>(());
             }
-            let screened = screen
+            let refused = screen
                 .lock()
                 .expect("screen lock")
-                .from_broker(&mut buf, &mut out);
-            let refused = match screened {
-                Ok(folds) => {
-                    for fold in folds {
-                        FOLDED.inc();
-                        warn!(
-                            node, what, channel = fold.channel, reason = %fold.reason,
-                            "screen: a message's properties fail nackd's limits; folded into {}",
-                            nackd_core::protocol::screen::FOLDED
-                        );
-                    }
-                    None
-                }
-                Err(e) => Some(e),
-            };
+                .from_broker(&mut buf, &mut out, &mut folds)
+                .err();
+            for fold in folds.drain(..) {
+                FOLDED.inc();
+                warn!(
+                    node, what, channel = fold.channel, reason = %fold.reason,
+                    "screen: a message's properties fail nackd's limits; folded into {}",
+                    nackd_core::protocol::screen::FOLDED
+                );
+            }
             lapin_tx.write_all(&out).await?;
             out.clear();
             if let Some(e) = refused {

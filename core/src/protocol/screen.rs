@@ -106,14 +106,14 @@ impl Screen {
 
     /// Takes every whole frame from the front of `buf` (the broker's bytes)
     /// and appends it to `out` for the client, folded where nackd refuses
-    /// its content header. The folds are returned; an error ends the
-    /// connection (what came before it is in `out`).
+    /// its content header (each fold pushed on `folds`). An error ends the
+    /// connection (what came before it is in `out` and `folds`).
     pub fn from_broker(
         &mut self,
         buf: &mut BytesMut,
         out: &mut BytesMut,
-    ) -> Result<Vec<Fold>, ScreenError> {
-        let mut folds = Vec::new();
+        folds: &mut Vec<Fold>,
+    ) -> Result<(), ScreenError> {
         while let Some(frame) = self.from_broker.decode(buf).map_err(ScreenError::Frame)? {
             match frame.kind {
                 FrameType::Method => {
@@ -134,7 +134,7 @@ impl Screen {
                 FrameType::Body | FrameType::Heartbeat => out.extend_from_slice(&frame.raw),
             }
         }
-        Ok(folds)
+        Ok(())
     }
 
     /// Takes the client's bytes from the front of `buf` and appends them to

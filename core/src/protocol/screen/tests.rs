@@ -34,7 +34,8 @@ fn screen() -> Screen {
 fn down(s: &mut Screen, bytes: &[u8]) -> (Vec<Frame>, Vec<Fold>) {
     let mut buf = BytesMut::from(bytes);
     let mut out = BytesMut::new();
-    let folds = s.from_broker(&mut buf, &mut out).unwrap();
+    let mut folds = Vec::new();
+    s.from_broker(&mut buf, &mut out, &mut folds).unwrap();
     assert!(buf.is_empty());
     (frames(out), folds)
 }
@@ -128,7 +129,9 @@ fn a_deep_method_table_ends_the_connection() {
     payload.extend_from_slice(b"en_US");
     let mut s = screen();
     let mut buf = BytesMut::from(&wire(FrameType::Method, 0, &payload)[..]);
-    let err = s.from_broker(&mut buf, &mut BytesMut::new()).unwrap_err();
+    let err = s
+        .from_broker(&mut buf, &mut BytesMut::new(), &mut Vec::new())
+        .unwrap_err();
     assert!(matches!(err, ScreenError::Method(_)), "{err}");
 }
 
@@ -139,7 +142,9 @@ fn folds_beyond_the_budget_end_the_connection() {
     let frame = wire(FrameType::Header, 1, &deep);
     down(&mut s, &[frame.clone(), frame.clone()].concat());
     let mut buf = BytesMut::from(&frame[..]);
-    let err = s.from_broker(&mut buf, &mut BytesMut::new()).unwrap_err();
+    let err = s
+        .from_broker(&mut buf, &mut BytesMut::new(), &mut Vec::new())
+        .unwrap_err();
     assert!(matches!(err, ScreenError::Budget(_)), "{err}");
 }
 
@@ -156,7 +161,9 @@ fn frames_beyond_the_tuned_frame_max_end_the_connection() {
     );
     up(&mut s, &tune_ok);
     let mut buf = BytesMut::from(&wire(FrameType::Body, 1, &[0; 5000])[..]);
-    let err = s.from_broker(&mut buf, &mut BytesMut::new()).unwrap_err();
+    let err = s
+        .from_broker(&mut buf, &mut BytesMut::new(), &mut Vec::new())
+        .unwrap_err();
     assert!(
         matches!(err, ScreenError::Frame(FrameError::TooLarge { .. })),
         "{err}"
