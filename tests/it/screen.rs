@@ -251,7 +251,10 @@ async fn a_crafted_message_in_a_dead_letter_queue_is_set_aside_by_replay() {
 /// The replica's reads: a stream holding the crafted message (someone
 /// published to it) is read to its end as nackd reads a stream to rebuild
 /// or adopt: the read fails with a reason for that stream, and the process
-/// and its connection carry on.
+/// and its connection carry on. (RabbitMQ 3.10 and 4.3 store a 0-9-1
+/// publish to a stream as AMQP 1.0 and hand back a flattened header, so
+/// here the broker, not the screen, removes the nesting; the screen covers
+/// a broker that would not.)
 #[tokio::test]
 async fn a_crafted_message_in_a_replica_stream_fails_only_that_read() {
     use nackd::replica::client::{Client, ClientError};
