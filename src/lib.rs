@@ -67,6 +67,8 @@
 pub mod coalesce;
 pub mod config;
 pub mod delayed;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod metrics;
 mod net;
 mod ops;
