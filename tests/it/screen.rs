@@ -286,3 +286,55 @@ async fn a_crafted_message_in_a_replica_stream_fails_only_that_read() {
     client.delete(&clean).await.unwrap();
     client.close().await;
 }
+
+/// The admin list's path: a crafted message can reach nackd's store only
+/// through a nack of a client of nackd. Consumed through nackd by a raw
+/// client and nacked, it cannot be held (nackd's own decoder refuses its
+/// headers without recursing, so they cannot be rewritten): the nack is
+/// deferred with reason `bad_headers` and the message comes back; the
+/// admin list stays readable and empty, and nackd and a client connected
+/// through it carry on.
+#[tokio::test]
+async fn a_crafted_message_nacked_through_nackd_is_deferred_not_held() {
+    let (queue, own) = (unique("screen-held"), unique("screen-held-own"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{queue}\"]\ndelays = [\"1s\"]\n"
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    declare_durable(&ch, &queue).await;
+    let bystander = nackd.connect().await;
+    let bch = bystander.create_channel().await.unwrap();
+    bch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_durable(&bch, &own).await;
+    round_trip(&bch, &own, b"before").await;
+
+    publish_crafted(&queue).await;
+    let mut raw = RawClient::open(nackd.addr, 131_072, 0).await;
+    raw.open_channel(1).await;
+    raw.consume(1, &queue).await;
+    let tag = raw.delivery().await;
+    raw.send(&method::nack(1, tag, false, true)).await;
+    common::ops::until(nackd.metrics, "the nack deferred", |s| {
+        s.get("nackd_nacks_deferred_total", &[("reason", "bad_headers")]) >= 1.0
+    })
+    .await;
+    let again = raw.delivery().await;
+    assert!(again > tag, "the crafted message comes back");
+
+    let q = common::ops::query(&queue);
+    let listed =
+        common::ops::json(nackd.metrics, "GET", &format!("/api/held{q}"), Some(TOKEN)).await;
+    assert_eq!(listed["total"], 0, "{listed}");
+    round_trip(&bch, &own, b"after").await;
+    assert!(bystander.status().connected());
+
+    drop(raw);
+    delete_queues(&ch, &[&queue, &own]).await;
+    let _ = bystander.close(200, "".into()).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
