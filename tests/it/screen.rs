@@ -12,7 +12,7 @@ use crate::common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use amq_protocol::protocol::{basic, AMQPClass};
+use amq_protocol::protocol::{basic, confirm, AMQPClass};
 use bytes::Bytes;
 use common::raw::RawClient;
 use common::*;
@@ -55,12 +55,19 @@ fn broker_addr() -> SocketAddr {
 }
 
 /// Publishes the crafted message to `queue` straight to the broker (a raw
-/// client: lapin cannot encode it either).
+/// client: lapin cannot encode it either), confirmed: a stream read that
+/// starts after this sees it before its own end marker.
 async fn publish_crafted(queue: &str) -> Vec<u8> {
     let header = crafted_header(DEPTH, CRAFTED.len() as u64);
     assert!(header.len() < 131_072 - 8, "under frame_max");
     let mut raw = RawClient::open(broker_addr(), 131_072, 0).await;
     raw.open_channel(1).await;
+    let select = AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false }));
+    raw.send(&method::encode(1, &select)).await;
+    match raw.method().await {
+        Some(AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
+        other => panic!("expected confirm.select-ok, got {other:?}"),
+    }
     let publish = AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
         exchange: "".into(),
         routing_key: queue.into(),
@@ -72,8 +79,10 @@ async fn publish_crafted(queue: &str) -> Vec<u8> {
     method::put_frame(&mut out, FrameType::Header, 1, &header);
     method::put_frame(&mut out, FrameType::Body, 1, CRAFTED);
     raw.send(&out).await;
-    // A synchronous method after it: the publish was taken when it answers.
-    raw.open_channel(2).await;
+    match raw.method().await {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Ack(_))) => {}
+        other => panic!("expected the publish confirmed, got {other:?}"),
+    }
     header
 }
 

@@ -93,7 +93,8 @@ impl Screen {
             folds: HashMap::new(),
             held: 0,
             budget,
-            from_broker: FrameDecoder::default(),
+            // RabbitMQ's own tolerance: frames up to 8 octets over.
+            from_broker: FrameDecoder::relaying(super::frame::HANDSHAKE_FRAME_MAX),
             from_client: FrameDecoder::new(0),
             started: false,
         }
