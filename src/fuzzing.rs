@@ -37,3 +37,50 @@ pub fn stream_record(data: &[u8]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Held;
+    use bytes::Bytes;
+
+    /// Every single-octet change of valid records (one holding a header
+    /// nested far past nackd's limit) keeps the targets' invariants.
+    #[test]
+    fn mutated_records_keep_the_invariants() {
+        let mut deep = vec![b'A', 0, 0, 0, 0];
+        for _ in 0..2000 {
+            let inner = deep;
+            deep = vec![b'A'];
+            deep.extend_from_slice(&(inner.len() as u32).to_be_bytes());
+            deep.extend_from_slice(&inner);
+        }
+        let mut header = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0x20, 0];
+        header.extend_from_slice(&(deep.len() as u32 + 5).to_be_bytes());
+        header.extend_from_slice(b"\x04deep");
+        header.extend_from_slice(&deep);
+        let held = Held {
+            id: 7,
+            vhost: "/".into(),
+            queue: "q".into(),
+            due_ms: 1,
+            retry: 2,
+            route: crate::store::Route::Queue,
+            on_return: None,
+            header: Bytes::from(header),
+            body: Bytes::from_static(b"ok"),
+        };
+        let put = record::encode_put(&held);
+        let stream = Record::Puts(vec![Bytes::from(put.clone())]).encode();
+        store_record(&put);
+        stream_record(&stream);
+        for data in [put, stream] {
+            for at in 0..data.len().min(4096) {
+                let mut bad = data.clone();
+                bad[at] ^= 0x5a;
+                store_record(&bad);
+                stream_record(&bad);
+            }
+        }
+    }
+}
