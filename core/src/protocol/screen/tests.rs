@@ -169,3 +169,16 @@ fn frames_beyond_the_tuned_frame_max_end_the_connection() {
         "{err}"
     );
 }
+
+#[test]
+fn a_fold_lapin_decoded_and_encoded_again_is_restored() {
+    // What lapin does with a folded message it publishes again: it parses
+    // the properties and encodes them with amq-protocol.
+    let deep = nested(20_000);
+    let mut s = screen();
+    let (got, _) = down(&mut s, &wire(FrameType::Header, 1, &deep));
+    let parsed = content::decode_header(got[0].payload_slice()).unwrap();
+    let again = content::encode_header(60, parsed.body_size, &parsed.properties);
+    let (sent, restored) = up(&mut s, &wire(FrameType::Header, 1, &again));
+    assert_eq!((restored, sent[0].payload().to_vec()), (1, deep));
+}
