@@ -67,6 +67,8 @@
 pub mod coalesce;
 pub mod config;
 pub mod delayed;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod metrics;
 mod net;
 mod ops;
@@ -77,6 +79,7 @@ pub mod replay;
 pub mod replica;
 pub mod retry;
 pub mod sched;
+pub mod screen;
 pub mod server;
 mod session;
 mod shutdown;

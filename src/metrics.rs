@@ -687,6 +687,16 @@ impl Metrics {
             "on_exhausted, queue_gone and delayed exchanges the last check (startup, reload) did not find",
             self.exchanges_missing.clone(),
         );
+        r.register(
+            "nackd_screen_folded",
+            "Messages from the broker whose properties fail nackd's limits, folded before lapin (replay, replica)",
+            crate::screen::FOLDED.clone(),
+        );
+        r.register(
+            "nackd_screen_refused",
+            "lapin connections (replay, replica) ended because the broker sent a frame nackd refuses",
+            crate::screen::REFUSED.clone(),
+        );
     }
 
     /// The capture budget in use, and policy reloads.

@@ -194,6 +194,31 @@ fn client_tls(tls: &config::ClientTls) -> Result<TlsConnector, TlsError> {
     Ok(TlsConnector::from(Arc::new(config)))
 }
 
+/// The TLS connector and server name for `node` (`host:port`), trusting
+/// only the PEM CA certificates in `pem` (as lapin's own TLS does with
+/// [`crate::replica::Target::tls_ca`]).
+pub fn tls_for(node: &str, pem: &str) -> Result<(TlsConnector, ServerName<'static>), TlsError> {
+    let pem_err = |e: &dyn std::fmt::Display| TlsError::Pem {
+        path: "CA certificates".into(),
+        reason: e.to_string(),
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        roots.add(cert.map_err(|e| pem_err(&e))?)?;
+    }
+    if roots.is_empty() {
+        return Err(pem_err(&"no certificate"));
+    }
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let host = node.rsplit_once(':').map_or(node, |(h, _)| h);
+    let host = host.trim_matches(['[', ']']).to_string();
+    let name = ServerName::try_from(host.clone()).map_err(|_| TlsError::ServerName(host))?;
+    Ok((TlsConnector::from(Arc::new(config)), name))
+}
+
 /// `upstream.tls.server_name`, or the host of `address`.
 fn server_name(address: &str, tls: &config::ClientTls) -> Result<ServerName<'static>, TlsError> {
     let host = address.rsplit_once(':').map_or("", |(h, _)| h);

@@ -13,7 +13,10 @@
 //! run) stay unacked until the end of the pass and are then nacked with
 //! requeue in one go: they go back to their places, as after any requeue.
 //! A message whose destination queue does not exist is left too (counted
-//! per queue): nackd would hold it until the queue came back.
+//! per queue): nackd would hold it until the queue came back. So is a
+//! message whose properties fail nackd's limits (`set_aside`): the screen
+//! in front of lapin folded them (`crate::screen`), and puts them back
+//! byte for byte if the message is published again.
 //!
 //! A crash between the park and the ack leaves the message both held and
 //! back on the dead-letter queue: a second replay moves it again (one
@@ -27,9 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
-use lapin::tcp::OwnedTLSConfig;
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder};
+use lapin::{Channel, Connection};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tracing::info;
@@ -92,6 +94,9 @@ pub struct Report {
     pub skipped: u64,
     /// Left there: nothing says where they go.
     pub no_destination: u64,
+    /// Left there: its properties fail nackd's limits (folded by the
+    /// screen, `src/screen.rs`), so nothing in them can be read.
+    pub set_aside: u64,
     /// Moved (or, in a dry run, to be moved) per destination queue.
     pub destinations: BTreeMap<String, u64>,
     /// Left there: the queue they go to does not exist (per queue). nackd
@@ -208,6 +213,7 @@ impl Replayer {
                 moved = report.moved,
                 skipped = report.skipped,
                 no_destination = report.no_destination,
+                set_aside = report.set_aside,
                 error = report.error.as_deref(),
                 "dead-letter replay"
             );
@@ -223,24 +229,10 @@ impl Replayer {
         };
         let mut errors = Vec::new();
         for node in &target.nodes {
-            let props = ConnectionProperties::default()
-                .with_connection_name("nackd dead-letter replay".to_string().into());
-            let tls = OwnedTLSConfig {
-                identity: None,
-                cert_chain: target.tls_ca.clone(),
-            };
-            let connecting = async {
-                DefaultConnectionBuilder::new()?
-                    .with_uri_str(target.uri(node))
-                    .with_properties(props)
-                    .with_tls_config(tls)
-                    .connect()
-                    .await
-            };
-            match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-                Ok(Ok(conn)) => return Ok(conn),
-                Ok(Err(e)) => errors.push(format!("{node}: {e}")),
-                Err(_) => errors.push(format!("{node}: no answer within {CONNECT_TIMEOUT:?}")),
+            let name = "nackd dead-letter replay";
+            match target.connect(node, name, "replay", CONNECT_TIMEOUT).await {
+                Ok(conn) => return Ok(conn),
+                Err(e) => errors.push(e),
             }
         }
         Err(ReplayError::Broker(errors.join("; ")))

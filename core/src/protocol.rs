@@ -7,9 +7,11 @@
 //! - [`content`]: content headers (basic properties), byte-exact header splicing.
 //! - [`headers`]: the retry headers nackd writes (`x-retry-count`, `x-death`, …).
 //! - [`reply`]: AMQP reply codes.
+//! - [`screen`]: what the broker sends a third-party client, within nackd's limits.
 
 pub mod content;
 pub mod frame;
 pub mod headers;
 pub mod method;
 pub mod reply;
+pub mod screen;

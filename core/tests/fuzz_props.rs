@@ -185,8 +185,10 @@ fn captured_traffic_decodes() {
 fn whole_corpus_passes_unchanged() {
     let captured_stream = captured("frames").concat();
     fuzzing::frames(&captured_stream);
+    fuzzing::screen(&captured_stream);
     for data in FRAMES.iter() {
         fuzzing::frames(data);
+        fuzzing::screen(data);
     }
     for data in PAYLOADS.iter() {
         fuzzing::method_and_header(data);
@@ -219,6 +221,11 @@ proptest! {
     #[test]
     fn frames_mutated_corpus(file in any::<usize>(), edits in proptest::collection::vec(mutation(), 1..6)) {
         fuzzing::frames(&mutated(&FRAMES, file, &edits));
+    }
+
+    #[test]
+    fn screen_mutated_corpus(file in any::<usize>(), edits in proptest::collection::vec(mutation(), 1..6)) {
+        fuzzing::screen(&mutated(&FRAMES, file, &edits));
     }
 
     #[test]

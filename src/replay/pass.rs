@@ -92,6 +92,9 @@ impl Pass<'_> {
     /// Decides what becomes of one message: parks it or leaves it.
     async fn take(&mut self, d: lapin::message::Delivery) {
         self.report.examined += 1;
+        if select::folded(d.properties.headers().as_ref()) {
+            return self.leave(d.delivery_tag, |r| r.set_aside += 1);
+        }
         let origin = select::origin(d.properties.headers().as_ref());
         let destination = match self.filter.verdict(origin.as_ref()) {
             Verdict::Move(q) => q,

@@ -66,6 +66,13 @@ pub fn origin(headers: Option<&FieldTable>) -> Option<Origin> {
     None
 }
 
+/// Whether the screen folded this message's properties (they fail
+/// nackd's limits, see [`nackd_core::protocol::screen`]): nothing in them
+/// can be read, so a replay leaves it where it is.
+pub fn folded(headers: Option<&FieldTable>) -> bool {
+    headers.is_some_and(|h| h.inner().contains_key(nackd_core::protocol::screen::FOLDED))
+}
+
 /// Which messages a replay takes and where they go.
 #[derive(Clone, Debug, Default)]
 pub struct Filter {

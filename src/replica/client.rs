@@ -27,7 +27,6 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties, DefaultConnectionBuilder,
@@ -93,20 +92,47 @@ impl Target {
         self.heartbeat.max(Duration::from_secs(1))
     }
 
-    /// The AMQP URI of `node` with this target's login and vhost.
-    pub(crate) fn uri(&self, node: &str) -> String {
+    /// The AMQP URI lapin connects to: the loopback port of a screen
+    /// ([`crate::screen::open`]) in front of one node, with this target's
+    /// login and vhost. Plain AMQP: the screen speaks TLS to the node.
+    pub(crate) fn uri(&self, screen: &str) -> String {
         format!(
-            "{}://{}:{}@{node}/{}?heartbeat={}&connection_timeout=5000",
-            if self.tls_ca.is_some() {
-                "amqps"
-            } else {
-                "amqp"
-            },
+            "amqp://{}:{}@{screen}/{}?heartbeat={}&connection_timeout=5000",
             encode(&self.username),
             encode(&self.password),
             encode(&self.vhost),
             self.heartbeat.as_secs().max(1),
         )
+    }
+
+    /// A connection to `node` through a screen of its own, named `name`,
+    /// within [`Target::answer_within`] or `within`.
+    pub(crate) async fn connect(
+        &self,
+        node: &str,
+        name: &str,
+        what: &'static str,
+        within: Duration,
+    ) -> Result<Connection, String> {
+        let connecting = async {
+            let screen = crate::screen::open(node, self.tls_ca.as_deref(), within, what)
+                .await
+                .map_err(|e| e.to_string())?;
+            let props =
+                ConnectionProperties::default().with_connection_name(name.to_string().into());
+            DefaultConnectionBuilder::new()
+                .map_err(|e| e.to_string())?
+                .with_uri_str(self.uri(&screen.to_string()))
+                .with_properties(props)
+                .connect()
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(within, connecting).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(format!("{node}: {e}")),
+            Err(_) => Err(format!("{node}: no answer within {within:?}")),
+        }
     }
 }
 
@@ -205,31 +231,25 @@ impl Client {
         name: &str,
     ) -> Result<Self, ClientError> {
         let node = &target.nodes[index];
-        let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-        let tls = OwnedTLSConfig {
-            identity: None,
-            cert_chain: target.tls_ca.clone(),
-        };
+        let within = target.answer_within();
         let connecting = async {
-            let conn = DefaultConnectionBuilder::new()?
-                .with_uri_str(target.uri(node))
-                .with_properties(props)
-                .with_tls_config(tls)
-                .connect()
-                .await?;
+            let conn = target
+                .connect(node, name, "replica", within)
+                .await
+                .map_err(ClientError::Unreachable)?;
             let writes = conn.create_channel().await?;
             writes
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
-            Ok::<_, lapin::Error>((conn, writes))
+            Ok::<_, ClientError>((conn, writes))
         };
-        let (conn, writes) = match tokio::time::timeout(target.answer_within(), connecting).await {
+        let (conn, writes) = match tokio::time::timeout(within, connecting).await {
             Ok(Ok(connected)) => connected,
+            Ok(Err(ClientError::Unreachable(why))) => return Err(ClientError::Unreachable(why)),
             Ok(Err(e)) => return Err(ClientError::Unreachable(format!("{node}: {e}"))),
             Err(_) => {
                 return Err(ClientError::Unreachable(format!(
-                    "{node}: no answer within {:?}",
-                    target.answer_within()
+                    "{node}: no answer within {within:?}"
                 )))
             }
         };

@@ -28,6 +28,7 @@ mod replica;
 mod republisher_health;
 mod resilience;
 mod retry;
+mod screen;
 mod status_page;
 mod store;
 mod tls;

@@ -162,3 +162,47 @@ async fn plain_amqp_to_a_tls_listener_does_not_get_through() {
     .expect("fails fast");
     assert!(result.is_err());
 }
+
+/// nackd's lapin connections (the replica's, replay's) reach a TLS broker
+/// through the screen (`src/screen.rs`), which speaks TLS to the node
+/// verified against `tls_ca` and plain AMQP to lapin on loopback: a
+/// stream declared, written and read back over amqps (here nackd's TLS
+/// listener in front of RabbitMQ stands for the TLS broker); a CA that did
+/// not sign the node's certificate gets nothing through.
+#[tokio::test]
+async fn the_screen_speaks_tls_to_the_broker() {
+    use nackd::replica::client::Client;
+    use nackd::replica::{Record, Target};
+    init_logs();
+    require_broker();
+    let keys = pki();
+    let d = keys.dir.path().display();
+    let b = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
+    )))
+    .await;
+    let target = |ca: String| Target {
+        nodes: vec![format!("localhost:{}", b.addr.port())],
+        vhost: "/".into(),
+        username: "guest".into(),
+        password: "guest".into(),
+        heartbeat: Duration::from_secs(5),
+        cluster_size: None,
+        tls_ca: Some(ca),
+    };
+    let client = Client::connect(&target(keys.ca_pem.clone()), 0, "tls screen test")
+        .await
+        .unwrap();
+    let stream = unique("tls-screen");
+    client.declare_stream(&stream).await.unwrap();
+    let record = Record::Done(vec![1, 2, 3]);
+    client.append_confirmed(&stream, &record).await.unwrap();
+    assert_eq!(client.read_all(&stream).await.unwrap(), vec![record]);
+    client.delete(&stream).await.unwrap();
+    client.close().await;
+
+    let stranger = pki();
+    let refused = Client::connect(&target(stranger.ca_pem.clone()), 0, "tls screen test").await;
+    assert!(refused.is_err(), "a certificate the CA did not sign");
+    b.stop().await;
+}

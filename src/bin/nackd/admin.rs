@@ -388,6 +388,12 @@ fn replay_lines(body: &Value) -> String {
             let _ = writeln!(out, "left {n}: queue {queue} does not exist");
         }
     }
+    if let Some(n) = body["set_aside"].as_u64().filter(|n| *n > 0) {
+        let _ = writeln!(
+            out,
+            "left {n}: properties fail nackd's limits (see nackd_screen_folded_total)"
+        );
+    }
     let _ = writeln!(
         out,
         "examined {}, {verb} {}, skipped {}, no destination {}{}",
