@@ -184,11 +184,18 @@ fn read_token_keys_are_checked_named_and_differ_from_the_admin_token() {
         read_only.metrics.tokens().unwrap(),
         (None, Some("fedcba9876543210".to_string()))
     );
-    // The same token through a variable is caught when it is read (cargo
-    // and nextest set CARGO_MANIFEST_DIR for the test process).
-    let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap();
+    // The same token through a variable is caught when it is read: any
+    // variable of the test's environment whose value is a valid token.
+    let (name, value) = std::env::vars()
+        .find(|(n, v)| {
+            n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && v.len() >= 16
+                && v.chars().all(|c| c.is_ascii_graphic())
+                && !v.contains(['"', '\\'])
+        })
+        .expect("a variable with a value of 16+ printable characters");
     let same = Config::parse(
-        &format!("[metrics]\nadmin_token = {dir:?}\nread_token_env = \"CARGO_MANIFEST_DIR\"\n"),
+        &format!("[metrics]\nadmin_token = {value:?}\nread_token_env = {name:?}\n"),
         Path::new("x"),
     )
     .unwrap();
