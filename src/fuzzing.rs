@@ -1,6 +1,7 @@
 //! Fuzz targets for the decoders of bytes nackd reads back from disk and
 //! from streams (`fuzz/fuzz_targets/store_record.rs`,
-//! `stream_record.rs`). Compiled only with the `fuzzing` feature.
+//! `stream_record.rs`). Compiled with the `fuzzing` feature, and for the
+//! library's own tests (which run the targets over mutated records).
 //!
 //! Each panics only when an invariant breaks: nothing these bytes hold
 //! reaches amq-protocol's parser without nackd's limits (the content header

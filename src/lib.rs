@@ -67,7 +67,7 @@
 pub mod coalesce;
 pub mod config;
 pub mod delayed;
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod metrics;
 mod net;
