@@ -41,6 +41,7 @@ use crate::retry::{Ready, RetryHandle};
 use pass::Pass;
 
 mod pass;
+mod rotate;
 pub mod select;
 
 pub use select::{Filter, Origin, Verdict};
@@ -191,7 +192,7 @@ impl Replayer {
                 reply,
                 answers,
                 in_flight: HashMap::new(),
-                left: None,
+                rotation: Default::default(),
                 planned: request.limit.map_or(count, |l| l.min(count)),
                 parks: 0,
                 report: Report {

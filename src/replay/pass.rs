@@ -1,17 +1,18 @@
 //! One pass of a replay over its dead-letter queue: `basic.get` up to the
 //! count it began with, a park per taken message, the ack once it is
-//! durable, and the requeue of what it left.
+//! durable, and what it left put back at the queue's tail (`rotate`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{info, warn};
 
+use super::rotate::{Left, Rotation};
 use super::select::{self, Filter, Verdict};
 use super::{reply_code, Report, Request, WINDOW};
 use crate::retry::{ClaimKey, Park, ParkReply, Parked, RetryHandle};
@@ -31,10 +32,11 @@ pub(super) struct Pass<'a> {
     pub(super) run: u64,
     pub(super) reply: ParkReply,
     pub(super) answers: mpsc::UnboundedReceiver<Parked>,
-    /// Delivery tag → destination, of parks not answered yet.
-    pub(super) in_flight: HashMap<u64, String>,
-    /// The highest tag left unacked on purpose (nacked with requeue at the end).
-    pub(super) left: Option<u64>,
+    /// Delivery tag → destination and the message, of parks not answered
+    /// yet (a refused park puts the message back).
+    pub(super) in_flight: HashMap<u64, (String, Left)>,
+    /// What the pass leaves, put back at the tail of the dead-letter queue.
+    pub(super) rotation: Rotation,
     /// Messages the spread is planned for.
     pub(super) planned: u64,
     /// Parks asked for so far.
@@ -58,6 +60,8 @@ impl Pass<'_> {
                 .basic_get(self.request.dlq.as_str().into(), BasicGetOptions::default())
                 .await;
             match got {
+                // The count bound keeps the pass off the copies it put back:
+                // they are behind every message the queue held at the start.
                 Ok(Some(message)) => self.take(message.delivery).await,
                 Ok(None) => break,
                 Err(e) => self.fail(format!("broker: {e}")),
@@ -66,15 +70,13 @@ impl Pass<'_> {
         while !self.in_flight.is_empty() {
             self.answer().await;
         }
-        if let Some(tag) = self.left {
-            let requeue = BasicNackOptions {
-                multiple: true,
-                requeue: true,
-            };
-            if let Err(e) = self.ch.basic_nack(tag, requeue).await {
-                // The channel is gone: the broker requeues them anyway.
-                warn!(error = %e, "replay: could not hand back the messages it left");
-            }
+        self.rotation.finish(self.ch).await;
+        let (rotated, unacked) = (self.rotation.rotated, self.rotation.unacked);
+        if rotated + unacked > 0 {
+            info!(
+                rotated,
+                unacked, "replay: messages left put back at the tail of the dead-letter queue"
+            );
         }
     }
 
@@ -96,35 +98,41 @@ impl Pass<'_> {
             return self.leave(d.delivery_tag, |r| r.set_aside += 1);
         }
         let origin = select::origin(d.properties.headers().as_ref());
-        let destination = match self.filter.verdict(origin.as_ref()) {
+        let verdict = self.filter.verdict(origin.as_ref());
+        let d = Left {
+            tag: d.delivery_tag,
+            properties: d.properties,
+            body: Bytes::from(d.data),
+        };
+        let destination = match verdict {
             Verdict::Move(q) => q,
-            Verdict::Skip => return self.leave(d.delivery_tag, |r| r.skipped += 1),
-            Verdict::NoDestination => return self.leave(d.delivery_tag, |r| r.no_destination += 1),
+            Verdict::Skip => return self.leave(d, |r| r.skipped += 1).await,
+            Verdict::NoDestination => return self.leave(d, |r| r.no_destination += 1).await,
         };
         match self.exists(&destination).await {
             Ok(true) => {}
             Ok(false) => {
                 let missing = &mut self.report.missing_destinations;
                 *missing.entry(destination).or_default() += 1;
-                return self.leave(d.delivery_tag, |_| {});
+                return self.leave(d, |_| {}).await;
             }
             Err(e) => {
                 self.fail(format!("broker: {e}"));
-                return self.leave(d.delivery_tag, |_| {});
+                return self.leave(d, |_| {}).await;
             }
         }
         if self.report.dry_run {
             *self.report.destinations.entry(destination).or_default() += 1;
-            return self.leave(d.delivery_tag, |_| {});
+            return self.leave(d, |_| {}).await;
         }
-        let payload = content::encode_header(60, d.data.len() as u64, &d.properties);
+        let payload = content::encode_header(60, d.body.len() as u64, &d.properties);
         let reset = self.request.reset_count.unwrap_or(true);
         let (header, retry) = match select::park_header(&payload, reset) {
             Ok(parked) => parked,
             Err(e) => {
                 // Headers nackd cannot rewrite: left where they are.
                 warn!(error = %e, "replay: a message's headers cannot be rewritten; left");
-                return self.leave(d.delivery_tag, |r| r.skipped += 1);
+                return self.leave(d, |r| r.skipped += 1).await;
             }
         };
         let spread = self.request.spread.unwrap_or_default();
@@ -132,7 +140,7 @@ impl Pass<'_> {
             key: ClaimKey {
                 channel: 0,
                 epoch: self.run,
-                tag: d.delivery_tag,
+                tag: d.tag,
                 seq: self.report.examined,
             },
             vhost: self.vhost.clone(),
@@ -142,14 +150,14 @@ impl Pass<'_> {
             route: Route::Queue,
             on_return: None,
             header: Bytes::from(header),
-            body: Bytes::from(d.data),
+            body: d.body.clone(),
         };
         self.parks += 1;
         if !self.retry.park(park, &self.reply) {
             self.fail("the retry engine is gone".into());
-            return self.requeue(d.delivery_tag).await;
+            return self.leave(d, |_| {}).await;
         }
-        self.in_flight.insert(d.delivery_tag, destination);
+        self.in_flight.insert(d.tag, (destination, d));
     }
 
     /// Whether queue `name` exists (a passive declare on a channel of its
@@ -181,10 +189,11 @@ impl Pass<'_> {
         Ok(known)
     }
 
-    /// Leaves a message on the dead-letter queue (requeued at the end).
-    fn leave(&mut self, tag: u64, count: impl FnOnce(&mut Report)) {
+    /// Leaves a message on the dead-letter queue: put back at its tail.
+    async fn leave(&mut self, d: Left, count: impl FnOnce(&mut Report)) {
         count(&mut self.report);
-        self.left = Some(self.left.map_or(tag, |t| t.max(tag)));
+        let dlq = self.request.dlq.as_str();
+        self.rotation.put_back(self.conn, self.ch, dlq, d).await;
     }
 
     /// Waits for the engine's next answer and settles it.
@@ -196,10 +205,11 @@ impl Pass<'_> {
         }
     }
 
-    /// Acks a durable park on the dead-letter queue, or requeues a refused one.
+    /// Acks a durable park on the dead-letter queue, or puts a refused
+    /// one back at its tail.
     async fn settle(&mut self, parked: Parked) {
         let tag = parked.key.tag;
-        let Some(destination) = self.in_flight.remove(&tag) else {
+        let Some((destination, d)) = self.in_flight.remove(&tag) else {
             return;
         };
         match parked.result {
@@ -213,18 +223,8 @@ impl Pass<'_> {
             },
             Err(e) => {
                 self.fail(format!("the store refused a park: {e}"));
-                self.requeue(tag).await;
+                self.leave(d, |_| {}).await;
             }
-        }
-    }
-
-    async fn requeue(&mut self, tag: u64) {
-        let requeue = BasicNackOptions {
-            multiple: false,
-            requeue: true,
-        };
-        if let Err(e) = self.ch.basic_nack(tag, requeue).await {
-            warn!(error = %e, "replay: could not requeue a message (the broker will)");
         }
     }
 }

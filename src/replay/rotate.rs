@@ -1,0 +1,149 @@
+//! What a pass leaves on the dead-letter queue goes back to its tail:
+//! the message is published again, exactly as it was read (properties,
+//! headers, body; nothing added), to the default exchange with the queue's
+//! name as routing key, mandatory, on a confirm channel of its own, and the
+//! original is acked only once the broker confirmed the copy.
+//!
+//! Never a requeue: on RabbitMQ 4.0–4.2 every `nack(requeue)` counts toward
+//! a quorum queue's delivery-limit (default 20), so dry runs would wear the
+//! queue out. A copy the broker does not confirm (a nack, a return, a
+//! channel that died) leaves its original unacked: the broker takes it back
+//! at its place when the pass's connection closes, as after a consumer's
+//! crash. That is the fallback, and the only way a message goes back as it
+//! was.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Channel, Connection};
+use lapin::{Confirmation, PublisherConfirm};
+use tracing::warn;
+
+use super::WINDOW;
+
+/// A message read and left: what its copy is made of.
+pub(super) struct Left {
+    pub(super) tag: u64,
+    pub(super) properties: BasicProperties,
+    pub(super) body: Bytes,
+}
+
+/// The copies of one pass not confirmed yet, in publish order.
+#[derive(Default)]
+pub(super) struct Rotation {
+    /// The confirm channel, opened at the first message left; `Err` once
+    /// it cannot be had or died (every later original stays unacked).
+    ch: Option<Result<Channel, String>>,
+    pending: VecDeque<(u64, PublisherConfirm)>,
+    /// Messages put back at the tail (copy confirmed, original acked).
+    pub(super) rotated: u64,
+    /// Originals left unacked for the broker to take back at the close.
+    pub(super) unacked: u64,
+}
+
+impl Rotation {
+    /// Puts `left` back at the tail of `dlq`: publishes its copy, and acks
+    /// the original on `get` once confirmed (at most [`WINDOW`] copies wait
+    /// for their confirm at a time).
+    pub(super) async fn put_back(
+        &mut self,
+        conn: &Connection,
+        get: &Channel,
+        dlq: &str,
+        left: Left,
+    ) {
+        while self.pending.len() >= WINDOW {
+            self.settle_oldest(get).await;
+        }
+        let ch = match self.channel(conn).await {
+            Ok(ch) => ch,
+            Err(()) => return self.keep(),
+        };
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        match ch
+            .basic_publish(
+                "".into(),
+                dlq.into(),
+                mandatory,
+                &left.body,
+                left.properties,
+            )
+            .await
+        {
+            Ok(confirm) => self.pending.push_back((left.tag, confirm)),
+            Err(e) => {
+                self.died(format!("publish: {e}"));
+                self.keep();
+            }
+        }
+    }
+
+    /// Waits for every copy's confirm and acks their originals.
+    pub(super) async fn finish(&mut self, get: &Channel) {
+        while !self.pending.is_empty() {
+            self.settle_oldest(get).await;
+        }
+    }
+
+    async fn channel(&mut self, conn: &Connection) -> Result<Channel, ()> {
+        if self.ch.is_none() {
+            let opened = async {
+                let ch = conn.create_channel().await?;
+                ch.confirm_select(ConfirmSelectOptions::default()).await?;
+                Ok::<_, lapin::Error>(ch)
+            };
+            self.ch = Some(opened.await.map_err(|e| {
+                warn!(error = %e, "replay: no channel to put messages back on; they stay unacked until the pass ends");
+                e.to_string()
+            }));
+        }
+        match &self.ch {
+            Some(Ok(ch)) => Ok(ch.clone()),
+            _ => Err(()),
+        }
+    }
+
+    async fn settle_oldest(&mut self, get: &Channel) {
+        let Some((tag, confirm)) = self.pending.pop_front() else {
+            return;
+        };
+        let refused = match confirm.await {
+            Ok(Confirmation::Ack(None)) => None,
+            Ok(Confirmation::Ack(Some(_))) => Some("returned (no such queue)".to_string()),
+            Ok(Confirmation::Nack(_)) => Some("refused by the broker".to_string()),
+            Ok(Confirmation::NotRequested) => Some("not confirmed".to_string()),
+            Err(e) => {
+                self.died(format!("confirm: {e}"));
+                return self.keep();
+            }
+        };
+        if let Some(why) = refused {
+            warn!(why, "replay: a message's copy was not taken; the original stays unacked until the pass ends");
+            return self.keep();
+        }
+        match get.basic_ack(tag, BasicAckOptions::default()).await {
+            Ok(()) => self.rotated += 1,
+            // Both copies stay: the original comes back at the close.
+            Err(e) => {
+                warn!(error = %e, "replay: ack of a message put back failed; it is there twice");
+                self.unacked += 1;
+            }
+        }
+    }
+
+    fn died(&mut self, why: String) {
+        if matches!(self.ch, Some(Ok(_))) {
+            warn!(error = why, "replay: the channel putting messages back died; the rest stay unacked until the pass ends");
+            self.ch = Some(Err(why));
+        }
+    }
+
+    /// An original stays unacked: the close hands it back.
+    fn keep(&mut self) {
+        self.unacked += 1;
+    }
+}
