@@ -100,3 +100,79 @@ pub async fn delete_queues(ch: &Channel, names: &[&str]) {
             .await;
     }
 }
+
+/// The properties of a message as if dead-lettered from queue `origin` for
+/// `reason` (`x-first-death-*` and an `x-death` entry), with every other
+/// property set and headers of every field type RabbitMQ keeps: what a
+/// message left on a dead-letter queue must come back with, unchanged.
+pub fn dead_lettered_properties(origin: &str, reason: &str, id: u32) -> BasicProperties {
+    use lapin::types::{DecimalValue, FieldArray, LongString};
+    let mut death = FieldTable::default();
+    death.insert("queue".into(), AMQPValue::LongString(origin.into()));
+    death.insert("reason".into(), AMQPValue::LongString(reason.into()));
+    death.insert("count".into(), AMQPValue::LongLongInt(1));
+    death.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+    let mut h = FieldTable::default();
+    h.insert(
+        "x-first-death-queue".into(),
+        AMQPValue::LongString(origin.into()),
+    );
+    h.insert(
+        "x-first-death-reason".into(),
+        AMQPValue::LongString(reason.into()),
+    );
+    h.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+    );
+    h.insert("bool".into(), AMQPValue::Boolean(true));
+    h.insert("i8".into(), AMQPValue::ShortShortInt(-8));
+    h.insert("i16".into(), AMQPValue::ShortInt(-16));
+    h.insert("i32".into(), AMQPValue::LongInt(-32));
+    h.insert("i64".into(), AMQPValue::LongLongInt(i64::from(id) - 64));
+    h.insert("f32".into(), AMQPValue::Float(1.5));
+    h.insert("f64".into(), AMQPValue::Double(-2.25));
+    h.insert(
+        "decimal".into(),
+        AMQPValue::DecimalValue(DecimalValue {
+            scale: 2,
+            value: 12345,
+        }),
+    );
+    h.insert("bytes".into(), AMQPValue::ByteArray(vec![0, 255, 7].into()));
+    h.insert("void".into(), AMQPValue::Void);
+    h.insert(
+        "text".into(),
+        AMQPValue::LongString(LongString::from(format!("message {id}, ünïcode"))),
+    );
+    BasicProperties::default()
+        .with_content_type("application/x-test".into())
+        .with_content_encoding("identity".into())
+        .with_headers(h)
+        .with_delivery_mode(2)
+        .with_priority(3)
+        .with_correlation_id(format!("corr-{id}").into())
+        .with_reply_to("replies".into())
+        .with_message_id(format!("id-{id}").into())
+        .with_timestamp(1_700_000_000 + u64::from(id))
+        .with_type("test.kind".into())
+        .with_user_id("guest".into())
+        .with_app_id("nackd-tests".into())
+}
+
+/// Publishes `body` with `properties` to queue `q` and waits for the confirm.
+pub async fn publish_with(ch: &Channel, q: &str, body: &[u8], properties: BasicProperties) {
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            q.into(),
+            BasicPublishOptions::default(),
+            body,
+            properties,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "{q}: {confirm:?}");
+}

@@ -327,3 +327,73 @@ async fn a_message_held_from_3x_above_the_4x_size_limit_is_kept_and_named() {
     delete_queues(&bch, &[&q, &small]).await;
     after.stop().await;
 }
+
+/// Issue 33, finding 4: a dry run read every message of a dead-letter queue
+/// and handed it back with `nack(requeue)`. RabbitMQ 4.0–4.2 count each
+/// such return toward a quorum queue's delivery limit (default 20): after
+/// 25 dry runs of a quorum dead-letter queue on 4.0.5, none of its 5
+/// messages was left. Now a replay puts what it leaves back at the tail by
+/// publishing it again and acking the original: after 25 dry runs (each
+/// counting all 5) the 5 are there, in their order, with body and every
+/// property and header as published, and never redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_runs_leave_a_quorum_dead_letter_queue_as_it_was() {
+    const TOKEN: &str = "dry-run-test-token-0123456789";
+    const N: u32 = 5;
+    let (dlq, orig) = (unique("dry-quorum-dlq"), unique("dry-quorum-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("dry-quorum-policy")
+    ))
+    .await;
+    let broker = direct().await;
+    let ch = broker.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_quorum(&ch, &dlq, FieldTable::default()).await;
+    declare_quorum(&ch, &orig, FieldTable::default()).await;
+    let sent: Vec<_> = (0..N)
+        .map(|id| {
+            let body = format!("dead letter {id}").into_bytes();
+            (body, dead_lettered_properties(&orig, "rejected", id))
+        })
+        .collect();
+    for (body, props) in &sent {
+        publish_with(&ch, &dlq, body, props.clone()).await;
+    }
+
+    let q = common::ops::query(&dlq);
+    let path = format!(
+        "/api/replay?dlq={}&dry_run=true",
+        q.trim_start_matches("?queue=")
+    );
+    for run in 0..25 {
+        let v = common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await;
+        assert_eq!(v["examined"], N, "dry run {run}: {v}");
+        assert_eq!(v["destinations"][&orig], N, "dry run {run}: {v}");
+        assert_eq!(v["moved"], 0, "dry run {run}: {v}");
+    }
+
+    let reader = broker.create_channel().await.unwrap();
+    let mut c = consume(&reader, &dlq, None).await;
+    let mut left = Vec::new();
+    while let Some(d) = next(&mut c, Duration::from_secs(3)).await {
+        d.ack(BasicAckOptions::default()).await.unwrap();
+        left.push(d);
+    }
+    assert_eq!(
+        left.len(),
+        sent.len(),
+        "every message left on {} after 25 dry runs",
+        BROKER.label()
+    );
+    for (d, (body, props)) in left.iter().zip(&sent) {
+        assert_eq!(&d.data, body, "in order, body intact");
+        assert_eq!(&d.properties, props, "every property and header intact");
+        assert!(!d.redelivered, "put back, never requeued");
+    }
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = broker.close(200, "".into()).await;
+    nackd.stop().await;
+}
