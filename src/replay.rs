@@ -8,21 +8,24 @@
 //! again. Each message it takes is *parked* like a claimed nack
 //! ([`Park`] with [`Route::Queue`]: due at once, or spread over
 //! `--spread`), and acked on the dead-letter queue only once the engine
-//! answered that it is durable; a refused park is nacked with requeue and
-//! ends the replay. Messages it leaves (filtered out, no destination, a dry
-//! run) stay unacked until the end of the pass and are then nacked with
-//! requeue in one go: they go back to their places, as after any requeue.
-//! A message whose destination queue does not exist is left too (counted
-//! per queue): nackd would hold it until the queue came back. So is a
-//! message whose properties fail nackd's limits (`set_aside`): the screen
-//! in front of lapin folded them (`crate::screen`), and puts them back
-//! byte for byte if the message is published again.
+//! answered that it is durable; a refused park ends the replay. Messages
+//! it leaves (filtered out, no destination, a dry run, a refused park) are
+//! put back at the tail of the dead-letter queue, published again exactly
+//! as read and acked once the broker confirmed the copy: never
+//! `nack(requeue)`, which RabbitMQ 4.0–4.2 count toward a quorum queue's
+//! delivery-limit (`rotate`). A message whose destination queue does not
+//! exist is left too (counted per queue): nackd would hold it until the
+//! queue came back. So is a message whose properties fail nackd's limits
+//! (`set_aside`): the screen in front of lapin folded them
+//! (`crate::screen`), and puts them back byte for byte when the copy is
+//! published.
 //!
 //! A crash between the park and the ack leaves the message both held and
 //! back on the dead-letter queue: a second replay moves it again (one
 //! duplicate, never a loss).
 //!
-//! - `pass`: one pass over the dead-letter queue (get, park, ack, requeue).
+//! - `pass`: one pass over the dead-letter queue (get, park, ack, put back).
+//! - `rotate`: what a pass leaves, published again to the queue's tail.
 //! - `select`: origin, filters, spread and parked header, without a network.
 
 use std::collections::{BTreeMap, HashMap};

@@ -71,12 +71,47 @@ impl Pass<'_> {
             self.answer().await;
         }
         self.rotation.finish(self.ch).await;
+        self.stop_if_refused();
+        self.barrier().await;
         let (rotated, unacked) = (self.rotation.rotated, self.rotation.unacked);
         if rotated + unacked > 0 {
             info!(
                 rotated,
                 unacked, "replay: messages left put back at the tail of the dead-letter queue"
             );
+        }
+    }
+
+    /// Waits until the broker applied every ack of the pass: lapin sends the
+    /// connection's close ahead of channel frames still queued, and an ack
+    /// that comes after the close leaves its message both put back and
+    /// handed back by the broker (twice on the queue, and redelivered). A
+    /// passive declare on the same channel is answered only after the
+    /// broker processed what came before it.
+    async fn barrier(&mut self) {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let dlq = self.request.dlq.as_str();
+        if let Err(e) = self
+            .ch
+            .queue_declare(dlq.into(), passive, FieldTable::default())
+            .await
+        {
+            warn!(error = %e, "replay: could not check that its acks arrived");
+        }
+    }
+
+    /// Stops the pass once the broker refused a copy of a message it left:
+    /// the next would be refused too, and each original left unacked goes
+    /// back at the close (on RabbitMQ 4.x, one delivery toward the limit).
+    fn stop_if_refused(&mut self) {
+        if let Some(why) = self.rotation.refused.take() {
+            self.fail(format!(
+                "the dead-letter queue did not take back a message left there ({why}); \
+                 it goes back to its place when the replay ends"
+            ));
         }
     }
 
@@ -194,6 +229,7 @@ impl Pass<'_> {
         count(&mut self.report);
         let dlq = self.request.dlq.as_str();
         self.rotation.put_back(self.conn, self.ch, dlq, d).await;
+        self.stop_if_refused();
     }
 
     /// Waits for the engine's next answer and settles it.

@@ -40,6 +40,8 @@ pub(super) struct Rotation {
     pub(super) rotated: u64,
     /// Originals left unacked for the broker to take back at the close.
     pub(super) unacked: u64,
+    /// Why the broker did not take a copy, until the pass reads it.
+    pub(super) refused: Option<String>,
 }
 
 impl Rotation {
@@ -98,6 +100,7 @@ impl Rotation {
             };
             self.ch = Some(opened.await.map_err(|e| {
                 warn!(error = %e, "replay: no channel to put messages back on; they stay unacked until the pass ends");
+                self.refused.get_or_insert(format!("channel: {e}"));
                 e.to_string()
             }));
         }
@@ -123,6 +126,7 @@ impl Rotation {
         };
         if let Some(why) = refused {
             warn!(why, "replay: a message's copy was not taken; the original stays unacked until the pass ends");
+            self.refused.get_or_insert(why);
             return self.keep();
         }
         match get.basic_ack(tag, BasicAckOptions::default()).await {
@@ -136,6 +140,7 @@ impl Rotation {
     }
 
     fn died(&mut self, why: String) {
+        self.refused.get_or_insert_with(|| why.clone());
         if matches!(self.ch, Some(Ok(_))) {
             warn!(error = why, "replay: the channel putting messages back died; the rest stay unacked until the pass ends");
             self.ch = Some(Err(why));

@@ -198,8 +198,7 @@ async fn a_dead_letter_queue_goes_back_to_its_queues_across_a_sigkill() {
         )),
         "{text}"
     );
-    // Requeued, in the same order (the broker handles the requeue just after
-    // the call returns).
+    // Put back at the tail, all of them, so in the same order.
     wait_for(
         Duration::from_secs(10),
         "the dry run's messages back on the DLQ",
@@ -346,9 +345,10 @@ async fn peek(conn: &lapin::Connection, q: &str) -> Vec<u32> {
 }
 
 /// The API: bad parameters are refused before anything is read, a dry run
-/// leaves the queue in its order, and a store that refuses every park
-/// stops the replay with an error and the message requeued: nothing moved,
-/// nothing lost, the order kept.
+/// puts what it read back at the tail (a whole queue: the order kept; the
+/// first 5: those 5 now last), and a store that refuses every park stops
+/// the replay with an error and the messages it read put back at the tail:
+/// nothing moved, nothing lost.
 #[tokio::test]
 async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
     let (dlq, orig) = (unique("replay-full-dlq"), unique("replay-full-orig"));
@@ -395,8 +395,10 @@ async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
         "{v}"
     );
     assert_eq!(v["destinations"], serde_json::json!({}), "{v}");
-    let order = (0..20).collect::<Vec<u32>>();
-    assert_eq!(peek(&conn, &dlq).await, order, "a dry run keeps the order");
+    // The first dry run put 0..5 behind the rest; the second read all 20
+    // and put them back in that order.
+    let order = (5..20).chain(0..5).collect::<Vec<u32>>();
+    assert_eq!(peek(&conn, &dlq).await, order, "dry runs rotate the queue");
 
     let r = api(format!("dlq={dlq_param}")).await;
     assert_eq!(r.status, 503, "{}", r.body);
@@ -411,12 +413,17 @@ async fn a_store_that_refuses_stops_the_replay_and_loses_nothing() {
     assert_eq!(v["moved"], 0, "{v}");
     let seen = wait_for(
         Duration::from_secs(10),
-        "the refused message requeued",
+        "the refused messages put back",
         || peek(&conn, &dlq),
         |ids| ids.len() == 20,
     )
     .await;
-    assert_eq!(seen, order, "nothing lost, the order kept");
+    // Those read before the refusal stopped the pass are now last, in the
+    // order read.
+    let read = (1..=20)
+        .find(|k| seen[..20 - k] == order[*k..] && seen[20 - k..] == order[..*k])
+        .unwrap_or_else(|| panic!("not the old order rotated: {seen:?}"));
+    eprintln!("refused replay: {read} read and put back");
     assert_eq!(message_count(&ch, &orig).await, 0);
     delete_queues(&ch, &[&dlq, &orig]).await;
     let _ = conn.close(200, "".into()).await;
@@ -525,6 +532,152 @@ async fn a_replay_whose_client_goes_away_runs_to_its_end() {
     let ids = drain(&ch, &orig).await;
     assert_eq!(ids.len(), N as usize);
     assert!(ids.values().all(|n| *n == 1), "moved once each");
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
+
+/// `POST /api/replay?dlq=DLQ&QUERY` on `nackd`, which must answer 200.
+async fn api_replay(nackd: &common::Nackd, dlq: &str, query: &str) -> serde_json::Value {
+    let q = common::ops::query(dlq);
+    let path = format!(
+        "/api/replay?dlq={}{query}",
+        q.trim_start_matches("?queue=")
+    );
+    common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await
+}
+
+/// Every message of `q` (acked), in queue order.
+async fn take_all(conn: &lapin::Connection, q: &str) -> Vec<lapin::message::Delivery> {
+    let ch = conn.create_channel().await.unwrap();
+    let mut c = consume(&ch, q, Some(500)).await;
+    let mut all = Vec::new();
+    while let Some(d) = next(&mut c, Duration::from_secs(2)).await {
+        d.ack(BasicAckOptions::default()).await.unwrap();
+        all.push(d);
+    }
+    ch.close(200, "".into()).await.unwrap();
+    all
+}
+
+/// Issue 33, finding 4: what a filtered replay does not take was handed
+/// back with `nack(requeue)`, redelivered (and on RabbitMQ 4.0–4.2 one step
+/// closer to a quorum queue's delivery limit). Now `--queue` and then
+/// `--reason` leave the others as they were: each comes back with its body
+/// and every property and header as published, never redelivered.
+#[tokio::test]
+async fn a_filtered_replay_leaves_the_others_exactly_as_they_were() {
+    let (dlq, a, b) = (
+        unique("replay-filter-dlq"),
+        unique("replay-filter-a"),
+        unique("replay-filter-b"),
+    );
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-filter-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    dead_letters(&ch, &dlq, &a, 10).await;
+    declare_durable(&ch, &b).await;
+    let kept: Vec<_> = (100..110u32)
+        .map(|id| {
+            let props = dead_lettered_properties(&b, "expired", id);
+            (id.to_be_bytes().to_vec(), props)
+        })
+        .collect();
+    for (body, props) in &kept {
+        publish_with(&ch, &dlq, body, props.clone()).await;
+    }
+
+    let v = api_replay(&nackd, &dlq, &format!("&queue={a}")).await;
+    assert_eq!((&v["moved"], &v["skipped"]), (&10.into(), &10.into()), "{v}");
+    let v = api_replay(&nackd, &dlq, "&reason=rejected").await;
+    assert_eq!((&v["moved"], &v["skipped"]), (&0.into(), &10.into()), "{v}");
+    wait_for(
+        Duration::from_secs(20),
+        "a's messages back in a",
+        || message_count(&ch, &a),
+        |n| *n == 10,
+    )
+    .await;
+
+    let left = take_all(&conn, &dlq).await;
+    assert_eq!(left.len(), kept.len(), "b's messages, all of them");
+    for (d, (body, props)) in left.iter().zip(&kept) {
+        assert_eq!(&d.data, body, "in order, body intact");
+        assert_eq!(&d.properties, props, "every property and header intact");
+        assert!(!d.redelivered, "put back, never requeued");
+    }
+    delete_queues(&ch, &[&dlq, &a, &b]).await;
+    let _ = conn.close(200, "".into()).await;
+    nackd.stop().await;
+}
+
+/// A pass reads at most as many messages as its queue held when it began,
+/// and what it leaves goes to the tail, behind them: with messages
+/// arriving throughout a dry run, each of the dead-lettered messages is
+/// counted once (none twice, none missed), and afterwards every one of
+/// them and every arrival is there once, the dead-lettered ones in their
+/// order.
+#[tokio::test]
+async fn a_dry_run_with_messages_arriving_counts_each_once() {
+    const N: u32 = 2000;
+    let (dlq, orig) = (unique("replay-arrive-dlq"), unique("replay-arrive-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("replay-arrive-policy")
+    ))
+    .await;
+    let conn = direct().await;
+    let ch = conn.create_channel().await.unwrap();
+    dead_letters(&ch, &dlq, &orig, N).await;
+
+    // Arrivals: no headers (no destination), ids from 1 000 000 on.
+    let published = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let arriving = {
+        let (pch, dlq) = (conn.create_channel().await.unwrap(), dlq.clone());
+        let (published, stop) = (published.clone(), stop.clone());
+        pch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let id = 1_000_000 + published.load(std::sync::atomic::Ordering::SeqCst);
+                assert!(publish(&pch, &dlq, &id.to_be_bytes()).await.is_ack());
+                published.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    let before = published.load(std::sync::atomic::Ordering::SeqCst);
+    let v = api_replay(&nackd, &dlq, "&dry_run=true").await;
+    let during = published.load(std::sync::atomic::Ordering::SeqCst) - before;
+    stop.cancel();
+    arriving.await.unwrap();
+    let arrivals = published.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(during > 0, "messages arrived during the dry run");
+    assert_eq!(v["destinations"][&orig], N, "each counted once: {v}");
+    assert_eq!(
+        v["examined"].as_u64().unwrap(),
+        u64::from(N) + v["no_destination"].as_u64().unwrap(),
+        "{v}"
+    );
+
+    let all = take_all(&conn, &dlq).await;
+    let id = |d: &lapin::message::Delivery| u32::from_be_bytes(d.data[..4].try_into().unwrap());
+    let redelivered: Vec<u32> = all.iter().filter(|d| d.redelivered).map(id).collect();
+    assert!(redelivered.is_empty(), "put back, never requeued: {redelivered:?}");
+    let ids: Vec<u32> = all.iter().map(id).collect();
+    let dead: Vec<u32> = ids.iter().copied().filter(|id| *id < N).collect();
+    assert!(dead == (0..N).collect::<Vec<_>>(), "each once, in order: {} of {N}", dead.len());
+    // Arrivals the pass counted at its start were read and put back too.
+    let mut new: Vec<u32> = ids.iter().copied().filter(|id| *id >= N).collect();
+    new.sort_unstable();
+    let expected: Vec<u32> = (0..arrivals).map(|k| 1_000_000 + k).collect();
+    assert!(new == expected, "every arrival once: {} of {arrivals}", new.len());
     delete_queues(&ch, &[&dlq, &orig]).await;
     let _ = conn.close(200, "".into()).await;
     nackd.stop().await;
