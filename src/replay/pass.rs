@@ -110,7 +110,7 @@ impl Pass<'_> {
         if let Some(why) = self.rotation.refused.take() {
             self.fail(format!(
                 "the dead-letter queue did not take back a message left there ({why}); \
-                 it goes back to its place when the replay ends"
+                 the broker takes it back when the replay ends"
             ));
         }
     }

@@ -1,23 +1,27 @@
 //! What a pass leaves on the dead-letter queue goes back to its tail:
 //! the message is published again, exactly as it was read (properties,
-//! headers, body; nothing added), to the default exchange with the queue's
+//! headers, body; nothing added; only the delivery counts a quorum queue
+//! writes on each delivery are left out: the copy is a new message), to the default exchange with the queue's
 //! name as routing key, mandatory, on a confirm channel of its own, and the
 //! original is acked only once the broker confirmed the copy.
 //!
 //! Never a requeue: on RabbitMQ 4.0–4.2 every `nack(requeue)` counts toward
 //! a quorum queue's delivery-limit (default 20), so dry runs would wear the
 //! queue out. A copy the broker does not confirm (a nack, a return, a
-//! channel that died) leaves its original unacked: the broker takes it back
-//! at its place when the pass's connection closes, as after a consumer's
-//! crash. That is the fallback, and the only way a message goes back as it
-//! was.
+//! channel that died) leaves its original unacked, and the pass stops: the
+//! broker takes it back when the pass's connection closes, as after a
+//! consumer's crash (on RabbitMQ 4.x one delivery toward the limit, once,
+//! not once per dry run). That is the fallback: the message stays, and no
+//! `nack(requeue)` is sent.
 
 use std::collections::VecDeque;
 
 use bytes::Bytes;
 use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use lapin::{Confirmation, PublisherConfirm};
+use nackd_core::protocol::headers::BROKER_COUNTS;
 use tracing::warn;
 
 use super::WINDOW;
@@ -72,7 +76,7 @@ impl Rotation {
                 dlq.into(),
                 mandatory,
                 &left.body,
-                left.properties,
+                copy(left.properties),
             )
             .await
         {
@@ -151,4 +155,33 @@ impl Rotation {
     fn keep(&mut self) {
         self.unacked += 1;
     }
+}
+
+/// The properties of a copy: those read, without `x-delivery-count` and
+/// `x-acquired-count`, which a quorum queue writes on every delivery (3.10
+/// even a 0): kept, they would be a stale count on a new message. A table
+/// that held nothing else goes too, as on the message published.
+fn copy(p: BasicProperties) -> BasicProperties {
+    let Some(h) = p.headers() else { return p };
+    if !BROKER_COUNTS.iter().any(|k| h.contains_key(k)) {
+        return p;
+    }
+    let mut kept = h.inner().clone();
+    kept.retain(|k, _| !BROKER_COUNTS.contains(&k.as_str()));
+    if !kept.is_empty() {
+        return p.with_headers(FieldTable::from(kept));
+    }
+    let mut q = BasicProperties::default();
+    macro_rules! keep {
+        ($($get:ident => $with:ident),*) => {
+            $(if let Some(v) = p.$get() { q = q.$with(v.clone()); })*
+        };
+    }
+    keep!(content_type => with_content_type, content_encoding => with_content_encoding,
+        delivery_mode => with_delivery_mode, priority => with_priority,
+        correlation_id => with_correlation_id, reply_to => with_reply_to,
+        expiration => with_expiration, message_id => with_message_id,
+        timestamp => with_timestamp, kind => with_type, user_id => with_user_id,
+        app_id => with_app_id, cluster_id => with_cluster_id);
+    q
 }

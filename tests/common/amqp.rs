@@ -176,3 +176,22 @@ pub async fn publish_with(ch: &Channel, q: &str, body: &[u8], properties: BasicP
         .unwrap();
     assert!(confirm.is_ack(), "{q}: {confirm:?}");
 }
+
+/// The properties of a delivery as they were published: without the count
+/// a quorum queue writes on delivery (`x-delivery-count`, 0 on 3.10's first
+/// delivery, absent on 4.x's), which must say "never returned".
+pub fn as_published(d: &Delivery) -> BasicProperties {
+    let Some(h) = d.properties.headers() else {
+        return d.properties.clone();
+    };
+    let mut kept = h.inner().clone();
+    for count in ["x-delivery-count", "x-acquired-count"] {
+        if let Some(n) = kept.remove(count) {
+            assert!(
+                matches!(n, AMQPValue::LongLongInt(0) | AMQPValue::LongInt(0)),
+                "{count} {n:?}: returned before"
+            );
+        }
+    }
+    d.properties.clone().with_headers(FieldTable::from(kept))
+}

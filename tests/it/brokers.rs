@@ -390,9 +390,127 @@ async fn dry_runs_leave_a_quorum_dead_letter_queue_as_it_was() {
     );
     for (d, (body, props)) in left.iter().zip(&sent) {
         assert_eq!(&d.data, body, "in order, body intact");
-        assert_eq!(&d.properties, props, "every property and header intact");
+        assert_eq!(&as_published(d), props, "every property and header intact");
         assert!(!d.redelivered, "put back, never requeued");
     }
+    delete_queues(&ch, &[&dlq, &orig]).await;
+    let _ = broker.close(200, "".into()).await;
+    nackd.stop().await;
+}
+
+/// The fallback of a replay's put-back (issue 33, finding 4): a quorum
+/// dead-letter queue over its length limit with `overflow =
+/// reject-publish` (a policy set once it holds 5, limit 2) refuses the
+/// copy of what a dry run read. The replay ends with an error (HTTP 503),
+/// the originals whose copy was refused are not acked, and the broker takes
+/// them back when the replay's connection closes: every message still
+/// there, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_that_refuses_the_copy_stops_the_replay_and_keeps_its_messages() {
+    const TOKEN: &str = "dry-run-test-token-0123456789";
+    const N: u32 = 5;
+    let (dlq, orig) = (unique("full-quorum-dlq"), unique("full-quorum-orig"));
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("full-quorum-policy")
+    ))
+    .await;
+    let broker = direct().await;
+    let ch = broker.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_quorum(&ch, &dlq, FieldTable::default()).await;
+    declare_quorum(&ch, &orig, FieldTable::default()).await;
+    for id in 0..N {
+        let props = dead_lettered_properties(&orig, "rejected", id);
+        publish_with(&ch, &dlq, &id.to_be_bytes(), props).await;
+    }
+    let (policy, pattern) = (dlq.clone(), format!("^{dlq}$"));
+    let limit = r#"{"max-length":2,"overflow":"reject-publish"}"#;
+    tokio::task::spawn_blocking(move || {
+        BROKER.ctl_ok(&[
+            "set_policy",
+            &policy,
+            &pattern,
+            limit,
+            "--apply-to",
+            "queues",
+        ])
+    })
+    .await
+    .unwrap();
+    // In effect once a publish is refused; probes taken before stay, last.
+    let mut expected: Vec<u32> = (0..N).collect();
+    let began = std::time::Instant::now();
+    loop {
+        let probe = 1000 + expected.len() as u32;
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                dlq.as_str().into(),
+                BasicPublishOptions::default(),
+                &probe.to_be_bytes(),
+                lapin::BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        if confirm.is_nack() {
+            break;
+        }
+        expected.push(probe);
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "no limit applied"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let q = common::ops::query(&dlq);
+    let path = format!(
+        "/api/replay?dlq={}&dry_run=true",
+        q.trim_start_matches("?queue=")
+    );
+    let r = common::ops::call(nackd.metrics, "POST", &path, Some(TOKEN)).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not take back a message"),
+        "{v}"
+    );
+
+    let ids = wait_for(
+        Duration::from_secs(10),
+        "the unacked originals back",
+        || async {
+            let reader = broker.create_channel().await.unwrap();
+            let mut ids = Vec::new();
+            while let Some(m) = reader
+                .basic_get(dlq.as_str().into(), BasicGetOptions::default())
+                .await
+                .unwrap()
+            {
+                ids.push(u32::from_be_bytes(m.delivery.data[..4].try_into().unwrap()));
+            }
+            let _ = reader.close(200, "".into()).await;
+            ids
+        },
+        |ids| ids.len() == expected.len(),
+    )
+    .await;
+    // A quorum queue hands back what a closed channel held in no set order.
+    let mut ids = ids;
+    ids.sort_unstable();
+    assert_eq!(ids, expected, "every one, once");
+    let policy = dlq.clone();
+    tokio::task::spawn_blocking(move || BROKER.ctl_ok(&["clear_policy", &policy]))
+        .await
+        .unwrap();
     delete_queues(&ch, &[&dlq, &orig]).await;
     let _ = broker.close(200, "".into()).await;
     nackd.stop().await;
