@@ -82,12 +82,11 @@ impl Pass<'_> {
         }
     }
 
-    /// Waits until the broker applied every ack of the pass: lapin sends the
-    /// connection's close ahead of channel frames still queued, and an ack
-    /// that comes after the close leaves its message both put back and
-    /// handed back by the broker (twice on the queue, and redelivered). A
-    /// passive declare on the same channel is answered only after the
-    /// broker processed what came before it.
+    /// Waits until the broker's channel applied every ack of the pass
+    /// before the connection closes: an ack not applied by then leaves its
+    /// message both put back and handed back by the broker (twice on the
+    /// queue, redelivered). A passive declare on the same channel is
+    /// answered only after what came before it.
     async fn barrier(&mut self) {
         let passive = QueueDeclareOptions {
             passive: true,
