@@ -128,9 +128,7 @@ impl Pass<'_> {
     /// Decides what becomes of one message: parks it or leaves it.
     async fn take(&mut self, d: lapin::message::Delivery) {
         self.report.examined += 1;
-        if select::folded(d.properties.headers().as_ref()) {
-            return self.leave(d.delivery_tag, |r| r.set_aside += 1);
-        }
+        let folded = select::folded(d.properties.headers().as_ref());
         let origin = select::origin(d.properties.headers().as_ref());
         let verdict = self.filter.verdict(origin.as_ref());
         let d = Left {
@@ -138,6 +136,10 @@ impl Pass<'_> {
             properties: d.properties,
             body: Bytes::from(d.data),
         };
+        if folded {
+            // Put back as read: the screen unfolds it on the way out.
+            return self.leave(d, |r| r.set_aside += 1).await;
+        }
         let destination = match verdict {
             Verdict::Move(q) => q,
             Verdict::Skip => return self.leave(d, |r| r.skipped += 1).await,

@@ -22,6 +22,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use lapin::{Confirmation, PublisherConfirm};
 use nackd_core::protocol::headers::BROKER_COUNTS;
+use nackd_core::protocol::screen::FOLDED;
 use tracing::warn;
 
 use super::WINDOW;
@@ -163,7 +164,9 @@ impl Rotation {
 /// that held nothing else goes too, as on the message published.
 fn copy(p: BasicProperties) -> BasicProperties {
     let Some(h) = p.headers() else { return p };
-    if !BROKER_COUNTS.iter().any(|k| h.contains_key(k)) {
+    // A folded message goes back untouched: the screen restores its
+    // original properties byte for byte, counts included.
+    if h.contains_key(FOLDED) || !BROKER_COUNTS.iter().any(|k| h.contains_key(k)) {
         return p;
     }
     let mut kept = h.inner().clone();
