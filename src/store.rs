@@ -102,8 +102,8 @@ mod segment;
 mod writer;
 
 pub use log::{
-    read_clock_mark, segment_numbers, write_clock_mark, Backlog, Log, Options, Reader, Relocation,
-    Segments, CLOCK, SEGMENT_BYTES,
+    check_clock_mark, read_clock_mark, segment_numbers, write_clock_mark, Backlog, Log, Options,
+    Reader, Relocation, Segments, CLOCK, SEGMENT_BYTES,
 };
 pub use recover::{Recovered, Report};
 pub use reserve::RESERVE_BYTES;

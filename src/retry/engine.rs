@@ -188,7 +188,8 @@ impl Engine {
         // Before anything is scheduled: a wall clock that went back since
         // the store last wrote must not make its messages wait longer (nor
         // what is held from now on early, once the wall clock is set right).
-        if let Some(ms) = store::read_clock_mark(log.dir()) {
+        // (Checked when the log opened: a damaged file stopped startup.)
+        if let Ok(Some(ms)) = store::read_clock_mark(log.dir()) {
             let behind = clock.raise_to_ms(ms);
             if !behind.is_zero() {
                 warn!(behind = ?behind, "the wall clock is behind the time the store last recorded (it was set back): nackd's clock goes on from that time");

@@ -173,9 +173,14 @@ async fn run_alone(
     stop: CancellationToken,
 ) {
     let (dir, options) = (start.dir.clone(), start.store);
+    let now_ms = start.clock.now_ms();
+    let open = move || {
+        store::check_clock_mark(&dir, now_ms)?;
+        Log::open_deferred(&dir, options)
+    };
     let opened = tokio::select! {
         _ = stop.cancelled() => return,
-        opened = tokio::task::spawn_blocking(move || Log::open_deferred(&dir, options)) => opened,
+        opened = tokio::task::spawn_blocking(open) => opened,
     };
     let (log, backlog) = match opened {
         Ok(Ok(opened)) => opened,
@@ -204,7 +209,12 @@ async fn run_alone(
 /// Opens and recovers the store, off the runtime (it reads every segment).
 async fn open(start: &Start) -> Option<(Log, store::Recovered)> {
     let (dir, options) = (start.dir.clone(), start.store);
-    let opened = tokio::task::spawn_blocking(move || Log::open(&dir, options)).await;
+    let now_ms = start.clock.now_ms();
+    let opened = tokio::task::spawn_blocking(move || {
+        store::check_clock_mark(&dir, now_ms)?;
+        Log::open(&dir, options)
+    })
+    .await;
     match opened {
         Ok(Ok((log, recovered))) => {
             start

@@ -210,6 +210,7 @@ impl Log {
     pub fn open_deferred(dir: &Path, options: Options) -> io::Result<(Self, Backlog)> {
         std::fs::create_dir_all(dir)?;
         let lock = lock(dir)?;
+        read_clock_mark(dir)?;
         let mut numbers = segment_numbers(dir)?;
         let torn_tail = match numbers.last() {
             Some(&newest) => recover::cut_torn_tail(dir, newest)?,
@@ -900,17 +901,53 @@ fn write_next_id(dir: &Path, n: u64) -> io::Result<()> {
 /// earlier time, which only holds messages longer.
 pub const CLOCK: &str = "CLOCK";
 
-/// What [`CLOCK`] says, if it is there and readable.
-pub fn read_clock_mark(dir: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(dir.join(CLOCK)).ok()?;
-    let ms = text.trim().parse().ok();
-    if ms.is_none() {
-        warn!(
-            file = CLOCK,
-            "store: unreadable; the clock is not raised to it"
+/// How far [`CLOCK`] may be ahead of the host's wall clock at startup.
+/// Further, it is damaged or was written while the clock was far wrong:
+/// nackd would hold every new message that much longer (and fire what is
+/// held at once, by its own clock), so it does not start.
+pub const CLOCK_AHEAD_MAX: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// What [`CLOCK`] says (none if there is no such file). Checked when the
+/// log opens: a file that does not hold a time is an error naming it.
+pub fn read_clock_mark(dir: &Path) -> io::Result<Option<u64>> {
+    use std::io::Read;
+    let file = match File::open(dir.join(CLOCK)) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        other => other?,
+    };
+    // A time is 20 digits at most: a longer file is not read whole.
+    let mut text = Vec::new();
+    file.take(64).read_to_end(&mut text)?;
+    let ms = std::str::from_utf8(&text)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .ok_or_else(|| clock_error(dir, "does not hold a time (ms since the epoch)"))?;
+    Ok(Some(ms))
+}
+
+/// Whether [`CLOCK`] is at most [`CLOCK_AHEAD_MAX`] ahead of `now_ms`
+/// (nackd's clock at startup): else an error naming it, and the store
+/// does not open.
+pub fn check_clock_mark(dir: &Path, now_ms: u64) -> io::Result<()> {
+    let Some(ms) = read_clock_mark(dir)? else {
+        return Ok(());
+    };
+    let bound = CLOCK_AHEAD_MAX.as_millis() as u64;
+    if ms > now_ms.saturating_add(bound) {
+        let why = format!(
+            "says {ms}, more than {} h ahead of this host's clock ({now_ms})",
+            bound / 3_600_000
         );
+        return Err(clock_error(dir, &why));
     }
-    ms
+    Ok(())
+}
+
+fn clock_error(dir: &Path, why: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("store: {}: {why}; if the host's clock is right, delete the file while nackd is stopped (held messages then wait longer, never less)", dir.join(CLOCK).display()),
+    )
 }
 
 /// Replaces [`CLOCK`] with `ms` (not durably: see there).

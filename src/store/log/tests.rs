@@ -754,3 +754,31 @@ fn a_low_next_id_costs_nothing_when_no_id_was_given_before_the_merge() {
     assert_eq!(report, Default::default(), "nothing to report");
     assert!(log.next_id() > 40);
 }
+
+#[test]
+fn a_clock_mark_that_is_no_time_or_far_ahead_stops_the_store_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let huge = "9".repeat(1 << 20);
+    for text in ["garbage", "", huge.as_str()] {
+        std::fs::write(dir.path().join(CLOCK), text).unwrap();
+        let e = Log::open(dir.path(), Options::default()).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{text:.20}: {e}");
+        assert!(e.to_string().contains(CLOCK), "{e}");
+    }
+    let now_ms = 1_800_000_000_000;
+    let day = CLOCK_AHEAD_MAX.as_millis() as u64;
+    std::fs::write(dir.path().join(CLOCK), (now_ms + day + 1).to_string()).unwrap();
+    let e = check_clock_mark(dir.path(), now_ms).unwrap_err();
+    assert!(
+        e.to_string().contains(CLOCK) && e.to_string().contains("ahead"),
+        "{e}"
+    );
+    // Ahead within the bound (a clock set back): taken.
+    std::fs::write(dir.path().join(CLOCK), (now_ms + 3_600_000).to_string()).unwrap();
+    check_clock_mark(dir.path(), now_ms).unwrap();
+    assert_eq!(
+        read_clock_mark(dir.path()).unwrap(),
+        Some(now_ms + 3_600_000)
+    );
+    drop(Log::open(dir.path(), Options::default()).unwrap());
+}
