@@ -59,8 +59,15 @@ pub fn spawn(
                         tracing::warn!(offset_seconds = offset, max = ?max, "nackd's clock is {:.1} s {} the broker's: due times can be off by that much after a restart or an adoption on another host", offset.abs(), if offset > 0.0 { "ahead of" } else { "behind" });
                     }
                 }
-                Ok(Err(e)) => tracing::debug!(error = %e, "cannot measure the clock's offset from the broker's"),
-                Err(_) => tracing::debug!("measuring the clock's offset from the broker's timed out"),
+                // Unmeasured is unknown, not the last value: NaN again.
+                Ok(Err(e)) => {
+                    metrics.clock_offset.set(f64::NAN);
+                    tracing::debug!(error = %e, "cannot measure the clock's offset from the broker's");
+                }
+                Err(_) => {
+                    metrics.clock_offset.set(f64::NAN);
+                    tracing::debug!("measuring the clock's offset from the broker's timed out");
+                }
             }
             tokio::select! {
                 _ = stop.cancelled() => return,
