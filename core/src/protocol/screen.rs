@@ -156,7 +156,7 @@ impl Screen {
         let mut restored = 0;
         while let Some(frame) = self.from_client.decode(buf).map_err(ScreenError::Client)? {
             match frame.kind {
-                FrameType::Header => match self.restore(frame.payload_slice()) {
+                FrameType::Header => match self.restore(frame.payload_slice())? {
                     Some(original) => {
                         method::put_frame(out, FrameType::Header, frame.channel, &original);
                         restored += 1;
@@ -207,24 +207,40 @@ impl Screen {
         Ok(folded_header(&payload[..12], &name))
     }
 
-    /// The original of a folded content header the client sends back.
-    fn restore(&mut self, payload: &[u8]) -> Option<Vec<u8>> {
-        if self.folds.is_empty() {
-            return None;
-        }
-        let table = content::raw_headers(payload).ok()??;
-        let name = content::table_entries(table)
-            .ok()?
-            .into_iter()
-            .find(|e| e.key == FOLDED.as_bytes())
-            .and_then(|e| fold_name(e.bytes))?;
-        let original = self.folds.remove(&name)?;
+    /// The original of a folded content header the client sends back. A
+    /// fold of this screen sent a second time (its original went with the
+    /// first) is an error: it must not reach the broker without its
+    /// properties.
+    fn restore(&mut self, payload: &[u8]) -> Result<Option<Vec<u8>>, ScreenError> {
+        let Some(name) = self.fold_named(payload) else {
+            return Ok(None);
+        };
+        let Some(original) = self.folds.remove(&name) else {
+            return Err(ScreenError::Frame(FrameError::Syntax(
+                "a folded message published a second time: its properties went with the first",
+            )));
+        };
         self.held -= original.len();
         let mut out = original.to_vec();
         // The body size the client announces (the same, unless it changed
         // the body).
         out[4..12].copy_from_slice(&payload[4..12]);
-        Some(out)
+        Ok(Some(out))
+    }
+
+    /// The name of this screen's fold a content header carries, if any
+    /// (a name with another key is someone else's bytes: left as sent).
+    fn fold_named(&self, payload: &[u8]) -> Option<[u8; NAME_LEN]> {
+        if self.next == 0 {
+            return None;
+        }
+        let table = content::raw_headers(payload).ok()??;
+        content::table_entries(table)
+            .ok()?
+            .into_iter()
+            .find(|e| e.key == FOLDED.as_bytes())
+            .and_then(|e| fold_name(e.bytes))
+            .filter(|name| name[..8] == self.key)
     }
 }
 
