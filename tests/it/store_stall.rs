@@ -43,6 +43,8 @@ fn run(cmd: &str, args: &[&str]) {
 struct Disk {
     dir: tempfile::TempDir,
     mnt: PathBuf,
+    /// The watchdog, once frozen (ended at the drop).
+    watchdog: Option<std::process::Child>,
 }
 
 impl Disk {
@@ -60,13 +62,17 @@ impl Disk {
             "mount",
             &["-o", "loop", image.to_str().unwrap(), mnt.to_str().unwrap()],
         );
-        Self { dir, mnt }
+        Self {
+            dir,
+            mnt,
+            watchdog: None,
+        }
     }
 
-    fn freeze(&self) {
+    fn freeze(&mut self) {
         let mnt = self.mnt.to_str().unwrap();
         // The safety net: thawed after 3 minutes whatever happens here.
-        Command::new("sh")
+        let watchdog = Command::new("sh")
             .args([
                 "-c",
                 &format!("sleep 180; fsfreeze --unfreeze '{mnt}' 2>/dev/null"),
@@ -76,6 +82,7 @@ impl Disk {
             .stderr(Stdio::null())
             .spawn()
             .expect("the thaw watchdog starts");
+        self.watchdog = Some(watchdog);
         run("fsfreeze", &["--freeze", mnt]);
     }
 
@@ -103,6 +110,10 @@ impl Drop for Disk {
         let umount = Command::new("umount").arg(mnt).output();
         if !umount.is_ok_and(|o| o.status.success()) {
             let _ = Command::new("umount").args(["-l", mnt]).output();
+        }
+        if let Some(mut watchdog) = self.watchdog.take() {
+            let _ = watchdog.kill();
+            let _ = watchdog.wait();
         }
         let _ = &self.dir;
     }
@@ -164,7 +175,7 @@ fn config(dir: &Path, store: &Path, queue: &str) -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_frozen_store_defers_nacks_and_loses_nothing() {
-    let disk = Disk::new();
+    let mut disk = Disk::new();
     let (q, x, d) = (unique("stall-q"), unique("stall-x"), unique("stall-d"));
     let nackd = Process::start(&config(disk.dir.path(), &disk.mnt.join("store"), &q));
     let uri = format!("amqp://guest:guest@{}/%2f", nackd.addr);
@@ -209,8 +220,8 @@ async fn a_frozen_store_defers_nacks_and_loses_nothing() {
     .await;
     assert_eq!(ready.get("nackd_store_stalls_total", &[]), 0.0);
 
-    let _thaw = Thaw(&disk);
     disk.freeze();
+    let _thaw = Thaw(&disk);
     let frozen_at = Instant::now();
     // The nack is claimed: its park waits for a store that hangs.
     first
