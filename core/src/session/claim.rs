@@ -634,15 +634,16 @@ impl Session {
             return;
         }
         let now = self.now;
-        // A publish whose check waits for a declare (or delete) held
-        // behind a barrier is not given up: that declare may be behind it.
+        // Claims are numbered in the order they were made: the old ones
+        // come first, and the scan stops at the first young one. A publish
+        // whose check waits for a declare (or delete) held behind a
+        // barrier is not given up: that declare may be behind it.
         let checks = &self.checks;
         let mut expired: BTreeSet<u64> = self
             .unanswered
             .range(..=upto)
-            .filter(|(seq, (at, _))| {
-                !checks.stuck_behind_barrier(**seq) && now.duration_since(*at) >= SETTLE_TIMEOUT
-            })
+            .take_while(|(_, (at, _))| now.duration_since(*at) >= SETTLE_TIMEOUT)
+            .filter(|(seq, _)| !checks.stuck_behind_barrier(**seq))
             .map(|(seq, _)| *seq)
             .collect();
         if expired.is_empty() {
