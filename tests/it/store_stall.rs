@@ -11,6 +11,7 @@
 use crate::common;
 
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,7 @@ impl Disk {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .expect("the thaw watchdog starts");
         self.watchdog = Some(watchdog);
@@ -112,7 +114,9 @@ impl Drop for Disk {
             let _ = Command::new("umount").args(["-l", mnt]).output();
         }
         if let Some(mut watchdog) = self.watchdog.take() {
-            let _ = watchdog.kill();
+            // Its group: the shell and its `sleep`.
+            let group = format!("-{}", watchdog.id());
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).output();
             let _ = watchdog.wait();
         }
         let _ = &self.dir;
