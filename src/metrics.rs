@@ -194,6 +194,10 @@ pub struct Metrics {
     pub clock_offset: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Store writes or fsyncs that failed.
     pub store_errors: Counter,
+    /// Times a store write went unanswered past the settle timeout.
+    pub store_stalls: Counter,
+    /// 1 while a store write goes unanswered past the settle timeout.
+    pub store_stalled: Gauge,
     /// Bytes of the store's live puts (what disk use is bounded by).
     pub store_live_bytes: Gauge,
     /// Bytes compaction copied forward.
@@ -330,6 +334,8 @@ impl Metrics {
                 g
             },
             store_errors: Counter::default(),
+            store_stalls: Counter::default(),
+            store_stalled: Gauge::default(),
             store_live_bytes: Gauge::default(),
             store_compacted_bytes: Counter::default(),
             store_damaged_bytes: Counter::default(),
@@ -538,6 +544,16 @@ impl Metrics {
             "nackd_store_errors",
             "Store writes or fsyncs that failed",
             self.store_errors.clone(),
+        );
+        r.register(
+            "nackd_store_stalls",
+            "Times a store write (an fsync) went unanswered past the settle timeout: nacks were deferred meanwhile",
+            self.store_stalls.clone(),
+        );
+        r.register(
+            "nackd_store_stalled",
+            "1 while a store write (an fsync) goes unanswered past the settle timeout",
+            self.store_stalled.clone(),
         );
         r.register_with_unit(
             "nackd_store_live",

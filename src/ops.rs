@@ -156,6 +156,9 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     let store = match (ops.intercepting, ops.engine.get()) {
         (false, _) => "not used".to_string(),
         (true, None) => "recovering".to_string(),
+        (true, Some((retry, _))) if retry.ready.stalled() => {
+            "not answering: a write has not returned within the settle timeout (a stuck disk?); nacks are deferred".to_string()
+        }
         (true, Some((retry, _))) => match retry.ready.get() {
             crate::retry::Ready::Recovering => "recovering".to_string(),
             crate::retry::Ready::NoLease => "no lease".to_string(),

@@ -109,6 +109,6 @@ pub use recover::{Recovered, Report};
 pub use reserve::RESERVE_BYTES;
 pub use scan::{scan, Damage, Harm};
 pub use segment::{segment_path, Loc};
-pub use writer::{spawn_writer, Event, WriteOp, Writer, Written};
+pub use writer::{spawn_writer, Busy, Event, WriteOp, Writer, Written};
 
 pub use nackd_core::held::{Held, HeldMeta, Route, StoreError};

@@ -3,6 +3,7 @@
 //! message as the store keeps it ([`Held`]), where it goes when due
 //! ([`Route`]), and what RAM keeps of it ([`HeldMeta`]).
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +42,47 @@ pub struct Park {
     pub header: Bytes,
     /// Body.
     pub body: Bytes,
+    /// Settles, once, whether the stored copy stands or its session gave
+    /// the park up.
+    pub ticket: Ticket,
+}
+
+/// Whether a park still stands: its session and the engine decide once,
+/// atomically, between "stored, the answer is on its way" and "given up"
+/// (the settle timeout ran out: the delivery went back to the broker, or
+/// the publisher got a nack). A copy stored after its park was given up
+/// is deleted, never fired, whether its session still runs or not.
+#[derive(Clone, Debug, Default)]
+pub struct Ticket(Arc<AtomicU8>);
+
+const OPEN: u8 = 0;
+const STORED: u8 = 1;
+const GIVEN_UP: u8 = 2;
+
+impl Ticket {
+    /// The engine stored the copy: `true` if it stands (its answer goes to
+    /// the session), `false` if the session gave the park up first (the
+    /// copy must be deleted).
+    pub fn stored(&self) -> bool {
+        self.settle(STORED)
+    }
+
+    /// The session gives the park up: `true` if it is given up (a copy
+    /// stored later is deleted), `false` if the engine stored it first
+    /// (its answer is on its way: wait for it).
+    pub fn give_up(&self) -> bool {
+        self.settle(GIVEN_UP)
+    }
+
+    fn settle(&self, to: u8) -> bool {
+        match self
+            .0
+            .compare_exchange(OPEN, to, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => true,
+            Err(now) => now == to,
+        }
+    }
 }
 
 /// The engine's answer to a [`Park`].

@@ -1,7 +1,7 @@
 //! Where interception stands, shared by the retry engine (which sets it)
 //! and the sessions and `/readyz` (which read it).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::stats::PassReason;
@@ -23,19 +23,27 @@ pub enum Ready {
     NoReplica = 4,
 }
 
-/// Shared view of [`Ready`].
+/// Shared view of [`Ready`], and whether the store stalls.
 #[derive(Debug)]
-pub struct Readiness(AtomicU8);
+pub struct Readiness {
+    state: AtomicU8,
+    /// A store write has gone unanswered for longer than the settle
+    /// timeout (a stuck disk): nothing new is held meanwhile.
+    stalled: AtomicBool,
+}
 
 impl Readiness {
     /// Recovering, until the engine says otherwise.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self(AtomicU8::new(Ready::Recovering as u8)))
+        Arc::new(Self {
+            state: AtomicU8::new(Ready::Recovering as u8),
+            stalled: AtomicBool::new(false),
+        })
     }
 
     /// Where interception stands now.
     pub fn get(&self) -> Ready {
-        match self.0.load(Ordering::Acquire) {
+        match self.state.load(Ordering::Acquire) {
             1 => Ready::Ready,
             2 => Ready::NoLease,
             3 => Ready::Failed,
@@ -46,7 +54,17 @@ impl Readiness {
 
     /// The engine says where interception stands.
     pub fn set(&self, ready: Ready) {
-        self.0.store(ready as u8, Ordering::Release);
+        self.state.store(ready as u8, Ordering::Release);
+    }
+
+    /// Whether the store stalls: a write unanswered past the settle timeout.
+    pub fn stalled(&self) -> bool {
+        self.stalled.load(Ordering::Acquire)
+    }
+
+    /// The engine says whether the store stalls.
+    pub fn set_stalled(&self, stalled: bool) {
+        self.stalled.store(stalled, Ordering::Release);
     }
 
     /// Whether a nack may be claimed now, else why it cannot be held (it is
@@ -54,8 +72,12 @@ impl Readiness {
     /// While the store opens, claims are made: their parks wait in the
     /// engine's queue until it runs (a session gives a park up after its
     /// settle timeout, and the broker keeps the delivery meanwhile), so no
-    /// nack is deferred because nackd just started.
+    /// nack is deferred because nackd just started. While the store stalls
+    /// nothing is claimed: each claim would wait a settle timeout first.
     pub fn may_claim(&self) -> Result<(), PassReason> {
+        if self.stalled() {
+            return Err(PassReason::StoreUnavailable);
+        }
         match self.get() {
             Ready::Ready | Ready::Recovering => Ok(()),
             Ready::NoLease => Err(PassReason::NoLease),

@@ -45,8 +45,11 @@ pub use scope::Interception;
 pub const HIGH_WATER: usize = 256 * 1024;
 /// Time the peers get to complete a close handshake.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
-/// Time held messages get to be stored and acked before a close goes on.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a claim gets to be stored: past it the session gives it up (the
+/// delivery goes back to the broker, a delayed publisher gets a nack),
+/// whether a close waits for it or not; the engine calls a store that
+/// leaves a write unanswered this long stalled.
+pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest a forced session takes to end: its claims answered or given
 /// up, the close handshake, the last writes.
 pub const FORCED_END: Duration =

@@ -187,6 +187,8 @@ impl Pass<'_> {
             on_return: None,
             header: Bytes::from(header),
             body: d.body.clone(),
+            // A replay never gives its parks up.
+            ticket: Default::default(),
         };
         self.parks += 1;
         if !self.retry.park(park, &self.reply) {

@@ -52,6 +52,8 @@ pub(super) enum PutCtx {
         /// A delayed publish: its publisher sent it, so it is held even if
         /// the session is gone (a retry's delivery is the broker's again).
         keep_if_gone: bool,
+        /// Whether its session gave it up meanwhile (then the copy goes).
+        ticket: nackd_core::held::Ticket,
     },
     Adopt {
         reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
@@ -148,6 +150,8 @@ pub(super) struct Engine {
     backlog: Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
     /// Recovered messages not scheduled yet ([`Engine::load_step`]).
     loading: Option<Loading>,
+    /// Since when the store's writer works on its batch ([`Engine::watch_store`]).
+    store_busy: Arc<store::Busy>,
 }
 
 /// Messages recovered after the engine started, scheduled a step at a time
@@ -162,6 +166,9 @@ struct Loading {
 
 /// Recovered messages scheduled per turn of the engine's loop.
 const LOAD_STEP: usize = 65_536;
+
+/// How often the engine looks whether the store stalls.
+const STALL_CHECK: Duration = Duration::from_millis(500);
 
 /// How long after a failed read of the older segments it is tried again.
 const BACKLOG_RETRY: Duration = if cfg!(test) {
@@ -198,6 +205,7 @@ impl Engine {
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone(), clock.clone());
         let paused = writer.paused;
+        let store_busy = writer.busy.clone();
         let fence = replica
             .as_ref()
             .map_or_else(Fence::always, crate::replica::Replica::fence);
@@ -232,6 +240,7 @@ impl Engine {
             republishers: TaskTracker::new(),
             backlog: None,
             loading: None,
+            store_busy,
         };
         if !recovered.held.is_empty() {
             engine.load(recovered);
@@ -371,7 +380,10 @@ impl Engine {
     ) -> Exit {
         self.on_lease();
         let mut alarm = Alarm::new(self.clock.clone());
+        let mut stall_check = tokio::time::interval(STALL_CHECK);
+        stall_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let exit = loop {
+            self.watch_store();
             let wake = match self.may_fire() {
                 true => self.next_wake().map(|us| self.clock.instant_at_us(us)),
                 false => None,
@@ -409,6 +421,7 @@ impl Engine {
                     link::Event::Resync => break Exit::Stale(self.hand_back().await),
                 },
                 _ = alarm.rings(), if wake.is_some() => {}
+                _ = stall_check.tick() => {}
             }
             if self.may_fire() {
                 self.fire();
@@ -457,6 +470,35 @@ impl Engine {
                 open = self.republishers.len(),
                 "republishers did not end in time; their connections are dropped"
             );
+        }
+    }
+
+    /// Whether the store stalls: its writer has worked on one batch (a
+    /// write, an fsync) for the settle timeout, a stuck disk. Sessions give
+    /// their claims up by then (the deliveries go back to the broker);
+    /// while it lasts nothing new is claimed (nacks are deferred at once),
+    /// `/readyz` names the store, and `nackd_store_stalls_total` counts it.
+    /// Nothing is lost: what the store answers later is held, or deleted if
+    /// its session gave it up.
+    fn watch_store(&mut self) {
+        let limit = nackd_core::session::SETTLE_TIMEOUT.as_micros() as u64;
+        let now = self.clock.now_us();
+        let busy = self.store_busy.since_us();
+        let stalled = busy.is_some_and(|since| now.saturating_sub(since) >= limit);
+        if stalled == self.ready.stalled() {
+            return;
+        }
+        self.ready.set_stalled(stalled);
+        self.metrics.store_stalled.set(i64::from(stalled));
+        if stalled {
+            self.metrics.store_stalls.inc();
+            let for_ms = busy.map_or(0, |since| now.saturating_sub(since) / 1000);
+            warn!(
+                for_ms,
+                "store: a write has not returned within the settle timeout (a stuck disk?): nacks are deferred, /readyz says not ready"
+            );
+        } else {
+            info!("store: writes return again: nacks are held again");
         }
     }
 
@@ -576,6 +618,7 @@ impl Engine {
         let keep_if_gone = held.route.is_delayed();
         let ctx = PutCtx::Park {
             keep_if_gone,
+            ticket: park.ticket,
             key: park.key,
             reply,
             meta,
@@ -663,11 +706,26 @@ impl Engine {
                     meta,
                     due_us,
                     keep_if_gone,
+                    ticket,
                 },
                 Ok(loc),
             ) => {
                 self.ledger.tick(self.clock.now_ms());
                 self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
+                if !ticket.stored() {
+                    // Its session gave it up (the settle timeout ran out):
+                    // the delivery went back to the broker, or the
+                    // publisher got a nack and may have published again.
+                    // Firing this copy would deliver it twice: it is
+                    // deleted, durably, as a completion is.
+                    info!(
+                        id = w.id,
+                        "stored after its session gave it up: deleted, never fired"
+                    );
+                    let result = Err(StoreError::Io("given up by its session".into()));
+                    let _ = reply.send(Parked { key, result });
+                    return self.forget(w.id);
+                }
                 let parked = Parked {
                     key,
                     result: Ok(w.id),
@@ -826,7 +884,43 @@ mod tests {
             on_return: None,
             header: Bytes::from_static(b"h"),
             body: Bytes::from_static(b"body"),
+            ticket: Default::default(),
         }
+    }
+
+    /// Issue 33, item 5: a delayed publish whose session gave it up (the
+    /// store answered after the settle timeout; the publisher got a nack,
+    /// and its connection ended) is not held when the store answers at
+    /// last: deleted, on disk too, so that neither this process nor a
+    /// restart fires it (its publisher republished it).
+    #[tokio::test]
+    async fn a_park_given_up_by_its_session_is_deleted_not_fired() {
+        let dir = tempfile::tempdir().unwrap();
+        let (handle, _engine): (RetryHandle, _) =
+            crate::retry::start(start(dir.path()), CancellationToken::new());
+        let mut withdrawn = park(1);
+        withdrawn.route = Route::Delayed {
+            exchange: "x".into(),
+            routing_key: "k".into(),
+        };
+        assert!(withdrawn.ticket.give_up(), "the session gives it up first");
+        let (gone, dropped) = mpsc::unbounded_channel();
+        drop(dropped); // and its session ended
+        assert!(handle.park(withdrawn, &gone));
+        let (alive, mut answers) = mpsc::unbounded_channel();
+        assert!(handle.park(park(2), &alive));
+        let answer = answers.recv().await.unwrap();
+        let kept = answer.result.expect("the other park is held");
+        let (listed, total) = handle.list(None, None, 10).await.unwrap();
+        assert_eq!(total, 1, "only the park still standing is held");
+        assert_eq!(listed[0].0.id, kept);
+        for _ in 0..500 {
+            if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the given-up copy is still on disk");
     }
 
     /// Issue 12, item 6: a session that ended before its message was

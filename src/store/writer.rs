@@ -11,6 +11,7 @@
 //! deletes cannot be written at all, firing must pause and puts are
 //! refused.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -91,10 +92,36 @@ pub enum Event<C> {
     Firing(Option<PauseReason>),
 }
 
+/// Since when the writer works on a batch (µs on nackd's clock), none
+/// while it waits for work: a write or fsync that does not return (a stuck
+/// disk) shows here, where the engine's watch sees it.
+#[derive(Debug, Default)]
+pub struct Busy(AtomicU64);
+
+impl Busy {
+    fn start(&self, now_us: u64) {
+        self.0.store(now_us.max(1), Ordering::Release);
+    }
+
+    fn end(&self) {
+        self.0.store(0, Ordering::Release);
+    }
+
+    /// Since when the writer works on its current batch, if it does.
+    pub fn since_us(&self) -> Option<u64> {
+        match self.0.load(Ordering::Acquire) {
+            0 => None,
+            us => Some(us),
+        }
+    }
+}
+
 /// The running writer: where operations go, and the thread to join.
 pub struct Writer<C> {
     /// Operations; dropping every sender ends the thread after a last commit.
     pub tx: Sender<WriteOp<C>>,
+    /// Since when it works on its current batch.
+    pub busy: Arc<Busy>,
     /// Whether completions can be recorded as it starts (`Some(why)`: not,
     /// firing must wait); [`Event::Firing`] says when that changes.
     pub paused: Option<PauseReason>,
@@ -130,6 +157,7 @@ pub fn spawn_writer<C: Send + 'static>(
     // of the spawner's (the engine's), and entered for the thread's life.
     let span = info_span!("store_writer", dir = %log.dir().display());
     let mut writer = Thread::new(log, events, metrics, clock);
+    let busy = writer.busy.clone();
     let paused = span.in_scope(|| {
         writer.keep_reserve();
         writer.paused = writer.pause_reason();
@@ -143,7 +171,12 @@ pub fn spawn_writer<C: Send + 'static>(
             writer.run(rx)
         })
         .expect("spawn the store thread");
-    Writer { tx, paused, thread }
+    Writer {
+        tx,
+        busy,
+        paused,
+        thread,
+    }
 }
 
 /// Counts what recovery found in the metrics and lists it for the status
@@ -182,6 +215,7 @@ struct Thread<C> {
     paused: Option<PauseReason>,
     /// When the clock was last written to [`super::CLOCK`].
     marked: Option<Instant>,
+    busy: Arc<Busy>,
 }
 
 impl<C> Thread<C> {
@@ -206,6 +240,7 @@ impl<C> Thread<C> {
             reserve,
             paused: None,
             marked: None,
+            busy: Arc::default(),
         }
     }
 
@@ -213,6 +248,7 @@ impl<C> Thread<C> {
     /// committed.
     fn run(mut self, rx: Receiver<WriteOp<C>>) -> Log {
         while let Some(batch) = self.next_batch(&rx) {
+            self.busy.start(self.clock.now_us());
             let answers = self.apply(batch);
             self.commit(answers);
             self.mark_clock();
@@ -225,6 +261,7 @@ impl<C> Thread<C> {
             self.metrics
                 .store_live_bytes
                 .set(self.log.live_bytes() as i64);
+            self.busy.end();
         }
         let _ = self.log.commit();
         self.log

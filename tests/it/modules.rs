@@ -31,5 +31,6 @@ mod retry;
 mod screen;
 mod status_page;
 mod store;
+mod store_stall;
 mod tls;
 mod trust;

@@ -13,7 +13,7 @@ use super::close::Origin;
 use super::machine::{Effect, Session};
 use super::settle::{self, Settle};
 use super::{ACK_GRACE, SETTLE_TIMEOUT};
-use crate::held::{ClaimKey, Park, Parked, Route};
+use crate::held::{ClaimKey, Park, Parked, Route, Ticket};
 use crate::policy::{OnExhausted, Policy, Step};
 use crate::protocol::frame::{Frame, FrameType};
 use crate::protocol::headers::{self, Retry};
@@ -365,6 +365,7 @@ impl Session {
             seq: self.claims + 1,
         };
         let deferral = plan.deferral();
+        let ticket = Ticket::default();
         let park = Park {
             key,
             vhost: state.vhost.clone(),
@@ -375,10 +376,11 @@ impl Session {
             on_return: plan.dead_letter,
             header,
             body: captured.body.clone(),
+            ticket: ticket.clone(),
         };
         self.effects.push_back(Effect::Park(park));
         self.claims += 1;
-        self.unanswered.insert(self.claims, self.now);
+        self.unanswered.insert(self.claims, (self.now, ticket));
         Claim::Parked(deferral)
     }
 
@@ -589,23 +591,7 @@ impl Session {
         let now = self.now;
         if self.upstream_takes_acks() {
             let barrier = self.barrier.unwrap_or(0);
-            // A publish whose check waits for a declare (or delete) does
-            // not hold the barrier: that declare may be behind it.
-            let checks = &self.checks;
-            let waited = |seq: &u64| !checks.stuck_behind_barrier(*seq);
-            let expired: BTreeSet<u64> = self
-                .unanswered
-                .range(..=barrier)
-                .filter(|(seq, at)| waited(seq) && now.duration_since(**at) >= SETTLE_TIMEOUT)
-                .map(|(seq, _)| *seq)
-                .collect();
-            if !expired.is_empty() {
-                let mut expired = expired;
-                self.give_up_taken(&mut expired);
-                if !expired.is_empty() {
-                    self.give_up_claims(&expired);
-                }
-            }
+            self.give_up_overdue(barrier);
             let checks = &self.checks;
             if self
                 .unanswered
@@ -636,11 +622,54 @@ impl Session {
         }
     }
 
+    /// Gives up the claims up to number `upto` the store has not answered
+    /// within [`SETTLE_TIMEOUT`]. It runs on every tick, not only while a
+    /// close waits: a store that does not answer (a stuck `fsync`) must not
+    /// keep deliveries unacked for good, filling the consumers' prefetch.
+    /// A claim the engine stored meanwhile is not given up (its answer is
+    /// on its way); nor is it while the broker takes no more acks (it takes
+    /// the deliveries back itself).
+    pub(super) fn give_up_overdue(&mut self, upto: u64) {
+        if !self.upstream_takes_acks() {
+            return;
+        }
+        let now = self.now;
+        // Claims are numbered in the order they were made: the old ones
+        // come first, and the scan stops at the first young one. A publish
+        // whose check waits for a declare (or delete) held behind a
+        // barrier is not given up: that declare may be behind it.
+        let checks = &self.checks;
+        let mut expired: BTreeSet<u64> = self
+            .unanswered
+            .range(..=upto)
+            .take_while(|(_, (at, _))| now.duration_since(*at) >= SETTLE_TIMEOUT)
+            .filter(|(seq, _)| !checks.stuck_behind_barrier(**seq))
+            .map(|(seq, _)| *seq)
+            .collect();
+        if expired.is_empty() {
+            return;
+        }
+        self.give_up_taken(&mut expired);
+        if !expired.is_empty() {
+            self.give_up_claims(&expired);
+        }
+    }
+
     /// The store did not answer these claims in time: they are deferred
     /// (unless the client settled them again itself), which requeues them
-    /// at once ahead of a close that waits; a later answer cancels the copy.
+    /// at once ahead of a close that waits; a copy stored later is deleted
+    /// (their tickets say so). Those the engine stored meanwhile are left
+    /// to their answer.
     fn give_up_claims(&mut self, seqs: &BTreeSet<u64>) {
-        let taken = self.channels.take_claims(seqs);
+        let seqs: BTreeSet<u64> = seqs
+            .iter()
+            .copied()
+            .filter(|seq| self.unanswered.get(seq).is_some_and(|(_, t)| t.give_up()))
+            .collect();
+        if seqs.is_empty() {
+            return;
+        }
+        let taken = self.channels.take_claims(&seqs);
         warn!(
             claims = taken.len(),
             "the store did not answer within the settle timeout: those deliveries go back to the broker"
@@ -651,7 +680,7 @@ impl Session {
                 self.defer(channel, tag, reason, claimed.delay, claimed.from);
             }
         }
-        for seq in seqs {
+        for seq in &seqs {
             self.unanswered.remove(seq);
         }
     }

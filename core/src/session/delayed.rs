@@ -36,7 +36,7 @@ use super::confirms::{Confirm, Renumber};
 use super::machine::{Effect, Session};
 use super::peer::Fault;
 use crate::delayed::{TYPE, TYPE_ARG};
-use crate::held::{ClaimKey, Park, Route, StoreError};
+use crate::held::{ClaimKey, Park, Route, StoreError, Ticket};
 use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
 use crate::protocol::headers;
@@ -466,6 +466,7 @@ impl Session {
             tag: tag.unwrap_or(0),
             seq,
         };
+        let ticket = Ticket::default();
         let park = Park {
             key,
             vhost,
@@ -479,6 +480,7 @@ impl Session {
             on_return: None,
             header,
             body: taking.body.freeze(),
+            ticket: ticket.clone(),
         };
         // The broker's word first: nothing is stored that it would refuse.
         let before = self.to_upstream.len();
@@ -506,7 +508,7 @@ impl Session {
         }
         debug!(exchange = %taking.exchange, delay_ms, ?tag, "delayed publish taken; asking the broker");
         self.claims = seq;
-        self.unanswered.insert(seq, self.now);
+        self.unanswered.insert(seq, (self.now, ticket));
         self.channels.get(channel_id).last_claim = seq;
         self.taken.insert(
             seq,
@@ -764,21 +766,30 @@ impl Session {
     }
 
     /// The settle timeout gives up taken publishes among `seqs`: no longer
-    /// waited for; on a confirm channel their publishers get a nack now
-    /// (and a late stored copy is cancelled); the rest of `seqs` is left.
+    /// waited for; on a confirm channel their publishers get a nack now,
+    /// and their tickets say that a copy stored later is deleted by the
+    /// engine, never fired, even after this session ended (one the engine
+    /// stored first is not given up: its ack is on its way). The rest of
+    /// `seqs` is left.
     pub(super) fn give_up_taken(&mut self, seqs: &mut std::collections::BTreeSet<u64>) {
         let mine: Vec<u64> = seqs.iter().copied().filter(|s| self.is_taken(*s)).collect();
         for seq in mine {
             seqs.remove(&seq);
-            self.unanswered.remove(&seq);
             let taken = self.taken.get_mut(&seq).expect("listed above");
             let (channel, epoch, tag) = (taken.channel, taken.epoch, taken.tag);
             let Some(tag) = tag else {
                 // No confirms: its publisher was told nothing, and the
                 // store's copy (when it answers) is the only one there is.
+                self.unanswered.remove(&seq);
                 warn!("the store did not answer a delayed publish within the settle timeout: the close goes on, the publish is kept if the store takes it");
                 continue;
             };
+            let ticket = self.unanswered.get(&seq).map(|(_, t)| t);
+            if !ticket.is_some_and(|t| t.give_up()) {
+                // Stored meanwhile: its answer (an ack) is on its way.
+                continue;
+            }
+            self.unanswered.remove(&seq);
             taken.given_up = true;
             warn!("the store did not answer a delayed publish within the settle timeout: its publisher gets a nack");
             self.answer_taken(channel, epoch, tag, false);

@@ -136,7 +136,9 @@ impl Session {
 
     pub(super) fn on_tick(&mut self) {
         let now: Instant = self.now;
-        // Held-back frames have a deadline even if the store never answers.
+        // Claims have a deadline even if the store never answers, whether
+        // a close waits for them or not; so have held-back frames.
+        self.give_up_overdue(self.claims);
         self.release_if_settled();
         self.fire_deferred();
         if !self.open && now >= self.handshake_deadline && !self.close.started() {

@@ -21,7 +21,7 @@ use super::deferrals::Deferrals;
 use super::peer::Peer;
 use super::scope::{Interception, Scope};
 use super::{Limits, HIGH_WATER, TICK};
-use crate::held::{Park, Parked};
+use crate::held::{Park, Parked, Ticket};
 use crate::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
 use crate::stats::SessionStats;
 
@@ -71,8 +71,9 @@ pub struct Session {
     pub(super) acked_at: Option<Instant>,
     /// Claims made (the number of the last one).
     pub(super) claims: u64,
-    /// The claims the store has not answered yet: number → when made.
-    pub(super) unanswered: BTreeMap<u64, Instant>,
+    /// The claims the store has not answered yet: number → when made,
+    /// and the ticket that gives its park up.
+    pub(super) unanswered: BTreeMap<u64, (Instant, Ticket)>,
     /// Held-back frames wait for the claims up to this number.
     pub(super) barrier: Option<u64>,
     /// When the last claim of the barrier was acked.

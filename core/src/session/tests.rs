@@ -1533,3 +1533,69 @@ fn the_policy_cache_of_a_session_is_bounded() {
     }
     assert!(scope.policy(&Arc::from(Q)).is_some(), "still answers");
 }
+
+/// Issue 33, item 6: the settle timeout runs on the session's tick, not
+/// only while a close waits. A store that never answers (a stuck `fsync`)
+/// gets the claim deferred within the settle timeout: the delivery goes
+/// back to the broker after the policy's delay instead of staying unacked
+/// for good (prefetch full, consumers stopped).
+#[test]
+fn a_silent_store_defers_the_claim_without_any_close() {
+    let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1);
+    p.time_passes(SETTLE_TIMEOUT - Duration::from_millis(1));
+    p.timer_fires();
+    assert_eq!(p.s.stats.deferred_now.get(), 0, "not before the timeout");
+    p.time_passes(Duration::from_millis(1));
+    p.timer_fires();
+    assert_eq!(p.s.stats.deferred(PassReason::StoreUnavailable), 1);
+    assert_eq!(p.s.stats.deferred_now.get(), 1, "given up: deferred");
+    assert!(
+        !parks[0].ticket.stored(),
+        "a copy the store writes later is deleted, not fired"
+    );
+    // Back to the broker after the policy's delay, requeued.
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+    // The store answers at last: nothing is acked (the engine deleted
+    // the copy; were it answered Ok, the session cancels it too).
+    p.answer(&parks[0], Ok(7));
+    assert!(p.upstream().is_empty());
+    assert_eq!(p.cancelled(), [7]);
+}
+
+/// The give-up and the store's answer race: a claim the engine stored
+/// first is not given up (its answer is on its way), and is acked.
+#[test]
+fn a_claim_the_engine_stored_first_is_not_given_up() {
+    let mut p = claimed();
+    let parks = p.take_parks();
+    assert!(parks[0].ticket.stored(), "the engine stores it first");
+    p.time_passes(SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert_eq!(p.s.stats.deferred_now.get(), 0, "not deferred");
+    p.answer(&parks[0], Ok(8));
+    assert_eq!(p.upstream(), ["ack 1"]);
+    assert!(p.cancelled().is_empty());
+}
+
+/// While the engine says the store stalls, nacks are deferred at once
+/// instead of each waiting a settle timeout for a store that is stuck.
+#[test]
+fn while_the_store_stalls_nacks_are_deferred_at_once() {
+    let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
+    p.s.scope.as_ref().unwrap().shared.ready.set_stalled(true);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.nack(1, 1);
+    assert!(p.take_parks().is_empty(), "nothing parked on a stuck store");
+    assert_eq!(p.s.stats.deferred(PassReason::StoreUnavailable), 1);
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"]);
+}

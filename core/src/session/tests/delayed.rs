@@ -1092,4 +1092,44 @@ fn a_handed_over_publish_does_not_jump_the_barrier() {
     assert_eq!(p.client_got(), ["ack 1"]);
 }
 
+/// Issue 33, item 5: a delayed publish the store does not answer within
+/// the settle timeout is given up, with or without a close: its publisher
+/// gets a nack, and its ticket says so, so that the engine deletes the
+/// copy the store writes later instead of firing it (the publisher has
+/// republished it meanwhile: it would arrive twice), even once this
+/// session has ended.
+#[test]
+fn a_delayed_publish_given_up_is_withdrawn_from_the_engine() {
+    let mut p = pair();
+    p.open(1, true);
+    p.declared(1);
+    p.publish(1, ms(100));
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1);
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
+    assert!(
+        !parks[0].ticket.stored(),
+        "the engine must delete the copy, not fire it"
+    );
+    // The session ends before the store answers.
+    p.s.end([]);
+    assert!(p.cancelled().is_empty());
+}
+
+/// Without confirms the publisher was told nothing: the store's copy is
+/// the only one, and the settle timeout does not withdraw it.
+#[test]
+fn a_delayed_publish_without_confirms_is_never_withdrawn() {
+    let mut p = pair();
+    p.open(1, false);
+    p.declared(1);
+    p.publish(1, ms(100));
+    let parks = p.take_parks();
+    p.time_passes(super::SETTLE_TIMEOUT);
+    p.timer_fires();
+    assert!(parks[0].ticket.stored(), "the store's copy stands");
+}
+
 mod trust_review;
