@@ -42,6 +42,7 @@ use tracing::info;
 use crate::replica::Target;
 use crate::retry::{Ready, RetryHandle};
 use pass::Pass;
+use rotate::Rotation;
 
 mod pass;
 mod rotate;
@@ -106,6 +107,10 @@ pub struct Report {
     /// Left there: the queue they go to does not exist (per queue). nackd
     /// would hold them until it does; the operator decides instead.
     pub missing_destinations: BTreeMap<String, u64>,
+    /// Left unacked: it carries another user's `user_id`, which the
+    /// republish user may not publish without the `impersonator` tag (the
+    /// broker takes it back when the pass ends).
+    pub foreign_user_id: u64,
     /// Why the replay stopped early, if it did (what is counted was done).
     pub error: Option<String>,
 }
@@ -172,6 +177,11 @@ impl Replayer {
         let _one = self.running.try_lock().map_err(|_| ReplayError::Busy)?;
         if !request.dry_run {
             match self.retry.ready.get() {
+                // A store that does not answer would hold every park of
+                // the pass (and the messages it read) until it does.
+                Ready::Ready if self.retry.ready.stalled() => {
+                    return Err(ReplayError::NotReady("the store is not answering".into()));
+                }
                 Ready::Ready => {}
                 other => return Err(ReplayError::NotReady(format!("{other:?}"))),
             }
@@ -195,7 +205,7 @@ impl Replayer {
                 reply,
                 answers,
                 in_flight: HashMap::new(),
-                rotation: Default::default(),
+                rotation: Rotation::new(&self.target.username),
                 planned: request.limit.map_or(count, |l| l.min(count)),
                 parks: 0,
                 report: Report {

@@ -58,7 +58,7 @@ pub const FORCED_END: Duration =
 /// disconnect that it held back goes on. RabbitMQ applies a quorum queue's
 /// settles at low priority: a channel that closes right after its acks can
 /// have them overtaken by its own death, and the messages requeued.
-const ACK_GRACE: Duration = Duration::from_millis(100);
+pub const ACK_GRACE: Duration = Duration::from_millis(100);
 /// How often the core checks heartbeats and deadlines.
 const TICK: Duration = Duration::from_millis(500);
 

@@ -18,6 +18,7 @@ use super::{reply_code, Report, Request, WINDOW};
 use crate::retry::{ClaimKey, Park, ParkReply, Parked, RetryHandle};
 use nackd_core::held::Route;
 use nackd_core::protocol::content;
+use nackd_core::session::ACK_GRACE;
 
 /// One pass over the dead-letter queue.
 pub(super) struct Pass<'a> {
@@ -73,6 +74,7 @@ impl Pass<'_> {
         self.rotation.finish(self.ch).await;
         self.stop_if_refused();
         self.barrier().await;
+        self.report.foreign_user_id = self.rotation.foreign_user_id;
         let (rotated, unacked) = (self.rotation.rotated, self.rotation.unacked);
         if rotated + unacked > 0 {
             info!(
@@ -100,6 +102,9 @@ impl Pass<'_> {
         {
             warn!(error = %e, "replay: could not check that its acks arrived");
         }
+        // A quorum queue applies acks after its channel answered: the
+        // grace sessions give the broker before a close (ACK_GRACE).
+        tokio::time::sleep(ACK_GRACE).await;
     }
 
     /// Stops the pass once the broker refused a copy of a message it left:

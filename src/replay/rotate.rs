@@ -37,6 +37,12 @@ pub(super) struct Left {
 /// The copies of one pass not confirmed yet, in publish order.
 #[derive(Default)]
 pub(super) struct Rotation {
+    /// The republish user, who publishes the copies.
+    user: String,
+    /// Originals kept unacked because their `user_id` names another user
+    /// and the broker refused their copy from the republish user (it needs
+    /// the `impersonator` tag).
+    pub(super) foreign_user_id: u64,
     /// The confirm channel, opened at the first message left; `Err` once
     /// it cannot be had or died (every later original stays unacked).
     ch: Option<Result<Channel, String>>,
@@ -50,6 +56,14 @@ pub(super) struct Rotation {
 }
 
 impl Rotation {
+    /// Copies published by `user` (the republish user).
+    pub(super) fn new(user: &str) -> Self {
+        Self {
+            user: user.to_string(),
+            ..Self::default()
+        }
+    }
+
     /// Puts `left` back at the tail of `dlq`: publishes its copy, and acks
     /// the original on `get` once confirmed (at most [`WINDOW`] copies wait
     /// for their confirm at a time).
@@ -60,6 +74,14 @@ impl Rotation {
         dlq: &str,
         left: Left,
     ) {
+        let foreign = left
+            .properties
+            .user_id()
+            .as_ref()
+            .is_some_and(|u| u.as_str() != self.user);
+        if foreign {
+            return self.put_back_alone(conn, get, dlq, left).await;
+        }
         while self.pending.len() >= WINDOW {
             self.settle_oldest(get).await;
         }
@@ -84,6 +106,57 @@ impl Rotation {
             Ok(confirm) => self.pending.push_back((left.tag, confirm)),
             Err(e) => {
                 self.died(format!("publish: {e}"));
+                self.keep();
+            }
+        }
+    }
+
+    /// A message whose `user_id` names another user: RabbitMQ takes its
+    /// copy from the republish user only if that user has the
+    /// `impersonator` tag, and refuses it by closing the channel. So its
+    /// copy goes alone (the others confirmed first); a refusal keeps the
+    /// original unacked (the broker takes it back at the close), opens a
+    /// new channel for the next copies, and the pass goes on.
+    async fn put_back_alone(&mut self, conn: &Connection, get: &Channel, dlq: &str, left: Left) {
+        self.finish(get).await;
+        let Ok(ch) = self.channel(conn).await else {
+            return self.keep();
+        };
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let sent = ch
+            .basic_publish(
+                "".into(),
+                dlq.into(),
+                mandatory,
+                &left.body,
+                copy(left.properties),
+            )
+            .await;
+        let confirmed = match sent {
+            Ok(confirm) => confirm.await,
+            Err(e) => Err(e),
+        };
+        match confirmed {
+            Ok(Confirmation::Ack(None)) => {
+                match get.basic_ack(left.tag, BasicAckOptions::default()).await {
+                    Ok(()) => self.rotated += 1,
+                    Err(e) => {
+                        warn!(error = %e, "replay: ack of a message put back failed; it is there twice");
+                        self.unacked += 1;
+                    }
+                }
+            }
+            Ok(_) => {
+                self.refused.get_or_insert("refused by the broker".into());
+                self.keep();
+            }
+            Err(e) => {
+                warn!(error = %e, "replay: a message carrying another user's user_id cannot be put back by the republish user (it needs the impersonator tag); it stays unacked until the pass ends");
+                self.ch = None;
+                self.foreign_user_id += 1;
                 self.keep();
             }
         }

@@ -363,3 +363,71 @@ async fn nowait_declares_and_deletes_are_their_waiting_forms() {
     cleanup(&x, &[&q]).await;
     nackd.stop().await;
 }
+
+/// Issue 33, finding 4, from the review: a dead-lettered message whose
+/// `user_id` names another user. The republish user (no `impersonator`
+/// tag) may not publish its copy: the broker refuses it by closing the
+/// channel. A dry run puts the other messages back at the tail, keeps
+/// that one unacked (the broker takes it back when the pass ends), goes
+/// on, and says so: nothing lost, nothing twice.
+#[tokio::test]
+async fn a_dry_run_keeps_a_message_with_another_users_user_id_and_puts_the_rest_back() {
+    const TOKEN: &str = "trust-user-id-token-0123456789";
+    let nackd = start(&format!(
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{}\"]\ndelays = [\"1s\"]\n",
+        unique("trust-uid-policy")
+    ))
+    .await;
+    let alice = User::new("trust-uid", "", ".*", ".*");
+    let dlq = unique("trust-uid-dlq");
+    let broker = direct().await;
+    let ch = broker.create_channel().await.unwrap();
+    ch.queue_declare(dlq.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let publish = |ch: Channel, body: &'static [u8], props: BasicProperties| {
+        let dlq = dlq.clone();
+        async move {
+            ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+            let c = ch
+                .basic_publish("".into(), dlq.as_str().into(), BasicPublishOptions::default(), body, props)
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(c.is_ack());
+        }
+    };
+    publish(broker.create_channel().await.unwrap(), b"m0", BasicProperties::default()).await;
+    let as_alice = alice.connect(None).await;
+    let with_user_id = BasicProperties::default().with_user_id(alice.0.as_str().into());
+    publish(as_alice.create_channel().await.unwrap(), b"m1", with_user_id).await;
+    for body in [b"m2", b"m3"] {
+        publish(broker.create_channel().await.unwrap(), body, BasicProperties::default()).await;
+    }
+
+    let q = common::ops::query(&dlq);
+    let path = format!("/api/replay?dlq={}&dry_run=true", q.trim_start_matches("?queue="));
+    let v = common::ops::json(nackd.metrics, "POST", &path, Some(TOKEN)).await;
+    assert_eq!(v["examined"], 4, "{v}");
+    assert_eq!(v["foreign_user_id"], 1, "{v}");
+    assert!(v["error"].is_null(), "the pass goes on: {v}");
+
+    let mut c = consume(&broker.create_channel().await.unwrap(), &dlq, None).await;
+    let mut bodies = Vec::new();
+    while let Some(d) = next(&mut c, Duration::from_secs(3)).await {
+        d.ack(BasicAckOptions::default()).await.unwrap();
+        if d.data == b"m1" {
+            let user = d.properties.user_id().as_ref().map(|u| u.to_string());
+            assert_eq!(user.as_deref(), Some(alice.0.as_str()), "kept as it was");
+        }
+        bodies.push(String::from_utf8(d.data).unwrap());
+    }
+    bodies.sort();
+    assert_eq!(bodies, ["m0", "m1", "m2", "m3"], "each message once");
+    ch.queue_delete(dlq.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = broker.close(200, "".into()).await;
+    nackd.stop().await;
+}
