@@ -382,7 +382,11 @@ async fn a_dry_run_keeps_a_message_with_another_users_user_id_and_puts_the_rest_
     let dlq = unique("trust-uid-dlq");
     let broker = direct().await;
     let ch = broker.create_channel().await.unwrap();
-    ch.queue_declare(dlq.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(dlq.as_str().into(), durable, FieldTable::default())
         .await
         .unwrap();
     let publish = |ch: Channel, body: &'static [u8], props: BasicProperties| {
