@@ -15,6 +15,28 @@ use crate::protocol::method::{self, put_frame};
 
 const X: &str = "waits";
 
+/// A client's declare of `name` as delayed, of real type `direct`.
+fn declare_named(ch: u16, name: &str, nowait: bool) -> Vec<u8> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        AMQPValue::LongString(LongString::from("direct")),
+    );
+    frame_of(
+        ch,
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange: name.into(),
+            kind: "x-delayed-message".into(),
+            passive: false,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            nowait,
+            arguments: args,
+        })),
+    )
+}
+
 impl Pair {
     /// What nackd wrote to the client since the last call (see `upstream`).
     fn client_got(&mut self) -> Vec<String> {
@@ -62,24 +84,7 @@ impl Pair {
     /// Declares `X` as a delayed exchange of real type `direct` (the broker
     /// has not answered yet).
     fn declare_delayed(&mut self, ch: u16) -> Vec<String> {
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-delayed-type".into(),
-            AMQPValue::LongString(LongString::from("direct")),
-        );
-        self.client(&frame_of(
-            ch,
-            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-                exchange: X.into(),
-                kind: "x-delayed-message".into(),
-                passive: false,
-                durable: true,
-                auto_delete: false,
-                internal: false,
-                nowait: false,
-                arguments: args,
-            })),
-        ));
+        self.client(&declare_named(ch, X, false));
         self.upstream()
     }
 
@@ -789,24 +794,7 @@ impl Pair {
 
     /// A nowait declare of `X` as delayed.
     fn declare_nowait(&mut self, ch: u16) {
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-delayed-type".into(),
-            AMQPValue::LongString(LongString::from("direct")),
-        );
-        self.client(&frame_of(
-            ch,
-            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-                exchange: X.into(),
-                kind: "x-delayed-message".into(),
-                passive: false,
-                durable: true,
-                auto_delete: false,
-                internal: false,
-                nowait: true,
-                arguments: args,
-            })),
-        ));
+        self.client(&declare_named(ch, X, true));
     }
 }
 

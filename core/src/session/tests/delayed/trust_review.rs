@@ -4,32 +4,10 @@
 //! what the broker would do without nackd.
 
 use amq_protocol::protocol::{basic, channel, exchange, AMQPClass};
-use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 
 use super::super::{body, channel_close, frame_of, pair, publish_start};
-use super::{ms, X};
+use super::{declare_named, ms, X};
 use crate::protocol::reply::ReplyCode;
-
-fn declare_named(ch: u16, name: &str, nowait: bool) -> Vec<u8> {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-delayed-type".into(),
-        AMQPValue::LongString(LongString::from("direct")),
-    );
-    frame_of(
-        ch,
-        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-            exchange: name.into(),
-            kind: "x-delayed-message".into(),
-            passive: false,
-            durable: true,
-            auto_delete: false,
-            internal: false,
-            nowait,
-            arguments: args,
-        })),
-    )
-}
 
 fn declare_ok(ch: u16) -> Vec<u8> {
     frame_of(
