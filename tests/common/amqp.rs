@@ -195,3 +195,21 @@ pub fn as_published(d: &Delivery) -> BasicProperties {
     }
     d.properties.clone().with_headers(FieldTable::from(kept))
 }
+
+/// A durable queue that dead-letters to `dlq` through the default exchange.
+pub async fn declare_dead_lettering(ch: &Channel, q: &str, dlq: &str) {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(dlq.into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(q.into(), durable, args).await.unwrap();
+}

@@ -12,7 +12,6 @@ use std::time::Duration;
 use common::process::{Process, NACKD};
 use common::*;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 const TOKEN: &str = "replay-test-token-0123456789";
@@ -50,24 +49,6 @@ async fn replay(cfg: &Path, nackd: &Process, args: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
-}
-
-/// A durable queue that dead-letters to `dlq` through the default exchange.
-async fn declare_dead_lettering(ch: &Channel, q: &str, dlq: &str) {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString("".into()),
-    );
-    args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(dlq.into()),
-    );
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(q.into(), durable, args).await.unwrap();
 }
 
 /// Publishes ids `ids` to `q`, confirmed.

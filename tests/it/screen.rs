@@ -17,7 +17,6 @@ use bytes::Bytes;
 use common::raw::RawClient;
 use common::*;
 use lapin::options::*;
-use lapin::types::{AMQPValue, FieldTable};
 use lapin::Channel;
 use nackd_core::protocol::frame::FrameType;
 use nackd_core::protocol::method;
@@ -115,24 +114,6 @@ async fn raw_peek(queue: &str) -> Vec<(Bytes, Bytes)> {
         all.push((header.payload(), Bytes::from(body)));
     }
     all
-}
-
-/// A durable queue that dead-letters to `dlq` through the default exchange.
-async fn declare_dead_lettering(ch: &Channel, q: &str, dlq: &str) {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString("".into()),
-    );
-    args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(dlq.into()),
-    );
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(q.into(), durable, args).await.unwrap();
 }
 
 /// `n` messages the broker dead-lettered from `orig` into `dlq`.
