@@ -369,3 +369,19 @@ fn delayed_errors_name_the_key() {
     assert!(err(twice)
         .contains("delayed_exchange[1].name: exchange \"d\" of vhost \"/\" is listed twice"));
 }
+
+#[test]
+fn an_on_exhausted_table_refuses_an_unknown_key_by_name() {
+    let e = err(
+        "[[policy]]\nqueues = [\"q\"]\ndelays = [\"1s\"]\non_exhausted = { exchange = \"x\", routng_key = \"y\" }\n",
+    );
+    assert!(
+        e.contains("policy[0].on_exhausted") && e.contains("unknown field `routng_key`"),
+        "{e}"
+    );
+    let e = err("[[policy]]\nqueues = [\"q\"]\ndelays = [\"1s\"]\non_exhausted = \"drop\"\n");
+    assert!(
+        e.contains("policy[0].on_exhausted") && e.contains("expected \"reject\""),
+        "{e}"
+    );
+}
