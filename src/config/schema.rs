@@ -54,3 +54,10 @@ fn drop_null(value: &mut Value) {
         _ => {}
     }
 }
+
+#[cfg(test)]
+mod reference;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod walk;
