@@ -155,3 +155,22 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// The README stays one page for users, and names the one test command
+/// that CI runs (.ci/run calls it and nothing else).
+#[test]
+fn the_readme_is_one_page_and_names_the_test_command_ci_runs() {
+    let readme = std::fs::read_to_string(Path::new(DIR).join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(lines <= 200, "README.md has {lines} lines; at most 200 (the rest belongs in docs/)");
+    let ci = std::fs::read_to_string(Path::new(DIR).join(".ci/run")).unwrap();
+    let command = ci
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("exec "))
+        .next()
+        .expect(".ci/run execs the test command");
+    assert!(
+        readme.contains(&format!("`{command}`")),
+        "README.md does not give the test command CI runs (`{command}`)"
+    );
+}

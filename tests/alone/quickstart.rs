@@ -103,7 +103,6 @@ fn first_delay(config: &str) -> Duration {
 
 #[test]
 fn the_readme_quickstart_shows_the_retry_after_its_delay_with_its_headers() {
-    let _alone = crate::common::alone();
     // The README's fixed ports: one quickstart at a time on this machine.
     let _ports = lock_file("quickstart-ports", Lock::Exclusive);
     let readme = std::fs::read_to_string(Path::new(DIR).join("README.md")).unwrap();
