@@ -9,4 +9,5 @@ mod broker_restart;
 mod client_suites;
 mod deb;
 mod due_backlog;
+mod image;
 mod restart;
