@@ -10,5 +10,6 @@ mod broker_restart;
 mod client_suites;
 mod deb;
 mod due_backlog;
+mod image;
 mod quickstart;
 mod restart;

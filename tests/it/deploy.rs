@@ -82,11 +82,19 @@ fn the_container_config_is_valid() {
         config.metrics.admin_token_env.as_deref(),
         Some("NACKD_ADMIN_TOKEN")
     );
+    // The image itself is built and run by tests/alone/image.rs; what it
+    // cannot see: the defaults a plain `docker build` uses.
     let dockerfile = deploy("Dockerfile");
-    assert!(
-        dockerfile.contains("USER nackd") && dockerfile.matches("FROM ").count() == 2,
-        "multi-stage, non-root"
-    );
+    let lines: Vec<&str> = dockerfile.lines().collect();
+    assert_eq!(lines.iter().filter(|l| l.starts_with("FROM ")).count(), 2);
+    for line in [
+        "ARG BUILDER_IMAGE=docker.io/library/rust:1-bookworm",
+        "ARG RUNTIME_IMAGE=docker.io/library/debian:bookworm-slim",
+        "USER 10001:10001",
+        &format!("ARG NACKD_VERSION={}", env!("CARGO_PKG_VERSION")),
+    ] {
+        assert!(lines.contains(&line), "deploy/Dockerfile has {line}");
+    }
     assert!(deploy("nackd.service").contains("ExecReload=/bin/kill -HUP $MAINPID"));
 }
 
