@@ -499,8 +499,8 @@ fn the_pods_run_as_the_images_numeric_user() {
     let dockerfile = std::fs::read_to_string(Path::new(DIR).join("deploy/Dockerfile")).unwrap();
     let user = dockerfile
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("USER "))
-        .last()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("USER "))
         .expect("deploy/Dockerfile has a USER");
     let (uid, gid) = user.trim().split_once(':').expect("USER uid:gid");
     let parse = |id: &str| {
