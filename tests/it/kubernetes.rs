@@ -45,9 +45,26 @@ const FIXED_RSS: u64 = 96 << 20;
 /// `nackd-bench hold --count 1000000` and `nackd-bench restart --count
 /// 10000000 --restarts 1 --prefill`, 2026-11-25).
 const RAM_PER_HELD: u64 = 100;
-/// The store's bytes on disk per held message of a 100 B body (10 M held took
-/// 1.5 GB): `store.max_bytes` over this is how many it can hold.
-const DISK_PER_HELD: u64 = 150;
+
+/// The smallest record a held message takes in the store: vhost "/", a queue
+/// name of one character, an AMQP content header without properties (14
+/// bytes) and an empty body. `store.max_bytes` over this is the most
+/// messages a store can hold, whatever they are.
+fn smallest_record() -> u64 {
+    use nackd::store::{record, Held, Route};
+    let held = Held {
+        id: 1,
+        vhost: "/".into(),
+        queue: "q".into(),
+        due_ms: 0,
+        retry: 1,
+        route: Route::Queue,
+        on_return: None,
+        header: bytes::Bytes::from(vec![0; 14]),
+        body: bytes::Bytes::new(),
+    };
+    (record::SALTED_PREFIX + record::put_len(&held)) as u64
+}
 
 /// The bin directory of the tools' venv (installed on first use).
 fn tools() -> &'static Path {
@@ -556,9 +573,10 @@ fn the_store_has_a_claim_of_its_own_and_memory_covers_what_it_can_hold() {
                     panic!("{kit}: store.path is not on a volume claim template: {volume}")
                 });
             let disk = bytes(claim);
+            let room = 2 * config.store.segment_bytes + nackd::store::RESERVE_BYTES;
             assert!(
-                disk >= max_bytes + 2 * config.store.segment_bytes,
-                "{kit}: a claim of {claim} cannot take store.max_bytes {max_bytes} and two segments"
+                disk >= max_bytes + room,
+                "{kit}: a claim of {claim} cannot take store.max_bytes {max_bytes}, two segments and the reserve"
             );
 
             // RAM: nackd's own, the capture budget, each vhost's due backlog
@@ -569,7 +587,7 @@ fn the_store_has_a_claim_of_its_own_and_memory_covers_what_it_can_hold() {
             let need = FIXED_RSS
                 + config.limits.capture_budget as u64
                 + config.republish.max_pending_bytes * vhosts.len().max(1) as u64
-                + max_bytes / DISK_PER_HELD * RAM_PER_HELD;
+                + max_bytes / smallest_record() * RAM_PER_HELD;
             let limit = bytes(str_at(nackd, "/resources/limits/memory"));
             let request = bytes(str_at(nackd, "/resources/requests/memory"));
             assert!(
