@@ -466,7 +466,15 @@ fn probes_and_ports_are_nackds_listeners() {
             "{kit}: metrics.address {metrics} is not reachable from the kubelet or Prometheus"
         );
         for (_, nackd) in rendered.nackd_pods() {
-            for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+            let probes = [
+                ("livenessProbe", "/healthz"),
+                ("readinessProbe", "/readyz"),
+                ("startupProbe", "/healthz"),
+            ];
+            for (probe, path) in probes {
+                if probe == "startupProbe" && nackd.get(probe).is_none() {
+                    continue;
+                }
                 let get = &nackd[probe]["httpGet"];
                 assert_eq!(get["path"], path, "{kit}: {probe}");
                 assert_eq!(
