@@ -20,6 +20,7 @@ mod deploy;
 mod durability;
 mod hot_reload;
 mod isolation;
+mod kubernetes;
 mod ops;
 mod option_c;
 mod proxy;
