@@ -36,6 +36,7 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
         .collect();
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
+        "commit": env!("NACKD_COMMIT"),
         "intercepting": ops.intercepting,
         "connections": {
             "clients": m.clients.get(),

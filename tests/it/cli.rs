@@ -320,3 +320,119 @@ fn runtime_section_sets_session_threads_and_their_scheduling() {
         });
     }
 }
+
+/// `nackd [ARGS]` with `NACKD_CONFIG` set or not, run to its end.
+fn nackd(args: &[&str], env_config: Option<&std::path::Path>) -> std::process::Output {
+    let mut command = Command::new(NACKD);
+    command.args(args).env_remove("NACKD_CONFIG");
+    if let Some(path) = env_config {
+        command.env("NACKD_CONFIG", path);
+    }
+    command.output().unwrap()
+}
+
+/// The file a run of nackd read, from its error: each file below has a
+/// syntax error, and the error names the file.
+fn file_read(out: &std::process::Output) -> String {
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    let name = ["flag.toml", "env.toml"]
+        .into_iter()
+        .find(|name| said.contains(name));
+    name.unwrap_or_else(|| panic!("no file named: {said}"))
+        .to_string()
+}
+
+/// `--config` is global (before or after a subcommand), `NACKD_CONFIG`
+/// stands in for it, and the flag wins over the variable.
+#[test]
+fn config_comes_from_the_flag_anywhere_then_nackd_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let flag = write(&dir, "flag.toml", "[upstream\n");
+    let env = write(&dir, "env.toml", "[upstream\n");
+    let f = flag.to_str().unwrap();
+    let cases: [(&[&str], Option<&std::path::Path>, &str); 8] = [
+        (&["--config", f], None, "flag.toml"),
+        (&["--config", f], Some(&env), "flag.toml"),
+        (&[], Some(&env), "env.toml"),
+        (&["--config", f, "admin", "list"], Some(&env), "flag.toml"),
+        (&["admin", "list", "--config", f], Some(&env), "flag.toml"),
+        (&["admin", "list"], Some(&env), "env.toml"),
+        (&["store", "stats", "--config", f], Some(&env), "flag.toml"),
+        (&["store", "stats"], Some(&env), "env.toml"),
+    ];
+    for (args, env_config, expected) in cases {
+        let out = nackd(args, env_config);
+        assert_eq!(file_read(&out), expected, "{args:?}, NACKD_CONFIG {env_config:?}");
+    }
+    // The error names the key and the file it is in.
+    let out = nackd(&["admin", "list", "--config", f], None);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains(&format!("{f}: (syntax)")), "{said}");
+    // A file that cannot be read is named too.
+    let missing = dir.path().join("missing.toml");
+    let out = nackd(&[], Some(&missing));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains(&format!("cannot read {}", missing.display())),
+        "{said}"
+    );
+}
+
+/// Without the flag or the variable, nackd reads where the package and
+/// the image put the file, whatever its working directory.
+#[test]
+fn the_default_config_is_the_one_in_etc() {
+    let out = nackd(&["--help"], None);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("[env: NACKD_CONFIG=]") || help.contains("[env: NACKD_CONFIG]"),
+        "{help}"
+    );
+    assert!(
+        help.contains("[default: /etc/nackd/nackd.toml]"),
+        "{help}"
+    );
+    let out = nackd(&["admin", "list", "--help"], None);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--config <CONFIG>"), "a subcommand takes it: {help}");
+}
+
+/// The commit `git` names for this checkout (12 hex digits).
+fn checkout_commit() -> String {
+    let out = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("git runs (the suite runs in a git checkout)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// `nackd --version` and `nackd_build_info` name the commit the binary
+/// was built from: the one this checkout is at.
+#[test]
+fn version_and_build_info_name_the_commit() {
+    let commit = checkout_commit();
+    let out = nackd(&["--version"], None);
+    let version = String::from_utf8_lossy(&out.stdout);
+    let expected = format!("nackd {} ({commit}", env!("CARGO_PKG_VERSION"));
+    assert!(version.starts_with(&expected), "{version:?}, not {expected:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        &dir,
+        "n.toml",
+        &format!("[upstream]\naddress = \"{}\"\n", common::BROKER.addr()),
+    );
+    let nackd = common::process::Process::start_listening(&cfg);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let scrape = rt.block_on(common::ops::get(nackd.metrics, "/metrics"));
+    let info = scrape
+        .body
+        .lines()
+        .find(|l| l.starts_with("nackd_build_info{"))
+        .unwrap_or_else(|| panic!("no nackd_build_info: {}", scrape.body));
+    assert!(info.contains(&format!("commit=\"{commit}")), "{info}");
+}
