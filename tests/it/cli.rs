@@ -54,6 +54,7 @@ fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
 fn check_config_rejects_what_startup_rejects() {
     let dir = tempfile::tempdir().unwrap();
     let a_file = write(&dir, "not-a-dir", "x");
+    let uri_with_vhost = write(&dir, "uri", "amqp://u:secret@h/shop\n");
     let base = format!(
         "[listen]\naddress = \"127.0.0.1:0\"\n[metrics]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{}\"\n",
         common::BROKER
@@ -94,6 +95,30 @@ fn check_config_rejects_what_startup_rejects() {
             "store.path",
             format!("[store]\npath = \"{}\"\n{policy}", a_file.display()),
         ),
+        (
+            "republish.password_file: cannot read /nonexistent/nackd-password",
+            format!("[republish]\npassword_file = \"/nonexistent/nackd-password\"\n{policy}"),
+        ),
+        (
+            "metrics.admin_token_file: cannot read /nonexistent/nackd-token",
+            "admin_token_file = \"/nonexistent/nackd-token\"\n".into(),
+        ),
+        (
+            "metrics.read_token_file: a token must be at least 16",
+            format!("read_token_file = {:?}\n", a_file.display().to_string()),
+        ),
+        (
+            "upstream.uri_file: cannot read /nonexistent/nackd-uri",
+            "uri_file = \"/nonexistent/nackd-uri\"\n".into(),
+        ),
+        (
+            "upstream.uri_env: NACKD_TEST_UNSET_URI_1 is not set",
+            "uri_env = \"NACKD_TEST_UNSET_URI_1\"\n".into(),
+        ),
+        (
+            "upstream.uri_file: vhost \"shop\"",
+            format!("uri_file = {:?}\n", uri_with_vhost.display().to_string()),
+        ),
     ];
     let ok = write(&dir, "ok.toml", &format!("{base}{policy}"));
     let out = check_config(&ok);
@@ -115,10 +140,15 @@ fn check_config_rejects_what_startup_rejects() {
         String::from_utf8_lossy(&out.stderr)
     );
     for (i, (key, extra)) in cases.iter().enumerate() {
-        // `[metrics]` is in the base: its cases add their keys there.
-        let text = match key.starts_with("metrics.") {
-            true => base.replacen("[metrics]\n", &format!("[metrics]\n{extra}"), 1),
-            false => format!("{base}{extra}"),
+        // `[metrics]` is in the base: its cases add their keys there; a
+        // URI takes the place of the address.
+        let address = format!("address = \"{}\"\n", common::BROKER);
+        let text = match key {
+            k if k.starts_with("metrics.") => {
+                base.replacen("[metrics]\n", &format!("[metrics]\n{extra}"), 1)
+            }
+            k if k.starts_with("upstream.uri") => base.replacen(&address, extra, 1),
+            _ => format!("{base}{extra}"),
         };
         let path = write(&dir, &format!("case{i}.toml"), &text);
         let check = check_config(&path);
@@ -129,6 +159,7 @@ fn check_config_rejects_what_startup_rejects() {
             "--check-config, {key}: {said}"
         );
         assert!(said.contains(key), "--check-config names {key}: {said}");
+        assert!(!said.contains("secret"), "no password repeated: {said}");
         let start = Command::new(NACKD)
             .arg("--config")
             .arg(&path)
@@ -435,4 +466,56 @@ fn version_and_build_info_name_the_commit() {
         .find(|l| l.starts_with("nackd_build_info{"))
         .unwrap_or_else(|| panic!("no nackd_build_info: {}", scrape.body));
     assert!(info.contains(&format!("commit=\"{commit}")), "{info}");
+}
+
+/// `/readyz`'s word on the republish login into vhost `/`, once checked.
+fn republish_login(metrics: std::net::SocketAddr) -> String {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let began = Instant::now();
+    loop {
+        let ready = rt.block_on(common::ops::get(metrics, "/readyz"));
+        let v: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+        let login = v["republish"]["/"].as_str().unwrap_or("checking").to_string();
+        if login != "checking" || began.elapsed() > Duration::from_secs(15) {
+            return login;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `upstream.uri` (here from a file, with a trailing newline) names the
+/// broker and the login of nackd's own connections: with the broker's
+/// password the republisher logs in, with another it is refused; either
+/// way clients log in as themselves.
+#[test]
+fn a_broker_uri_from_a_file_gives_the_node_and_the_republish_login() {
+    common::require_broker();
+    let dir = tempfile::tempdir().unwrap();
+    let q = common::unique("uri");
+    for (password, login) in [("guest", "ok"), ("not-the-password", "ACCESS_REFUSED")] {
+        let uri = write(
+            &dir,
+            "uri",
+            &format!("amqp://guest:{password}@{}\n", common::BROKER.addr()),
+        );
+        let store = dir.path().join(format!("store-{password}"));
+        let cfg = write(
+            &dir,
+            "n.toml",
+            &format!(
+                "[upstream]\nuri_file = {:?}\n[store]\npath = {:?}\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n",
+                uri.display().to_string(),
+                store.display().to_string()
+            ),
+        );
+        let nackd = common::process::Process::start(&cfg);
+        let said = republish_login(nackd.metrics);
+        assert!(said.contains(login), "password {password}: {said}");
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+            assert!(conn.status().connected());
+            conn.close(200, "bye".into()).await.unwrap();
+        });
+    }
 }

@@ -101,7 +101,12 @@ fn main() -> ExitCode {
         None => {}
     }
     init_logging(args.log_format);
-    let mut config = match Config::load(&args.config) {
+    // `upstream.uri` first: `--upstream` overrides the address it names.
+    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
+    let mut config = match loaded.and_then(|c| {
+        c.with_uri()
+            .map_err(|e| format!("{}: {e}", args.config.display()))
+    }) {
         Ok(config) => config,
         Err(e) => {
             tracing::error!("invalid configuration: {e}");
