@@ -91,7 +91,7 @@ async fn start_ops(
     config: &Config,
     connector: &Connector,
     metrics: &Arc<Metrics>,
-    intercepting: bool,
+    live: Option<Arc<LivePolicies>>,
     clock: &Clock,
     root: &CancellationToken,
 ) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
@@ -101,7 +101,8 @@ async fn start_ops(
         metrics.clone(),
         nodes,
         ops::Tokens { admin, read },
-        intercepting,
+        live.is_some(),
+        live,
         clock.clone(),
         config.republish.max_clock_offset,
     );
@@ -286,9 +287,9 @@ impl Proxy {
         // One stop: every part's token is a child of this one (see shutdown.rs).
         let root = CancellationToken::new();
         let intercepting = config.intercepting();
-        let (ops, ops_addr, ops_task) =
-            start_ops(config, &connector, &metrics, intercepting, &clock, &root).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
+        let (ops, ops_addr, ops_task) =
+            start_ops(config, &connector, &metrics, live.clone(), &clock, &root).await?;
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
         let (intercept, engine) = match &live {
             None => (None, None),

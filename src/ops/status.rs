@@ -38,6 +38,7 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "commit": env!("NACKD_COMMIT"),
         "intercepting": ops.intercepting,
+        "policies": super::policies::in_force(&ops),
         "connections": {
             "clients": m.clients.get(),
             "upstream": m.upstreams.get(),
