@@ -72,15 +72,13 @@ pub struct Ops {
 }
 
 impl Ops {
-    /// State for a proxy whose broker nodes are `nodes`. `intercepting`: a
-    /// store and an engine will be [`attach`](Ops::attach)ed once recovered.
-    /// `policies`: those in force, which a reload replaces.
-    #[allow(clippy::too_many_arguments)]
+    /// State for a proxy whose broker nodes are `nodes`. `policies`: those
+    /// in force, which a reload replaces, when nackd intercepts (a store
+    /// and an engine will be [`attach`](Ops::attach)ed once recovered).
     pub fn new(
         metrics: Arc<Metrics>,
         nodes: Vec<String>,
         tokens: Tokens,
-        intercepting: bool,
         policies: Option<Arc<LivePolicies>>,
         clock: Clock,
         max_clock_offset: Duration,
@@ -90,7 +88,7 @@ impl Ops {
             nodes,
             admin_token: tokens.admin,
             read_token: tokens.read,
-            intercepting,
+            intercepting: policies.is_some(),
             policies,
             clock,
             max_clock_offset,

@@ -101,7 +101,6 @@ async fn start_ops(
         metrics.clone(),
         nodes,
         ops::Tokens { admin, read },
-        live.is_some(),
         live,
         clock.clone(),
         config.republish.max_clock_offset,
