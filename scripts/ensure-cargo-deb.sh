@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Makes sure `cargo deb` (cargo-deb $NACKD_CARGO_DEB_VERSION) is there for the
-# package test (tests/deb.rs): installs it from crates.io with
+# package test (tests/alone/deb.rs): installs it from crates.io with
 # `cargo install --locked` when it is missing or another version, into
 # cargo's bin directory, where it stays for later runs (a cold install
 # compiles it: about 2 minutes on 2 cores). Exits non-zero (loudly) if it
-# cannot. Sourced by scripts/test; run by tests/deb.rs too; never skips.
+# cannot. Sourced by scripts/test; run by tests/alone/deb.rs too; never skips.
 set -euo pipefail
 
 NACKD_CARGO_DEB_VERSION=3.8.0
@@ -27,7 +27,7 @@ ensure_cargo_deb() {
   esac
 }
 
-# Run directly (tests/deb.rs does): install it now.
+# Run directly (tests/alone/deb.rs does): install it now.
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   ensure_cargo_deb
 fi

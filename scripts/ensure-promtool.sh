@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes sure `promtool` is there for the alert rule tests (tests/alerts.rs):
+# Makes sure `promtool` is there for the alert rule tests (tests/it/alerts.rs):
 # installs Debian's prometheus package (which ships it) if it is missing,
 # and exits non-zero (loudly) if it cannot. Sourced by scripts/test; never
 # skips. The package's own server is not started by nackd's tests.

@@ -7,15 +7,19 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use nackd_core::schema::Duration as DurationText;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 mod delayed;
 mod replica;
+mod schema;
 mod secret;
 mod uri;
 pub use delayed::{Delayed, DelayedExchange, Unroutable};
 pub use nackd_core::policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
+pub use schema::json_schema;
 pub use secret::Secret;
 pub use uri::BrokerUri;
 
@@ -45,8 +49,16 @@ pub enum ConfigError {
 }
 
 /// The whole configuration file.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(
+    title = "nackd configuration",
+    description = "The TOML file `nackd --config` reads (`nackd --check-config FILE` checks one)."
+)]
+#[schemars(extend("allOf" = [{
+    "if": { "required": ["replica"] },
+    "then": { "properties": { "upstream": { "properties": { "tls": { "not": { "required": ["server_name"] } } } } } }
+}]))]
 pub struct Config {
     /// Where clients connect.
     #[serde(default)]
@@ -80,21 +92,25 @@ pub struct Config {
     /// Retry policies, first match wins: the `[[policy]]` tables, checked
     /// and compiled once, by [`Config::parse`].
     #[serde(skip)]
+    #[schemars(skip)]
     pub policies: Vec<Policy>,
     /// The `[[policy]]` tables as written, until [`Config::parse`] compiles
     /// them into `policies`.
     #[serde(default, rename = "policy")]
+    #[schemars(description = "Retry policies, one `[[policy]]` table each; \
+        the first that matches a queue applies. Without any (and without \
+        delayed exchanges) nackd intercepts nothing.")]
     policy_tables: Vec<PolicyConfig>,
 }
 
 /// `[listen]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Listen {
-    /// Address to accept AMQP clients on.
+    /// Address to accept AMQP clients on (`ip:port`).
     #[serde(default = "default_listen")]
     pub address: SocketAddr,
-    /// Serve amqps with this certificate and key.
+    /// Serve amqps with this certificate and key (plain AMQP when absent).
     pub tls: Option<ServerTls>,
 }
 
@@ -112,36 +128,58 @@ impl Default for Listen {
 }
 
 /// `listen.tls`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServerTls {
     /// PEM certificate chain.
+    #[schemars(example = "certs/server.pem")]
     pub cert: PathBuf,
     /// PEM private key.
+    #[schemars(example = "certs/server.key")]
     pub key: PathBuf,
 }
 
 /// `[upstream]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["address", "addresses"] } },
+    { "not": { "required": ["uri", "address"] } },
+    { "not": { "required": ["uri", "addresses"] } },
+    { "not": { "required": ["uri_env", "address"] } },
+    { "not": { "required": ["uri_env", "addresses"] } },
+    { "not": { "required": ["uri_file", "address"] } },
+    { "not": { "required": ["uri_file", "addresses"] } },
+    { "not": { "required": ["uri", "uri_env"] } },
+    { "not": { "required": ["uri", "uri_file"] } },
+    { "not": { "required": ["uri_env", "uri_file"] } }
+]))]
 pub struct Upstream {
     /// The broker as an AMQP URI (`amqps://user:pass@host:5671`), instead
     /// of `address` (+ `tls`) and `[republish]`'s login (see [`BrokerUri`]).
+    #[schemars(example = &"amqps://rabbit.internal")]
     pub uri: Option<String>,
     /// Or the name of an environment variable holding it.
+    #[schemars(example = &"NACKD_UPSTREAM_URI")]
     pub uri_env: Option<String>,
     /// Or a file holding it (a URI may carry a password).
+    #[schemars(example = &"/run/secrets/nackd-upstream-uri")]
     pub uri_file: Option<PathBuf>,
-    /// `host:port` of the broker (a name is resolved at each connect).
+    /// `host:port` of the broker (a name is resolved at each connect);
+    /// `127.0.0.1:5672` when neither `address`, `addresses` nor `uri` is
+    /// set. Set one of them only.
+    #[schemars(pattern("^.+:[0-9]+$"), example = "127.0.0.1:5672")]
     pub address: Option<String>,
-    /// Or the nodes of a cluster: connections go to the next one in turn
-    /// and fail over to the others.
+    /// Or the `host:port` of each node of a cluster: connections go to the
+    /// next one in turn and fail over to the others.
     #[serde(default)]
+    #[schemars(example = ["10.0.0.1:5672", "10.0.0.2:5672", "10.0.0.3:5672"])]
     pub addresses: Vec<String>,
-    /// Connect to the broker over TLS.
+    /// Connect to the broker over TLS (plain AMQP when absent).
     pub tls: Option<ClientTls>,
     /// Give up connecting to the broker after this long.
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub connect_timeout: Duration,
 }
 
@@ -214,38 +252,57 @@ impl Upstream {
 }
 
 /// `upstream.tls`
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClientTls {
     /// PEM CA certificates to trust; without it, the system's CA store
     /// (`SSL_CERT_FILE` / `SSL_CERT_DIR` when set, else the OS's).
+    #[schemars(example = "certs/ca.pem")]
     pub ca: Option<PathBuf>,
-    /// Name to verify the broker's certificate against (default: the host of `address`).
+    /// Name to verify the broker's certificate against (default: the host
+    /// of `address`). Refused with `[replica]`, whose connection verifies
+    /// each node's host name.
+    #[schemars(example = "rabbit.internal")]
     pub server_name: Option<String>,
 }
 
 /// `[republish]`: nackd's own connections, one per vhost, that republish
 /// due messages.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["password", "password_env"] } },
+    { "not": { "required": ["password", "password_file"] } },
+    { "not": { "required": ["password_env", "password_file"] } }
+]))]
 pub struct Republish {
     /// User of nackd's own connections ("guest" when unset).
+    #[schemars(example = &"nackd")]
     pub username: Option<String>,
-    /// Its password, inline.
+    /// Its password, inline (`guest` when no `password*` key is set). Set
+    /// one of `password`, `password_env` and `password_file` only.
+    #[schemars(example = &"guest")]
     pub password: Option<String>,
-    /// Or the name of an environment variable holding it.
+    /// Or the name of an environment variable holding it (checked at
+    /// startup and by `--check-config`: it must be set).
+    #[schemars(example = &"NACKD_PASSWORD")]
     pub password_env: Option<String>,
     /// Or a file holding it (a trailing newline is not part of it).
+    #[schemars(example = &"/etc/nackd/password")]
     pub password_file: Option<PathBuf>,
-    /// Heartbeat interval asked for on nackd's own connections (`0s`: none).
+    /// Heartbeat interval asked for on nackd's own connections: whole
+    /// seconds, at most 65535s (`0s`: none).
     #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub heartbeat: Duration,
     /// Publishes awaiting the broker's confirm, per destination exchange.
     #[serde(default = "default_confirm_window")]
+    #[schemars(range(min = 1, max = 65535))]
     pub confirm_window: u32,
     /// Bytes of due messages read from the store and not yet confirmed, per
     /// vhost: what a due backlog of any size costs in RAM.
     #[serde(default = "default_max_pending_bytes")]
+    #[schemars(range(min = MIN_PENDING_BYTES))]
     pub max_pending_bytes: u64,
     /// What becomes of held messages whose queue is gone.
     #[serde(default)]
@@ -253,6 +310,7 @@ pub struct Republish {
     /// Above this offset of nackd's clock from the broker's, `/readyz`
     /// warns (nackd stays ready) and a warning is logged.
     #[serde(default = "default_max_clock_offset", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub max_clock_offset: Duration,
 }
 
@@ -296,21 +354,33 @@ impl Default for Republish {
 /// `[republish.queue_gone]`: held messages of a queue that no longer exists
 /// (deleted, auto-deleted, exclusive to a connection that closed) whose
 /// policy has no `on_exhausted` exchange to send them to.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend(
+    "if" = { "properties": { "action": { "const": "dead-letter" } }, "required": ["action"] },
+    "then" = { "required": ["exchange"] },
+    "else" = { "not": { "required": ["exchange"] } }
+))]
 pub struct QueueGone {
-    /// What to do once the queue has been gone for `after`.
+    /// What to do once the queue has been gone for `after`; `exchange` is
+    /// required with `"dead-letter"` and refused otherwise.
     #[serde(default)]
     pub action: GoneAction,
-    /// How long a queue must have been gone before `action` applies.
+    /// How long a queue must have been gone before `action` applies (1s ..
+    /// 365 days).
     #[serde(default = "default_gone_after", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub after: Duration,
-    /// One held message of a gone queue is tried this often, to notice it is back.
+    /// One held message of a gone queue is tried this often, to notice it
+    /// is back (1s .. 1h).
     #[serde(default = "default_probe_interval", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub probe_interval: Duration,
     /// Exchange of `action = "dead-letter"`.
+    #[schemars(example = "lost-and-found")]
     pub exchange: Option<String>,
     /// Its routing key (default: the queue's name).
+    #[schemars(example = &"orders")]
     pub routing_key: Option<String>,
 }
 
@@ -335,7 +405,7 @@ impl Default for QueueGone {
 }
 
 /// `republish.queue_gone.action`
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum GoneAction {
     /// Keep the messages (held, listed as blocked) until the queue is back.
@@ -387,16 +457,21 @@ impl Republish {
 }
 
 /// `[store]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Store {
-    /// Directory of the embedded store.
+    /// Directory of the embedded store (created if missing; relative to
+    /// nackd's working directory).
     #[serde(default = "default_store")]
     pub path: PathBuf,
-    /// Bytes of held messages beyond which nackd stops intercepting.
+    /// Bytes of held messages beyond which nackd stops intercepting: nacks
+    /// are deferred (requeued later). No limit when absent.
+    #[schemars(example = 1073741824)]
     pub max_bytes: Option<usize>,
-    /// Size at which a segment file is closed and the next one started.
+    /// Size in bytes at which a segment file is closed and the next one
+    /// started (64 KiB .. 1 GiB).
     #[serde(default = "default_segment_bytes")]
+    #[schemars(range(min = *SEGMENT_BYTES_RANGE.start(), max = *SEGMENT_BYTES_RANGE.end()))]
     pub segment_bytes: u64,
 }
 
@@ -422,29 +497,53 @@ impl Default for Store {
 }
 
 /// `[metrics]`: the operations listener (metrics, health, status page, admin API).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["admin_token", "admin_token_env"] } },
+    { "not": { "required": ["admin_token", "admin_token_file"] } },
+    { "not": { "required": ["admin_token_env", "admin_token_file"] } },
+    { "not": { "required": ["read_token", "read_token_env"] } },
+    { "not": { "required": ["read_token", "read_token_file"] } },
+    { "not": { "required": ["read_token_env", "read_token_file"] } }
+]))]
 pub struct Metrics {
     /// Address of `/metrics`, `/healthz`, `/readyz`, `/` and `/api/`.
     #[serde(default = "default_metrics")]
     pub address: SocketAddr,
-    /// Bearer token of the admin API, inline (the API is off without one).
+    /// Bearer token of the admin API, inline (the API is off without
+    /// either token): at least 16 printable ASCII characters, no spaces. Set
+    /// `admin_token` or `admin_token_env`, not both.
+    #[schemars(length(min = ADMIN_TOKEN_MIN), pattern(TOKEN_PATTERN))]
+    #[schemars(example = "change-me-admin-0123456789")]
     pub admin_token: Option<String>,
-    /// Or the name of an environment variable holding it.
+    /// Or the name of an environment variable holding it (checked at
+    /// startup and by `--check-config`: it must be set).
+    #[schemars(example = &"NACKD_ADMIN_TOKEN")]
     pub admin_token_env: Option<String>,
     /// Or a file holding it (a trailing newline is not part of it).
+    #[schemars(example = &"/etc/nackd/admin-token")]
     pub admin_token_file: Option<PathBuf>,
     /// Bearer token of the admin API's calls that change nothing (list
-    /// held messages), inline. Must differ from the admin token.
+    /// held messages), inline; fire, purge, replay and reseed answer 403
+    /// to it. Must differ from the admin token. Set `read_token` or
+    /// `read_token_env`, not both.
+    #[schemars(length(min = ADMIN_TOKEN_MIN), pattern(TOKEN_PATTERN))]
+    #[schemars(example = "change-me-reader-0123456789")]
     pub read_token: Option<String>,
     /// Or the name of an environment variable holding it.
+    #[schemars(example = &"NACKD_READ_TOKEN")]
     pub read_token_env: Option<String>,
     /// Or a file holding it.
+    #[schemars(example = &"/etc/nackd/read-token")]
     pub read_token_file: Option<PathBuf>,
 }
 
 /// Shortest admin token accepted.
 pub const ADMIN_TOKEN_MIN: usize = 16;
+
+/// What a token may hold ([`check_token`]), for the JSON Schema.
+const TOKEN_PATTERN: &str = "^[!-~]+$";
 
 fn default_metrics() -> SocketAddr {
     "127.0.0.1:9645".parse().expect("valid literal")
@@ -554,31 +653,34 @@ fn check_token(token: &str) -> Result<(), String> {
 }
 
 /// `[runtime]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Runtime {
     /// Threads that run client sessions (the frame pump). The retry engine
     /// and the store writer have a thread each besides these.
     #[serde(default = "default_worker_threads")]
+    #[schemars(range(min = 1, max = MAX_WORKER_THREADS))]
     pub worker_threads: usize,
     /// How Linux schedules the session threads.
     #[serde(default)]
     pub scheduling: Scheduling,
     /// How long an idle session thread waits, while a peer streams, before
-    /// it reads again (see [`crate::coalesce`]); zero turns it off.
+    /// it reads again, so that one read and one
+    /// write carry several messages; at most 1ms, `0s` turns it off.
     #[serde(default = "default_coalesce", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub coalesce: Duration,
 }
 
 /// `runtime.scheduling`
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Scheduling {
     /// The kernel's default: a frame's arrival wakes nackd at once.
     #[default]
     Normal,
     /// `SCHED_BATCH` (Linux): on a busy CPU nackd waits its turn instead of
-    /// preempting, and handles more frames per wakeup (see [`crate::sched`]).
+    /// preempting, and handles more frames per wakeup.
     Batch,
 }
 
@@ -608,23 +710,30 @@ impl Default for Runtime {
 pub const MAX_WORKER_THREADS: usize = 1024;
 
 /// `[limits]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     /// Client connections served at once; more are refused with a log line.
     #[serde(default = "default_max_connections")]
+    #[schemars(range(min = 1))]
     pub max_connections: usize,
     /// Time a client has from TCP accept to `connection.open-ok`.
     #[serde(default = "default_handshake_timeout", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub handshake_timeout: Duration,
-    /// Largest frame nackd accepts from either side, whatever is negotiated.
+    /// Largest frame in bytes nackd accepts from either side, whatever is
+    /// negotiated (at least 8192: RabbitMQ 4.1+ refuses a smaller
+    /// `frame_max`).
     #[serde(default = "default_max_frame")]
+    #[schemars(range(min = MIN_MAX_FRAME))]
     pub max_frame: u32,
     /// Time sessions get to finish after SIGINT/SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub shutdown_grace: Duration,
     /// Bytes of deliveries kept in memory in case they are nacked, and of
-    /// delayed publishes being read.
+    /// delayed publishes being read (one that does not fit: its nack passes
+    /// to the broker, or it is routed at once without confirms).
     #[serde(default = "default_capture_budget")]
     pub capture_budget: usize,
 }

@@ -17,6 +17,7 @@
 //! - [`policy`]: which queues are intercepted, with which schedule; the
 //!   set in force, which a reload replaces.
 //! - [`ready`]: where interception stands (recovering, ready, no lease, …).
+//! - [`schema`]: how durations look in the configuration's JSON Schema.
 //! - [`session`]: one client/broker pair as a state machine: frames from
 //!   either side in, frames to either side and parks for the retry engine
 //!   out.
@@ -48,6 +49,7 @@ pub mod held;
 pub mod policy;
 pub mod protocol;
 pub mod ready;
+pub mod schema;
 pub mod session;
 pub mod stats;
 pub mod wheel;

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use serde::Deserialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// Longest delay a schedule may hold (the wheel goes much further).
 pub const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -240,26 +241,44 @@ impl PolicyView {
     }
 }
 
-/// One `[[policy]]` table, as written; [`Policy::new`] checks and compiles it.
-#[derive(Clone, Debug, Deserialize)]
+/// One `[[policy]]` table, as written; [`Policy::new`] checks and compiles
+/// it. (The schema's description is for users, without the link.)
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[schemars(description = "Which queues nackd intercepts and their retry \
+    schedule: `delays`, or `backoff` with `max_retries`.")]
 #[serde(deny_unknown_fields)]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["delays", "backoff"] } },
+    { "not": { "required": ["delays", "max_retries"] } },
+    { "anyOf": [{ "required": ["delays"] }, { "required": ["backoff"] }] }
+], "dependencies" = { "backoff": ["max_retries"], "max_retries": ["backoff"] }))]
 pub struct PolicyConfig {
     /// Virtual host the policy applies to.
     #[serde(default = "default_vhost")]
     pub vhost: String,
-    /// Glob patterns of queue names.
+    /// Queue names or glob patterns (`*`, `?`, `[a-z]`) of the queues it
+    /// covers; at least one.
+    #[schemars(length(min = 1), example = ["email-queue", "webhook-*"])]
     pub queues: Vec<String>,
-    /// Explicit schedule.
+    /// Explicit schedule: the delay before each retry, in order; its length
+    /// is the number of retries. Each between 1ms and 365 days. Set `delays`
+    /// or `backoff`, not both.
     #[serde(default, deserialize_with = "duration_list")]
+    #[schemars(with = "Option<Vec<crate::schema::Duration>>", length(min = 1))]
+    #[schemars(example = ["500ms", "5s", "1m", "5m"])]
     pub delays: Option<Vec<Duration>>,
-    /// Or a computed one.
+    /// Or a computed schedule (requires `max_retries`).
     pub backoff: Option<BackoffConfig>,
-    /// Retries before `on_exhausted` (with `backoff`; `delays` implies its length).
+    /// Retries before `on_exhausted`: required with `backoff`, refused with
+    /// `delays` (its length says).
+    #[schemars(example = 10)]
     pub max_retries: Option<u32>,
     /// What to do with `requeue=true` nacks.
     #[serde(default)]
     pub requeue: RequeueMode,
-    /// Where a message goes when the schedule is exhausted.
+    /// Where a message goes when the schedule is exhausted: `"reject"`
+    /// (`basic.reject(requeue=false)`: the queue's own dead-letter exchange
+    /// applies), or `{ exchange, routing_key }` to publish it there, then ack.
     #[serde(default)]
     pub on_exhausted: OnExhausted,
 }
@@ -281,20 +300,24 @@ fn default_vhost() -> String {
     "/".into()
 }
 
-/// `backoff = { initial, multiplier, max, jitter }`
-#[derive(Clone, Debug, Deserialize)]
+/// `backoff = { initial, multiplier, max, jitter }`: retry n waits
+/// `initial * multiplier^(n-1)`, at most `max`, randomised by `jitter`.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BackoffConfig {
-    /// First delay.
+    /// First delay (1ms .. 365 days).
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "crate::schema::Duration", example = "1s")]
     pub initial: Duration,
-    /// Factor between two delays.
+    /// Factor between two delays (a finite number, at least 1.0).
     #[serde(default = "default_multiplier")]
+    #[schemars(range(min = 1.0))]
     pub multiplier: f64,
-    /// Cap.
+    /// Cap: no delay is longer (at least `initial`, at most 365 days).
     #[serde(with = "humantime_serde")]
+    #[schemars(with = "crate::schema::Duration", example = "5m")]
     pub max: Duration,
-    /// Randomisation.
+    /// Randomisation of each delay.
     #[serde(default)]
     pub jitter: Jitter,
 }
@@ -304,7 +327,7 @@ fn default_multiplier() -> f64 {
 }
 
 /// Jitter applied to a computed delay.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Jitter {
     /// The computed delay.
@@ -317,7 +340,7 @@ pub enum Jitter {
 }
 
 /// `requeue = "delay" | "pass"`
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RequeueMode {
     /// `requeue=true` nacks are delayed too.
@@ -328,12 +351,10 @@ pub enum RequeueMode {
 }
 
 /// `on_exhausted = "reject" | { exchange, routing_key }`
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum OnExhausted {
     /// `"reject"`: hand back with `basic.reject(requeue=false)`; the queue's DLX applies.
     #[default]
-    #[serde(with = "reject_literal")]
     Reject,
     /// Publish to this exchange with this routing key, then ack.
     DeadLetter {
@@ -344,15 +365,87 @@ pub enum OnExhausted {
     },
 }
 
-mod reject_literal {
-    use serde::{Deserialize, Deserializer};
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<(), D::Error> {
-        match String::deserialize(d)?.as_str() {
-            "reject" => Ok(()),
-            other => Err(serde::de::Error::custom(format!(
+/// `on_exhausted = { exchange, routing_key }`, as written: a key other
+/// than these two is refused by name (serde's untagged enums would only say
+/// that nothing matched).
+#[derive(Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterTable {
+    /// Exchange to publish the exhausted message to.
+    #[schemars(example = "dead-letters")]
+    pub exchange: String,
+    /// Its routing key (default: the queue the message came from).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(example = &"email")]
+    pub routing_key: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for OnExhausted {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(OnExhaustedVisitor)
+    }
+}
+
+struct OnExhaustedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for OnExhaustedVisitor {
+    type Value = OnExhausted;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("\"reject\" or { exchange, routing_key }")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<OnExhausted, E> {
+        match v {
+            "reject" => Ok(OnExhausted::Reject),
+            other => Err(E::custom(format!(
                 "expected \"reject\" or {{ exchange, routing_key }}, found {other:?}"
             ))),
         }
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<OnExhausted, A::Error> {
+        let table =
+            DeadLetterTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+        Ok(OnExhausted::DeadLetter {
+            exchange: table.exchange,
+            routing_key: table.routing_key,
+        })
+    }
+}
+
+/// As written: `"reject"` or the table (the schema's default shows it).
+impl Serialize for OnExhausted {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Reject => s.serialize_str("reject"),
+            Self::DeadLetter {
+                exchange,
+                routing_key,
+            } => DeadLetterTable {
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone(),
+            }
+            .serialize(s),
+        }
+    }
+}
+
+impl JsonSchema for OnExhausted {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "OnExhausted".into()
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                {
+                    "const": "reject",
+                    "description": "basic.reject(requeue=false): the queue's own dead-letter exchange applies."
+                },
+                generator.subschema_for::<DeadLetterTable>()
+            ]
+        })
     }
 }
 

@@ -1,11 +1,17 @@
 //! `[delayed]` and `[[delayed_exchange]]`: the emulation of the
 //! `x-delayed-message` exchange type (issue 23).
 
-use serde::Deserialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// `[delayed]`: how delayed publishes are held and routed.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend(
+    "if" = { "properties": { "unroutable": { "const": "alternate" } }, "required": ["unroutable"] },
+    "then" = { "required": ["alternate_exchange"] },
+    "else" = { "not": { "required": ["alternate_exchange"] } }
+))]
 pub struct Delayed {
     /// Emulate `x-delayed-message` (with `false`, a `[delayed]` table or
     /// `[[delayed_exchange]]` tables start nothing).
@@ -14,12 +20,16 @@ pub struct Delayed {
     /// What becomes of a delayed message nothing is bound for at its due time.
     #[serde(default)]
     pub unroutable: Unroutable,
-    /// Exchange of `unroutable = "alternate"` (same routing key).
+    /// Exchange of `unroutable = "alternate"` (same routing key): required
+    /// then, refused otherwise; not `""` (the default exchange routes by
+    /// queue name).
+    #[schemars(length(min = 1, max = 255), example = "unrouted-later")]
     pub alternate_exchange: Option<String>,
     /// Most exchanges one vhost may have delayed: a declare of one more
     /// closes its connection with 530 NOT_ALLOWED (the list is kept in the
     /// store directory and read at every start).
     #[serde(default = "default_max_exchanges")]
+    #[schemars(range(min = 1, max = 1_000_000))]
     pub max_exchanges: usize,
 }
 
@@ -43,7 +53,7 @@ impl Default for Delayed {
 }
 
 /// `delayed.unroutable`
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum Unroutable {
     /// Keep it held and try again with a backoff (up to 30 s), until
@@ -69,15 +79,17 @@ impl Unroutable {
 
 /// `[[delayed_exchange]]`: an exchange every nackd with this file treats
 /// as delayed, whether or not it saw its declare.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct DelayedExchange {
     /// Virtual host.
     #[serde(default = "default_vhost")]
     pub vhost: String,
-    /// Exchange name.
+    /// Exchange name (1 to 255 bytes); an exchange is listed once.
+    #[schemars(length(min = 1, max = 255), example = "orders-later")]
     pub name: String,
-    /// The real type on the broker (`x-delayed-type`).
+    /// The real type on the broker (`x-delayed-type`): `direct`, `topic`,
+    /// `fanout`, `headers`, not `x-delayed-message`.
     #[serde(default = "default_type", rename = "type")]
     pub kind: String,
 }

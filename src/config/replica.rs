@@ -3,41 +3,53 @@
 
 use std::time::Duration;
 
+use nackd_core::schema::Duration as DurationText;
+use schemars::JsonSchema;
 use serde::Deserialize;
 
 /// `[replica]`
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Replica {
     /// This instance's id (default: the host name). Two processes with the
-    /// same id are one holder and a standby.
+    /// same id are one holder and a standby. 1 to 128 of `A-Z a-z 0-9 - _ .`.
+    #[schemars(pattern(ID_PATTERN), example = "nackd-1")]
     pub instance: Option<String>,
     /// Instances of one group adopt each other's messages, and only those:
     /// separate deployments on one cluster (environments, teams, policies)
-    /// use separate groups.
+    /// use separate groups. 1 to 128 of `A-Z a-z 0-9 - _ .`.
     #[serde(default = "default_group")]
+    #[schemars(pattern(ID_PATTERN))]
     pub group: String,
     /// Virtual host of the streams and the lease.
     #[serde(default = "default_vhost")]
     pub vhost: String,
-    /// An instance whose lease stays free this long is adopted by another.
+    /// An instance whose lease stays free this long is adopted by another
+    /// (at least three `heartbeat`s).
     #[serde(default = "default_adopt_after", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub adopt_after: Duration,
     /// Heartbeat of the replica connection: a holder that loses the broker
     /// stops acting after about one interval, the broker frees its lease
-    /// after about two.
+    /// after about two. At least 1s.
     #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub heartbeat: Duration,
     /// Completed messages are written to the stream at least this often.
     #[serde(default = "default_completions_every", with = "humantime_serde")]
+    #[schemars(with = "DurationText")]
     pub completions_every: Duration,
     /// Replicas of each stream (`x-initial-cluster-size`); the broker's default when absent.
+    #[schemars(range(min = 1), example = 3)]
     pub cluster_size: Option<u32>,
     /// A replica stream is replaced by one holding only the live messages
-    /// once it holds more than twice their bytes plus this much.
+    /// once it holds more than twice their bytes plus this many bytes.
     #[serde(default = "default_generation_slack")]
     pub generation_slack: u64,
 }
+
+/// What `instance` and `group` may be, for the JSON Schema.
+const ID_PATTERN: &str = "^[A-Za-z0-9._-]{1,128}$";
 
 fn default_generation_slack() -> u64 {
     64 * 1024 * 1024

@@ -617,3 +617,19 @@ fn a_broker_uri_replaces_the_address_and_the_login_it_carries() {
         "{e}"
     );
 }
+
+#[test]
+fn an_on_exhausted_table_refuses_an_unknown_key_by_name() {
+    let e = err(
+        "[[policy]]\nqueues = [\"q\"]\ndelays = [\"1s\"]\non_exhausted = { exchange = \"x\", routng_key = \"y\" }\n",
+    );
+    assert!(
+        e.contains("policy[0].on_exhausted") && e.contains("unknown field `routng_key`"),
+        "{e}"
+    );
+    let e = err("[[policy]]\nqueues = [\"q\"]\ndelays = [\"1s\"]\non_exhausted = \"drop\"\n");
+    assert!(
+        e.contains("policy[0].on_exhausted") && e.contains("expected \"reject\""),
+        "{e}"
+    );
+}

@@ -268,7 +268,7 @@ impl Engine {
             }
             Command::Purge { target, reply } => {
                 // A message being republished is not recalled: its confirm
-                // completes it (as the README says), so a purge cannot race
+                // completes it (docs/src/operations.md, "Admin API"), so a purge cannot race
                 // with a delivery the consumer already has.
                 let ids: Vec<u64> = self
                     .matching(&target)

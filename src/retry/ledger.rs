@@ -512,5 +512,5 @@ mod tests;
 use due::DueCounts;
 use idmap::IdMap;
 
-// What a held message costs in RAM is mostly this (README "Limits").
+// What a held message costs in RAM is mostly this (docs/src/limits.md).
 const _: () = assert!(std::mem::size_of::<Entry>() <= 48);

@@ -160,7 +160,7 @@ fn build_packages(root: &Root) -> [(String, String); 2] {
     [first, second]
 }
 
-/// `apt-get install ./PACKAGE` in the root, as the README says.
+/// `apt-get install ./PACKAGE` in the root, as docs/src/getting-started/debian.md says.
 fn apt_install(root: &Root, package: &str) -> String {
     root.ok(&format!("apt-get install -y -q {package} </dev/null"))
 }

@@ -5,7 +5,7 @@
 //! fell due, and delivers every one of them.
 //!
 //! `NACKD_BACKLOG_COUNT` sets N (default 100 000); the figure for 1 M in
-//! the README was measured with
+//! the book (docs/src/guarantees.md, "A due backlog") was measured with
 //! `NACKD_BACKLOG_COUNT=1000000 cargo test --release --test due_backlog -- --nocapture`.
 
 use crate::common;

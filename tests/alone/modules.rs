@@ -5,8 +5,10 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod book;
 mod broker_restart;
 mod client_suites;
 mod deb;
 mod due_backlog;
+mod quickstart;
 mod restart;

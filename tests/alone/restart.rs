@@ -532,8 +532,8 @@ const STOP_AFTER_GRACE: Duration = Duration::from_secs(1);
 /// feeds it. nackd acks what it holds upstream, commits the store and exits
 /// within its grace period plus the forced close; after a restart every
 /// message arrives exactly once: the held ones as retries, the rest from
-/// the broker. A graceful stop is in none of README's windows for a
-/// second delivery ("When a message can be delivered twice": 6 is a kill
+/// the broker. A graceful stop is in none of the windows for a
+/// second delivery (docs/src/guarantees.md, "When a message can be delivered twice": 6 is a kill
 /// or a lost broker connection, 7 a client's own close, which waits its
 /// 100 ms too, but a classic queue applies a channel's acks in order
 /// before its close), so no duplicate at all is allowed.

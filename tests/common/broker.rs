@@ -175,7 +175,8 @@ impl Broker {
     }
 }
 
-const HINT: &str = "run the test command from README.md (scripts/test), which starts the brokers";
+const HINT: &str =
+    "run the test command from CONTRIBUTING.md (scripts/test), which starts the brokers";
 
 /// Reads `connection.start` from `addr` and returns its `version`.
 pub fn probe_version(addr: &str) -> Result<String, String> {

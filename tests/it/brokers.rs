@@ -243,7 +243,7 @@ async fn a_republish_user_that_may_only_write_reaches_the_dead_letter_exchange()
 /// refuses any above its `max_message_size` of 16 MiB. A message nackd held
 /// from a 3.x broker is refused when nackd republishes it to 4.x after an
 /// upgrade: it must stay held, set aside as `precondition_failed`, counted
-/// and named (the README says what the operator can do), not be dropped and
+/// and named (docs/src/brokers.md says what the operator can do), not be dropped and
 /// not stall the other retries. Held here from the suite's 3.10 broker
 /// (127.0.0.1:5672, always started by scripts/test), then republished by a
 /// nackd on the same store in front of the broker under test: on 3.10 it

@@ -519,3 +519,29 @@ fn a_broker_uri_from_a_file_gives_the_node_and_the_republish_login() {
         });
     }
 }
+
+/// `nackd config-schema` prints the JSON Schema shipped for editors
+/// (deploy/nackd.schema.json), and a key the schema does not document
+/// stops `--check-config` naming it.
+#[test]
+fn config_schema_prints_the_shipped_schema_and_an_unknown_key_is_named() {
+    let out = Command::new(NACKD).arg("config-schema").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nackd.schema.json");
+    let shipped = std::fs::read_to_string(shipped).unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout) == shipped,
+        "deploy/nackd.schema.json differs from `nackd config-schema`; regenerate it with\n  \
+         NACKD_REGENERATE=1 cargo test -p nackd --lib config::schema"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let typo = write(&dir, "typo.toml", "[republish]\nconfirm_windw = 10\n");
+    let out = check_config(&typo);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("republish") && stderr.contains("confirm_windw"),
+        "{stderr}"
+    );
+}

@@ -536,8 +536,8 @@ async fn an_instance_whose_stream_is_gone_is_not_adopted_and_reseeds_from_its_st
     delete_queue(&q).await;
 }
 
-/// Review of issue 21: with its stream gone, an instance holds nothing new,
-/// but what it held still fires (the README promised it; the fence was
+/// From a review: with its stream gone, an instance holds nothing new,
+/// but what it held still fires (docs/src/cluster.md promises it; the fence was
 /// revoked with the state, so nothing fired until the reseed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_messages_still_fire_while_the_stream_is_missing() {

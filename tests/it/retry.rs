@@ -376,7 +376,7 @@ async fn exhausted_schedule_goes_to_the_queues_own_dlx_with_reject_too() {
     );
     // x-death is the broker's when it dead-letters: 3.x counts on from
     // nackd's entry, 4.x replaces the header with a single entry of its own
-    // (count 1, exchange "" of the retry), as the README says.
+    // (count 1, exchange "" of the retry), as docs/src/headers.md says.
     let first_exchange = header(&dead, "x-first-death-exchange");
     if BROKER.at_least(4, 0) {
         assert_eq!(x_death_count(&dead, &q), Some(1), "{}", BROKER.label());

@@ -1,4 +1,4 @@
-//! The headers nackd writes on every retry (see the README's table).
+//! The headers nackd writes on every retry (the table in docs/src/headers.md).
 //!
 //! `x-retry-count` is nackd's source of truth; `x-death` is kept
 //! RabbitMQ-compatible so consumers that read its `count` keep working.

@@ -70,6 +70,9 @@ enum Command {
     /// Ask a running nackd (its admin API) about held messages, replay a
     /// dead-letter queue, or reseed its replica.
     Admin(admin::AdminArgs),
+    /// Print the configuration file's JSON Schema (for an editor, such as
+    /// VS Code with Even Better TOML; deploy/nackd.schema.json holds it).
+    ConfigSchema,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -98,6 +101,11 @@ fn main() -> ExitCode {
     match &args.command {
         Some(Command::Store(store)) => return store::run(&args.config, store),
         Some(Command::Admin(admin)) => return admin::run(&args.config, admin),
+        Some(Command::ConfigSchema) => {
+            let schema = nackd::config::json_schema();
+            println!("{schema:#}");
+            return ExitCode::SUCCESS;
+        }
         None => {}
     }
     init_logging(args.log_format);
