@@ -14,10 +14,14 @@ use serde::{Deserialize, Serialize};
 mod delayed;
 mod replica;
 mod schema;
+mod secret;
+mod uri;
 pub use delayed::{Delayed, DelayedExchange, Unroutable};
 pub use nackd_core::policy::{BackoffConfig, Jitter, OnExhausted, PolicyConfig, RequeueMode};
 pub use replica::Replica;
 pub use schema::json_schema;
+pub use secret::Secret;
+pub use uri::BrokerUri;
 
 use nackd_core::policy::{Policy, MAX_DELAY};
 
@@ -138,11 +142,32 @@ pub struct ServerTls {
 /// `[upstream]`
 #[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-#[schemars(extend("not" = { "required": ["address", "addresses"] }))]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["address", "addresses"] } },
+    { "not": { "required": ["uri", "address"] } },
+    { "not": { "required": ["uri", "addresses"] } },
+    { "not": { "required": ["uri_env", "address"] } },
+    { "not": { "required": ["uri_env", "addresses"] } },
+    { "not": { "required": ["uri_file", "address"] } },
+    { "not": { "required": ["uri_file", "addresses"] } },
+    { "not": { "required": ["uri", "uri_env"] } },
+    { "not": { "required": ["uri", "uri_file"] } },
+    { "not": { "required": ["uri_env", "uri_file"] } }
+]))]
 pub struct Upstream {
+    /// The broker as an AMQP URI (`amqps://user:pass@host:5671`), instead
+    /// of `address` (+ `tls`) and `[republish]`'s login (see [`BrokerUri`]).
+    #[schemars(example = &"amqps://rabbit.internal")]
+    pub uri: Option<String>,
+    /// Or the name of an environment variable holding it.
+    #[schemars(example = &"NACKD_UPSTREAM_URI")]
+    pub uri_env: Option<String>,
+    /// Or a file holding it (a URI may carry a password).
+    #[schemars(example = &"/run/secrets/nackd-upstream-uri")]
+    pub uri_file: Option<PathBuf>,
     /// `host:port` of the broker (a name is resolved at each connect);
-    /// `127.0.0.1:5672` when neither `address` nor `addresses` is set. Set
-    /// `address` or `addresses`, not both.
+    /// `127.0.0.1:5672` when neither `address`, `addresses` nor `uri` is
+    /// set. Set one of them only.
     #[schemars(pattern("^.+:[0-9]+$"), example = "127.0.0.1:5672")]
     pub address: Option<String>,
     /// Or the `host:port` of each node of a cluster: connections go to the
@@ -169,6 +194,9 @@ fn default_connect_timeout() -> Duration {
 impl Default for Upstream {
     fn default() -> Self {
         Self {
+            uri: None,
+            uri_env: None,
+            uri_file: None,
             address: None,
             addresses: Vec::new(),
             tls: None,
@@ -184,6 +212,16 @@ impl Upstream {
             (_, false) => self.addresses.clone(),
             (Some(one), true) => vec![one.clone()],
             (None, true) => vec![default_upstream()],
+        }
+    }
+
+    /// The URI's settings.
+    pub fn uri_secret(&self) -> Secret<'_> {
+        Secret {
+            key: "upstream.uri",
+            inline: &self.uri,
+            env: &self.uri_env,
+            file: &self.uri_file,
         }
     }
 
@@ -214,12 +252,13 @@ impl Upstream {
 }
 
 /// `upstream.tls`
-#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClientTls {
-    /// PEM CA certificates to trust (required: nackd does not read a system store).
+    /// PEM CA certificates to trust; without it, the system's CA store
+    /// (`SSL_CERT_FILE` / `SSL_CERT_DIR` when set, else the OS's).
     #[schemars(example = "certs/ca.pem")]
-    pub ca: PathBuf,
+    pub ca: Option<PathBuf>,
     /// Name to verify the broker's certificate against (default: the host
     /// of `address`). Refused with `[replica]`, whose connection verifies
     /// each node's host name.
@@ -231,19 +270,26 @@ pub struct ClientTls {
 /// due messages.
 #[derive(Clone, Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-#[schemars(extend("not" = { "required": ["password", "password_env"] }))]
+#[schemars(extend("allOf" = [
+    { "not": { "required": ["password", "password_env"] } },
+    { "not": { "required": ["password", "password_file"] } },
+    { "not": { "required": ["password_env", "password_file"] } }
+]))]
 pub struct Republish {
-    /// User of nackd's own connections.
-    #[serde(default = "default_guest")]
-    pub username: String,
-    /// Its password, inline (`guest` when neither `password` nor
-    /// `password_env` is set). Set `password` or `password_env`, not both.
+    /// User of nackd's own connections ("guest" when unset).
+    #[schemars(example = &"nackd")]
+    pub username: Option<String>,
+    /// Its password, inline (`guest` when no `password*` key is set). Set
+    /// one of `password`, `password_env` and `password_file` only.
     #[schemars(example = &"guest")]
     pub password: Option<String>,
     /// Or the name of an environment variable holding it (checked at
     /// startup and by `--check-config`: it must be set).
     #[schemars(example = &"NACKD_PASSWORD")]
     pub password_env: Option<String>,
+    /// Or a file holding it (a trailing newline is not part of it).
+    #[schemars(example = &"/etc/nackd/password")]
+    pub password_file: Option<PathBuf>,
     /// Heartbeat interval asked for on nackd's own connections: whole
     /// seconds, at most 65535s (`0s`: none).
     #[serde(default = "default_heartbeat", with = "humantime_serde")]
@@ -272,10 +318,6 @@ fn default_max_clock_offset() -> Duration {
     Duration::from_secs(2)
 }
 
-fn default_guest() -> String {
-    "guest".into()
-}
-
 fn default_heartbeat() -> Duration {
     Duration::from_secs(10)
 }
@@ -296,9 +338,10 @@ pub const MIN_PENDING_BYTES: u64 = 64 * 1024;
 impl Default for Republish {
     fn default() -> Self {
         Self {
-            username: default_guest(),
+            username: None,
             password: None,
             password_env: None,
+            password_file: None,
             heartbeat: default_heartbeat(),
             confirm_window: default_confirm_window(),
             max_pending_bytes: default_max_pending_bytes(),
@@ -377,9 +420,7 @@ pub enum GoneAction {
 impl Republish {
     fn check(&self) -> Result<(), (String, String)> {
         let err = |key: &str, reason: &str| Err((format!("republish.{key}"), reason.to_string()));
-        if self.password.is_some() && self.password_env.is_some() {
-            return err("password_env", "set password or password_env, not both");
-        }
+        self.password_secret().check()?;
         if self.heartbeat > MAX_HEARTBEAT || self.heartbeat.subsec_nanos() != 0 {
             return err(
                 "heartbeat",
@@ -460,7 +501,11 @@ impl Default for Store {
 #[serde(deny_unknown_fields)]
 #[schemars(extend("allOf" = [
     { "not": { "required": ["admin_token", "admin_token_env"] } },
-    { "not": { "required": ["read_token", "read_token_env"] } }
+    { "not": { "required": ["admin_token", "admin_token_file"] } },
+    { "not": { "required": ["admin_token_env", "admin_token_file"] } },
+    { "not": { "required": ["read_token", "read_token_env"] } },
+    { "not": { "required": ["read_token", "read_token_file"] } },
+    { "not": { "required": ["read_token_env", "read_token_file"] } }
 ]))]
 pub struct Metrics {
     /// Address of `/metrics`, `/healthz`, `/readyz`, `/` and `/api/`.
@@ -476,6 +521,9 @@ pub struct Metrics {
     /// startup and by `--check-config`: it must be set).
     #[schemars(example = &"NACKD_ADMIN_TOKEN")]
     pub admin_token_env: Option<String>,
+    /// Or a file holding it (a trailing newline is not part of it).
+    #[schemars(example = &"/etc/nackd/admin-token")]
+    pub admin_token_file: Option<PathBuf>,
     /// Bearer token of the admin API's calls that change nothing (list
     /// held messages), inline; fire, purge, replay and reseed answer 403
     /// to it. Must differ from the admin token. Set `read_token` or
@@ -486,6 +534,9 @@ pub struct Metrics {
     /// Or the name of an environment variable holding it.
     #[schemars(example = &"NACKD_READ_TOKEN")]
     pub read_token_env: Option<String>,
+    /// Or a file holding it.
+    #[schemars(example = &"/etc/nackd/read-token")]
+    pub read_token_file: Option<PathBuf>,
 }
 
 /// Shortest admin token accepted.
@@ -504,28 +555,42 @@ impl Default for Metrics {
             address: default_metrics(),
             admin_token: None,
             admin_token_env: None,
+            admin_token_file: None,
             read_token: None,
             read_token_env: None,
+            read_token_file: None,
         }
     }
 }
 
 impl Metrics {
-    /// What needs no environment: each token inline or from a variable,
-    /// not both; inline ones valid, and not the same twice.
+    /// The admin token's settings.
+    pub fn admin_secret(&self) -> Secret<'_> {
+        Secret {
+            key: "metrics.admin_token",
+            inline: &self.admin_token,
+            env: &self.admin_token_env,
+            file: &self.admin_token_file,
+        }
+    }
+
+    /// The read token's settings.
+    pub fn read_secret(&self) -> Secret<'_> {
+        Secret {
+            key: "metrics.read_token",
+            inline: &self.read_token,
+            env: &self.read_token_env,
+            file: &self.read_token_file,
+        }
+    }
+
+    /// What needs no environment: each token set one way at most; inline
+    /// ones valid, and not the same twice.
     fn check(&self) -> Result<(), (String, String)> {
-        for (inline, env, name) in [
-            (&self.admin_token, &self.admin_token_env, "admin_token"),
-            (&self.read_token, &self.read_token_env, "read_token"),
-        ] {
-            if inline.is_some() && env.is_some() {
-                return Err((
-                    format!("metrics.{name}_env"),
-                    format!("set {name} or {name}_env, not both"),
-                ));
-            }
-            if let Some(token) = inline {
-                check_token(token).map_err(|reason| (format!("metrics.{name}"), reason))?;
+        for secret in [self.admin_secret(), self.read_secret()] {
+            secret.check()?;
+            if let Some(token) = secret.inline {
+                check_token(token).map_err(|reason| (secret.key.to_string(), reason))?;
             }
         }
         if self.read_token.is_some() && self.read_token == self.admin_token {
@@ -537,16 +602,16 @@ impl Metrics {
         Ok(())
     }
 
-    /// The admin token: inline, from `admin_token_env`, or `None`.
-    /// Errors name the key.
+    /// The admin token: inline, from `admin_token_env` or
+    /// `admin_token_file`, or `None`. Errors name the key.
     pub fn admin_token(&self) -> Result<Option<String>, String> {
-        token(&self.admin_token, &self.admin_token_env, "admin_token")
+        token(self.admin_secret())
     }
 
-    /// The read token: inline, from `read_token_env`, or `None`.
-    /// Errors name the key.
+    /// The read token: inline, from `read_token_env` or `read_token_file`,
+    /// or `None`. Errors name the key.
     pub fn read_token(&self) -> Result<Option<String>, String> {
-        token(&self.read_token, &self.read_token_env, "read_token")
+        token(self.read_secret())
     }
 
     /// Both tokens (the admin API is off without either). Errors name the
@@ -555,9 +620,10 @@ impl Metrics {
     pub fn tokens(&self) -> Result<(Option<String>, Option<String>), String> {
         let (admin, read) = (self.admin_token()?, self.read_token()?);
         if admin.is_some() && admin == read {
-            let key = match self.read_token {
-                Some(_) => "metrics.read_token",
-                None => "metrics.read_token_env",
+            let key = match (&self.read_token, &self.read_token_env) {
+                (Some(_), _) => "metrics.read_token",
+                (None, Some(_)) => "metrics.read_token_env",
+                (None, None) => "metrics.read_token_file",
             };
             return Err(format!("{key}: must differ from the admin token"));
         }
@@ -565,20 +631,10 @@ impl Metrics {
     }
 }
 
-/// `metrics.<name>` inline, or from the variable `metrics.<name>_env`
-/// names, checked; `None` when neither is set.
-fn token(
-    inline: &Option<String>,
-    env: &Option<String>,
-    name: &str,
-) -> Result<Option<String>, String> {
-    let (token, key) = match (inline, env) {
-        (Some(t), _) => (t.clone(), format!("metrics.{name}")),
-        (None, Some(var)) => (
-            std::env::var(var).map_err(|_| format!("metrics.{name}_env: {var} is not set"))?,
-            format!("metrics.{name}_env"),
-        ),
-        (None, None) => return Ok(None),
+/// A token read from where `secret` says, checked; `None` when unset.
+fn token(secret: Secret<'_>) -> Result<Option<String>, String> {
+    let Some((token, key)) = secret.read()? else {
+        return Ok(None);
     };
     check_token(&token).map_err(|reason| format!("{key}: {reason}"))?;
     Ok(Some(token))
@@ -717,15 +773,26 @@ impl Default for Limits {
 }
 
 impl Republish {
-    /// The password: inline, from `password_env`, or "guest" when neither is set.
-    pub fn password(&self) -> Result<String, String> {
-        match (&self.password, &self.password_env) {
-            (Some(p), _) => Ok(p.clone()),
-            (None, Some(var)) => {
-                std::env::var(var).map_err(|_| format!("republish.password_env: {var} is not set"))
-            }
-            (None, None) => Ok("guest".into()),
+    /// The password's settings.
+    pub fn password_secret(&self) -> Secret<'_> {
+        Secret {
+            key: "republish.password",
+            inline: &self.password,
+            env: &self.password_env,
+            file: &self.password_file,
         }
+    }
+
+    /// The user of nackd's own connections.
+    pub fn username(&self) -> String {
+        self.username.clone().unwrap_or_else(|| "guest".into())
+    }
+
+    /// The password: inline, from `password_env` or `password_file`, or
+    /// "guest" when none is set. Errors name the key.
+    pub fn password(&self) -> Result<String, String> {
+        let read = self.password_secret().read()?;
+        Ok(read.map_or_else(|| "guest".into(), |(password, _)| password))
     }
 }
 
@@ -811,6 +878,7 @@ impl Config {
             ));
         }
         self.upstream.check()?;
+        self.check_uri()?;
         if let Some(replica) = &self.replica {
             replica.check()?;
             if self
@@ -831,6 +899,73 @@ impl Config {
         }
         delayed::check_exchanges(&self.delayed_exchanges)?;
         self.republish.check()
+    }
+
+    /// `upstream.uri`: set one way at most, not with `address` or
+    /// `addresses`; inline, it parses and agrees with the rest.
+    fn check_uri(&self) -> Result<(), (String, String)> {
+        let secret = self.upstream.uri_secret();
+        secret.check()?;
+        let Some(key) = secret.key_set() else {
+            return Ok(());
+        };
+        if self.upstream.address.is_some() {
+            let reason = format!("set {key} or upstream.address, not both");
+            return Err(("upstream.address".into(), reason));
+        }
+        if !self.upstream.addresses.is_empty() {
+            let reason = format!(
+                "set {key} or upstream.addresses, not both (a URI names one node: list a cluster's in addresses)"
+            );
+            return Err(("upstream.addresses".into(), reason));
+        }
+        match &self.upstream.uri {
+            Some(text) => {
+                let uri: BrokerUri = text.parse().map_err(|reason| (key.clone(), reason))?;
+                self.uri_agrees(&uri, &key)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// What the URI (set under `key`) sets is not set elsewhere too.
+    fn uri_agrees(&self, uri: &BrokerUri, key: &str) -> Result<(), (String, String)> {
+        if uri.username.is_some() && self.republish.username.is_some() {
+            let reason = format!("the user is in {key}: set it there or here, not both");
+            return Err(("republish.username".into(), reason));
+        }
+        if let (Some(_), Some(other)) = (&uri.password, self.republish.password_secret().key_set())
+        {
+            let reason = format!("the password is in {key}: set it there or in {other}, not both");
+            return Err((other, reason));
+        }
+        if !uri.tls && self.upstream.tls.is_some() {
+            let reason = format!("{key} is amqp:// (plain): write amqps:// for TLS");
+            return Err(("upstream.tls".into(), reason));
+        }
+        Ok(())
+    }
+
+    /// This configuration with `upstream.uri` (read from its variable or
+    /// file) in force: its node in `upstream.address`, `upstream.tls` on
+    /// for amqps, its login in `[republish]`. Errors start with the key.
+    pub fn with_uri(&self) -> Result<Config, String> {
+        let mut config = self.clone();
+        let Some((text, key)) = self.upstream.uri_secret().read()? else {
+            return Ok(config);
+        };
+        let uri: BrokerUri = text.parse().map_err(|reason| format!("{key}: {reason}"))?;
+        self.uri_agrees(&uri, &key)
+            .map_err(|(key, reason)| format!("{key}: {reason}"))?;
+        let upstream = &mut config.upstream;
+        (upstream.uri, upstream.uri_env, upstream.uri_file) = (None, None, None);
+        upstream.address = Some(uri.node);
+        if uri.tls && upstream.tls.is_none() {
+            upstream.tls = Some(ClientTls::default());
+        }
+        config.republish.username = uri.username.or(config.republish.username);
+        config.republish.password = uri.password.or(config.republish.password);
+        Ok(config)
     }
 
     /// Whether delayed exchanges are emulated: a `[delayed]` table or a

@@ -384,8 +384,11 @@ impl Metrics {
     fn register_proxy(&self, r: &mut Registry, f: &Families) {
         r.register(
             "nackd_build",
-            "nackd version",
-            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+            "nackd version and the commit it was built from",
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION")),
+                ("commit", env!("NACKD_COMMIT")),
+            ]),
         );
         r.register(
             "nackd_client_connections",

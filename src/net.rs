@@ -100,7 +100,8 @@ struct Node {
 impl Connector {
     /// Builds the connector for `[upstream]`.
     pub fn new(upstream: &config::Upstream) -> Result<Self, TlsError> {
-        let tls = upstream.tls.as_ref().map(client_tls).transpose()?;
+        let tls = upstream.tls.as_ref().map(client_config).transpose()?;
+        let tls = tls.map(TlsConnector::from);
         let nodes = upstream
             .nodes()
             .into_iter()
@@ -182,41 +183,59 @@ impl Connector {
     }
 }
 
-fn client_tls(tls: &config::ClientTls) -> Result<TlsConnector, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in certs(&tls.ca)? {
-        roots.add(cert)?;
-    }
+/// The TLS client settings of `upstream.tls`, loaded once: trusting the
+/// CA certificates of `ca`, else the system's store.
+pub fn client_config(tls: &config::ClientTls) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let roots = match &tls.ca {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in certs(ca)? {
+                roots.add(cert)?;
+            }
+            roots
+        }
+        None => system_roots()?,
+    };
     let config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    Ok(TlsConnector::from(Arc::new(config)))
+    Ok(Arc::new(config))
 }
 
-/// The TLS connector and server name for `node` (`host:port`), trusting
-/// only the PEM CA certificates in `pem` (as lapin's own TLS does with
-/// [`crate::replica::Target::tls_ca`]).
-pub fn tls_for(node: &str, pem: &str) -> Result<(TlsConnector, ServerName<'static>), TlsError> {
-    let pem_err = |e: &dyn std::fmt::Display| TlsError::Pem {
-        path: "CA certificates".into(),
-        reason: e.to_string(),
-    };
+/// The CA certificates of the OS store (Debian's ca-certificates, a
+/// container's included), or of `SSL_CERT_FILE` / `SSL_CERT_DIR` when set:
+/// what `curl` and `openssl` on the same host trust.
+fn system_roots() -> Result<rustls::RootCertStore, TlsError> {
+    let found = rustls_native_certs::load_native_certs();
     let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-        roots.add(cert.map_err(|e| pem_err(&e))?)?;
+    let (added, _unparsable) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let errors: Vec<String> = found.errors.iter().map(|e| e.to_string()).collect();
+        return Err(TlsError::Pem {
+            path: "the system CA store".into(),
+            reason: format!(
+                "no CA certificate found (install ca-certificates, set SSL_CERT_FILE, or set upstream.tls.ca){}",
+                match errors.is_empty() {
+                    true => String::new(),
+                    false => format!(": {}", errors.join("; ")),
+                }
+            ),
+        });
     }
-    if roots.is_empty() {
-        return Err(pem_err(&"no certificate"));
-    }
-    let config = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    Ok(roots)
+}
+
+/// The TLS connector and server name for `node` (`host:port`) with the
+/// settings of [`client_config`] (as [`crate::replica::Target::tls`]).
+pub fn tls_for(
+    node: &str,
+    config: &Arc<rustls::ClientConfig>,
+) -> Result<(TlsConnector, ServerName<'static>), TlsError> {
     let host = node.rsplit_once(':').map_or(node, |(h, _)| h);
     let host = host.trim_matches(['[', ']']).to_string();
     let name = ServerName::try_from(host.clone()).map_err(|_| TlsError::ServerName(host))?;
-    Ok((TlsConnector::from(Arc::new(config)), name))
+    Ok((TlsConnector::from(config.clone()), name))
 }
 
 /// `upstream.tls.server_name`, or the host of `address`.

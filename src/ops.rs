@@ -23,9 +23,11 @@ use tracing::warn;
 use crate::metrics::{Login, Metrics, CONTENT_TYPE};
 use crate::retry::RetryHandle;
 use nackd_core::clock::Clock;
+use nackd_core::policy::LivePolicies;
 use nackd_core::session::Budget;
 
 mod admin;
+mod policies;
 mod status;
 
 pub use admin::{Access, AdminRoute};
@@ -56,6 +58,8 @@ pub struct Ops {
     /// Takes the admin routes that change nothing.
     read_token: Option<String>,
     intercepting: bool,
+    /// The policies in force (`None`: nackd intercepts nothing).
+    policies: Option<Arc<LivePolicies>>,
     clock: Clock,
     /// `republish.max_clock_offset`: above it, `/readyz` warns.
     max_clock_offset: Duration,
@@ -68,13 +72,14 @@ pub struct Ops {
 }
 
 impl Ops {
-    /// State for a proxy whose broker nodes are `nodes`. `intercepting`: a
-    /// store and an engine will be [`attach`](Ops::attach)ed once recovered.
+    /// State for a proxy whose broker nodes are `nodes`. `policies`: those
+    /// in force, which a reload replaces, when nackd intercepts (a store
+    /// and an engine will be [`attach`](Ops::attach)ed once recovered).
     pub fn new(
         metrics: Arc<Metrics>,
         nodes: Vec<String>,
         tokens: Tokens,
-        intercepting: bool,
+        policies: Option<Arc<LivePolicies>>,
         clock: Clock,
         max_clock_offset: Duration,
     ) -> Arc<Self> {
@@ -83,7 +88,8 @@ impl Ops {
             nodes,
             admin_token: tokens.admin,
             read_token: tokens.read,
-            intercepting,
+            intercepting: policies.is_some(),
+            policies,
             clock,
             max_clock_offset,
             engine: OnceLock::new(),

@@ -147,21 +147,15 @@ pub struct Replayer {
 impl Replayer {
     /// A replayer logging in as `[republish]` to `[upstream]`'s nodes.
     pub fn new(config: &crate::config::Config, retry: RetryHandle) -> Result<Self, String> {
-        let tls_ca = match &config.upstream.tls {
-            None => None,
-            Some(tls) => Some(
-                std::fs::read_to_string(&tls.ca)
-                    .map_err(|e| format!("upstream.tls.ca {}: {e}", tls.ca.display()))?,
-            ),
-        };
+        let tls = crate::server::upstream_tls(config).map_err(|e| e.to_string())?;
         let target = Target {
             nodes: config.upstream.nodes(),
             vhost: "/".into(),
-            username: config.republish.username.clone(),
+            username: config.republish.username(),
             password: config.republish.password()?,
             heartbeat: config.republish.heartbeat,
             cluster_size: None,
-            tls_ca,
+            tls,
         };
         Ok(Self {
             target,

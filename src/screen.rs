@@ -42,16 +42,16 @@ pub const FOLD_BUDGET: usize = 64 << 20;
 /// How long lapin may take to connect to the screen's port.
 const ACCEPT_WITHIN: Duration = Duration::from_secs(30);
 
-/// Connects to `node` (`host:port`; TLS when `tls_ca` holds PEM CA
-/// certificates, checked against the host) within `within`, and returns
+/// Connects to `node` (`host:port`; TLS with the settings `tls`,
+/// checked against the host, when given) within `within`, and returns
 /// the loopback address lapin connects to instead, plain AMQP.
 pub async fn open(
     node: &str,
-    tls_ca: Option<&str>,
+    tls: Option<&Arc<rustls::ClientConfig>>,
     within: Duration,
     what: &'static str,
 ) -> io::Result<SocketAddr> {
-    let broker = tokio::time::timeout(within, connect(node, tls_ca))
+    let broker = tokio::time::timeout(within, connect(node, tls))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
     let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
@@ -71,13 +71,13 @@ pub async fn open(
     Ok(local)
 }
 
-async fn connect(node: &str, tls_ca: Option<&str>) -> io::Result<Io> {
+async fn connect(node: &str, tls: Option<&Arc<rustls::ClientConfig>>) -> io::Result<Io> {
     let tcp = TcpStream::connect(node).await?;
     tcp.set_nodelay(true)?;
-    match tls_ca {
+    match tls {
         None => Ok(Box::new(tcp)),
-        Some(pem) => {
-            let (connector, name) = crate::net::tls_for(node, pem).map_err(io::Error::other)?;
+        Some(config) => {
+            let (connector, name) = crate::net::tls_for(node, config).map_err(io::Error::other)?;
             Ok(Box::new(connector.connect(name, tcp).await?))
         }
     }

@@ -91,7 +91,7 @@ async fn start_ops(
     config: &Config,
     connector: &Connector,
     metrics: &Arc<Metrics>,
-    intercepting: bool,
+    live: Option<Arc<LivePolicies>>,
     clock: &Clock,
     root: &CancellationToken,
 ) -> Result<(Arc<Ops>, SocketAddr, Stopper), StartError> {
@@ -101,7 +101,7 @@ async fn start_ops(
         metrics.clone(),
         nodes,
         ops::Tokens { admin, read },
-        intercepting,
+        live,
         clock.clone(),
         config.republish.max_clock_offset,
     );
@@ -123,6 +123,7 @@ async fn start_ops(
 /// [`Proxy::bind`] runs it first: the check fails when startup would, short
 /// of a port that is taken or a broker that cannot be reached.
 pub fn preflight(config: &Config) -> Result<(), StartError> {
+    let config = &config.with_uri().map_err(StartError::Credentials)?;
     if let Some(tls) = &config.listen.tls {
         listen_tls(tls)?;
     }
@@ -153,6 +154,17 @@ fn listen_tls(tls: &crate::config::ServerTls) -> Result<tokio_rustls::TlsAccepto
     })
 }
 
+/// The TLS settings of `upstream.tls`, if set.
+pub fn upstream_tls(config: &Config) -> Result<Option<Arc<rustls::ClientConfig>>, StartError> {
+    let tls = config.upstream.tls.as_ref();
+    tls.map(net::client_config)
+        .transpose()
+        .map_err(|source| StartError::Tls {
+            key: "upstream.tls",
+            source,
+        })
+}
+
 fn upstream(config: &Config) -> Result<Connector, StartError> {
     Connector::new(&config.upstream).map_err(|source| StartError::Tls {
         key: "upstream.tls",
@@ -168,29 +180,18 @@ fn replica_config(
     let Some(r) = &config.replica else {
         return Ok(None);
     };
-    let tls_ca = match &config.upstream.tls {
-        None => None,
-        Some(tls) => Some(
-            std::fs::read_to_string(&tls.ca).map_err(|e| StartError::Tls {
-                key: "upstream.tls.ca",
-                source: TlsError::Pem {
-                    path: tls.ca.display().to_string(),
-                    reason: e.to_string(),
-                },
-            })?,
-        ),
-    };
+    let tls = upstream_tls(config)?;
     Ok(Some(crate::replica::Config {
         instance: r.instance(),
         group: r.group.clone(),
         target: crate::replica::Target {
             nodes: config.upstream.nodes(),
             vhost: r.vhost.clone(),
-            username: config.republish.username.clone(),
+            username: config.republish.username(),
             password,
             heartbeat: r.heartbeat,
             cluster_size: r.cluster_size,
-            tls_ca,
+            tls,
         },
         store_dir: config.store.path.clone(),
         done_every: r.completions_every,
@@ -272,6 +273,7 @@ impl Proxy {
     /// (`/readyz` answers "recovering" until the store is recovered).
     pub async fn bind(config: &Config) -> Result<Self, StartError> {
         preflight(config)?;
+        let config = &config.with_uri().map_err(StartError::Credentials)?;
         let address = config.listen.address;
         let listener = TcpListener::bind(address)
             .await
@@ -284,9 +286,9 @@ impl Proxy {
         // One stop: every part's token is a child of this one (see shutdown.rs).
         let root = CancellationToken::new();
         let intercepting = config.intercepting();
-        let (ops, ops_addr, ops_task) =
-            start_ops(config, &connector, &metrics, intercepting, &clock, &root).await?;
         let live = intercepting.then(|| LivePolicies::new(Policies::new(&config.policies)));
+        let (ops, ops_addr, ops_task) =
+            start_ops(config, &connector, &metrics, live.clone(), &clock, &root).await?;
         let mut reloader = Reloader::new(live.clone(), metrics.clone());
         let (intercept, engine) = match &live {
             None => (None, None),

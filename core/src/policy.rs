@@ -25,9 +25,12 @@ pub struct Policy {
     pub on_exhausted: OnExhausted,
 }
 
+/// A policy's schedule of delays.
 #[derive(Clone, Debug)]
-enum Schedule {
+pub enum Schedule {
+    /// `delays`: one per retry.
     Explicit(Vec<Duration>),
+    /// `backoff`, for `max_retries` retries.
     Backoff(BackoffConfig, u32),
 }
 
@@ -67,6 +70,11 @@ impl Policy {
     /// The queue names and patterns it covers, as written.
     pub fn queues(&self) -> impl Iterator<Item = &str> {
         self.patterns.iter().map(glob::Pattern::as_str)
+    }
+
+    /// Its schedule.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
     }
 
     /// Whether a settle with this `requeue` flag is delayed (else it passes).
@@ -160,6 +168,11 @@ impl Policies {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// Each policy, in file order.
+    pub fn iter(&self) -> impl Iterator<Item = &Policy> {
+        self.0.iter().map(|p| &**p)
+    }
 }
 
 /// The policies in force, shared by every session; a reload replaces them.
@@ -188,6 +201,11 @@ impl LivePolicies {
             version,
             current,
         }
+    }
+
+    /// The policies in force now.
+    pub fn now(&self) -> Arc<Policies> {
+        self.read().1
     }
 
     /// Puts `policies` in force for every session.

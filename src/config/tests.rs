@@ -370,6 +370,254 @@ fn delayed_errors_name_the_key() {
         .contains("delayed_exchange[1].name: exchange \"d\" of vhost \"/\" is listed twice"));
 }
 
+/// `*_file` secrets: one source per secret (a second one is refused,
+/// naming both keys), the file read when the secret is, its trailing
+/// newline dropped, an unreadable or empty file named with its key.
+#[test]
+fn secrets_come_from_one_of_inline_env_and_file() {
+    for (text, keys) in [
+        (
+            "[republish]\npassword = \"a\"\npassword_file = \"/p\"\n",
+            ["republish.password", "republish.password_file"],
+        ),
+        (
+            "[republish]\npassword_env = \"A\"\npassword_file = \"/p\"\n",
+            ["republish.password_env", "republish.password_file"],
+        ),
+        (
+            "[metrics]\nadmin_token_file = \"/t\"\nadmin_token = \"0123456789abcdef\"\n",
+            ["metrics.admin_token", "metrics.admin_token_file"],
+        ),
+        (
+            "[metrics]\nread_token_env = \"R\"\nread_token_file = \"/t\"\n",
+            ["metrics.read_token_env", "metrics.read_token_file"],
+        ),
+    ] {
+        let e = err(text);
+        assert!(
+            e.contains(&format!(
+                "{}: set {} or {}, not both",
+                keys[1], keys[0], keys[1]
+            )),
+            "{text:?}: {e}"
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let password = file("password", "s3cret\n");
+    let admin = file("admin", "0123456789abcdef\r\n");
+    let read = file("read", "fedcba9876543210");
+    let text = format!(
+        "[republish]\npassword_file = {password:?}\n[metrics]\nadmin_token_file = {admin:?}\nread_token_file = {read:?}\n"
+    );
+    let config = Config::parse(&text, Path::new("x")).unwrap();
+    assert_eq!(config.republish.password().unwrap(), "s3cret");
+    assert_eq!(
+        config.metrics.tokens().unwrap(),
+        (
+            Some("0123456789abcdef".to_string()),
+            Some("fedcba9876543210".to_string())
+        )
+    );
+    // Read when used: a file changed since is read anew.
+    std::fs::write(&password, "n3w\n\n").unwrap();
+    assert_eq!(config.republish.password().unwrap(), "n3w");
+
+    let missing = dir.path().join("missing");
+    let text = format!("[republish]\npassword_file = {missing:?}\n");
+    let config = Config::parse(&text, Path::new("x")).unwrap();
+    let e = config.republish.password().unwrap_err();
+    assert!(
+        e.starts_with(&format!(
+            "republish.password_file: cannot read {}: ",
+            missing.display()
+        )),
+        "{e}"
+    );
+    let empty = file("empty", "\n");
+    let text = format!("[republish]\npassword_file = {empty:?}\n");
+    let config = Config::parse(&text, Path::new("x")).unwrap();
+    assert_eq!(
+        config.republish.password().unwrap_err(),
+        format!("republish.password_file: {} is empty", empty.display())
+    );
+    // A token from a file is checked like an inline one, and named.
+    let short = file("short", "short\n");
+    let text = format!("[metrics]\nadmin_token_file = {short:?}\n");
+    let config = Config::parse(&text, Path::new("x")).unwrap();
+    let e = config.metrics.admin_token().unwrap_err();
+    assert!(
+        e.starts_with("metrics.admin_token_file: a token must be at least 16"),
+        "{e}"
+    );
+    let same = format!("[metrics]\nadmin_token_file = {admin:?}\nread_token_file = {admin:?}\n");
+    let config = Config::parse(&same, Path::new("x")).unwrap();
+    assert_eq!(
+        config.metrics.tokens().unwrap_err(),
+        "metrics.read_token_file: must differ from the admin token"
+    );
+}
+
+fn uri(text: &str) -> Result<BrokerUri, String> {
+    text.parse()
+}
+
+/// `upstream.uri`: host, port and scheme; the login percent-decoded; an
+/// IP address kept as written; no vhost, no query.
+#[test]
+fn a_broker_uri_names_one_node_its_tls_and_a_login() {
+    assert_eq!(
+        uri("amqps://nackd:p%40ss%2Fw%3Ard@rabbit.internal:5671").unwrap(),
+        BrokerUri {
+            node: "rabbit.internal:5671".into(),
+            tls: true,
+            username: Some("nackd".into()),
+            password: Some("p@ss/w:rd".into()),
+        }
+    );
+    assert_eq!(
+        uri("amqp://10.1.2.3/").unwrap(),
+        BrokerUri {
+            node: "10.1.2.3:5672".into(),
+            tls: false,
+            username: None,
+            password: None,
+        }
+    );
+    assert_eq!(uri("amqps://[::1]/%2f").unwrap().node, "[::1]:5671");
+    assert_eq!(
+        uri("amqp://u%20x@h:1").unwrap().username.as_deref(),
+        Some("u x")
+    );
+    for (text, why) in [
+        ("http://h", "scheme"),
+        ("amqp://h/shop", "vhost \"shop\""),
+        ("amqp://h?heartbeat=5", "query parameters"),
+        ("amqp://:secret@h", "a password without a user"),
+        ("rabbit:5672", "scheme"),
+        ("amqp:///", "host"),
+    ] {
+        let e = uri(text).unwrap_err();
+        assert!(e.contains(why), "{text}: {e}");
+    }
+}
+
+/// The URI takes the place of `address`/`addresses` and of the login it
+/// carries; setting both is refused naming the key, and nothing in an
+/// error repeats the password.
+#[test]
+fn a_broker_uri_replaces_the_address_and_the_login_it_carries() {
+    let config = Config::parse(
+        "[upstream]\nuri = \"amqps://nackd:s3cret@rabbit:5671\"\n",
+        Path::new("x"),
+    )
+    .unwrap()
+    .with_uri()
+    .unwrap();
+    assert_eq!(config.upstream.nodes(), ["rabbit:5671"]);
+    assert!(config.upstream.tls.as_ref().is_some_and(|t| t.ca.is_none()));
+    assert_eq!(config.republish.username(), "nackd");
+    assert_eq!(config.republish.password().unwrap(), "s3cret");
+
+    // The user in the URI, its password from a file.
+    let dir = tempfile::tempdir().unwrap();
+    let password = dir.path().join("password");
+    std::fs::write(&password, "fr0m-file\n").unwrap();
+    let text = format!(
+        "[upstream]\nuri = \"amqp://nackd@rabbit\"\n[republish]\npassword_file = {password:?}\n"
+    );
+    let config = Config::parse(&text, Path::new("x"))
+        .unwrap()
+        .with_uri()
+        .unwrap();
+    assert_eq!(config.upstream.nodes(), ["rabbit:5672"]);
+    assert!(config.upstream.tls.is_none());
+    assert_eq!(config.republish.username(), "nackd");
+    assert_eq!(config.republish.password().unwrap(), "fr0m-file");
+
+    for (text, key, why) in [
+        (
+            "uri = \"amqp://h\"\naddress = \"h:5672\"\n",
+            "upstream.address",
+            "set upstream.uri or upstream.address, not both",
+        ),
+        (
+            "uri = \"amqp://h\"\naddresses = [\"h:5672\"]\n",
+            "upstream.addresses",
+            "not both",
+        ),
+        (
+            "uri = \"amqp://h\"\nuri_file = \"/u\"\n",
+            "upstream.uri_file",
+            "set upstream.uri or upstream.uri_file, not both",
+        ),
+        (
+            "uri = \"amqp://h\"\ntls = { ca = \"ca.pem\" }\n",
+            "upstream.tls",
+            "amqps://",
+        ),
+        (
+            "uri = \"amqp://u:secret@h\"\n[republish]\nusername = \"v\"\n",
+            "republish.username",
+            "in upstream.uri",
+        ),
+        (
+            "uri = \"amqp://u:secret@h\"\n[republish]\npassword_env = \"P\"\n",
+            "republish.password_env",
+            "in upstream.uri",
+        ),
+        ("uri = \"amqp://u:secret@h/vh\"\n", "upstream.uri", "vhost"),
+    ] {
+        let e = err(&format!("[upstream]\n{text}"));
+        assert!(
+            e.contains(&format!("{key}: ")) && e.contains(why),
+            "{text:?}: {e}"
+        );
+        assert!(!e.contains("secret"), "{e}");
+    }
+    // A URI that is not one is refused without being repeated.
+    let e = err("[upstream]\nuri = \"amqp:secret\"\n");
+    assert!(e.contains("upstream.uri: ") && !e.contains("secret"), "{e}");
+
+    // From a variable or a file: checked when read, naming that key.
+    let file = dir.path().join("uri");
+    std::fs::write(&file, "amqps://u:secret@rabbit/shop\n").unwrap();
+    let text = format!("[upstream]\nuri_file = {file:?}\n");
+    let e = Config::parse(&text, Path::new("x"))
+        .unwrap()
+        .with_uri()
+        .unwrap_err();
+    assert!(e.starts_with("upstream.uri_file: vhost \"shop\""), "{e}");
+    std::fs::write(&file, "amqps://u:secret@rabbit\n").unwrap();
+    let text = format!("[upstream]\nuri_file = {file:?}\n[republish]\npassword = \"x\"\n");
+    let e = Config::parse(&text, Path::new("x"))
+        .unwrap()
+        .with_uri()
+        .unwrap_err();
+    assert!(
+        e.starts_with("republish.password: the password is in upstream.uri_file"),
+        "{e}"
+    );
+    std::fs::remove_file(&file).unwrap();
+    let text = format!("[upstream]\nuri_file = {file:?}\n");
+    let e = Config::parse(&text, Path::new("x"))
+        .unwrap()
+        .with_uri()
+        .unwrap_err();
+    assert!(
+        e.starts_with(&format!(
+            "upstream.uri_file: cannot read {}",
+            file.display()
+        )),
+        "{e}"
+    );
+}
+
 #[test]
 fn an_on_exhausted_table_refuses_an_unknown_key_by_name() {
     let e = err(

@@ -5,6 +5,7 @@
 //! Without either configured the API does not exist (404).
 //!
 //! ```text
+//! GET  /api/policies                       the policies in force (after the last reload)
 //! GET  /api/held?queue=Q&vhost=V&limit=N   soonest due first (limit 100, at most 10000)
 //!      /api/held?exchange=X&vhost=V         delayed publishes of an x-delayed-message exchange
 //! POST /api/fire?id=N | ?queue=Q | ?exchange=X [&vhost=V]  publish now
@@ -64,6 +65,8 @@ pub enum Access {
 /// so each route served has its [`Access`] decided here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdminRoute {
+    /// `GET /api/policies`: the policies in force.
+    Policies,
     /// `GET /api/held`: list held messages.
     Held,
     /// `POST /api/fire`: publish held messages now.
@@ -81,7 +84,8 @@ pub enum AdminRoute {
 
 impl AdminRoute {
     /// Every route the admin API serves.
-    pub const ALL: [AdminRoute; 5] = [
+    pub const ALL: [AdminRoute; 6] = [
+        AdminRoute::Policies,
         AdminRoute::Held,
         AdminRoute::Fire,
         AdminRoute::Purge,
@@ -92,6 +96,7 @@ impl AdminRoute {
     /// Its path.
     pub fn path(self) -> &'static str {
         match self {
+            AdminRoute::Policies => "/api/policies",
             AdminRoute::Held => "/api/held",
             AdminRoute::Fire => "/api/fire",
             AdminRoute::Purge => "/api/purge",
@@ -103,7 +108,7 @@ impl AdminRoute {
     /// Its HTTP method.
     pub fn method(self) -> &'static str {
         match self {
-            AdminRoute::Held => "GET",
+            AdminRoute::Policies | AdminRoute::Held => "GET",
             AdminRoute::Fire | AdminRoute::Purge | AdminRoute::Reseed | AdminRoute::Replay => {
                 "POST"
             }
@@ -113,7 +118,7 @@ impl AdminRoute {
     /// Which token it takes.
     pub fn access(self) -> Access {
         match self {
-            AdminRoute::Held => Access::Read,
+            AdminRoute::Policies | AdminRoute::Held => Access::Read,
             AdminRoute::Fire | AdminRoute::Purge | AdminRoute::Reseed | AdminRoute::Replay => {
                 Access::Change
             }
@@ -122,6 +127,7 @@ impl AdminRoute {
 
     fn handler(self) -> MethodRouter<Arc<Ops>> {
         match self {
+            AdminRoute::Policies => get(super::policies::list),
             AdminRoute::Held => get(list),
             AdminRoute::Fire => post(fire),
             AdminRoute::Purge => post(purge),

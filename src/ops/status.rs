@@ -36,7 +36,9 @@ pub(super) async fn json(State(ops): State<Arc<Ops>>) -> Response {
         .collect();
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
+        "commit": env!("NACKD_COMMIT"),
         "intercepting": ops.intercepting,
+        "policies": super::policies::in_force(&ops),
         "connections": {
             "clients": m.clients.get(),
             "upstream": m.upstreams.get(),

@@ -81,8 +81,8 @@ pub struct Target {
     pub heartbeat: Duration,
     /// Replicas of each stream (`x-initial-cluster-size`), or the broker's default.
     pub cluster_size: Option<u32>,
-    /// PEM CA certificates of the nodes, when they speak amqps.
-    pub tls_ca: Option<String>,
+    /// TLS settings ([`crate::net::client_config`]), when the nodes speak amqps.
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 impl Target {
@@ -115,7 +115,7 @@ impl Target {
         within: Duration,
     ) -> Result<Connection, String> {
         let connecting = async {
-            let screen = crate::screen::open(node, self.tls_ca.as_deref(), within, what)
+            let screen = crate::screen::open(node, self.tls.as_ref(), within, what)
                 .await
                 .map_err(|e| e.to_string())?;
             let props =
@@ -614,7 +614,7 @@ mod tests {
             password: "p@ss:w/rd".into(),
             heartbeat: Duration::from_secs(5),
             cluster_size: None,
-            tls_ca: None,
+            tls: None,
         };
         assert_eq!(
             target.uri("127.0.0.1:5681"),

@@ -155,7 +155,7 @@ impl Settings {
     pub fn new(config: &crate::config::Republish, password: String) -> Self {
         Self {
             login: Credentials {
-                username: config.username.clone(),
+                username: config.username(),
                 password,
             },
             heartbeat: (!config.heartbeat.is_zero()).then_some(config.heartbeat),

@@ -54,6 +54,7 @@ fn check_config_accepts_the_shipped_file_and_names_the_bad_key() {
 fn check_config_rejects_what_startup_rejects() {
     let dir = tempfile::tempdir().unwrap();
     let a_file = write(&dir, "not-a-dir", "x");
+    let uri_with_vhost = write(&dir, "uri", "amqp://u:secret@h/shop\n");
     let base = format!(
         "[listen]\naddress = \"127.0.0.1:0\"\n[metrics]\naddress = \"127.0.0.1:0\"\n[upstream]\naddress = \"{}\"\n",
         common::BROKER
@@ -94,6 +95,30 @@ fn check_config_rejects_what_startup_rejects() {
             "store.path",
             format!("[store]\npath = \"{}\"\n{policy}", a_file.display()),
         ),
+        (
+            "republish.password_file: cannot read /nonexistent/nackd-password",
+            format!("[republish]\npassword_file = \"/nonexistent/nackd-password\"\n{policy}"),
+        ),
+        (
+            "metrics.admin_token_file: cannot read /nonexistent/nackd-token",
+            "admin_token_file = \"/nonexistent/nackd-token\"\n".into(),
+        ),
+        (
+            "metrics.read_token_file: a token must be at least 16",
+            format!("read_token_file = {:?}\n", a_file.display().to_string()),
+        ),
+        (
+            "upstream.uri_file: cannot read /nonexistent/nackd-uri",
+            "uri_file = \"/nonexistent/nackd-uri\"\n".into(),
+        ),
+        (
+            "upstream.uri_env: NACKD_TEST_UNSET_URI_1 is not set",
+            "uri_env = \"NACKD_TEST_UNSET_URI_1\"\n".into(),
+        ),
+        (
+            "upstream.uri_file: vhost \"shop\"",
+            format!("uri_file = {:?}\n", uri_with_vhost.display().to_string()),
+        ),
     ];
     let ok = write(&dir, "ok.toml", &format!("{base}{policy}"));
     let out = check_config(&ok);
@@ -115,10 +140,15 @@ fn check_config_rejects_what_startup_rejects() {
         String::from_utf8_lossy(&out.stderr)
     );
     for (i, (key, extra)) in cases.iter().enumerate() {
-        // `[metrics]` is in the base: its cases add their keys there.
-        let text = match key.starts_with("metrics.") {
-            true => base.replacen("[metrics]\n", &format!("[metrics]\n{extra}"), 1),
-            false => format!("{base}{extra}"),
+        // `[metrics]` is in the base: its cases add their keys there; a
+        // URI takes the place of the address.
+        let address = format!("address = \"{}\"\n", common::BROKER);
+        let text = match key {
+            k if k.starts_with("metrics.") => {
+                base.replacen("[metrics]\n", &format!("[metrics]\n{extra}"), 1)
+            }
+            k if k.starts_with("upstream.uri") => base.replacen(&address, extra, 1),
+            _ => format!("{base}{extra}"),
         };
         let path = write(&dir, &format!("case{i}.toml"), &text);
         let check = check_config(&path);
@@ -129,6 +159,7 @@ fn check_config_rejects_what_startup_rejects() {
             "--check-config, {key}: {said}"
         );
         assert!(said.contains(key), "--check-config names {key}: {said}");
+        assert!(!said.contains("secret"), "no password repeated: {said}");
         let start = Command::new(NACKD)
             .arg("--config")
             .arg(&path)
@@ -312,6 +343,174 @@ fn runtime_section_sets_session_threads_and_their_scheduling() {
             threads = thread_policies(nackd.child.id());
         }
         assert!(wanted(&threads), "{runtime:?}: {threads:?}");
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
+            assert!(conn.status().connected());
+            conn.close(200, "bye".into()).await.unwrap();
+        });
+    }
+}
+
+/// `nackd [ARGS]` with `NACKD_CONFIG` set or not, run to its end.
+fn nackd(args: &[&str], env_config: Option<&std::path::Path>) -> std::process::Output {
+    let mut command = Command::new(NACKD);
+    command.args(args).env_remove("NACKD_CONFIG");
+    if let Some(path) = env_config {
+        command.env("NACKD_CONFIG", path);
+    }
+    command.output().unwrap()
+}
+
+/// The file a run of nackd read, from its error: each file below has a
+/// syntax error, and the error names the file.
+fn file_read(out: &std::process::Output) -> String {
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    let name = ["flag.toml", "env.toml"]
+        .into_iter()
+        .find(|name| said.contains(name));
+    name.unwrap_or_else(|| panic!("no file named: {said}"))
+        .to_string()
+}
+
+/// `--config` is global (before or after a subcommand), `NACKD_CONFIG`
+/// stands in for it, and the flag wins over the variable.
+#[test]
+fn config_comes_from_the_flag_anywhere_then_nackd_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let flag = write(&dir, "flag.toml", "[upstream\n");
+    let env = write(&dir, "env.toml", "[upstream\n");
+    let f = flag.to_str().unwrap();
+    let cases: [(&[&str], Option<&std::path::Path>, &str); 8] = [
+        (&["--config", f], None, "flag.toml"),
+        (&["--config", f], Some(&env), "flag.toml"),
+        (&[], Some(&env), "env.toml"),
+        (&["--config", f, "admin", "list"], Some(&env), "flag.toml"),
+        (&["admin", "list", "--config", f], Some(&env), "flag.toml"),
+        (&["admin", "list"], Some(&env), "env.toml"),
+        (&["store", "stats", "--config", f], Some(&env), "flag.toml"),
+        (&["store", "stats"], Some(&env), "env.toml"),
+    ];
+    for (args, env_config, expected) in cases {
+        let out = nackd(args, env_config);
+        assert_eq!(file_read(&out), expected, "{args:?}, NACKD_CONFIG {env_config:?}");
+    }
+    // The error names the key and the file it is in.
+    let out = nackd(&["admin", "list", "--config", f], None);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains(&format!("{f}: (syntax)")), "{said}");
+    // A file that cannot be read is named too.
+    let missing = dir.path().join("missing.toml");
+    let out = nackd(&[], Some(&missing));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains(&format!("cannot read {}", missing.display())),
+        "{said}"
+    );
+}
+
+/// Without the flag or the variable, nackd reads where the package and
+/// the image put the file, whatever its working directory.
+#[test]
+fn the_default_config_is_the_one_in_etc() {
+    let out = nackd(&["--help"], None);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("[env: NACKD_CONFIG=]") || help.contains("[env: NACKD_CONFIG]"),
+        "{help}"
+    );
+    assert!(
+        help.contains("[default: /etc/nackd/nackd.toml]"),
+        "{help}"
+    );
+    let out = nackd(&["admin", "list", "--help"], None);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--config <CONFIG>"), "a subcommand takes it: {help}");
+}
+
+/// The commit `git` names for this checkout (12 hex digits).
+fn checkout_commit() -> String {
+    let out = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("git runs (the suite runs in a git checkout)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// `nackd --version` and `nackd_build_info` name the commit the binary
+/// was built from: the one this checkout is at.
+#[test]
+fn version_and_build_info_name_the_commit() {
+    let commit = checkout_commit();
+    let out = nackd(&["--version"], None);
+    let version = String::from_utf8_lossy(&out.stdout);
+    let expected = format!("nackd {} ({commit}", env!("CARGO_PKG_VERSION"));
+    assert!(version.starts_with(&expected), "{version:?}, not {expected:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        &dir,
+        "n.toml",
+        &format!("[upstream]\naddress = \"{}\"\n", common::BROKER.addr()),
+    );
+    let nackd = common::process::Process::start_listening(&cfg);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let scrape = rt.block_on(common::ops::get(nackd.metrics, "/metrics"));
+    let info = scrape
+        .body
+        .lines()
+        .find(|l| l.starts_with("nackd_build_info{"))
+        .unwrap_or_else(|| panic!("no nackd_build_info: {}", scrape.body));
+    assert!(info.contains(&format!("commit=\"{commit}")), "{info}");
+}
+
+/// `/readyz`'s word on the republish login into vhost `/`, once checked.
+fn republish_login(metrics: std::net::SocketAddr) -> String {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let began = Instant::now();
+    loop {
+        let ready = rt.block_on(common::ops::get(metrics, "/readyz"));
+        let v: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+        let login = v["republish"]["/"].as_str().unwrap_or("checking").to_string();
+        if login != "checking" || began.elapsed() > Duration::from_secs(15) {
+            return login;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `upstream.uri` (here from a file, with a trailing newline) names the
+/// broker and the login of nackd's own connections: with the broker's
+/// password the republisher logs in, with another it is refused; either
+/// way clients log in as themselves.
+#[test]
+fn a_broker_uri_from_a_file_gives_the_node_and_the_republish_login() {
+    common::require_broker();
+    let dir = tempfile::tempdir().unwrap();
+    let q = common::unique("uri");
+    for (password, login) in [("guest", "ok"), ("not-the-password", "ACCESS_REFUSED")] {
+        let uri = write(
+            &dir,
+            "uri",
+            &format!("amqp://guest:{password}@{}\n", common::BROKER.addr()),
+        );
+        let store = dir.path().join(format!("store-{password}"));
+        let cfg = write(
+            &dir,
+            "n.toml",
+            &format!(
+                "[upstream]\nuri_file = {:?}\n[store]\npath = {:?}\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"1s\"]\n",
+                uri.display().to_string(),
+                store.display().to_string()
+            ),
+        );
+        let nackd = common::process::Process::start(&cfg);
+        let said = republish_login(nackd.metrics);
+        assert!(said.contains(login), "password {password}: {said}");
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
             let conn = common::connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;

@@ -1,11 +1,21 @@
 //! The files in deploy/ stay true to the code: the Grafana dashboard only
-//! queries metrics nackd exports, and the container config is valid.
+//! queries metrics nackd exports, and the shipped configs are valid and
+//! intercept nothing until edited.
 
 use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::BasicProperties;
 
 use nackd::config::Config;
 use nackd::metrics::{Metrics, QueueLabels, VhostLabels};
+
+const NACKD: &str = env!("CARGO_BIN_EXE_nackd");
 
 fn deploy(name: &str) -> String {
     std::fs::read_to_string(
@@ -79,8 +89,13 @@ fn the_container_config_is_valid() {
     .unwrap();
     assert_eq!(config.store.path, Path::new("/var/lib/nackd"));
     assert_eq!(
-        config.metrics.admin_token_env.as_deref(),
-        Some("NACKD_ADMIN_TOKEN")
+        config.republish.password_env.as_deref(),
+        Some("NACKD_PASSWORD")
+    );
+    assert!(!config.intercepting(), "no policy until one is written");
+    assert!(
+        config.metrics.admin_token_env.is_none(),
+        "a token left unset would stop nackd"
     );
     // The image itself is built and run by tests/alone/image.rs; what it
     // cannot see: the defaults a plain `docker build` uses.
@@ -125,22 +140,33 @@ fn settings(toml: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The system config is config/nackd.toml but for what a package must
+/// not ship: the store in the unit's state directory, nackd's own login
+/// as user nackd with the password outside the file (no guest/guest), and
+/// no `[[policy]]`: installed, it intercepts nothing until edited.
 #[test]
-fn the_system_config_is_the_example_config_with_the_store_in_var_lib() {
+fn the_system_config_is_the_example_config_without_policy_or_guest() {
     let system = deploy("nackd.system.toml");
     let config = Config::parse(&system, Path::new("nackd.system.toml")).unwrap();
     assert_eq!(config.store.path, Path::new("/var/lib/nackd"));
+    assert!(!config.intercepting(), "no policy until one is written");
+    assert!(!system.contains("guest"), "no guest login in the package");
+    assert_eq!(config.republish.username(), "nackd");
+    assert_eq!(
+        config.republish.password_env.as_deref(),
+        Some("NACKD_PASSWORD")
+    );
     let example =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/nackd.toml"))
             .unwrap();
-    let expected: Vec<&str> = settings(&example)
+    let example = example.split("\n[[policy]]").next().unwrap();
+    let expected: Vec<&str> = settings(example)
         .into_iter()
-        .map(|l| {
-            if l.starts_with("path = ") {
-                "path = \"/var/lib/nackd\""
-            } else {
-                l
-            }
+        .map(|l| match l {
+            l if l.starts_with("path = ") => "path = \"/var/lib/nackd\"",
+            "username = \"guest\"" => "username = \"nackd\"",
+            "password = \"guest\"" => "password_env = \"NACKD_PASSWORD\"",
+            l => l,
         })
         .collect();
     assert_eq!(
@@ -148,4 +174,91 @@ fn the_system_config_is_the_example_config_with_the_store_in_var_lib() {
         expected,
         "config/nackd.toml changed: change deploy/nackd.system.toml too"
     );
+}
+
+/// `nackd --check-config` passes on both shipped files without any
+/// secret set, and nackd starts on each as a plain proxy: a message goes
+/// through it, and no store is opened.
+#[test]
+fn the_shipped_configs_check_and_start_as_a_plain_proxy() {
+    crate::common::require_broker();
+    for name in ["nackd.system.toml", "nackd.container.toml"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(name);
+        let out = Command::new(NACKD)
+            .arg("--check-config")
+            .arg(&path)
+            .env_remove("NACKD_PASSWORD")
+            .env_remove("NACKD_ADMIN_TOKEN")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {out:?}");
+
+        let mut child = Command::new(NACKD)
+            .arg("--config")
+            .arg(&path)
+            .args(["--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+            .args(["--upstream", crate::common::BROKER.addr(), "--log-format", "json"])
+            .env_remove("NACKD_PASSWORD")
+            .env_remove("NACKD_ADMIN_TOKEN")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Its log keeps draining in a thread, into `lines`.
+        let (tx, lines) = std::sync::mpsc::channel();
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let listening = lines
+            .iter()
+            .find(|l| l.contains("\"listening\""))
+            .unwrap_or_else(|| panic!("{name}: nackd exited before listening"));
+        let line: serde_json::Value = serde_json::from_str(&listening).unwrap();
+        let field = |f: &str| -> std::net::SocketAddr {
+            line["fields"][f].as_str().unwrap().parse().unwrap()
+        };
+        let (addr, metrics) = (field("address"), field("metrics"));
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let conn = crate::common::connect(&format!("amqp://guest:guest@{addr}/%2f")).await;
+            let ch = conn.create_channel().await.unwrap();
+            let q = crate::common::unique("shipped");
+            let declared = QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            };
+            ch.queue_declare(q.as_str().into(), declared, FieldTable::default())
+                .await
+                .unwrap();
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                b"through",
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap();
+            let got = tokio::time::timeout(Duration::from_secs(10), async {
+                loop {
+                    let get = BasicGetOptions { no_ack: true };
+                    if let Some(m) = ch.basic_get(q.as_str().into(), get).await.unwrap() {
+                        return m;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await
+            .expect("the message went through");
+            assert_eq!(got.delivery.data, b"through");
+            let ready = crate::common::ops::get(metrics, "/readyz").await;
+            let ready: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+            assert_eq!(ready["store"], "not used", "{name}: {ready}");
+            conn.close(200, "bye".into()).await.unwrap();
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }

@@ -270,3 +270,63 @@ async fn a_proxy_started_without_policies_refuses_to_add_them_on_reload() {
     );
     nackd.stop().await;
 }
+
+/// `GET /api/policies` lists the policies in force, with the admin token
+/// (and the read token, see ops.rs), and follows a SIGHUP reload; an
+/// invalid file leaves the list as it was.
+#[tokio::test]
+async fn the_policies_in_force_are_listed_and_follow_a_reload() {
+    require_broker();
+    let dir = tempfile::tempdir().unwrap();
+    let (q, other) = (unique("listed"), unique("listed-other"));
+    let cfg = write_config(dir.path(), &q, "\"500ms\", \"1m\"");
+    let nackd = Process::start(&cfg);
+    let listed = || async {
+        let r = json(nackd.metrics, "GET", "/api/policies", Some(TOKEN)).await;
+        r["policies"].clone()
+    };
+    assert_eq!(
+        listed().await,
+        serde_json::json!([{
+            "vhost": "/",
+            "queues": [q],
+            "schedule": { "delays": ["500ms", "1m"] },
+            "requeue": "delay",
+            "on_exhausted": "reject",
+        }])
+    );
+    let anonymous = common::ops::get(nackd.metrics, "/api/policies").await;
+    assert_eq!(anonymous.status, 401, "{}", anonymous.body);
+
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let first = text.find("[[policy]]").unwrap();
+    let reloaded = format!(
+        "{}[[policy]]\nvhost = \"v\"\nqueues = [\"{other}\", \"{other}-*\"]\nbackoff = {{ initial = \"1s\", max = \"5m\", jitter = \"full\" }}\nmax_retries = 4\nrequeue = \"pass\"\non_exhausted = {{ exchange = \"dlx\", routing_key = \"dead\" }}\n{}",
+        &text[..first],
+        &text[first..]
+    );
+    std::fs::write(&cfg, reloaded).unwrap();
+    hup(&nackd);
+    wait_reloads(&nackd, "ok", 1.0).await;
+    let policies = listed().await;
+    assert_eq!(
+        policies[0],
+        serde_json::json!({
+            "vhost": "v",
+            "queues": [other, format!("{other}-*")],
+            "schedule": {
+                "backoff": { "initial": "1s", "multiplier": 2.0, "max": "5m", "jitter": "full" },
+                "max_retries": 4,
+            },
+            "requeue": "pass",
+            "on_exhausted": { "exchange": "dlx", "routing_key": "dead" },
+        })
+    );
+    assert_eq!(policies[1]["queues"], serde_json::json!([q]));
+    assert_eq!(policies.as_array().unwrap().len(), 2);
+
+    std::fs::write(&cfg, "[[policy]]\nqueues = []\n").unwrap();
+    hup(&nackd);
+    wait_reloads(&nackd, "error", 1.0).await;
+    assert_eq!(listed().await, policies, "an invalid file changes nothing");
+}

@@ -644,6 +644,7 @@ async fn each_admin_route_takes_the_token_its_access_asks_for() {
     // A request to each route, and what the admin token gets from it.
     let request = |route: AdminRoute| -> (String, u16) {
         match route {
+            AdminRoute::Policies => (route.path().to_string(), 200),
             AdminRoute::Held => (format!("{}{queue}", route.path()), 200),
             AdminRoute::Fire => (format!("{}{queue}", route.path()), 200),
             AdminRoute::Purge => (format!("{}{queue}", route.path()), 200),

@@ -24,7 +24,7 @@ fn target() -> Target {
         password: "guest".into(),
         heartbeat: Duration::from_secs(2),
         cluster_size: Some(3),
-        tls_ca: None,
+        tls: None,
     }
 }
 

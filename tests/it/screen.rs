@@ -256,7 +256,7 @@ async fn a_crafted_message_in_a_replica_stream_fails_only_that_read() {
         password: "guest".into(),
         heartbeat: Duration::from_secs(5),
         cluster_size: None,
-        tls_ca: None,
+        tls: None,
     };
     let (crafted, clean) = (unique("screen-stream"), unique("screen-stream-clean"));
     let client = Client::connect(&target, 0, "screen test").await.unwrap();

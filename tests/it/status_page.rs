@@ -292,6 +292,19 @@ async fn status_page_in_headless_chromium_shows_what_metrics_say() {
         buckets.contains(&("2m".to_string(), 2)) && buckets.contains(&("1h".to_string(), 3)),
         "{buckets:?}"
     );
+    // The policies in force, in file order, each with its schedule.
+    let policies = tags_with(&dom, "data-policy");
+    assert_eq!(policies.len(), 3, "{policies:?}");
+    for (i, (queue, delays)) in queues.iter().zip(["1h", "1m 55s", "50ms"]).enumerate() {
+        let at = dom.find(policies[i]).unwrap();
+        let row = &dom[at..at + dom[at..].find("</tr>").unwrap()];
+        assert_eq!(attr(policies[i], "data-policy").unwrap(), i.to_string());
+        assert!(
+            row.contains(&format!(">{queue}<")) && row.contains(&format!(">delays {delays}<")),
+            "policy {i}: {row}"
+        );
+        assert!(row.contains("rejected (the queue's DLX)"), "{row}");
+    }
     let kinds: Vec<String> = tags_with(&dom, "data-kind")
         .iter()
         .map(|t| attr(t, "data-kind").unwrap())

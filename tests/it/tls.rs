@@ -181,16 +181,21 @@ async fn the_screen_speaks_tls_to_the_broker() {
         "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
     )))
     .await;
-    let target = |ca: String| Target {
+    let trusting = |pki: &Pki| {
+        let ca = pki.dir.path().join("ca.pem").display().to_string();
+        let upstream = config(&format!("[upstream.tls]\nca = {ca:?}\n"));
+        nackd::server::upstream_tls(&upstream).unwrap().unwrap()
+    };
+    let target = |tls| Target {
         nodes: vec![format!("localhost:{}", b.addr.port())],
         vhost: "/".into(),
         username: "guest".into(),
         password: "guest".into(),
         heartbeat: Duration::from_secs(5),
         cluster_size: None,
-        tls_ca: Some(ca),
+        tls: Some(tls),
     };
-    let client = Client::connect(&target(keys.ca_pem.clone()), 0, "tls screen test")
+    let client = Client::connect(&target(trusting(&keys)), 0, "tls screen test")
         .await
         .unwrap();
     let stream = unique("tls-screen");
@@ -202,7 +207,118 @@ async fn the_screen_speaks_tls_to_the_broker() {
     client.close().await;
 
     let stranger = pki();
-    let refused = Client::connect(&target(stranger.ca_pem.clone()), 0, "tls screen test").await;
+    let refused = Client::connect(&target(trusting(&stranger)), 0, "tls screen test").await;
     assert!(refused.is_err(), "a certificate the CA did not sign");
+    b.stop().await;
+}
+
+/// nackd (the binary) with `[upstream] tls` without `ca`, in front of
+/// `upstream`, with `SSL_CERT_FILE` set or not; its log lines go to `log`.
+fn nackd_trusting_the_system(
+    dir: &Path,
+    upstream: std::net::SocketAddr,
+    cert_file: Option<&Path>,
+) -> (std::process::Child, std::net::SocketAddr, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    let cfg = dir.join("system-roots.toml");
+    std::fs::write(
+        &cfg,
+        format!("[upstream]\naddress = \"{upstream}\"\ntls = {{ server_name = \"localhost\" }}\n"),
+    )
+    .unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_nackd"));
+    command
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+        .args(["--log-format", "json"])
+        .env_remove("SSL_CERT_FILE")
+        .env_remove("SSL_CERT_DIR")
+        .stderr(std::process::Stdio::piped());
+    if let Some(file) = cert_file {
+        command.env("SSL_CERT_FILE", file);
+    }
+    let mut child = command.spawn().unwrap();
+    let (tx, log) = std::sync::mpsc::channel();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let listening = line_with(&log, "\"listening\"")
+        .expect("nackd listens (it found CA certificates to trust)");
+    let line: serde_json::Value = serde_json::from_str(&listening).unwrap();
+    let addr = line["fields"]["address"].as_str().unwrap().parse().unwrap();
+    (child, addr, log)
+}
+
+/// The first line of `log` containing `needle` within 15 s.
+fn line_with(log: &std::sync::mpsc::Receiver<String>, needle: &str) -> Option<String> {
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let left = until.checked_duration_since(std::time::Instant::now())?;
+        let line = log.recv_timeout(left).ok()?;
+        if line.contains(needle) {
+            return Some(line);
+        }
+    }
+}
+
+/// `upstream.tls` without `ca` trusts the system's CA store: a broker
+/// whose certificate a private CA signed is refused, the handshake error
+/// naming why; with `SSL_CERT_FILE` (read by rustls-native-certs in place
+/// of the OS store) naming that CA, nackd gets through.
+#[tokio::test]
+async fn upstream_tls_without_a_ca_trusts_the_system_store() {
+    init_logs();
+    require_broker();
+    let pki = pki();
+    let d = pki.dir.path().display();
+    let b = start_with(config(&format!(
+        "[listen]\naddress=\"127.0.0.1:0\"\ntls={{cert=\"{d}/server.pem\",key=\"{d}/server.key\"}}\n[upstream]\naddress=\"{BROKER}\"\n"
+    )))
+    .await;
+    let connect = |addr: std::net::SocketAddr| async move {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            lapin::Connection::connect(
+                &format!("amqp://guest:guest@{addr}/%2f"),
+                lapin::ConnectionProperties::default(),
+            ),
+        )
+        .await
+        .expect("an answer within 10 s")
+    };
+
+    let (mut child, addr, log) = nackd_trusting_the_system(pki.dir.path(), b.addr, None);
+    assert!(connect(addr).await.is_err(), "the test CA is not in the OS store");
+    let refused = line_with(&log, "cannot reach the broker")
+        .expect("a log line for the refused connection");
+    assert!(
+        refused.contains("invalid peer certificate") && refused.contains("UnknownIssuer"),
+        "{refused}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+
+    let ca = pki.dir.path().join("ca.pem");
+    let (mut child, addr, _log) = nackd_trusting_the_system(pki.dir.path(), b.addr, Some(&ca));
+    let conn = connect(addr).await.expect("SSL_CERT_FILE trusts the test CA");
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("tls-system");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    conn.close(200, "bye".into()).await.unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
     b.stop().await;
 }

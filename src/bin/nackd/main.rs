@@ -17,12 +17,31 @@ use tokio_util::sync::CancellationToken;
 mod admin;
 mod store;
 
+/// Where the configuration is when neither `--config` nor `NACKD_CONFIG`
+/// says: where the Debian package and the container image put it.
+const DEFAULT_CONFIG: &str = "/etc/nackd/nackd.toml";
+
+/// `nackd --version`: the package version and the commit it was built
+/// from (build.rs), with the commit's date when known.
+const VERSION: &str = match NACKD_COMMIT_DATE.is_empty() {
+    true => concat!(env!("CARGO_PKG_VERSION"), " (", env!("NACKD_COMMIT"), ")"),
+    false => concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (",
+        env!("NACKD_COMMIT"),
+        " ",
+        env!("NACKD_COMMIT_DATE"),
+        ")"
+    ),
+};
+const NACKD_COMMIT_DATE: &str = env!("NACKD_COMMIT_DATE");
+
 /// AMQP 0-9-1 proxy that turns nack/reject into delayed retries.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version = VERSION, about)]
 struct Args {
-    /// Configuration file.
-    #[arg(long, default_value = "config/nackd.toml")]
+    /// Configuration file, before or after a subcommand.
+    #[arg(long, global = true, env = "NACKD_CONFIG", default_value = DEFAULT_CONFIG)]
     config: PathBuf,
     /// Check this configuration file as startup does, without the network,
     /// and exit (0 if nackd would start with it; 2, naming the key, if not).
@@ -90,7 +109,12 @@ fn main() -> ExitCode {
         None => {}
     }
     init_logging(args.log_format);
-    let mut config = match Config::load(&args.config) {
+    // `upstream.uri` first: `--upstream` overrides the address it names.
+    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
+    let mut config = match loaded.and_then(|c| {
+        c.with_uri()
+            .map_err(|e| format!("{}: {e}", args.config.display()))
+    }) {
         Ok(config) => config,
         Err(e) => {
             tracing::error!("invalid configuration: {e}");

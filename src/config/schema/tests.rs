@@ -254,7 +254,9 @@ impl Choice {
     }
 }
 
-const DOCUMENTS: usize = 4;
+/// Five: `[upstream]` has five keys that exclude each other (`address`,
+/// `addresses`, `uri`, `uri_env`, `uri_file`).
+const DOCUMENTS: usize = 5;
 
 fn choices() -> impl Iterator<Item = Choice> {
     (0..DOCUMENTS).map(Choice)
