@@ -100,7 +100,9 @@ fn image_config() -> serde_json::Value {
     inspected[0]["Config"].clone()
 }
 
-fn assert_the_image_config(config: &serde_json::Value) {
+/// Checks the image's config; returns the commit it was built from (its
+/// revision label).
+fn assert_the_image_config(config: &serde_json::Value) -> String {
     assert_eq!(config["User"], USER, "a numeric user, not root: {config:#}");
     assert_eq!(config["StopSignal"], "SIGTERM", "{config:#}");
     assert!(
@@ -128,10 +130,12 @@ fn assert_the_image_config(config: &serde_json::Value) {
         labels.get("org.opencontainers.image.source").is_some(),
         "{labels:#}"
     );
+    revision.to_string()
 }
 
-/// What runs in the image: the user's ids, and the system's trust roots.
-fn assert_the_user_and_trust_roots(name: &str) {
+/// What runs in the image: the user's ids, the system's trust roots, and a
+/// nackd whose `--version` names the commit the image was built from.
+fn assert_the_user_trust_roots_and_version(name: &str, revision: &str) {
     let _container = Container {
         name: name.to_string(),
     };
@@ -142,13 +146,18 @@ fn assert_the_user_and_trust_roots(name: &str) {
             "sh",
             IMAGE,
             "-c",
-            "id -u; id -g; test -s /etc/ssl/certs/ca-certificates.crt && echo trust-roots",
+            "id -u; id -g; test -s /etc/ssl/certs/ca-certificates.crt && echo trust-roots; \
+             /usr/local/bin/nackd --version",
         ]),
-        "podman run (id, trust roots)",
+        "podman run (id, trust roots, version)",
     );
-    assert_eq!(
-        out.split_whitespace().collect::<Vec<_>>(),
-        ["10001", "10001", "trust-roots"]
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..3], ["10001", "10001", "trust-roots"], "{out}");
+    let version = lines.get(3).copied().unwrap_or_default();
+    assert!(
+        version.starts_with(&format!("nackd {} (", env!("CARGO_PKG_VERSION")))
+            && version.contains(&revision[..12]),
+        "nackd --version names the commit the image was built from ({revision}): {version:?}"
     );
 }
 
@@ -224,13 +233,16 @@ async fn the_image_builds_from_the_work_tree_runs_as_10001_retries_and_stops_on_
     host(
         Command::new(Path::new(DIR).join("scripts/image"))
             .args(["build", IMAGE])
+            // build.rs's NACKD_COMMIT (cargo sets it for the tests too) is
+            // the commit when the test was compiled: scripts/image asks git.
+            .env_remove("NACKD_COMMIT")
             .stderr(Stdio::inherit()),
         "scripts/image build",
     );
-    assert_the_image_config(&image_config());
+    let revision = assert_the_image_config(&image_config());
 
     let name = common::unique("image");
-    assert_the_user_and_trust_roots(&format!("{name}-id"));
+    assert_the_user_trust_roots_and_version(&format!("{name}-id"), &revision);
 
     let queue = common::unique("image");
     let dir = tempfile::Builder::new()

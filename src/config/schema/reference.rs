@@ -47,9 +47,9 @@ const INTRO: &str = r#"# Configuration reference
 core/src/policy.rs) by src/config/schema/reference.rs: do not edit. To
 regenerate: NACKD_REGENERATE=1 cargo test -p nackd --lib config::schema -->
 
-nackd reads one TOML file: the one `--config FILE` names (default
-`config/nackd.toml`, relative to the working directory). The Debian package
-and the container image keep it in `/etc/nackd/nackd.toml`. Every key is
+nackd reads one TOML file: the one `--config FILE` names, else the one the
+environment variable `NACKD_CONFIG` names, else `/etc/nackd/nackd.toml`
+(where the Debian package and the container image keep it). Every key is
 optional except inside `[[policy]]` and `[[delayed_exchange]]` tables; an
 absent key has the default listed below. A key nackd does not know stops
 startup with its name and the table it is in, like a bad value does.
@@ -62,7 +62,8 @@ systemd unit (`deploy/nackd.service`) and in the container image.
 without the network and exits 0 (`FILE: ok`), or 2 with
 `invalid configuration: ` and the key at fault. Besides the values below it
 loads the TLS files, checks that the variables named by `*_env` keys are
-set, resolves `[replica]` and checks that an existing `store.path` is a
+set and that the files named by `*_file` keys can be read, resolves
+`[replica]` and checks that an existing `store.path` is a
 directory; run it as the service's user, with its environment. The systemd
 unit runs it before every start. SIGHUP reloads the `[[policy]]` tables;
 other keys take effect at the next start.
