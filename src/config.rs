@@ -513,7 +513,7 @@ pub struct Metrics {
     pub address: SocketAddr,
     /// Bearer token of the admin API, inline (the API is off without
     /// either token): at least 16 printable ASCII characters, no spaces. Set
-    /// `admin_token` or `admin_token_env`, not both.
+    /// one of `admin_token`, `admin_token_env` and `admin_token_file`.
     #[schemars(length(min = ADMIN_TOKEN_MIN), pattern(TOKEN_PATTERN))]
     #[schemars(example = "change-me-admin-0123456789")]
     pub admin_token: Option<String>,
@@ -525,9 +525,9 @@ pub struct Metrics {
     #[schemars(example = &"/etc/nackd/admin-token")]
     pub admin_token_file: Option<PathBuf>,
     /// Bearer token of the admin API's calls that change nothing (list
-    /// held messages), inline; fire, purge, replay and reseed answer 403
-    /// to it. Must differ from the admin token. Set `read_token` or
-    /// `read_token_env`, not both.
+    /// held messages, the policies in force), inline; fire, purge, replay
+    /// and reseed answer 403 to it. Must differ from the admin token. Set
+    /// one of `read_token`, `read_token_env` and `read_token_file`.
     #[schemars(length(min = ADMIN_TOKEN_MIN), pattern(TOKEN_PATTERN))]
     #[schemars(example = "change-me-reader-0123456789")]
     pub read_token: Option<String>,
@@ -938,6 +938,17 @@ impl Config {
         {
             let reason = format!("the password is in {key}: set it there or in {other}, not both");
             return Err((other, reason));
+        }
+        if uri.username.is_some()
+            && uri.password.is_none()
+            && self.republish.password_secret().key_set().is_none()
+        {
+            // Otherwise the default password ("guest") would go with the
+            // URI's user, unseen.
+            let reason = format!(
+                "{key} names a user without a password: add it to the URI, or set republish.password_env or republish.password_file"
+            );
+            return Err((key.to_string(), reason));
         }
         if !uri.tls && self.upstream.tls.is_some() {
             let reason = format!("{key} is amqp:// (plain): write amqps:// for TLS");

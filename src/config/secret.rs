@@ -70,12 +70,47 @@ impl Secret<'_> {
             return Ok(None);
         };
         let key = format!("{}_file", self.key);
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("{key}: cannot read {}: {e}", path.display()))?;
+        let text = read_secret_file(path).map_err(|e| format!("{key}: {e}"))?;
         let value = text.trim_end_matches(['\n', '\r']);
         if value.is_empty() {
             return Err(format!("{key}: {} is empty", path.display()));
         }
         Ok(Some((value.to_string(), key)))
     }
+}
+
+/// The most a secret file may hold: a password, a token or a URI is far
+/// shorter, and more means the key names the wrong file.
+const MAX_SECRET_FILE: u64 = 64 * 1024;
+
+/// A secret file's text: a regular file (symbolic links followed, as
+/// Kubernetes mounts secrets through them) of at most [`MAX_SECRET_FILE`]
+/// bytes, so that a FIFO cannot hang startup and `/dev/zero` cannot fill
+/// the memory. The error names the path.
+fn read_secret_file(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    let mut text = String::new();
+    file.take(MAX_SECRET_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if text.len() as u64 > MAX_SECRET_FILE {
+        return Err(format!(
+            "{} is larger than {MAX_SECRET_FILE} bytes: not a secret",
+            path.display()
+        ));
+    }
+    Ok(text)
 }

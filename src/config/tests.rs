@@ -455,6 +455,40 @@ fn secrets_come_from_one_of_inline_env_and_file() {
         e.starts_with("metrics.admin_token_file: a token must be at least 16"),
         "{e}"
     );
+    // Not a regular file, or far too large for a secret: refused, not
+    // read (a FIFO would hang startup, /dev/zero fill the memory).
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let huge = file("huge", &"x".repeat(64 * 1024 + 1));
+    for (path, why) in [
+        (fifo.as_path(), "is not a regular file".to_string()),
+        (Path::new("/dev/zero"), "is not a regular file".to_string()),
+        (huge.as_path(), "is larger than 65536 bytes".to_string()),
+    ] {
+        let text = format!("[republish]\npassword_file = {path:?}\n");
+        let config = Config::parse(&text, Path::new("x")).unwrap();
+        let e = config.republish.password().unwrap_err();
+        assert_eq!(
+            e,
+            format!("republish.password_file: {} {why}", path.display())
+                + if why.starts_with("is larger") {
+                    ": not a secret"
+                } else {
+                    ""
+                },
+        );
+    }
+    // A symbolic link to a file is followed (Kubernetes mounts secrets so).
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&password, &link).unwrap();
+    let text = format!("[republish]\npassword_file = {link:?}\n");
+    let config = Config::parse(&text, Path::new("x")).unwrap();
+    assert_eq!(config.republish.password().unwrap(), "n3w");
+
     let same = format!("[metrics]\nadmin_token_file = {admin:?}\nread_token_file = {admin:?}\n");
     let config = Config::parse(&same, Path::new("x")).unwrap();
     assert_eq!(
@@ -501,6 +535,7 @@ fn a_broker_uri_names_one_node_its_tls_and_a_login() {
         ("amqp://:secret@h", "a password without a user"),
         ("rabbit:5672", "scheme"),
         ("amqp:///", "host"),
+        ("amqp://h:0", "port 0"),
     ] {
         let e = uri(text).unwrap_err();
         assert!(e.contains(why), "{text}: {e}");
@@ -572,6 +607,18 @@ fn a_broker_uri_replaces_the_address_and_the_login_it_carries() {
             "in upstream.uri",
         ),
         ("uri = \"amqp://u:secret@h/vh\"\n", "upstream.uri", "vhost"),
+        // A user with no password anywhere would log in with the default
+        // ("guest") password, unseen.
+        (
+            "uri = \"amqp://u@h\"\n",
+            "upstream.uri",
+            "a user without a password",
+        ),
+        (
+            "uri = \"amqp://u:@h\"\n",
+            "upstream.uri",
+            "a user without a password",
+        ),
     ] {
         let e = err(&format!("[upstream]\n{text}"));
         assert!(

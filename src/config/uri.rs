@@ -65,6 +65,9 @@ impl std::str::FromStr for BrokerUri {
         if password.is_some() && username.is_none() {
             return Err("a password without a user".into());
         }
+        if uri.authority.port == 0 {
+            return Err("port 0".into());
+        }
         Ok(Self {
             node: format!("{host}:{}", uri.authority.port),
             tls: uri.scheme == AMQPScheme::AMQPS,
