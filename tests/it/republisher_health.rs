@@ -264,7 +264,10 @@ async fn a_queue_gone_for_good_has_its_messages_dead_lettered_or_dropped() {
     );
     let nackd = start(&format!(
         "[republish.queue_gone]\naction = \"dead-letter\"\nafter = \"2s\"\nprobe_interval = \"1s\"\nexchange = \"{x}\"\n{}",
-        policy(&q, "\"200ms\"", "")
+        // Long enough that the queue is deleted before the retries fire,
+        // even on a loaded machine (with 200ms they once landed in the
+        // queue and went with it, and nothing was left to dead-letter).
+        policy(&q, "\"3s\"", "")
     ))
     .await;
     let conn = nackd.connect().await;
@@ -296,7 +299,7 @@ async fn a_queue_gone_for_good_has_its_messages_dead_lettered_or_dropped() {
     let q2 = unique("gone-drop");
     let dropping = start(&format!(
         "[republish.queue_gone]\naction = \"drop\"\nafter = \"1s\"\nprobe_interval = \"1s\"\n{}",
-        policy(&q2, "\"200ms\"", "")
+        policy(&q2, "\"3s\"", "")
     ))
     .await;
     let conn2 = dropping.connect().await;
