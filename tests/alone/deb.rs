@@ -11,7 +11,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+
+use crate::common::process::host;
 
 const DIR: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -21,24 +22,6 @@ fn script(name: &str) -> PathBuf {
 
 fn repo_file(path: &str) -> String {
     std::fs::read_to_string(Path::new(DIR).join(path)).unwrap()
-}
-
-/// Runs a command on the host; panics with its output unless it succeeds.
-/// Returns its stdout. Says how long it took (`-- --nocapture` shows it).
-fn host(command: &mut Command, what: &str) -> String {
-    let started = Instant::now();
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run {command:?}: {e}"));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{what}: {:.1} s", started.elapsed().as_secs_f64());
-    stdout
 }
 
 /// A fresh copy of the pristine trixie root, deleted on drop.

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 
+use crate::common::process::host;
 use crate::common::{self, BROKER};
 
 const DIR: &str = env!("CARGO_MANIFEST_DIR");
@@ -31,24 +32,6 @@ const USER: &str = "10001:10001";
 const GRACE: Duration = Duration::from_secs(3);
 /// The policy's only delay.
 const DELAY: Duration = Duration::from_millis(500);
-
-/// Runs a command; panics with its output unless it succeeds. Returns its
-/// stdout. Says how long it took (`-- --nocapture` shows it).
-fn host(command: &mut Command, what: &str) -> String {
-    let started = Instant::now();
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run {command:?}: {e}"));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{what}: {:.1} s", started.elapsed().as_secs_f64());
-    stdout
-}
 
 /// podman as it runs containers on this kind of machine: runc (crun fails
 /// on its hybrid cgroups), cgroupfs, the host's network and ulimits it

@@ -178,3 +178,21 @@ impl Drop for Process {
         let _ = self.child.wait();
     }
 }
+
+/// Runs a command on the host; panics with its output unless it succeeds.
+/// Returns its stdout. Says how long it took (`-- --nocapture` shows it).
+pub fn host(command: &mut std::process::Command, what: &str) -> String {
+    let started = std::time::Instant::now();
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {command:?}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{what}: {:.1} s", started.elapsed().as_secs_f64());
+    stdout
+}
