@@ -23,6 +23,20 @@ pub async fn declare_durable(ch: &Channel, q: &str) {
     .unwrap();
 }
 
+/// Declares an exclusive queue (gone with the connection) with no arguments.
+pub async fn declare_exclusive(ch: &Channel, q: &str) {
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
 /// Messages ready in `q`, as the broker counts them (a passive declare).
 pub async fn message_count(ch: &Channel, q: &str) -> u32 {
     try_message_count(ch, q).await.unwrap()

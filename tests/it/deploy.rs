@@ -8,8 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::BasicProperties;
 
 use nackd::config::Config;
@@ -225,13 +224,7 @@ fn the_shipped_configs_check_and_start_as_a_plain_proxy() {
             let conn = crate::common::connect(&format!("amqp://guest:guest@{addr}/%2f")).await;
             let ch = conn.create_channel().await.unwrap();
             let q = crate::common::unique("shipped");
-            let declared = QueueDeclareOptions {
-                exclusive: true,
-                ..Default::default()
-            };
-            ch.queue_declare(q.as_str().into(), declared, FieldTable::default())
-                .await
-                .unwrap();
+            crate::common::declare_exclusive(&ch, &q).await;
             ch.basic_publish(
                 "".into(),
                 q.as_str().into(),

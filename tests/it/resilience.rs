@@ -16,16 +16,7 @@ use nackd_core::protocol::frame::{Frame, FrameType};
 async fn round_trip(conn: &lapin::Connection) {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("alive");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    crate::common::declare_exclusive(&ch, &q).await;
     ch.basic_publish(
         "".into(),
         q.as_str().into(),

@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::*;
 use lapin::options::*;
 use lapin::tcp::OwnedTLSConfig;
-use lapin::types::FieldTable;
 use lapin::BasicProperties;
 use nackd::config::Config;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
@@ -82,16 +81,7 @@ async fn amqps_client_to_nackd_and_nackd_to_a_tls_upstream() {
         .await
         .unwrap();
     let q = unique("tls");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    crate::common::declare_exclusive(&ch, &q).await;
     let body = vec![42u8; 300_000]; // several TLS records and AMQP frames
     let confirm = ch
         .basic_publish(
@@ -307,16 +297,7 @@ async fn upstream_tls_without_a_ca_trusts_the_system_store() {
     let conn = connect(addr).await.expect("SSL_CERT_FILE trusts the test CA");
     let ch = conn.create_channel().await.unwrap();
     let q = unique("tls-system");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    crate::common::declare_exclusive(&ch, &q).await;
     conn.close(200, "bye".into()).await.unwrap();
     let _ = child.kill();
     let _ = child.wait();
