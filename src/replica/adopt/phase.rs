@@ -10,6 +10,17 @@
 //! (only [`Effect::Schedule`] releases them, and only after a commit
 //! that the directory shows), and no commit unless this instance is
 //! still active and the adopted id's lease still has a majority.
+//!
+//! ```text
+//! Leasing ─taken→ Reading ─┬─ adopted, or no generation ─→ Finishing ─→ Ended (Done)
+//!    └─ not taken → Ended  ├─ another's intent open ─→ AskingAdopter ─ alive → Ended (Left)
+//!       (Busy)             │                                └─ gone or overdue ─┐
+//!                          └──────────────────────────→ CheckingStream ←───────┘
+//! CheckingStream ─ gone → Ended (Missing)
+//!    └─ there → Intending → Parking → Confirming → Probing → Committing → Finishing → Ended (Done)
+//! Parking: stream returned → Ended (Missing); Confirming: not active, Probing: no
+//! majority, any phase: an I/O error → Ended (the error; parks kept, not fired)
+//! ```
 
 use tracing::{info, warn};
 
@@ -352,7 +363,7 @@ mod tests {
         }
     }
 
-    /// Drives an attempt from `phase` to its commit.
+    /// Drives a parking attempt through both checks to its commit.
     fn to_commit(a: &mut Attempt) {
         assert!(a.on(Outcome::Parked(3)).is_empty());
         assert!(a.on(Outcome::Active(true)).is_empty());

@@ -3,6 +3,15 @@
 //! wiped) → a new lease epoch → the store reopened. [`Sync::on`] takes
 //! what the last step found and names the next; the driver
 //! (`Task::try_sync` in `super`) does the I/O each [`Phase`] names.
+//!
+//! ```text
+//! Reading ─┬─ reseed asked, not adopted ─→ Reseeding ────────────┐
+//!          ├─ a generation, not adopted ─→ Checking ─ current ─→ Sealing → Reopening → Synced
+//!          │                                  ├─ stale → Rebuilding ─┘
+//!          │                                  └─ gone → Failed (Missing)
+//!          └─ none, or adopted elsewhere ─→ Starting (wiped if adopted) ─→ Sealing
+//! any phase: broker → Failed (Broker, retried); store → Failed (Store, given up)
+//! ```
 
 use crate::replica::client::ClientError;
 use crate::replica::local::Synced;
