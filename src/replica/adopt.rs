@@ -21,6 +21,10 @@
 //! adopter takes every message from the adopted stream again. An intent
 //! whose adopter is alive is left to it (it resumes where it stopped).
 //!
+//! The steps of one attempt are the states of [`phase::Attempt`]: a
+//! transition function without I/O (each transition is unit-tested), and
+//! `Adopter::adopt`, which does the I/O of each state.
+//!
 //! An instance whose generation stream is gone (deleted by someone) cannot
 //! be adopted: that is logged as an error once, counted in
 //! `nackd_replica_unadoptable`, and its lease is given back, so that it can
@@ -39,6 +43,9 @@ use super::record::{Fold, Intent, Record, Step};
 use super::{local, Config, State};
 use crate::metrics::Metrics;
 use crate::store::Held;
+use phase::{Attempt, Effect, Outcome, Phase};
+
+mod phase;
 
 /// What an adoption asks of the retry engine.
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
@@ -102,6 +109,7 @@ pub(super) async fn run(
 }
 
 /// How an adoption attempt ended.
+#[derive(Debug)]
 enum Adoption {
     /// Nothing is left to adopt.
     Done,
@@ -172,7 +180,7 @@ impl Watch {
     }
 
     /// Looks at every registered instance; adopts those free long enough.
-    pub async fn round(
+    pub(super) async fn round(
         &mut self,
         client: &Client,
         config: &Config,
@@ -242,17 +250,7 @@ impl Watch {
     ) -> Result<(), ClientError> {
         let nodes = config.target.nodes.len();
         if Lease::is_held(client, &Config::lease(name), nodes).await? {
-            // Alive (again): once it is gone again it is adopted again.
-            self.free_since.remove(name);
-            self.settled.remove(name);
-            self.unadoptable.remove(name);
-            if let Some(progress) = self.progress.remove(name) {
-                // It came back (or another adopter started): our parks
-                // can no longer be committed, unless they were already.
-                if let Some(kept) = settle(client, engine, config, name, progress).await {
-                    self.progress.insert(name.to_owned(), kept);
-                }
-            }
+            self.alive(client, config, engine, name).await;
             return Ok(());
         }
         if self.settled.contains(name) {
@@ -280,12 +278,46 @@ impl Watch {
             state: &self.state,
             metrics: &self.metrics,
         };
-        match me.adopt(name, progress, overdue).await? {
+        let adoption = me.adopt(name, progress, overdue).await?;
+        self.ended(config, engine, name, adoption, now).await;
+        Ok(())
+    }
+
+    /// Alive (again): once it is gone again it is adopted again.
+    async fn alive(
+        &mut self,
+        client: &Client,
+        config: &Config,
+        engine: &mpsc::Sender<Adopt>,
+        name: &str,
+    ) {
+        self.free_since.remove(name);
+        self.settled.remove(name);
+        self.unadoptable.remove(name);
+        if let Some(progress) = self.progress.remove(name) {
+            // It came back (or another adopter started): our parks
+            // can no longer be committed, unless they were already.
+            if let Some(kept) = settle(client, engine, config, name, progress).await {
+                self.progress.insert(name.to_owned(), kept);
+            }
+        }
+    }
+
+    /// What an attempt at `name` (made at `now`) leaves for next rounds.
+    async fn ended(
+        &mut self,
+        config: &Config,
+        engine: &mpsc::Sender<Adopt>,
+        name: &str,
+        adoption: Adoption,
+        now: Instant,
+    ) {
+        match adoption {
             Adoption::Left(epoch) => {
                 if self.left.get(name).is_none_or(|(e, _)| *e != epoch) {
                     self.left.insert(name.to_owned(), (epoch, now));
                 }
-                return Ok(()); // looked at again next round, still free
+                return; // looked at again next round, still free
             }
             Adoption::Done => {
                 self.settled.insert(name.to_owned());
@@ -310,7 +342,6 @@ impl Watch {
         }
         self.free_since.remove(name);
         self.left.remove(name);
-        Ok(())
     }
 }
 
@@ -400,7 +431,11 @@ impl Commits {
     /// Whether a put moved by `from` counts. A directory that is gone
     /// counts as committed: nobody can adopt that instance any more, so
     /// this is the one copy left.
-    pub async fn counts(&mut self, client: &Client, from: &Intent) -> Result<bool, ClientError> {
+    pub(super) async fn counts(
+        &mut self,
+        client: &Client,
+        from: &Intent,
+    ) -> Result<bool, ClientError> {
         if let Some(known) = self.known.get(from) {
             return Ok(*known);
         }
@@ -471,6 +506,13 @@ async fn schedule(
     local::end_adoption(&config.store_dir, from);
 }
 
+/// Gives the adopted instance's lease back, if it is held.
+async fn give_back(lease: &mut Option<Lease>) {
+    if let Some(lease) = lease.take() {
+        lease.release().await;
+    }
+}
+
 /// Completes what an adoption that can no longer be committed parked.
 async fn abandon(engine: &mpsc::Sender<Adopt>, config: &Config, from: &str, progress: Progress) {
     local::end_adoption(&config.store_dir, from);
@@ -491,153 +533,160 @@ async fn abandon(engine: &mpsc::Sender<Adopt>, config: &Config, from: &str, prog
 impl Adopter<'_> {
     /// Adopts `name`'s held messages, in one step: intent, parks, commit.
     /// `overdue`: the epoch of a live adopter's intent left open too long.
+    /// The steps and their order are [`Attempt`]'s; this does their I/O.
     async fn adopt(
         &self,
         name: &str,
         progress: &mut Progress,
         overdue: Option<u64>,
     ) -> Result<Adoption, ClientError> {
-        let client = self.client;
-        let me = &self.config.instance;
-        let connection = format!("nackd adoption {me} of {name}");
-        let target = &self.config.target;
-        let Some(mut lease) = Lease::take(target, &Config::lease(name), &connection).await? else {
-            return Ok(Adoption::Busy); // another instance adopts it, or it came back
-        };
-        let dir = Directory::read(client, name).await?.unwrap_or_default();
-        let mut released = false;
-        if let Some(epoch) = progress.epoch {
-            if dir.committed.contains(&epoch) {
-                // Committed by the last try, whose answer was lost.
-                self.release(name, epoch, progress).await;
-                released = true;
-            } else if dir.open.as_ref() != Some(&(me.clone(), epoch)) {
-                abandon(self.engine, self.config, name, std::mem::take(progress)).await;
+        let mut attempt = Attempt::new(name, &self.config.instance, progress.epoch, overdue);
+        // Dropped on an error exit: given back all the same.
+        let mut lease: Option<Lease> = None;
+        loop {
+            let outcome = self
+                .perform(attempt.phase(), name, progress, &mut lease)
+                .await
+                .unwrap_or_else(Outcome::Failed);
+            for effect in attempt.on(outcome) {
+                self.apply(effect, name, progress, &mut lease).await;
+            }
+            if let Some(exit) = attempt.exit() {
+                return exit;
             }
         }
-        let Some(g) = dir.generation.filter(|_| !dir.adopted) else {
-            self.finish(name, dir.generation.filter(|_| released), lease)
-                .await?;
-            return Ok(Adoption::Done);
-        };
-        if let Some((by, epoch)) = dir.open.as_ref().filter(|(by, _)| by != me) {
-            let nodes = target.nodes.len();
-            if overdue != Some(*epoch) && Lease::is_held(client, &Config::lease(by), nodes).await? {
-                // Its adopter is alive: it resumes (or gives up) itself.
-                lease.release().await;
-                return Ok(Adoption::Left(*epoch));
+    }
+
+    /// The I/O `phase` names, and what it found.
+    async fn perform(
+        &self,
+        phase: &Phase,
+        name: &str,
+        progress: &mut Progress,
+        lease: &mut Option<Lease>,
+    ) -> Result<Outcome, ClientError> {
+        let (client, target) = (self.client, &self.config.target);
+        Ok(match phase {
+            Phase::Leasing => {
+                let connection = format!("nackd adoption {} of {name}", self.config.instance);
+                *lease = Lease::take(target, &Config::lease(name), &connection).await?;
+                Outcome::Lease(lease.is_some())
             }
-            warn!(
-                from = name,
-                adopter = by,
-                epoch,
-                "an adoption was cut off half way (its adopter is gone, or has not finished within adopt_after): adopting again; its parks never count"
-            );
-        }
-        let stream = Config::generation(name, g);
-        if !client.exists(&stream).await? {
-            lease.release().await; // it may come back and reseed
-            return Ok(Adoption::Missing(stream));
-        }
-        let epoch = match progress.epoch {
-            Some(epoch) => {
-                info!(
-                    from = name,
-                    epoch,
-                    parked = progress.ours.len(),
-                    "resuming an adoption cut off half way, under the same intent"
-                );
-                // Marked again: a sync since may have cleared it.
-                local::begin_adoption(&self.config.store_dir, name)
-                    .map_err(|e| ClientError::Unreachable(format!("local store: {e}")))?;
-                epoch
+            Phase::Reading => {
+                Outcome::Directory(Directory::read(client, name).await?.unwrap_or_default())
             }
-            None => {
-                let epoch = dir.last_intent + 1;
-                local::begin_adoption(&self.config.store_dir, name)
-                    .map_err(|e| ClientError::Unreachable(format!("local store: {e}")))?;
-                let intent = Record::Adopting {
-                    by: me.clone(),
-                    epoch,
+            Phase::AskingAdopter { by, .. } => {
+                let nodes = target.nodes.len();
+                Outcome::AdopterAlive(Lease::is_held(client, &Config::lease(by), nodes).await?)
+            }
+            Phase::CheckingStream { g, .. } => {
+                Outcome::StreamExists(client.exists(&Config::generation(name, *g)).await?)
+            }
+            Phase::Intending { epoch, new, .. } => {
+                self.intend(name, *epoch, *new, progress).await?;
+                Outcome::IntentWritten
+            }
+            Phase::Parking { g, epoch } => self.park(name, *g, *epoch, progress).await?,
+            Phase::Confirming { .. } => Outcome::Active(
+                // Changed at all: the lease was lost meanwhile, and the
+                // store may have been rebuilt without these parks.
+                !self.state.has_changed().unwrap_or(true) && *self.state.borrow() == State::Active,
+            ),
+            Phase::Probing { .. } => {
+                let held = match lease.as_mut() {
+                    Some(lease) => lease.probe(|| {}).await,
+                    None => 0,
+                };
+                Outcome::Majority(held >= lease::majority(target.nodes.len()))
+            }
+            Phase::Committing { epoch, .. } => {
+                let commit = Record::Adopted {
+                    by: self.config.instance.clone(),
+                    epoch: Some(*epoch),
                 };
                 client
-                    .append_confirmed(&Config::directory(name), &intent)
+                    .append_confirmed(&Config::directory(name), &commit)
                     .await?;
-                progress.epoch = Some(epoch);
-                epoch
+                Outcome::Committed
             }
-        };
+            Phase::Finishing { generation, .. } => {
+                if let Some(g) = generation {
+                    client.delete(&Config::generation(name, *g)).await?;
+                }
+                give_back(lease).await;
+                Outcome::Finished
+            }
+            Phase::Ended => unreachable!("an ended attempt is not driven"),
+        })
+    }
+
+    /// Marks the adoption in the local store (again, when resumed: a sync
+    /// since may have cleared it), then writes a new intent.
+    async fn intend(
+        &self,
+        name: &str,
+        epoch: u64,
+        new: bool,
+        progress: &Progress,
+    ) -> Result<(), ClientError> {
+        if !new {
+            info!(
+                from = name,
+                epoch,
+                parked = progress.ours.len(),
+                "resuming an adoption cut off half way, under the same intent"
+            );
+        }
+        local::begin_adoption(&self.config.store_dir, name)
+            .map_err(|e| ClientError::Unreachable(format!("local store: {e}")))?;
+        if new {
+            let intent = Record::Adopting {
+                by: self.config.instance.clone(),
+                epoch,
+            };
+            self.client
+                .append_confirmed(&Config::directory(name), &intent)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Applies what a transition asked for.
+    async fn apply(
+        &self,
+        effect: Effect,
+        name: &str,
+        progress: &mut Progress,
+        lease: &mut Option<Lease>,
+    ) {
+        let (engine, config) = (self.engine, self.config);
+        match effect {
+            Effect::Schedule(epoch) => {
+                schedule(engine, config, name, epoch, std::mem::take(progress)).await;
+            }
+            Effect::Abandon => abandon(engine, config, name, std::mem::take(progress)).await,
+            Effect::Intend(epoch) => progress.epoch = Some(epoch),
+            Effect::GiveBackLease => give_back(lease).await,
+        }
+    }
+
+    /// Parks generation `g` under intent `epoch`, skipping what was parked.
+    async fn park(
+        &self,
+        name: &str,
+        g: u64,
+        epoch: u64,
+        progress: &mut Progress,
+    ) -> Result<Outcome, ClientError> {
         let from = Intent {
             from: name.to_owned(),
             epoch,
         };
-        let count = match self.take_over(g, from, &mut progress.ours).await {
-            Ok(count) => count,
-            Err(ClientError::Returned(stream)) => {
-                abandon(self.engine, self.config, name, std::mem::take(progress)).await;
-                lease.release().await;
-                return Ok(Adoption::Missing(stream));
-            }
-            // Kept, not fired: the next try resumes under the same intent,
-            // or drops them if it can no longer be committed.
-            Err(e) => return Err(e),
-        };
-        if self.state.has_changed().unwrap_or(true) || *self.state.borrow() != State::Active {
-            // Our lease was lost meanwhile: the store may have been
-            // rebuilt without these parks. The next round drops them.
-            return Err(ClientError::Unreachable(
-                "this instance's lease was lost during the adoption: not committing".into(),
-            ));
+        match self.take_over(g, from, &mut progress.ours).await {
+            Ok(count) => Ok(Outcome::Parked(count)),
+            Err(ClientError::Returned(stream)) => Ok(Outcome::StreamReturned(stream)),
+            Err(e) => Err(e),
         }
-        if lease.probe(|| {}).await < lease::majority(target.nodes.len()) {
-            // The adopted id's lease went meanwhile: another adopter (or
-            // the instance itself) may act on its directory now.
-            return Err(ClientError::Unreachable(
-                "the adopted instance's lease was lost during the adoption: not committing".into(),
-            ));
-        }
-        let commit = Record::Adopted {
-            by: me.clone(),
-            epoch: Some(epoch),
-        };
-        client
-            .append_confirmed(&Config::directory(name), &commit)
-            .await?;
-        self.release(name, epoch, progress).await;
-        self.finish(name, Some(g), lease).await?;
-        info!(
-            from = name,
-            epoch,
-            messages = count,
-            "adopted the held messages of an instance whose lease was free"
-        );
-        Ok(Adoption::Done)
-    }
-
-    /// The intent `epoch` is committed: its parks fire from now on.
-    async fn release(&self, from: &str, epoch: u64, progress: &mut Progress) {
-        schedule(
-            self.engine,
-            self.config,
-            from,
-            epoch,
-            std::mem::take(progress),
-        )
-        .await;
-    }
-
-    /// Nothing is left to adopt: the old generation (if any) and the lease go.
-    async fn finish(
-        &self,
-        name: &str,
-        generation: Option<u64>,
-        lease: Lease,
-    ) -> Result<(), ClientError> {
-        if let Some(g) = generation {
-            self.client.delete(&Config::generation(name, g)).await?;
-        }
-        lease.release().await;
-        Ok(())
     }
 
     /// Parks every message of the adopted generation `g` under our own

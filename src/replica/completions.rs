@@ -22,19 +22,19 @@ pub(super) struct Completions {
 
 impl Completions {
     /// A message was completed.
-    pub fn add(&mut self, id: u64) {
+    pub(super) fn add(&mut self, id: u64) {
         self.pending.push(id);
     }
 
     /// Whether a full record's worth waits to be written.
-    pub fn full(&self) -> bool {
+    pub(super) fn full(&self) -> bool {
         self.pending.len() >= DONE_MAX
     }
 
     /// The next batch to write (at most [`DONE_MAX`] ids), counted as
     /// written until [`confirmed`](Self::confirmed) or
     /// [`failed`](Self::failed).
-    pub fn take(&mut self) -> Option<(u64, Vec<u64>)> {
+    pub(super) fn take(&mut self) -> Option<(u64, Vec<u64>)> {
         if self.pending.is_empty() {
             return None;
         }
@@ -47,13 +47,13 @@ impl Completions {
     }
 
     /// The broker confirmed `batch` on every stream it went to.
-    pub fn confirmed(&mut self, batch: u64) {
+    pub(super) fn confirmed(&mut self, batch: u64) {
         self.written.remove(&batch);
     }
 
     /// `batch` was not confirmed (nacked, returned, or its connection
     /// went): its ids are written again.
-    pub fn failed(&mut self, batch: u64) {
+    pub(super) fn failed(&mut self, batch: u64) {
         if let Some(ids) = self.written.remove(&batch) {
             self.pending.extend(ids);
         }
@@ -61,7 +61,7 @@ impl Completions {
 
     /// The connection went: every batch not confirmed yet is written
     /// again on the next one (an answer from the old one is ignored).
-    pub fn lost(&mut self) {
+    pub(super) fn lost(&mut self) {
         for (_, ids) in std::mem::take(&mut self.written) {
             self.pending.extend(ids);
         }
@@ -69,13 +69,13 @@ impl Completions {
 
     /// A new generation was seeded from the local store, which no longer
     /// holds any of these: nothing is left to write.
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.pending.clear();
         self.written.clear();
     }
 
     /// Batches written and not confirmed yet.
-    pub fn unconfirmed(&self) -> usize {
+    pub(super) fn unconfirmed(&self) -> usize {
         self.written.len()
     }
 

@@ -34,7 +34,7 @@ fn path(dir: &Path) -> PathBuf {
 }
 
 /// The state saved in `dir`, if any (unreadable counts as none: stale).
-pub fn load(dir: &Path) -> Option<Synced> {
+pub(super) fn load(dir: &Path) -> Option<Synced> {
     let text = std::fs::read_to_string(path(dir)).ok()?;
     let mut lines = text.lines();
     if lines.next()? != "nackd-replica 1" {
@@ -56,7 +56,7 @@ pub fn load(dir: &Path) -> Option<Synced> {
 }
 
 /// Saves `state` durably (write, fsync, rename, fsync the directory).
-pub fn save(dir: &Path, state: &Synced) -> io::Result<()> {
+pub(super) fn save(dir: &Path, state: &Synced) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let tmp = dir.join(format!("{FILE}.tmp"));
     let mut f = std::fs::File::create(&tmp)?;
@@ -95,7 +95,7 @@ fn markers(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Marks an adoption of `from` under way, durably (again when resumed).
-pub fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
+pub(super) fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut f = std::fs::File::create(marker(dir, from))?;
     writeln!(f, "{from}")?;
@@ -105,20 +105,20 @@ pub fn begin_adoption(dir: &Path, from: &str) -> io::Result<()> {
 
 /// Whether an adoption was under way when this store was last written:
 /// its parks may not all count, so the store is rebuilt from the stream.
-pub fn adoption_under_way(dir: &Path) -> bool {
+pub(super) fn adoption_under_way(dir: &Path) -> bool {
     !markers(dir).is_empty()
 }
 
 /// The adoption of `from` ended: committed (its parks count) or given up
 /// (they were completed). Best effort: a marker left behind costs a
 /// rebuild at the next start.
-pub fn end_adoption(dir: &Path, from: &str) {
+pub(super) fn end_adoption(dir: &Path, from: &str) {
     let _ = std::fs::remove_file(marker(dir, from));
 }
 
 /// At a process's first sync: a rebuild dropped every park of an
 /// uncommitted adoption, and no adoption of this process is under way yet.
-pub fn end_adoptions_at_start(dir: &Path) {
+pub(super) fn end_adoptions_at_start(dir: &Path) {
     for marker in markers(dir) {
         let _ = std::fs::remove_file(marker);
     }

@@ -827,49 +827,51 @@ impl Task {
         }
     }
 
-    /// One attempt at the lease and a writes connection.
-    async fn acquire_once(&mut self) -> bool {
+    /// Takes this instance's lease and keeps it, once it settled.
+    async fn take_lease(&mut self) -> bool {
         let target = &self.config.target;
-        if self.lease.is_none() {
-            let asked = self.clock.now();
-            let lease = Config::lease(&self.config.instance);
-            let connection = format!("nackd lease {}", self.config.instance);
-            match Lease::take(target, &lease, &connection).await {
-                Ok(Some(lease)) => {
-                    info!(
-                        registers = lease.held(),
-                        of = target.nodes.len(),
-                        "lease taken"
-                    );
-                    self.heard = Some(asked);
-                    let every = (target.heartbeat / 2).min(RETRY);
-                    let (fence, state) = (self.fence.clone(), self.state.subscribe());
-                    let keeper =
-                        Keeper::spawn(lease, asked, self.clock.clone(), every, fence, state);
-                    // Nothing is done under a lease before it settled (1.5
-                    // heartbeats: see `Keeper::spawn`) and a majority
-                    // answered after that.
-                    let limit = tokio::time::Instant::now() + target.heartbeat * 4;
-                    while keeper.heard().is_none() {
-                        if tokio::time::Instant::now() > limit || keeper.is_finished() {
-                            warn!("the lease was taken but not confirmed; giving it back");
-                            return false;
-                        }
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    self.lease = Some(keeper);
-                }
-                Ok(None) => {
-                    self.set(State::Standby);
+        let asked = self.clock.now();
+        let lease = Config::lease(&self.config.instance);
+        let connection = format!("nackd lease {}", self.config.instance);
+        match Lease::take(target, &lease, &connection).await {
+            Ok(Some(lease)) => {
+                info!(
+                    registers = lease.held(),
+                    of = target.nodes.len(),
+                    "lease taken"
+                );
+                self.heard = Some(asked);
+                let every = (target.heartbeat / 2).min(RETRY);
+                let (fence, state) = (self.fence.clone(), self.state.subscribe());
+                let keeper = Keeper::spawn(lease, asked, self.clock.clone(), every, fence, state);
+                // Nothing is done under a lease before it settled (1.5
+                // heartbeats: see `Keeper::spawn`) and a majority
+                // answered after that.
+                if !settled(&keeper, target.heartbeat * 4).await {
+                    warn!("the lease was taken but not confirmed; giving it back");
                     return false;
                 }
-                Err(e) => {
-                    self.set(State::Connecting);
-                    warn!(error = %e, "replica cannot ask for the lease");
-                    return false;
-                }
+                self.lease = Some(keeper);
+                true
+            }
+            Ok(None) => {
+                self.set(State::Standby);
+                false
+            }
+            Err(e) => {
+                self.set(State::Connecting);
+                warn!(error = %e, "replica cannot ask for the lease");
+                false
             }
         }
+    }
+
+    /// One attempt at the lease and a writes connection.
+    async fn acquire_once(&mut self) -> bool {
+        if self.lease.is_none() && !self.take_lease().await {
+            return false;
+        }
+        let target = &self.config.target;
         if self.client.is_none() {
             match Client::connect(target, self.next_node, &self.name()).await {
                 Ok(c) => self.client = Some(c),
@@ -1003,6 +1005,17 @@ impl Task {
 /// (a file of an earlier release names none: its epoch number decides).
 fn same_holder(local: &Synced, dir: &Directory) -> bool {
     local.holder.is_none() || local.holder == dir.holder
+}
+
+/// Whether a majority answered `keeper` after its lease settled, within
+/// `limit` (a timer: no clock read) and before the keeper ended.
+async fn settled(keeper: &Keeper, limit: Duration) -> bool {
+    let heard = async {
+        while keeper.heard().is_none() && !keeper.is_finished() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(limit, heard).await.is_ok() && keeper.heard().is_some()
 }
 
 /// The next news of the lease; never while none is held.

@@ -1,7 +1,8 @@
 //! The sync: the local store made to agree with the stream once the lease
 //! is held (kept, rebuilt from the stream, or seeded into a new
 //! generation), and the wait for an operator's reseed when the stream is
-//! gone.
+//! gone. The steps of one attempt are the states of [`phase::Sync`], a
+//! transition function without I/O; `Task::try_sync` does their I/O.
 
 use std::collections::HashMap;
 
@@ -10,11 +11,14 @@ use tracing::{info, warn};
 
 use super::{Command, Task, REBUILD_BATCH, RETRY, SEED_WINDOW};
 use crate::replica::adopt::Commits;
-use crate::replica::client::{ClientError, Confirm};
+use crate::replica::client::{Client, ClientError, Confirm, StreamReader};
 use crate::replica::local;
 use crate::replica::record::{Fold, Record, Step};
 use crate::replica::{Config, ReplicaError, ReseedReply, Reseeded, State, SyncOutcome};
 use crate::store::{Log, Recovered};
+use phase::{Effect, Failure, Outcome, Phase, Sync};
+
+mod phase;
 
 impl Task {
     /// Takes the lease, then makes `log` agree with the stream. Broker
@@ -86,88 +90,114 @@ impl Task {
         }
     }
 
+    /// One sync attempt: the steps and their order are [`Sync`]'s; this
+    /// does their I/O. The log goes to each step that needs it and comes
+    /// back with its outcome (but for a failed store).
     async fn try_sync(&mut self, log: Log) -> Result<SyncOutcome, Failed> {
-        let dir = match self.directory().await {
-            Ok(dir) => dir,
-            Err(e) => return Err(Failed::Broker(log, e)),
-        };
-        let local = local::load(&self.config.store_dir);
-        let instance = &self.config.instance;
-        // A store left by an adoption under way holds parks that may never
-        // count: rebuilt from the stream, where they count once committed.
-        let adopting = local::adoption_under_way(&self.config.store_dir);
-        let current = |g: u64| {
-            !adopting
-                && local.as_ref().is_some_and(|l| {
-                    &l.instance == instance
-                        && l.generation == g
-                        && l.epoch == dir.epoch
-                        && super::same_holder(l, &dir)
-                })
-        };
-        let reseed = match (self.reseed.take(), &dir.adopted_by) {
-            (Some(reply), Some(by)) => {
-                let why = format!("nothing to reseed: this id's messages were adopted by {by}");
-                let _ = reply.send(Err(ReplicaError(why)));
-                None
+        let first = !self.synced_once;
+        let mut sync = Sync::new(&self.config.instance, self.reseed.is_some(), first);
+        let mut log = Some(log);
+        let mut recovered = None;
+        loop {
+            let phase = sync.phase().clone();
+            let outcome = self.perform_sync(&phase, &mut log, &mut recovered).await;
+            for effect in sync.on(outcome) {
+                self.apply_sync(effect);
             }
-            (reseed, _) => reseed,
-        };
-        let (log, generation, rebuilt) = match (&dir.generation, &dir.adopted_by, reseed) {
-            (g, None, Some(reply)) => {
-                let next = g.map_or(1, |g| g + 1);
-                match self.start_generation(log, next, false).await {
-                    Ok((log, seeded)) => {
-                        let stream = Config::generation(&self.config.instance, next);
-                        info!(seeded, stream, "replica reseeded from the local store");
-                        self.metrics.replica_missing.set(None);
-                        self.reseeded = Some((reply, Reseeded { seeded, stream }));
-                        (log, next, false)
-                    }
-                    Err(failed) => {
-                        self.reseed = Some(reply); // tried again with the sync
-                        return Err(failed);
-                    }
+            match sync.phase().clone() {
+                Phase::Synced { epoch, rebuilt } => {
+                    return Ok(SyncOutcome {
+                        log: log.expect("reopened"),
+                        recovered: recovered.expect("reopened"),
+                        rebuilt,
+                        epoch,
+                    });
                 }
-            }
-            (Some(g), None, None) => {
-                let stream = Config::generation(instance, *g);
-                let client = self.client.as_ref().expect("held");
-                match client.exists(&stream).await {
-                    Ok(true) => {}
-                    Ok(false) => return Err(Failed::Missing(log, stream)),
-                    Err(e) => return Err(Failed::Broker(log, e)),
+                Phase::Failed => {
+                    let failure = sync.failure().expect("failed");
+                    return Err(Failed::with_log(failure, log));
                 }
-                match current(*g) {
-                    true => (log, *g, false),
-                    false => (self.rebuild(log, *g).await?, *g, true),
-                }
+                _ => {}
             }
-            (g, adopted, _) => {
-                let next = g.map_or(1, |g| g + 1);
-                let wipe = adopted.is_some();
-                (self.start_generation(log, next, wipe).await?.0, next, wipe)
-            }
-        };
-        let epoch = match self.new_epoch(dir.epoch, generation).await {
-            Ok(epoch) => epoch,
-            Err(e) => return Err(Failed::Broker(log, e)),
-        };
-        let (log, recovered) = reopen(log)?;
-        if !self.synced_once {
-            // A new process: no adoption of its own is under way, and the
-            // rebuild the markers asked for dropped the uncommitted parks.
-            // A later sync (the lease came back) keeps them: the adoption
-            // task may still be parking under an intent.
-            local::end_adoptions_at_start(&self.config.store_dir);
-            self.synced_once = true;
         }
-        Ok(SyncOutcome {
-            log,
-            recovered,
-            rebuilt,
-            epoch,
-        })
+    }
+
+    /// The I/O `phase` names, and what it found.
+    async fn perform_sync(
+        &mut self,
+        phase: &Phase,
+        log: &mut Option<Log>,
+        recovered: &mut Option<Recovered>,
+    ) -> Outcome {
+        let broker = Outcome::Broker;
+        match *phase {
+            Phase::Reading => match self.directory().await {
+                Ok(dir) => Outcome::Read {
+                    dir,
+                    local: local::load(&self.config.store_dir),
+                    adopting: local::adoption_under_way(&self.config.store_dir),
+                },
+                Err(e) => broker(e),
+            },
+            Phase::Checking { g, .. } => {
+                let stream = Config::generation(&self.config.instance, g);
+                let client = self.client.as_ref().expect("held");
+                client
+                    .exists(&stream)
+                    .await
+                    .map_or_else(broker, Outcome::Exists)
+            }
+            Phase::Reseeding { next } | Phase::Starting { next, .. } => {
+                let wipe = matches!(phase, Phase::Starting { wipe: true, .. });
+                let started = self.start_generation(taken(log), next, wipe).await;
+                given_back(
+                    log,
+                    started.map(|(l, seeded)| (l, Outcome::Started { seeded })),
+                )
+            }
+            Phase::Rebuilding { g } => {
+                let rebuilt = self.rebuild(taken(log), g).await;
+                given_back(log, rebuilt.map(|l| (l, Outcome::Rebuilt)))
+            }
+            Phase::Sealing {
+                last, generation, ..
+            } => self
+                .new_epoch(last, generation)
+                .await
+                .map_or_else(broker, Outcome::Sealed),
+            Phase::Reopening { .. } => {
+                let reopened = reopen(taken(log)).map(|(l, r)| {
+                    *recovered = Some(r);
+                    (l, Outcome::Reopened)
+                });
+                given_back(log, reopened)
+            }
+            Phase::Synced { .. } | Phase::Failed => unreachable!("an ended sync is not driven"),
+        }
+    }
+
+    /// Applies what a transition asked for.
+    fn apply_sync(&mut self, effect: Effect) {
+        match effect {
+            Effect::RefuseReseed { by } => {
+                if let Some(reply) = self.reseed.take() {
+                    let why = format!("nothing to reseed: this id's messages were adopted by {by}");
+                    let _ = reply.send(Err(ReplicaError(why)));
+                }
+            }
+            Effect::Reseeded { seeded, generation } => {
+                let stream = Config::generation(&self.config.instance, generation);
+                info!(seeded, stream, "replica reseeded from the local store");
+                self.metrics.replica_missing.set(None);
+                if let Some(reply) = self.reseed.take() {
+                    self.reseeded = Some((reply, Reseeded { seeded, stream }));
+                }
+            }
+            Effect::EndAdoptionsAtStart => {
+                local::end_adoptions_at_start(&self.config.store_dir);
+                self.synced_once = true;
+            }
+        }
     }
 
     /// A new generation stream: empty when `wipe` (the held messages were
@@ -203,30 +233,10 @@ impl Task {
         }
         let mut seeded = 0;
         if !wipe {
-            let reader = log.reader();
-            let mut window = std::collections::VecDeque::new();
-            for (_, _, loc) in &recovered.held {
-                let Ok(held) = reader.read(*loc) else {
-                    continue;
-                };
-                let sent = client.append(&stream, &Record::put(&held, true)).await;
-                match sent {
-                    Ok(confirm) => window.push_back(confirm),
-                    Err(e) => return Err(Failed::Broker(log, e)),
-                }
-                if window.len() >= SEED_WINDOW {
-                    let oldest: Confirm = window.pop_front().expect("full");
-                    if let Err(e) = oldest.wait().await {
-                        return Err(Failed::Broker(log, e));
-                    }
-                }
-                seeded += 1;
-            }
-            for confirm in window {
-                if let Err(e) = confirm.wait().await {
-                    return Err(Failed::Broker(log, e));
-                }
-            }
+            seeded = match seed(client, &stream, &log, &recovered).await {
+                Ok(seeded) => seeded,
+                Err(e) => return Err(Failed::Broker(log, e)),
+            };
             info!(
                 seeded,
                 generation = n,
@@ -259,45 +269,13 @@ impl Task {
             Err(ClientError::Returned(stream)) => return Err(Failed::Missing(log, stream)),
             Err(e) => return Err(Failed::Broker(log, e)),
         };
-        let mut fold = Fold::default();
-        let mut locs = HashMap::new();
-        let mut staged = 0;
-        let mut commits = Commits::default();
         // Moved by an adoption that was never committed: not held, and
         // completed, so that the stream stops carrying them.
         let mut void = Vec::new();
-        loop {
-            let record = match reader.next().await {
-                Ok(Some(r)) => r,
-                Ok(None) => break,
-                Err(e) => return Err(Failed::Broker(log, e)),
-            };
-            for step in fold.apply(record) {
-                let from = match &step {
-                    Step::Put(held) => fold.intent(held.id),
-                    Step::Drop(_) => None,
-                };
-                if let (Step::Put(held), Some(from)) = (&step, from) {
-                    match commits.counts(client, from).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            void.push(held.id);
-                            continue;
-                        }
-                        Err(e) => return Err(Failed::Broker(log, e)),
-                    }
-                }
-                apply(&mut log, &mut locs, step).map_err(Failed::Store)?;
-                staged += 1;
-            }
-            if staged >= REBUILD_BATCH {
-                staged = 0;
-                log.commit().map_err(|e| Failed::Store(e.to_string()))?;
-            }
-        }
-        log.commit().map_err(|e| Failed::Store(e.to_string()))?;
-        log.reserve_ids(fold.next_id())
-            .map_err(|e| Failed::Store(e.to_string()))?;
+        let held = match replay(client, &mut reader, &mut log, &mut void).await {
+            Ok(held) => held,
+            Err(failure) => return Err(Failed::with_log(failure, Some(log))),
+        };
         if !void.is_empty() {
             warn!(
                 messages = void.len(),
@@ -305,14 +283,82 @@ impl Task {
             );
         }
         void.into_iter().for_each(|id| self.completions.add(id));
-        self.metrics.replica_rebuilt.inc_by(locs.len() as u64);
-        info!(
-            held = locs.len(),
-            generation = g,
-            "local store rebuilt from the stream"
-        );
+        self.metrics.replica_rebuilt.inc_by(held as u64);
+        info!(held, generation = g, "local store rebuilt from the stream");
         Ok(log)
     }
+}
+
+/// Replays a generation stream into `log`; how many messages it holds
+/// then. Moved puts of an adoption never committed go to `void` instead.
+async fn replay(
+    client: &Client,
+    reader: &mut StreamReader,
+    log: &mut Log,
+    void: &mut Vec<u64>,
+) -> Result<usize, Failure> {
+    fn store(e: impl ToString) -> Failure {
+        Failure::Store(e.to_string())
+    }
+    let mut fold = Fold::default();
+    let mut locs = HashMap::new();
+    let mut staged = 0;
+    let mut commits = Commits::default();
+    while let Some(record) = reader.next().await.map_err(Failure::Broker)? {
+        for step in fold.apply(record) {
+            let from = match &step {
+                Step::Put(held) => fold.intent(held.id),
+                Step::Drop(_) => None,
+            };
+            if let (Step::Put(held), Some(from)) = (&step, from) {
+                if !commits
+                    .counts(client, from)
+                    .await
+                    .map_err(Failure::Broker)?
+                {
+                    void.push(held.id);
+                    continue;
+                }
+            }
+            apply(log, &mut locs, step).map_err(Failure::Store)?;
+            staged += 1;
+        }
+        if staged >= REBUILD_BATCH {
+            staged = 0;
+            log.commit().map_err(store)?;
+        }
+    }
+    log.commit().map_err(store)?;
+    log.reserve_ids(fold.next_id()).map_err(store)?;
+    Ok(locs.len())
+}
+
+/// Writes what `log` holds (`recovered`) to `stream`, with up to
+/// `SEED_WINDOW` writes unconfirmed at once; how many it wrote.
+async fn seed(
+    client: &Client,
+    stream: &str,
+    log: &Log,
+    recovered: &Recovered,
+) -> Result<u64, ClientError> {
+    let reader = log.reader();
+    let mut window = std::collections::VecDeque::new();
+    let mut seeded = 0;
+    for (_, _, loc) in &recovered.held {
+        let Ok(held) = reader.read(*loc) else {
+            continue;
+        };
+        window.push_back(client.append(stream, &Record::put(&held, true)).await?);
+        if window.len() >= SEED_WINDOW {
+            let oldest: Confirm = window.pop_front().expect("full");
+            oldest.wait().await?;
+        }
+        seeded += 1;
+    }
+    for confirm in window {
+        confirm.wait().await?;
+    }
+    Ok(seeded)
 }
 
 /// Applies one step of a rebuild to the log (locations are valid once
@@ -345,6 +391,43 @@ enum Failed {
     Broker(Log, ClientError),
     Missing(Log, String),
     Store(String),
+}
+
+impl Failed {
+    /// `failure`, with the log given back where it still is.
+    fn with_log(failure: Failure, log: Option<Log>) -> Self {
+        match (failure, log) {
+            (Failure::Broker(e), Some(log)) => Failed::Broker(log, e),
+            (Failure::Missing(stream), Some(log)) => Failed::Missing(log, stream),
+            (Failure::Store(e), _) => Failed::Store(e),
+            (failure, None) => Failed::Store(format!("the store was lost on {failure:?}")),
+        }
+    }
+
+    /// What the sync makes of it, with the log (if it is still open).
+    fn split(self) -> (Option<Log>, Outcome) {
+        match self {
+            Failed::Broker(log, e) => (Some(log), Outcome::Broker(e)),
+            Failed::Missing(log, stream) => (Some(log), Outcome::Missing(stream)),
+            Failed::Store(e) => (None, Outcome::Store(e)),
+        }
+    }
+}
+
+/// The log, handed to a step.
+fn taken(log: &mut Option<Log>) -> Log {
+    log.take()
+        .expect("a step gives the log back unless the store failed")
+}
+
+/// A step's outcome, its log put back.
+fn given_back(log: &mut Option<Log>, done: Result<(Log, Outcome), Failed>) -> Outcome {
+    let (back, outcome) = match done {
+        Ok((back, outcome)) => (Some(back), outcome),
+        Err(failed) => failed.split(),
+    };
+    *log = back;
+    outcome
 }
 
 fn forget_synced(dir: &std::path::Path) {
