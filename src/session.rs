@@ -122,12 +122,12 @@ pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: Can
     });
     let mut pump = Pump {
         core,
+        coalesce: Coalesce::new(coalesce, clock.now()),
         clock,
         client_in: first,
         upstream_in: BytesMut::new(),
         engine,
         metrics,
-        coalesce: Coalesce::new(coalesce, Instant::now()),
     };
     pump.run(client, upstream, force).await;
 }
@@ -206,7 +206,7 @@ impl Pump {
         let coalescing = self.coalesce.on();
         std::future::poll_fn(|cx| {
             if coalescing {
-                self.coalesce.on_wake(Instant::now());
+                self.coalesce.on_wake(self.clock.now());
             }
             let mut sides = Sides {
                 client: &mut client,
@@ -215,7 +215,7 @@ impl Pump {
             };
             let turned = self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut());
             if coalescing {
-                self.coalesce.on_sleep(Instant::now());
+                self.coalesce.on_sleep(self.clock.now());
             }
             turned
         })

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use nackd::config::{Config, Scheduling};
 use nackd::reload::Reloader;
 use nackd::server::Proxy;
+use nackd_core::clock::Clock;
 use tokio_util::sync::CancellationToken;
 
 mod admin;
@@ -130,7 +131,9 @@ fn main() -> ExitCode {
     if let Some(metrics) = args.metrics {
         config.metrics.address = metrics;
     }
-    match runtime(&config).block_on(run(config, args.config)) {
+    // The process's one clock: the sessions' threads, the engine, the store.
+    let clock = Clock::start();
+    match runtime(&config, &clock).block_on(run(config, args.config, clock)) {
         Ok(()) => ExitCode::SUCCESS,
         // What --check-config finds too: a configuration error.
         Err(e)
@@ -148,7 +151,7 @@ fn main() -> ExitCode {
 }
 
 /// The session threads `[runtime]` asks for.
-fn runtime(config: &Config) -> tokio::runtime::Runtime {
+fn runtime(config: &Config, clock: &Clock) -> tokio::runtime::Runtime {
     let batch = config.runtime.scheduling == Scheduling::Batch;
     let coalesce = !config.runtime.coalesce.is_zero();
     tokio::runtime::Builder::new_multi_thread()
@@ -167,17 +170,24 @@ fn runtime(config: &Config) -> tokio::runtime::Runtime {
             }
         })
         // An idle thread waits `runtime.coalesce` while a peer streams.
-        .on_thread_park(nackd::coalesce::on_park)
+        .on_thread_park({
+            let clock = clock.clone();
+            move || nackd::coalesce::on_park(&clock)
+        })
         .enable_all()
         .build()
         .expect("tokio runtime")
 }
 
-async fn run(config: Config, path: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(
+    config: Config,
+    path: PathBuf,
+    clock: Clock,
+) -> Result<(), Box<dyn std::error::Error>> {
     // Handlers first: a signal that arrives once "listening" is logged must
     // find them, not the default action (which would end the process).
     let handlers = Signals::install()?;
-    let proxy = Proxy::bind(&config).await?;
+    let proxy = Proxy::bind_on(&config, clock).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(handlers.serve(shutdown.clone(), proxy.reloader(), path));
     proxy.run(shutdown).await;
