@@ -183,6 +183,14 @@ impl Connector {
     }
 }
 
+/// The TLS client settings of `upstream.tls`, if set (see
+/// [`client_config`]).
+pub fn upstream_tls(
+    upstream: &config::Upstream,
+) -> Result<Option<Arc<rustls::ClientConfig>>, TlsError> {
+    upstream.tls.as_ref().map(client_config).transpose()
+}
+
 /// The TLS client settings of `upstream.tls`, loaded once: trusting the
 /// CA certificates of `ca`, else the system's store.
 pub fn client_config(tls: &config::ClientTls) -> Result<Arc<rustls::ClientConfig>, TlsError> {

@@ -156,13 +156,10 @@ fn listen_tls(tls: &crate::config::ServerTls) -> Result<tokio_rustls::TlsAccepto
 
 /// The TLS settings of `upstream.tls`, if set.
 pub fn upstream_tls(config: &Config) -> Result<Option<Arc<rustls::ClientConfig>>, StartError> {
-    let tls = config.upstream.tls.as_ref();
-    tls.map(net::client_config)
-        .transpose()
-        .map_err(|source| StartError::Tls {
-            key: "upstream.tls",
-            source,
-        })
+    net::upstream_tls(&config.upstream).map_err(|source| StartError::Tls {
+        key: "upstream.tls",
+        source,
+    })
 }
 
 fn upstream(config: &Config) -> Result<Connector, StartError> {
