@@ -5,7 +5,7 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -85,19 +85,7 @@ enum LogFormat {
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
-        let checked = Config::load(path)
-            .map_err(|e| e.to_string())
-            .and_then(|config| nackd::server::preflight(&config).map_err(|e| e.to_string()));
-        return match checked {
-            Ok(()) => {
-                println!("{}: ok", path.display());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("invalid configuration: {e}");
-                ExitCode::from(2)
-            }
-        };
+        return check_config(path);
     }
     match &args.command {
         Some(Command::Store(store)) => return store::run(&args.config, store),
@@ -110,27 +98,13 @@ fn main() -> ExitCode {
         None => {}
     }
     init_logging(args.log_format);
-    // `upstream.uri` first: `--upstream` overrides the address it names.
-    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
-    let mut config = match loaded.and_then(|c| {
-        c.with_uri()
-            .map_err(|e| format!("{}: {e}", args.config.display()))
-    }) {
+    let config = match load(&args) {
         Ok(config) => config,
         Err(e) => {
             tracing::error!("invalid configuration: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Some(listen) = args.listen {
-        config.listen.address = listen;
-    }
-    if let Some(upstream) = args.upstream {
-        config.upstream.set_single(upstream);
-    }
-    if let Some(metrics) = args.metrics {
-        config.metrics.address = metrics;
-    }
     // The process's one clock: the sessions' threads, the engine, the store.
     let clock = Clock::start();
     match runtime(&config, &clock).block_on(run(config, args.config, clock)) {
@@ -148,6 +122,43 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `--check-config`: the file at `path` as startup would take it.
+fn check_config(path: &Path) -> ExitCode {
+    let checked = Config::load(path)
+        .map_err(|e| e.to_string())
+        .and_then(|config| nackd::server::preflight(&config).map_err(|e| e.to_string()));
+    match checked {
+        Ok(()) => {
+            println!("{}: ok", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("invalid configuration: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The configuration `--config` names, with the command line's overrides.
+fn load(args: &Args) -> Result<Config, String> {
+    // `upstream.uri` first: `--upstream` overrides the address it names.
+    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
+    let mut config = loaded.and_then(|c| {
+        c.with_uri()
+            .map_err(|e| format!("{}: {e}", args.config.display()))
+    })?;
+    if let Some(listen) = args.listen {
+        config.listen.address = listen;
+    }
+    if let Some(upstream) = &args.upstream {
+        config.upstream.set_single(upstream.clone());
+    }
+    if let Some(metrics) = args.metrics {
+        config.metrics.address = metrics;
+    }
+    Ok(config)
 }
 
 /// The session threads `[runtime]` asks for.
