@@ -43,7 +43,7 @@ const READ_CHUNK: usize = 64 * 1024;
 /// What a session needs to intercept: what the state machine shares with
 /// every session, and the retry engine its parks go to.
 #[derive(Clone)]
-pub struct Intercept {
+pub(crate) struct Intercept {
     /// Policies, capture budget, readiness, clock.
     pub shared: Arc<Interception>,
     /// The retry engine.
@@ -53,7 +53,7 @@ pub struct Intercept {
 /// Where a session is: the limits it applies, nackd's clock, what it
 /// intercepts (none without a policy), the metrics it adds to.
 #[derive(Clone)]
-pub struct Context {
+pub(crate) struct Context {
     /// Frame size and handshake limits.
     pub limits: Limits,
     /// nackd's one clock.
@@ -67,7 +67,7 @@ pub struct Context {
 }
 
 /// Client address and span fields for [`serve`].
-pub fn span(client: SocketAddr) -> Span {
+pub(crate) fn span(client: SocketAddr) -> Span {
     tracing::info_span!(
         "conn",
         client.addr = %client,
@@ -79,7 +79,12 @@ pub fn span(client: SocketAddr) -> Span {
 
 /// Serves one accepted client until both sides are closed.
 /// `force` asks the session to close both sides now (end of shutdown grace).
-pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: CancellationToken) {
+pub(crate) async fn serve(
+    mut client: Io,
+    connector: Connector,
+    cx: Context,
+    force: CancellationToken,
+) {
     let Context {
         limits,
         clock,

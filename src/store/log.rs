@@ -881,7 +881,7 @@ pub const CLOCK: &str = "CLOCK";
 /// Further, it is damaged or was written while the clock was far wrong:
 /// nackd would hold every new message that much longer (and fire what is
 /// held at once, by its own clock), so it does not start.
-pub const CLOCK_AHEAD_MAX: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+pub(super) const CLOCK_AHEAD_MAX: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// What [`CLOCK`] says (none if there is no such file). Checked when the
 /// log opens: a file that does not hold a time is an error naming it.
