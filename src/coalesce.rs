@@ -60,15 +60,17 @@
 //! Tuned for one session thread (the default): with more, sessions move
 //! between threads, and a session that moved starts its streak again.
 //!
-//! Gaps are timed on the monotonic clock, not on nackd's clock: they
-//! measure the thread's sleeps, which a hand-driven test clock would
-//! flatten to zero.
+//! Gaps are read from nackd's clock, handed in ([`Clock::now`] is the
+//! monotonic clock in nackd): they measure the thread's sleeps, which a
+//! hand-driven test clock ([`Clock::manual`]) would flatten to zero, so
+//! the session threads are only ever given a running one.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
+use nackd_core::clock::Clock;
 use prometheus_client::metrics::counter::Counter;
 
 /// Short gaps in a row, each ended by a peer that sent unprompted, before
@@ -295,9 +297,9 @@ pub fn waited_for(slept: Duration) {
 
 /// For tokio's `on_thread_park` of the session threads: the thread has
 /// nothing to do; if a session streams, wait before sleeping on the
-/// sockets.
-pub fn on_park() {
-    let Some(pause) = take_wait(Instant::now()) else {
+/// sockets. `clock` is the sessions' (it times the wait too).
+pub fn on_park(clock: &Clock) {
+    let Some(pause) = take_wait(clock.now()) else {
         return;
     };
     // Tasks already queued for the runtime (woken from another thread, a
@@ -306,9 +308,9 @@ pub fn on_park() {
         .map(|h| h.metrics().global_queue_depth())
         .unwrap_or(0);
     if queued == 0 {
-        let start = Instant::now();
+        let start = clock.now();
         std::thread::sleep(pause);
-        waited_for(start.elapsed());
+        waited_for(clock.now().saturating_duration_since(start));
         PAUSES.inc();
     }
 }

@@ -23,7 +23,7 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
 /// A boxed [`Stream`].
-pub type Io = Box<dyn Stream>;
+pub(crate) type Io = Box<dyn Stream>;
 
 /// Why TLS material cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +67,7 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 }
 
 /// The amqps acceptor for `listen.tls`.
-pub fn acceptor(tls: &config::ServerTls) -> Result<TlsAcceptor, TlsError> {
+pub(crate) fn acceptor(tls: &config::ServerTls) -> Result<TlsAcceptor, TlsError> {
     let chain = certs(&tls.cert)?;
     let key = PrivateKeyDer::from_pem_file(&tls.key).map_err(|e| pem_err(&tls.key, e))?;
     let config = rustls::ServerConfig::builder_with_provider(provider())
@@ -183,9 +183,19 @@ impl Connector {
     }
 }
 
+/// The TLS client settings of `upstream.tls`, if set (see
+/// [`client_config`]).
+pub(crate) fn upstream_tls(
+    upstream: &config::Upstream,
+) -> Result<Option<Arc<rustls::ClientConfig>>, TlsError> {
+    upstream.tls.as_ref().map(client_config).transpose()
+}
+
 /// The TLS client settings of `upstream.tls`, loaded once: trusting the
 /// CA certificates of `ca`, else the system's store.
-pub fn client_config(tls: &config::ClientTls) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+pub(crate) fn client_config(
+    tls: &config::ClientTls,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let roots = match &tls.ca {
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
@@ -228,7 +238,7 @@ fn system_roots() -> Result<rustls::RootCertStore, TlsError> {
 
 /// The TLS connector and server name for `node` (`host:port`) with the
 /// settings of [`client_config`] (as [`crate::replica::Target::tls`]).
-pub fn tls_for(
+pub(crate) fn tls_for(
     node: &str,
     config: &Arc<rustls::ClientConfig>,
 ) -> Result<(TlsConnector, ServerName<'static>), TlsError> {

@@ -41,7 +41,7 @@ const UPSTREAM_CHECK_TTL: Duration = Duration::from_secs(1);
 /// The admin API's bearer tokens (`metrics.admin_token`,
 /// `metrics.read_token`); the API is off without either.
 #[derive(Clone, Debug, Default)]
-pub struct Tokens {
+pub(crate) struct Tokens {
     /// Every admin route.
     pub admin: Option<String>,
     /// The admin routes that change nothing ([`Access::Read`]).
@@ -49,7 +49,7 @@ pub struct Tokens {
 }
 
 /// What the handlers share.
-pub struct Ops {
+pub(crate) struct Ops {
     metrics: Arc<Metrics>,
     /// `host:port` of each broker node.
     nodes: Vec<String>,
@@ -75,7 +75,7 @@ impl Ops {
     /// State for a proxy whose broker nodes are `nodes`. `policies`: those
     /// in force, which a reload replaces, when nackd intercepts (a store
     /// and an engine will be [`attach`](Ops::attach)ed once recovered).
-    pub fn new(
+    pub(crate) fn new(
         metrics: Arc<Metrics>,
         nodes: Vec<String>,
         tokens: Tokens,
@@ -100,17 +100,17 @@ impl Ops {
     }
 
     /// The store is recovered and the engine runs.
-    pub fn attach(&self, retry: RetryHandle, budget: Arc<Budget>) {
+    pub(crate) fn attach(&self, retry: RetryHandle, budget: Arc<Budget>) {
         let _ = self.engine.set((retry, budget));
     }
 
     /// Dead-letter replays park through the engine attached.
-    pub fn attach_replayer(&self, replayer: crate::replay::Replayer) {
+    pub(crate) fn attach_replayer(&self, replayer: crate::replay::Replayer) {
         let _ = self.replayer.set(replayer);
     }
 
     /// nackd stopped accepting clients: no longer ready.
-    pub fn drain(&self) {
+    pub(crate) fn drain(&self) {
         self.draining.store(true, Ordering::Relaxed);
     }
 
@@ -120,7 +120,7 @@ impl Ops {
 }
 
 /// The routes.
-pub fn router(ops: Arc<Ops>) -> Router {
+pub(crate) fn router(ops: Arc<Ops>) -> Router {
     let api = admin::router(&ops);
     Router::new()
         .route("/", get(status::page))
@@ -133,12 +133,12 @@ pub fn router(ops: Arc<Ops>) -> Router {
 }
 
 /// Binds the listener (nothing is served yet).
-pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
+pub(crate) async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(address).await
 }
 
 /// Serves until `stop`.
-pub async fn serve(listener: TcpListener, ops: Arc<Ops>, stop: CancellationToken) {
+pub(crate) async fn serve(listener: TcpListener, ops: Arc<Ops>, stop: CancellationToken) {
     let served = axum::serve(listener, router(ops))
         .with_graceful_shutdown(stop.cancelled_owned())
         .await;

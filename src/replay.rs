@@ -147,7 +147,9 @@ pub struct Replayer {
 impl Replayer {
     /// A replayer logging in as `[republish]` to `[upstream]`'s nodes.
     pub fn new(config: &crate::config::Config, retry: RetryHandle) -> Result<Self, String> {
-        let tls = crate::server::upstream_tls(config).map_err(|e| e.to_string())?;
+        // Worded as startup words it (`StartError::Tls`).
+        let tls =
+            crate::net::upstream_tls(&config.upstream).map_err(|e| format!("upstream.tls: {e}"))?;
         let target = Target {
             nodes: config.upstream.nodes(),
             vhost: "/".into(),

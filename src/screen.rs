@@ -23,7 +23,8 @@ use nackd_core::protocol::method;
 use nackd_core::protocol::reply::ReplyCode;
 use nackd_core::protocol::screen::{Screen, ScreenError};
 use prometheus_client::metrics::counter::Counter;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
@@ -98,77 +99,91 @@ fn key() -> [u8; 8] {
 
 /// Moves bytes both ways until either side ends.
 async fn relay(lapin: TcpStream, broker: Io, node: &str, what: &'static str) {
-    let screen = Arc::new(Mutex::new(Screen::new(key(), FOLD_BUDGET)));
-    let (mut lapin_rx, mut lapin_tx) = lapin.into_split();
-    let (mut broker_rx, mut broker_tx) = tokio::io::split(broker);
-    let up = {
-        let screen = screen.clone();
-        async move {
-            let (mut buf, mut out) = (BytesMut::with_capacity(8192), BytesMut::new());
-            loop {
-                if lapin_rx.read_buf(&mut buf).await? == 0 {
-                    return Ok::<_, io::Error>(());
-                }
-                let restored = screen
-                    .lock()
-                    .expect("screen lock")
-                    .from_client(&mut buf, &mut out);
-                match restored {
-                    Ok(0) => {}
-                    Ok(n) => debug!(node, what, restored = n, "screen: folded headers restored"),
-                    Err(e) => return Err(io::Error::other(e.to_string())),
-                }
-                broker_tx.write_all(&out).await?;
-                out.clear();
-            }
-        }
-    };
-    let down = async move {
-        let (mut buf, mut out) = (BytesMut::with_capacity(8192), BytesMut::new());
-        let mut folds = Vec::new();
-        loop {
-            if broker_rx.read_buf(&mut buf).await? == 0 {
-                return Ok::<_, io::Error>(());
-            }
-            let refused = screen
-                .lock()
-                .expect("screen lock")
-                .from_broker(&mut buf, &mut out, &mut folds)
-                .err();
-            for fold in folds.drain(..) {
-                FOLDED.inc();
-                warn!(
-                    node, what, channel = fold.channel, reason = %fold.reason,
-                    "screen: a message's properties fail nackd's limits; folded into {}",
-                    nackd_core::protocol::screen::FOLDED
-                );
-            }
-            lapin_tx.write_all(&out).await?;
-            out.clear();
-            if let Some(e) = refused {
-                REFUSED.inc();
-                warn!(node, what, error = %e, "screen: connection ended");
-                let code = match &e {
-                    ScreenError::Frame(f) | ScreenError::Method(f) | ScreenError::Client(f) => {
-                        reply(f)
-                    }
-                    ScreenError::Budget(_) => ReplyCode::ResourceError,
-                };
-                let text = format!("nackd screen: {e}");
-                lapin_tx
-                    .write_all(&method::connection_close(code, &text, None))
-                    .await?;
-                lapin_tx.shutdown().await?;
-                return Ok(());
-            }
-        }
-    };
+    let screen = Mutex::new(Screen::new(key(), FOLD_BUDGET));
+    let (lapin_rx, lapin_tx) = lapin.into_split();
+    let (broker_rx, broker_tx) = tokio::io::split(broker);
+    let up = upward(&screen, lapin_rx, broker_tx, node, what);
+    let down = downward(&screen, broker_rx, lapin_tx, node, what);
     let ended = tokio::select! {
         r = up => r,
         r = down => r,
     };
     if let Err(e) = ended {
         debug!(node, what, error = %e, "screen: connection ended");
+    }
+}
+
+/// lapin's bytes to the broker, what the screen folded restored.
+async fn upward(
+    screen: &Mutex<Screen>,
+    mut lapin_rx: OwnedReadHalf,
+    mut broker_tx: WriteHalf<Io>,
+    node: &str,
+    what: &'static str,
+) -> io::Result<()> {
+    let (mut buf, mut out) = (BytesMut::with_capacity(8192), BytesMut::new());
+    loop {
+        if lapin_rx.read_buf(&mut buf).await? == 0 {
+            return Ok(());
+        }
+        let restored = screen
+            .lock()
+            .expect("screen lock")
+            .from_client(&mut buf, &mut out);
+        match restored {
+            Ok(0) => {}
+            Ok(n) => debug!(node, what, restored = n, "screen: folded headers restored"),
+            Err(e) => return Err(io::Error::other(e.to_string())),
+        }
+        broker_tx.write_all(&out).await?;
+        out.clear();
+    }
+}
+
+/// The broker's bytes to lapin, frame by frame, through the screen; a
+/// frame it refuses ends lapin's connection with a `connection.close`.
+async fn downward(
+    screen: &Mutex<Screen>,
+    mut broker_rx: ReadHalf<Io>,
+    mut lapin_tx: OwnedWriteHalf,
+    node: &str,
+    what: &'static str,
+) -> io::Result<()> {
+    let (mut buf, mut out) = (BytesMut::with_capacity(8192), BytesMut::new());
+    let mut folds = Vec::new();
+    loop {
+        if broker_rx.read_buf(&mut buf).await? == 0 {
+            return Ok(());
+        }
+        let refused = screen
+            .lock()
+            .expect("screen lock")
+            .from_broker(&mut buf, &mut out, &mut folds)
+            .err();
+        for fold in folds.drain(..) {
+            FOLDED.inc();
+            warn!(
+                node, what, channel = fold.channel, reason = %fold.reason,
+                "screen: a message's properties fail nackd's limits; folded into {}",
+                nackd_core::protocol::screen::FOLDED
+            );
+        }
+        lapin_tx.write_all(&out).await?;
+        out.clear();
+        if let Some(e) = refused {
+            REFUSED.inc();
+            warn!(node, what, error = %e, "screen: connection ended");
+            let code = match &e {
+                ScreenError::Frame(f) | ScreenError::Method(f) | ScreenError::Client(f) => reply(f),
+                ScreenError::Budget(_) => ReplyCode::ResourceError,
+            };
+            let text = format!("nackd screen: {e}");
+            lapin_tx
+                .write_all(&method::connection_close(code, &text, None))
+                .await?;
+            lapin_tx.shutdown().await?;
+            return Ok(());
+        }
     }
 }
 

@@ -156,13 +156,10 @@ fn listen_tls(tls: &crate::config::ServerTls) -> Result<tokio_rustls::TlsAccepto
 
 /// The TLS settings of `upstream.tls`, if set.
 pub fn upstream_tls(config: &Config) -> Result<Option<Arc<rustls::ClientConfig>>, StartError> {
-    let tls = config.upstream.tls.as_ref();
-    tls.map(net::client_config)
-        .transpose()
-        .map_err(|source| StartError::Tls {
-            key: "upstream.tls",
-            source,
-        })
+    net::upstream_tls(&config.upstream).map_err(|source| StartError::Tls {
+        key: "upstream.tls",
+        source,
+    })
 }
 
 fn upstream(config: &Config) -> Result<Connector, StartError> {
@@ -272,6 +269,12 @@ impl Proxy {
     /// no client is accepted yet. The operations listener already serves
     /// (`/readyz` answers "recovering" until the store is recovered).
     pub async fn bind(config: &Config) -> Result<Self, StartError> {
+        Self::bind_on(config, Clock::start()).await
+    }
+
+    /// [`Proxy::bind`] on `clock`: the process's one clock, which the
+    /// session threads' waits read too (`coalesce::on_park`).
+    pub async fn bind_on(config: &Config, clock: Clock) -> Result<Self, StartError> {
         preflight(config)?;
         let config = &config.with_uri().map_err(StartError::Credentials)?;
         let address = config.listen.address;
@@ -282,7 +285,6 @@ impl Proxy {
         let connector = upstream(config)?;
         let metrics = Metrics::new();
         // One clock for the engine, the sessions and the operations listener.
-        let clock = Clock::start();
         // One stop: every part's token is a child of this one (see shutdown.rs).
         let root = CancellationToken::new();
         let intercepting = config.intercepting();

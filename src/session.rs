@@ -43,7 +43,7 @@ const READ_CHUNK: usize = 64 * 1024;
 /// What a session needs to intercept: what the state machine shares with
 /// every session, and the retry engine its parks go to.
 #[derive(Clone)]
-pub struct Intercept {
+pub(crate) struct Intercept {
     /// Policies, capture budget, readiness, clock.
     pub shared: Arc<Interception>,
     /// The retry engine.
@@ -53,7 +53,7 @@ pub struct Intercept {
 /// Where a session is: the limits it applies, nackd's clock, what it
 /// intercepts (none without a policy), the metrics it adds to.
 #[derive(Clone)]
-pub struct Context {
+pub(crate) struct Context {
     /// Frame size and handshake limits.
     pub limits: Limits,
     /// nackd's one clock.
@@ -67,7 +67,7 @@ pub struct Context {
 }
 
 /// Client address and span fields for [`serve`].
-pub fn span(client: SocketAddr) -> Span {
+pub(crate) fn span(client: SocketAddr) -> Span {
     tracing::info_span!(
         "conn",
         client.addr = %client,
@@ -79,7 +79,12 @@ pub fn span(client: SocketAddr) -> Span {
 
 /// Serves one accepted client until both sides are closed.
 /// `force` asks the session to close both sides now (end of shutdown grace).
-pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: CancellationToken) {
+pub(crate) async fn serve(
+    mut client: Io,
+    connector: Connector,
+    cx: Context,
+    force: CancellationToken,
+) {
     let Context {
         limits,
         clock,
@@ -122,12 +127,12 @@ pub async fn serve(mut client: Io, connector: Connector, cx: Context, force: Can
     });
     let mut pump = Pump {
         core,
+        coalesce: Coalesce::new(coalesce, clock.now()),
         clock,
         client_in: first,
         upstream_in: BytesMut::new(),
         engine,
         metrics,
-        coalesce: Coalesce::new(coalesce, Instant::now()),
     };
     pump.run(client, upstream, force).await;
 }
@@ -206,7 +211,7 @@ impl Pump {
         let coalescing = self.coalesce.on();
         std::future::poll_fn(|cx| {
             if coalescing {
-                self.coalesce.on_wake(Instant::now());
+                self.coalesce.on_wake(self.clock.now());
             }
             let mut sides = Sides {
                 client: &mut client,
@@ -215,7 +220,7 @@ impl Pump {
             };
             let turned = self.turn(cx, &mut sides, forced.as_mut(), timer.as_mut());
             if coalescing {
-                self.coalesce.on_sleep(Instant::now());
+                self.coalesce.on_sleep(self.clock.now());
             }
             turned
         })

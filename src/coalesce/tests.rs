@@ -381,7 +381,10 @@ proptest! {
 fn session_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
-        .on_thread_park(super::on_park)
+        .on_thread_park({
+            let clock = nackd_core::clock::Clock::start();
+            move || super::on_park(&clock)
+        })
         .enable_all()
         .build()
         .unwrap()

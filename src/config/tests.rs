@@ -174,6 +174,12 @@ fn read_token_keys_are_checked_named_and_differ_from_the_admin_token() {
             Some("fedcba9876543210".to_string())
         )
     );
+}
+
+/// A read token alone is allowed, and one from a variable is checked
+/// when it is read.
+#[test]
+fn a_read_token_alone_or_from_a_variable() {
     // Read-only alone is allowed: the admin API lists, nothing changes.
     let read_only = Config::parse(
         "[metrics]\nread_token = \"fedcba9876543210\"\n",
@@ -374,6 +380,9 @@ fn delayed_errors_name_the_key() {
 /// naming both keys), the file read when the secret is, its trailing
 /// newline dropped, an unreadable or empty file named with its key.
 #[test]
+// Whole because: the later cases reuse the files (and their changes) of
+// the earlier ones.
+#[allow(clippy::too_many_lines)]
 fn secrets_come_from_one_of_inline_env_and_file() {
     for (text, keys) in [
         (
@@ -546,6 +555,9 @@ fn a_broker_uri_names_one_node_its_tls_and_a_login() {
 /// carries; setting both is refused naming the key, and nothing in an
 /// error repeats the password.
 #[test]
+// Whole because: the later cases reuse the temporary directory and the
+// file of the earlier ones.
+#[allow(clippy::too_many_lines)]
 fn a_broker_uri_replaces_the_address_and_the_login_it_carries() {
     let config = Config::parse(
         "[upstream]\nuri = \"amqps://nackd:s3cret@rabbit:5671\"\n",

@@ -3,7 +3,7 @@
 use std::sync::Mutex;
 
 /// Ranges kept (the counters count them all).
-pub const KEPT: usize = 100;
+pub(super) const KEPT: usize = 100;
 
 /// One damaged range of a segment file, or the torn tail recovery cut.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]

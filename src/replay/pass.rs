@@ -176,6 +176,17 @@ impl Pass<'_> {
                 return self.leave(d, |r| r.skipped += 1).await;
             }
         };
+        let park = self.park_of(&d, &destination, header, retry);
+        if !self.retry.park(park, &self.reply) {
+            self.fail("the retry engine is gone".into());
+            return self.leave(d, |_| {}).await;
+        }
+        self.in_flight.insert(d.tag, (destination, d));
+    }
+
+    /// The next park of this replay: `d` to `destination`, with its
+    /// rewritten `header` and `retry` count, at its place in the spread.
+    fn park_of(&mut self, d: &Left, destination: &str, header: Vec<u8>, retry: u32) -> Park {
         let spread = self.request.spread.unwrap_or_default();
         let park = Park {
             key: ClaimKey {
@@ -185,7 +196,7 @@ impl Pass<'_> {
                 seq: self.report.examined,
             },
             vhost: self.vhost.clone(),
-            queue: destination.as_str().into(),
+            queue: destination.into(),
             delay: select::spread_delay(spread, self.parks, self.planned),
             retry,
             route: Route::Queue,
@@ -196,11 +207,7 @@ impl Pass<'_> {
             ticket: Default::default(),
         };
         self.parks += 1;
-        if !self.retry.park(park, &self.reply) {
-            self.fail("the retry engine is gone".into());
-            return self.leave(d, |_| {}).await;
-        }
-        self.in_flight.insert(d.tag, (destination, d));
+        park
     }
 
     /// Whether queue `name` exists (a passive declare on a channel of its

@@ -21,14 +21,14 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::record::{Bad, Framing};
 
 /// Bytes of a header.
-pub const LEN: usize = 8 + 4 + 4 + 8 + 4 + 8 + 8;
+pub(super) const LEN: usize = 8 + 4 + 4 + 8 + 4 + 8 + 8;
 /// The format a header announces.
-pub const VERSION: u32 = 2;
+pub(super) const VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"NACKDLOG";
 
 /// A segment's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Header {
+pub(super) struct Header {
     /// The segment's own number (a file renamed to another number is caught).
     pub segment: u32,
     /// Keys every record check of the segment.
@@ -40,7 +40,7 @@ pub struct Header {
 
 impl Header {
     /// A header for segment `segment` after `prev`, with a fresh salt.
-    pub fn new(segment: u32, prev: Option<(u32, u64)>) -> Self {
+    pub(super) fn new(segment: u32, prev: Option<(u32, u64)>) -> Self {
         Self {
             segment,
             salt: new_salt(),
@@ -49,7 +49,7 @@ impl Header {
     }
 
     /// The bytes a segment file starts with.
-    pub fn encode(&self) -> [u8; LEN] {
+    pub(super) fn encode(&self) -> [u8; LEN] {
         let (prev, prev_len) = self.prev.unwrap_or((0, 0));
         let mut out = [0u8; LEN];
         out[..8].copy_from_slice(MAGIC);
@@ -64,14 +64,14 @@ impl Header {
     }
 
     /// How this segment's records are framed.
-    pub fn framing(&self) -> Framing {
+    pub(super) fn framing(&self) -> Framing {
         Framing::Salted(self.salt)
     }
 }
 
 /// What a segment file's first bytes say it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Format {
+pub(super) enum Format {
     /// Format 1: no header, records from byte 0, crc32 checks (an empty
     /// file too: nothing in it either way).
     Legacy,
@@ -85,7 +85,7 @@ pub enum Format {
 /// The format of the segment file whose bytes start `bytes`. `Err(Torn)`:
 /// the file ends inside a header; `Err(Corrupt)`: the header does not check
 /// (its salt is unknown: no record of the segment can be trusted).
-pub fn format(bytes: &[u8]) -> Result<Format, Bad> {
+pub(super) fn format(bytes: &[u8]) -> Result<Format, Bad> {
     let n = bytes.len().min(MAGIC.len());
     if n == 0 || bytes[..n] != MAGIC[..n] {
         return Ok(Format::Legacy);

@@ -216,19 +216,7 @@ impl Log {
             Some(&newest) => recover::cut_torn_tail(dir, newest)?,
             None => None,
         };
-        // A newest segment with nothing in it, not even its header (cut
-        // above if torn): a crash while it was created. The head takes its
-        // number, so that the head's header says how long the segment
-        // before it was sealed, as the lost header did; else a later cut of
-        // that segment on a record boundary would go unseen.
-        let head = match numbers.last() {
-            Some(&newest) if std::fs::metadata(segment_path(dir, newest))?.len() == 0 => {
-                numbers.pop();
-                newest
-            }
-            Some(&newest) => newest + 1,
-            None => 1,
-        };
+        let head = head_number(dir, &mut numbers)?;
         let (kept, ahead) = read_next_id(dir);
         let mut backlog = Backlog {
             dir: dir.to_owned(),
@@ -236,27 +224,15 @@ impl Log {
             torn_tail,
             read: None,
         };
-        let mut floor = kept.max(1);
-        if !ahead && !numbers.is_empty() {
-            // No bound on the ids on disk: read them all first.
-            let (recovered, segments) = backlog.read_now()?;
-            floor = floor.max(recovered.next_id);
-            backlog.read = Some((recovered, segments));
-        }
-        let files: Files = Arc::default();
-        let mut total = header::LEN as u64; // the head's
-        let mut prev = None;
-        for n in &numbers {
-            let file = File::open(segment_path(dir, *n))?;
-            let len = file.metadata()?.len();
-            total += len;
-            prev = Some((*n, len));
-            let framing = recover::framing(&file, *n)?;
-            let file = Arc::new(SegmentFile { file, framing });
-            files.write().expect("lock").insert(*n, file);
-        }
-        // The head's header says how long the newest older segment is,
-        // its torn tail cut: it is sealed at that.
+        let floor = backlog.first_free_id(kept, ahead)?;
+        let Older {
+            files,
+            bytes,
+            newest: prev,
+        } = open_older(dir, &numbers)?;
+        let total = header::LEN as u64 + bytes; // the head's, and theirs
+                                                // The head's header says how long the newest older segment is,
+                                                // its torn tail cut: it is sealed at that.
         let (head_file, head_framing) = create_segment(dir, head, prev, &files)?;
         let mut log = Self {
             dir: dir.to_owned(),
@@ -905,7 +881,7 @@ pub const CLOCK: &str = "CLOCK";
 /// Further, it is damaged or was written while the clock was far wrong:
 /// nackd would hold every new message that much longer (and fire what is
 /// held at once, by its own clock), so it does not start.
-pub const CLOCK_AHEAD_MAX: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+pub(super) const CLOCK_AHEAD_MAX: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// What [`CLOCK`] says (none if there is no such file). Checked when the
 /// log opens: a file that does not hold a time is an error naming it.
@@ -988,6 +964,53 @@ fn create_segment(
     Ok((file, framing))
 }
 
+/// The number of the head at an open, after the older segments `numbers`.
+/// A newest segment with nothing in it, not even its header (cut before
+/// if torn), is a crash while it was created: the head takes its number
+/// (and it leaves `numbers`), so that the head's header says how long the
+/// segment before it was sealed, as the lost header did; else a later cut
+/// of that segment on a record boundary would go unseen.
+fn head_number(dir: &Path, numbers: &mut Vec<u32>) -> io::Result<u32> {
+    Ok(match numbers.last() {
+        Some(&newest) if std::fs::metadata(segment_path(dir, newest))?.len() == 0 => {
+            numbers.pop();
+            newest
+        }
+        Some(&newest) => newest + 1,
+        None => 1,
+    })
+}
+
+/// The older segments at an open, for reading.
+struct Older {
+    files: Files,
+    /// Their bytes in all.
+    bytes: u64,
+    /// The newest one's number and length.
+    newest: Option<(u32, u64)>,
+}
+
+/// Opens the older segments `numbers` for reading.
+fn open_older(dir: &Path, numbers: &[u32]) -> io::Result<Older> {
+    let files: Files = Arc::default();
+    let mut total = 0;
+    let mut newest = None;
+    for &n in numbers {
+        let file = File::open(segment_path(dir, n))?;
+        let len = file.metadata()?.len();
+        total += len;
+        newest = Some((n, len));
+        let framing = recover::framing(&file, n)?;
+        let file = Arc::new(SegmentFile { file, framing });
+        files.write().expect("lock").insert(n, file);
+    }
+    Ok(Older {
+        files,
+        bytes: total,
+        newest,
+    })
+}
+
 /// The older segments of a [`Log::open_deferred`], to read off the writer's
 /// thread (it reads every record of every segment).
 #[derive(Debug, Default)]
@@ -1015,6 +1038,20 @@ impl Backlog {
             return Ok((recovered, Segments::default()));
         }
         self.read_now()
+    }
+
+    /// The first id new puts may take: past `kept` (the store's
+    /// `NEXT_ID`), and, when that does not bound the ids on disk (`!ahead`,
+    /// a store written by an older nackd), past every id of the older
+    /// segments, which are then read now.
+    fn first_free_id(&mut self, kept: u64, ahead: bool) -> io::Result<u64> {
+        let mut floor = kept.max(1);
+        if !ahead && !self.numbers.is_empty() {
+            let (recovered, segments) = self.read_now()?;
+            floor = floor.max(recovered.next_id);
+            self.read = Some((recovered, segments));
+        }
+        Ok(floor)
     }
 
     fn read_now(&self) -> io::Result<(Recovered, Segments)> {

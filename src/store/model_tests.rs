@@ -287,6 +287,8 @@ impl World {
         });
     }
 
+    // Whole because: one short arm per operation of the model.
+    #[allow(clippy::too_many_lines)]
     fn step(&mut self, op: Op) {
         match op {
             Op::Park(size) => {
@@ -545,6 +547,8 @@ fn run(ops: Vec<Op>) {
 
 /// Cases proptest found once, kept.
 #[test]
+// Whole because: a list of operations, one a line.
+#[allow(clippy::too_many_lines)]
 fn regressions() {
     run(vec![
         Op::Park(20),

@@ -109,7 +109,7 @@ impl Harm {
 
 /// What one segment file holds besides its records.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Scanned {
+pub(super) struct Scanned {
     /// Its format: `Legacy` also when the header is damaged (then `damage`
     /// says so); `Newer` means nothing was read.
     pub format: Format,
@@ -119,7 +119,7 @@ pub struct Scanned {
 
 impl Scanned {
     /// A segment none of whose records can be read.
-    pub fn damaged(damage: Damage) -> Self {
+    pub(super) fn damaged(damage: Damage) -> Self {
         Self {
             format: Format::Legacy,
             damage: vec![damage],
@@ -127,7 +127,7 @@ impl Scanned {
     }
 
     /// How its records are framed.
-    pub fn framing(&self) -> Framing {
+    pub(super) fn framing(&self) -> Framing {
         match self.format {
             Format::Salted(h) => h.framing(),
             Format::Legacy | Format::Newer(_) => Framing::Plain,
@@ -143,7 +143,7 @@ pub fn scan<'a>(bytes: &'a [u8], segment: u32, each: impl FnMut(View<'a>, Loc)) 
 }
 
 /// [`scan`], with the segment's format.
-pub fn scan_segment<'a>(
+pub(super) fn scan_segment<'a>(
     bytes: &'a [u8],
     segment: u32,
     mut each: impl FnMut(View<'a>, Loc),
@@ -202,7 +202,7 @@ pub fn scan_segment<'a>(
 /// or no successor says): bytes past that are not read, bytes missing
 /// before it are damage too. A header naming another segment makes the
 /// whole file damage: its records belong somewhere else in the log.
-pub fn scan_sealed<'a>(
+pub(super) fn scan_sealed<'a>(
     bytes: &'a [u8],
     segment: u32,
     sealed: Option<u64>,
@@ -241,7 +241,7 @@ pub fn scan_sealed<'a>(
 
 /// The length each segment was sealed at, by number, as the headers of
 /// the segments after them (`formats`, by number) say.
-pub fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
+pub(super) fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
     formats
         .values()
         .filter_map(|f| match f {
@@ -273,7 +273,11 @@ pub fn sealed_lengths(formats: &BTreeMap<u32, Format>) -> BTreeMap<u32, u64> {
 /// these cases and reported anyway, so an undamaged store never reports a
 /// gap it did not lose; at worst a damaged one also reports as lost a
 /// segment an older nackd removed.
-pub fn gaps(numbers: &[u32], formats: &BTreeMap<u32, Format>, damage: &[Damage]) -> Vec<Damage> {
+pub(super) fn gaps(
+    numbers: &[u32],
+    formats: &BTreeMap<u32, Format>,
+    damage: &[Damage],
+) -> Vec<Damage> {
     let sealed = sealed_lengths(formats);
     let starts_damaged = |n: u32| damage.iter().any(|d| d.segment == n && d.from == 0);
     let mut gone = Vec::new();

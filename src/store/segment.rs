@@ -37,7 +37,7 @@ pub(super) struct Segment {
 
 impl Segment {
     /// A segment of `size` bytes with nothing live.
-    pub fn new(size: u64, framing: Framing) -> Self {
+    pub(super) fn new(size: u64, framing: Framing) -> Self {
         Self {
             size,
             framing,
@@ -50,7 +50,7 @@ impl Segment {
 
     /// Marks the put at `offset` (of `len` bytes) live. Offsets must come in
     /// ascending order (appends do; recovery sorts first).
-    pub fn add(&mut self, offset: u32, len: u32) {
+    pub(super) fn add(&mut self, offset: u32, len: u32) {
         debug_assert!(self.offsets.last().is_none_or(|last| *last < offset));
         let i = self.offsets.len();
         self.offsets.push(offset);
@@ -64,7 +64,7 @@ impl Segment {
 
     /// Marks the put at `offset` dead; `false` if it was not live (a
     /// release that does not match anything: the caller's bug, reported).
-    pub fn release(&mut self, offset: u32, len: u32) -> bool {
+    pub(super) fn release(&mut self, offset: u32, len: u32) -> bool {
         let Ok(i) = self.offsets.binary_search(&offset) else {
             return false;
         };
@@ -80,24 +80,24 @@ impl Segment {
 
     /// Whether the put at `offset` is live.
     #[cfg(test)]
-    pub fn is_live(&self, offset: u32) -> bool {
+    pub(super) fn is_live(&self, offset: u32) -> bool {
         self.offsets
             .binary_search(&offset)
             .is_ok_and(|i| self.live[i / 64] & (1 << (i % 64)) != 0)
     }
 
     /// Live puts.
-    pub fn live_count(&self) -> u64 {
+    pub(super) fn live_count(&self) -> u64 {
         self.live_count
     }
 
     /// Bytes of live puts.
-    pub fn live_bytes(&self) -> u64 {
+    pub(super) fn live_bytes(&self) -> u64 {
         self.live_bytes
     }
 
     /// Offsets of the live puts, ascending.
-    pub fn live_offsets(&self) -> impl Iterator<Item = u32> + '_ {
+    pub(super) fn live_offsets(&self) -> impl Iterator<Item = u32> + '_ {
         self.offsets
             .iter()
             .enumerate()

@@ -13,3 +13,4 @@ mod due_backlog;
 mod image;
 mod quickstart;
 mod restart;
+mod structure;

@@ -16,7 +16,7 @@ use ureq::{Agent, RequestBuilder};
 // No doc comment here: clap would take it for the subcommand's help, which
 // is the doc comment of `Command::Admin` in main.rs.
 #[derive(Args, Debug)]
-pub struct AdminArgs {
+pub(crate) struct AdminArgs {
     /// host:port of its metrics listener (default: metrics.address of --config).
     #[arg(long)]
     address: Option<String>,
@@ -175,7 +175,7 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 const RESEED_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Runs the command against the nackd that the file `config` describes.
-pub fn run(config: &Path, args: &AdminArgs) -> ExitCode {
+pub(crate) fn run(config: &Path, args: &AdminArgs) -> ExitCode {
     let (address, token) = match address_and_token(config, args) {
         Ok(found) => found,
         Err((message, code)) => {

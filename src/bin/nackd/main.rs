@@ -5,13 +5,14 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use nackd::config::{Config, Scheduling};
 use nackd::reload::Reloader;
 use nackd::server::Proxy;
+use nackd_core::clock::Clock;
 use tokio_util::sync::CancellationToken;
 
 mod admin;
@@ -84,19 +85,7 @@ enum LogFormat {
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
-        let checked = Config::load(path)
-            .map_err(|e| e.to_string())
-            .and_then(|config| nackd::server::preflight(&config).map_err(|e| e.to_string()));
-        return match checked {
-            Ok(()) => {
-                println!("{}: ok", path.display());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("invalid configuration: {e}");
-                ExitCode::from(2)
-            }
-        };
+        return check_config(path);
     }
     match &args.command {
         Some(Command::Store(store)) => return store::run(&args.config, store),
@@ -109,28 +98,16 @@ fn main() -> ExitCode {
         None => {}
     }
     init_logging(args.log_format);
-    // `upstream.uri` first: `--upstream` overrides the address it names.
-    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
-    let mut config = match loaded.and_then(|c| {
-        c.with_uri()
-            .map_err(|e| format!("{}: {e}", args.config.display()))
-    }) {
+    let config = match load(&args) {
         Ok(config) => config,
         Err(e) => {
             tracing::error!("invalid configuration: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Some(listen) = args.listen {
-        config.listen.address = listen;
-    }
-    if let Some(upstream) = args.upstream {
-        config.upstream.set_single(upstream);
-    }
-    if let Some(metrics) = args.metrics {
-        config.metrics.address = metrics;
-    }
-    match runtime(&config).block_on(run(config, args.config)) {
+    // The process's one clock: the sessions' threads, the engine, the store.
+    let clock = Clock::start();
+    match runtime(&config, &clock).block_on(run(config, args.config, clock)) {
         Ok(()) => ExitCode::SUCCESS,
         // What --check-config finds too: a configuration error.
         Err(e)
@@ -147,8 +124,45 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--check-config`: the file at `path` as startup would take it.
+fn check_config(path: &Path) -> ExitCode {
+    let checked = Config::load(path)
+        .map_err(|e| e.to_string())
+        .and_then(|config| nackd::server::preflight(&config).map_err(|e| e.to_string()));
+    match checked {
+        Ok(()) => {
+            println!("{}: ok", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("invalid configuration: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The configuration `--config` names, with the command line's overrides.
+fn load(args: &Args) -> Result<Config, String> {
+    // `upstream.uri` first: `--upstream` overrides the address it names.
+    let loaded = Config::load(&args.config).map_err(|e| e.to_string());
+    let mut config = loaded.and_then(|c| {
+        c.with_uri()
+            .map_err(|e| format!("{}: {e}", args.config.display()))
+    })?;
+    if let Some(listen) = args.listen {
+        config.listen.address = listen;
+    }
+    if let Some(upstream) = &args.upstream {
+        config.upstream.set_single(upstream.clone());
+    }
+    if let Some(metrics) = args.metrics {
+        config.metrics.address = metrics;
+    }
+    Ok(config)
+}
+
 /// The session threads `[runtime]` asks for.
-fn runtime(config: &Config) -> tokio::runtime::Runtime {
+fn runtime(config: &Config, clock: &Clock) -> tokio::runtime::Runtime {
     let batch = config.runtime.scheduling == Scheduling::Batch;
     let coalesce = !config.runtime.coalesce.is_zero();
     tokio::runtime::Builder::new_multi_thread()
@@ -167,17 +181,24 @@ fn runtime(config: &Config) -> tokio::runtime::Runtime {
             }
         })
         // An idle thread waits `runtime.coalesce` while a peer streams.
-        .on_thread_park(nackd::coalesce::on_park)
+        .on_thread_park({
+            let clock = clock.clone();
+            move || nackd::coalesce::on_park(&clock)
+        })
         .enable_all()
         .build()
         .expect("tokio runtime")
 }
 
-async fn run(config: Config, path: PathBuf) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(
+    config: Config,
+    path: PathBuf,
+    clock: Clock,
+) -> Result<(), Box<dyn std::error::Error>> {
     // Handlers first: a signal that arrives once "listening" is logged must
     // find them, not the default action (which would end the process).
     let handlers = Signals::install()?;
-    let proxy = Proxy::bind(&config).await?;
+    let proxy = Proxy::bind_on(&config, clock).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(handlers.serve(shutdown.clone(), proxy.reloader(), path));
     proxy.run(shutdown).await;

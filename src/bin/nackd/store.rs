@@ -11,7 +11,7 @@ use nackd::store::inspect;
 // No doc comment here: clap would take it for the subcommand's help, which
 // is the doc comment of `Command::Store` in main.rs.
 #[derive(Args, Debug)]
-pub struct StoreArgs {
+pub(crate) struct StoreArgs {
     /// Store directory (default: store.path from --config).
     #[arg(long)]
     path: Option<PathBuf>,
@@ -38,7 +38,7 @@ enum StoreAction {
 }
 
 /// Runs the command on `--path`, else on `store.path` of the file `config`.
-pub fn run(config: &Path, args: &StoreArgs) -> ExitCode {
+pub(crate) fn run(config: &Path, args: &StoreArgs) -> ExitCode {
     let dir = match &args.path {
         Some(p) => p.clone(),
         None => match Config::load(config) {

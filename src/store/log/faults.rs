@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 /// Failures armed for the next commit.
 #[derive(Debug, Default)]
-pub struct Faults {
+pub(crate) struct Faults {
     /// The next write puts this many bytes in the file, then fails.
     pub write_then_fail: Option<usize>,
     /// The next fsync fails (after the write went through).
@@ -24,7 +24,7 @@ pub struct Faults {
 }
 
 impl Faults {
-    pub fn before_write(&mut self, mut file: &File, pending: &[u8]) -> Option<io::Error> {
+    pub(crate) fn before_write(&mut self, mut file: &File, pending: &[u8]) -> Option<io::Error> {
         if let Some(n) = self.write_then_fail.take() {
             let _ = file.write_all(&pending[..n.min(pending.len())]);
             return Some(io::Error::from_raw_os_error(28)); // ENOSPC
@@ -37,7 +37,7 @@ impl Faults {
         taken.is_err().then(|| io::Error::from_raw_os_error(28)) // ENOSPC
     }
 
-    pub fn before_sync(&mut self) -> Option<io::Error> {
+    pub(crate) fn before_sync(&mut self) -> Option<io::Error> {
         std::mem::take(&mut self.fail_sync).then(|| io::Error::from_raw_os_error(5))
         // EIO
     }
