@@ -11,9 +11,12 @@ mod method_spec;
 mod payload;
 mod roundtrip;
 mod spec;
+mod value;
 
+pub use method_spec::MethodSpec;
 pub use roundtrip::roundtrip;
-pub use spec::{short, table, FrameSpec, HeaderSpec, MethodSpec, TableSpec, Text, ValueSpec};
+pub use spec::{FrameSpec, HeaderSpec};
+pub use value::{short, table, TableSpec, Text, ValueSpec};
 
 use bytes::BytesMut;
 

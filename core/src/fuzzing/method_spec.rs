@@ -3,7 +3,7 @@
 
 use amq_protocol::protocol::{basic, channel, confirm, connection, queue, tx, AMQPClass};
 
-use super::spec::{short, table, TableSpec, Text};
+use super::value::{short, table, TableSpec, Text};
 
 /// The methods nackd decodes, with every field free.
 #[derive(Clone, Debug, arbitrary::Arbitrary)]

@@ -6,7 +6,8 @@ use amq_protocol::types::AMQPValue;
 use bytes::BytesMut;
 
 use super::payload;
-use super::spec::{short, FrameSpec, HeaderSpec};
+use super::spec::{FrameSpec, HeaderSpec};
+use super::value::short;
 use super::{decode_chunks, Decoded};
 use crate::protocol::content::{self, ContentHeader};
 use crate::protocol::frame::{Frame, FrameDecoder, FrameError, FrameType, FRAME_OVERHEAD};
