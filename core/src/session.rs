@@ -18,13 +18,16 @@
 
 use std::time::Duration;
 
+mod barrier;
 pub mod capture;
 pub mod channel;
 mod check;
 mod claim;
+mod claims;
 mod client;
 mod close;
 pub mod confirms;
+mod consumer;
 mod defer;
 mod deferrals;
 pub mod delayed;
@@ -32,6 +35,7 @@ mod frames;
 mod lifecycle;
 mod machine;
 mod peer;
+mod publishes;
 mod scope;
 pub mod settle;
 mod upstream;

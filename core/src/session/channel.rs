@@ -114,9 +114,7 @@ impl ContentState {
 /// Consumers a channel remembers after their `nowait` cancel.
 const LINGERING: usize = 16;
 
-/// The consumer a delivery went to: its tag, and which `basic.consume` of
-/// the channel it is (a tag is free again once its consumer is cancelled).
-pub type ConsumerRef = (Arc<str>, u64);
+use super::consumer::ConsumerRef;
 
 /// A claimed tag waiting for the store.
 #[derive(Clone, Debug)]
@@ -199,17 +197,17 @@ pub struct Channel {
     /// took a publish of this confirm channel.
     pub renumber: Option<Box<super::confirms::Renumber>>,
     /// A publish to a delayed exchange whose content is being read.
-    pub taking: Option<Box<super::delayed::Taking>>,
+    pub taking: Option<Box<super::publishes::Taking>>,
     /// Frames of nackd's own to the client (confirms) waiting for the
     /// broker's content in flight on this channel to end.
     pub to_client_after: Vec<Bytes>,
     /// `exchange.declare`s sent that the broker answers, in order: for a
     /// delayed one, the registry's entry before it (to restore if the
     /// broker refuses it).
-    pub exchange_declares: VecDeque<Option<super::delayed::Declared>>,
+    pub exchange_declares: VecDeque<Option<super::publishes::Declared>>,
     /// `exchange.delete`s sent that the broker answers: the exchanges,
     /// forgotten as delayed at their `delete-ok`.
-    pub exchange_deletes: VecDeque<Option<super::delayed::Deleted>>,
+    pub exchange_deletes: VecDeque<Option<super::publishes::Deleted>>,
     /// Publishes nackd took and gives back to the broker as sent, waiting
     /// for the client content going upstream on this channel to end (they
     /// follow it, in the client's order).

@@ -8,11 +8,11 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use super::capture::{Captured, Capturing};
-use super::channel::{Claimed, ConsumerRef, Delivery};
+use super::channel::{Claimed, Delivery};
 use super::close::Origin;
+use super::consumer::ConsumerRef;
 use super::machine::{Effect, Session};
 use super::settle::{self, Settle};
-use super::{ACK_GRACE, SETTLE_TIMEOUT};
 use crate::held::{ClaimKey, Park, Parked, Route, Ticket};
 use crate::policy::{OnExhausted, Policy, Step};
 use crate::protocol::frame::{Frame, FrameType};
@@ -277,7 +277,7 @@ impl Session {
             ?settle,
             "claimed for a delayed retry; storing before the ack"
         );
-        let seq = self.claims;
+        let seq = self.claims.last();
         let channel = self.channels.get(channel_id);
         let claimed = Claimed {
             settle,
@@ -362,7 +362,7 @@ impl Session {
             channel: channel_id,
             epoch: self.channels.get(channel_id).epoch,
             tag,
-            seq: self.claims + 1,
+            seq: self.claims.next(),
         };
         let deferral = plan.deferral();
         let ticket = Ticket::default();
@@ -379,8 +379,7 @@ impl Session {
             ticket: ticket.clone(),
         };
         self.effects.push_back(Effect::Park(park));
-        self.claims += 1;
-        self.unanswered.insert(self.claims, (self.now, ticket));
+        self.claims.made(self.now, ticket);
         Claim::Parked(deferral)
     }
 
@@ -425,10 +424,10 @@ impl Session {
     /// The store answered for a claimed delivery.
     pub(super) fn on_parked(&mut self, parked: Parked) {
         let key = parked.key;
-        if self.is_taken(key.seq) {
+        if self.publishes.is_taken(key.seq) {
             return self.on_publish_parked(key.seq, parked.result);
         }
-        self.unanswered.remove(&key.seq);
+        self.claims.answered(key.seq);
         let upstream_alive = self.upstream_takes_acks();
         let settle = self
             .channels
@@ -449,11 +448,7 @@ impl Session {
                     "held; acking upstream"
                 );
                 self.stats.intercepted.inc();
-                let now = self.now;
-                self.acked_at = Some(now);
-                if self.barrier.is_some_and(|b| key.seq <= b) {
-                    self.barrier_acked_at = Some(now);
-                }
+                self.barrier.acked(self.now, Some(key.seq));
                 let ack = method::ack(key.channel, key.tag, false);
                 self.send_own(key.channel, ack, Some(id));
             }
@@ -484,7 +479,7 @@ impl Session {
     /// `held` is the id of the stored copy an ack stands for: if the ack
     /// never goes, the copy is cancelled (see [`Session::end`]).
     pub(super) fn send_own(&mut self, channel_id: u16, frame: bytes::Bytes, held: Option<u64>) {
-        let barrier_up = self.barrier_up;
+        let barrier_up = self.barrier.is_up();
         let channel = self.channels.get(channel_id);
         let content_open =
             channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier);
@@ -500,12 +495,12 @@ impl Session {
     /// the client's `connection.close` went upstream.
     pub(super) fn upstream_takes_acks(&self) -> bool {
         let close_sent = match self.close.awaiting_upstream() {
-            Some(Origin::Client) => !self.barrier_up,
+            Some(Origin::Client) => !self.barrier.is_up(),
             Some(_) => true,
             None => false,
         };
-        let broker_closes = self.close.broker_closed;
-        !self.close.upstream_gone && !close_sent && !broker_closes
+        let broker_closes = self.close.broker_closed();
+        !self.close.upstream_gone() && !close_sent && !broker_closes
     }
 
     fn drop_orphan_pending(&mut self, key: ClaimKey) {
@@ -518,33 +513,25 @@ impl Session {
     /// Client frames go upstream, or wait behind a barrier.
     pub(super) fn emit_upstream(&mut self, bytes: &[u8]) {
         self.upstream_tx = self.now;
-        if self.barrier_up {
-            self.behind_barrier.extend_from_slice(bytes);
-        } else {
+        if !self.barrier.hold(bytes) {
             self.to_upstream.extend_from_slice(bytes);
         }
     }
 
     /// Whether a close, recover or disconnect must wait: claims are still
-    /// unanswered, or nackd acked one less than [`ACK_GRACE`] ago (and the
+    /// unanswered, or nackd acked one less than [`super::ACK_GRACE`] ago (and the
     /// broker still takes acks).
     pub(super) fn must_wait(&self) -> bool {
-        let recent = self.acked_at.is_some_and(|t| t + ACK_GRACE > self.now);
-        self.upstream_takes_acks() && (!self.unanswered.is_empty() || recent || self.barrier_up)
-    }
-
-    /// Held-back frames wait for the claims up to `barrier` (made before
-    /// them: a channel that keeps nacking must not hold a close forever).
-    fn set_barrier(&mut self, barrier: u64) {
-        self.barrier = Some(self.barrier.unwrap_or(0).max(barrier));
-        self.barrier_acked_at = self.barrier_acked_at.max(self.acked_at);
+        let recent = self.barrier.acked_recently(self.now);
+        self.upstream_takes_acks()
+            && (self.claims.any_unanswered() || recent || self.barrier.is_up())
     }
 
     /// Holds client frames until the claims made so far are answered and
     /// acked (before a connection close that would make the broker requeue
     /// held messages).
     pub(super) fn raise_barrier(&mut self) {
-        let all = self.claims;
+        let all = self.claims.last();
         self.raise_barrier_behind(all);
     }
 
@@ -558,72 +545,63 @@ impl Session {
     }
 
     fn raise_barrier_behind(&mut self, barrier: u64) {
-        if !self.barrier_up {
+        if self.barrier.raise(barrier) {
             debug!(
                 pending = self.channels.pending(),
                 "client frames wait behind a barrier until the claims are acked"
             );
         }
-        self.barrier_up = true;
-        self.close.settling = true;
-        self.set_barrier(barrier);
+        self.close.set_settling(true);
         self.release_if_settled();
     }
 
     /// Closes upstream once held messages are acked (see [`Session::hold`]).
     pub(super) fn close_upstream_after_acks(&mut self, why: &'static str) {
-        self.close.settling = true;
-        self.deferred_close = Some(why);
-        let all = self.claims;
-        self.set_barrier(all);
+        self.close.set_settling(true);
+        self.barrier.defer_close(why, self.claims.last());
         self.release_if_settled();
     }
 
     /// Lets held-back frames and a deferred close go on once every claim
-    /// of the barrier is answered and the broker had [`ACK_GRACE`] to apply
+    /// of the barrier is answered and the broker had [`super::ACK_GRACE`] to apply
     /// nackd's acks (at once if the broker takes no more acks). A claim
-    /// unanswered for [`SETTLE_TIMEOUT`] is given up: it is deferred, its
+    /// unanswered for [`super::SETTLE_TIMEOUT`] is given up: it is deferred, its
     /// nack (requeue) sent at once ahead of a close or recover that waits.
     pub(super) fn release_if_settled(&mut self) {
-        if !(self.barrier_up || self.deferred_close.is_some()) {
+        if !self.barrier.waits() {
             return;
         }
         let now = self.now;
         if self.upstream_takes_acks() {
-            let barrier = self.barrier.unwrap_or(0);
-            self.give_up_overdue(barrier);
+            let upto = self.barrier.upto();
+            self.give_up_overdue(upto);
             let checks = &self.checks;
             if self
-                .unanswered
-                .range(..=barrier)
-                .any(|(seq, _)| !checks.stuck_behind_barrier(*seq))
+                .claims
+                .waits_upto(upto, |seq| checks.stuck_behind_barrier(seq))
             {
                 return;
             }
-            let grace = self.barrier_acked_at.map(|t| t + ACK_GRACE);
-            if let Some(at) = grace.filter(|at| *at > now) {
-                self.release_at = Some(at);
+            if self.barrier.grace(now).is_some() {
                 return;
             }
         }
-        (self.barrier, self.barrier_acked_at) = (None, None);
-        self.close.settling = false;
+        let lowered = self.barrier.lower();
+        self.close.set_settling(false);
         // The close handshake's own timeout runs from here.
         self.close.restart(now);
-        if self.barrier_up {
-            self.barrier_up = false;
+        if let Some(held) = lowered.held {
             self.channels.lower_barriers();
             self.checks.barrier_lowered();
-            let held = std::mem::take(&mut self.behind_barrier);
             self.to_upstream.extend_from_slice(&held);
         }
-        if let Some(why) = self.deferred_close.take() {
+        if let Some(why) = lowered.close {
             self.close_upstream(why);
         }
     }
 
     /// Gives up the claims up to number `upto` the store has not answered
-    /// within [`SETTLE_TIMEOUT`]. It runs on every tick, not only while a
+    /// within [`super::SETTLE_TIMEOUT`]. It runs on every tick, not only while a
     /// close waits: a store that does not answer (a stuck `fsync`) must not
     /// keep deliveries unacked for good, filling the consumers' prefetch.
     /// A claim the engine stored meanwhile is not given up (its answer is
@@ -639,13 +617,9 @@ impl Session {
         // whose check waits for a declare (or delete) held behind a
         // barrier is not given up: that declare may be behind it.
         let checks = &self.checks;
-        let mut expired: BTreeSet<u64> = self
-            .unanswered
-            .range(..=upto)
-            .take_while(|(_, (at, _))| now.duration_since(*at) >= SETTLE_TIMEOUT)
-            .filter(|(seq, _)| !checks.stuck_behind_barrier(**seq))
-            .map(|(seq, _)| *seq)
-            .collect();
+        let mut expired = self
+            .claims
+            .overdue(upto, now, |seq| checks.stuck_behind_barrier(seq));
         if expired.is_empty() {
             return;
         }
@@ -664,7 +638,7 @@ impl Session {
         let seqs: BTreeSet<u64> = seqs
             .iter()
             .copied()
-            .filter(|seq| self.unanswered.get(seq).is_some_and(|(_, t)| t.give_up()))
+            .filter(|seq| self.claims.give_up(*seq))
             .collect();
         if seqs.is_empty() {
             return;
@@ -679,9 +653,6 @@ impl Session {
                 let reason = PassReason::StoreUnavailable;
                 self.defer(channel, tag, reason, claimed.delay, claimed.from);
             }
-        }
-        for seq in &seqs {
-            self.unanswered.remove(seq);
         }
     }
 

@@ -18,7 +18,7 @@ impl Session {
     pub(super) fn on_client_frame(&mut self, frame: Frame) -> Result<(), Fault> {
         // Checked before the channel is looked up: a channel the client may
         // not use is never tracked (its span would create it).
-        if self.close.client_failed {
+        if self.close.client_failed() {
             return self.on_failed_client_frame(&frame);
         }
         if self.channel_max != 0 && frame.channel > self.channel_max {
@@ -54,7 +54,7 @@ impl Session {
                 if self.scope.is_some() && self.hold_publish(&frame)? {
                     return Ok(());
                 }
-                let barrier_up = self.barrier_up;
+                let barrier_up = self.barrier.is_up();
                 let channel = self.channels.get(frame.channel);
                 if channel.publishing.in_flight() {
                     // A publish begins: where its method goes, its content follows.
@@ -78,14 +78,12 @@ impl Session {
     /// mid-publish must not split a content). An ack that waited for this
     /// publish to end goes right after its last frame.
     pub(super) fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
-        let barrier_up = self.barrier_up;
         let channel = self.channels.get(channel_id);
-        if barrier_up && channel.publish_behind_barrier {
-            self.behind_barrier.extend_from_slice(raw);
+        if channel.publish_behind_barrier && self.barrier.hold(raw) {
             if !channel.publishing.in_flight() {
                 // Publishes nackd gave back follow it, behind the barrier.
                 for raw in std::mem::take(&mut channel.handed_over) {
-                    self.behind_barrier.extend_from_slice(&raw);
+                    self.barrier.hold(&raw);
                 }
             }
             return;
@@ -116,11 +114,7 @@ impl Session {
                 return;
             }
             // The broker's time to apply these acks runs from now.
-            let now = self.now;
-            self.acked_at = Some(now);
-            if self.barrier.is_some() {
-                self.barrier_acked_at = Some(now);
-            }
+            self.barrier.acked(self.now, None);
         }
     }
 
@@ -159,7 +153,7 @@ impl Session {
                 // The broker would requeue what nackd holds (or make its ack
                 // part of a transaction): ack it first.
                 self.raise_channel_barrier(channel_id);
-                let (barrier_up, at) = (self.barrier_up, self.behind_barrier.len());
+                let (barrier_up, at) = (self.barrier.is_up(), self.barrier.len());
                 let channel = self.channels.get(channel_id);
                 if barrier_up && !matches!(class, AMQPClass::Basic(_)) {
                     // The close or tx.select goes behind the barrier next.
@@ -278,8 +272,7 @@ impl Session {
                 self.close.client_close_ok();
             }
             ids::CONNECTION_CLOSE => {
-                if !self.close.answered_failed_client {
-                    self.close.answered_failed_client = true;
+                if self.close.answer_failed_client() {
                     self.to_client
                         .extend_from_slice(&method::connection_close_ok());
                 }

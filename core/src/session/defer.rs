@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use tracing::debug;
 
-use super::channel::ConsumerRef;
 use super::close::Origin;
+use super::consumer::ConsumerRef;
 use super::deferrals::{FALLBACK_DELAY, MAX_DELAY, MIN_DELAY};
 use super::machine::Session;
 use crate::protocol::method;
@@ -32,7 +32,7 @@ impl Session {
             .peek(channel_id)
             .is_some_and(|c| c.barrier_raised || c.closing);
         let connection_closing =
-            self.deferred_close.is_some() || self.close.awaiting_upstream() == Some(Origin::Client);
+            self.barrier.close_waits() || self.close.awaiting_upstream() == Some(Origin::Client);
         if channel_closing || connection_closing {
             // A close, recover or tx.select waits to go upstream: the close
             // and recover would requeue it anyway, and after a tx.select a

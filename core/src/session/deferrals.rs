@@ -14,7 +14,7 @@
 //! connection goes (a close, `basic.recover`, the broker gone): then it is
 //! simply forgotten, and it never holds a close or a barrier open.
 
-use super::channel::ConsumerRef;
+use super::consumer::ConsumerRef;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 

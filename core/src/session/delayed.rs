@@ -27,93 +27,20 @@ use std::sync::Arc;
 
 use amq_protocol::protocol::{channel as amqp_channel, exchange, AMQPClass};
 use amq_protocol::types::AMQPValue;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tracing::{debug, warn};
 
-use super::capture::Reservation;
 use super::check::Verdict;
 use super::confirms::{Confirm, Renumber};
 use super::machine::{Effect, Session};
 use super::peer::Fault;
+use super::publishes::{Declared, Deleted, Taken, Taking};
 use crate::delayed::{TYPE, TYPE_ARG};
 use crate::held::{ClaimKey, Park, Route, StoreError, Ticket};
 use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
 use crate::protocol::headers;
 use crate::protocol::method::{self, ids, MethodId};
-
-/// A publish to a delayed exchange whose content is being read.
-#[derive(Debug)]
-pub struct Taking {
-    exchange: Arc<str>,
-    /// Its routing key; `None` when not UTF-8 (or the method does not
-    /// decode): nackd cannot keep it, so it does not take it with a delay.
-    routing_key: Option<String>,
-    /// Its method frame, as the client sent it.
-    method: Bytes,
-    /// Its frames after the method, as sent (kept while it may still go
-    /// to the broker at once).
-    content: BytesMut,
-    /// The content header payload, once come.
-    header: Option<Bytes>,
-    body: BytesMut,
-    /// Its share of the capture budget, taken at the header for the size
-    /// it announces (memory is bounded by configuration, not by clients).
-    _reserved: Option<Reservation>,
-    /// It did not fit in the budget: its content is read and dropped, its
-    /// publisher gets a nack.
-    over_budget: bool,
-}
-
-/// A publish nackd took, until the store answers.
-pub(super) struct Taken {
-    channel: u16,
-    epoch: u64,
-    /// The exchange it was published to.
-    exchange: Arc<str>,
-    /// The publisher's tag, on a confirm channel.
-    tag: Option<u64>,
-    /// The whole publish as sent: it goes to the broker if the broker
-    /// would refuse it from this client (the refusal is then the broker's
-    /// own), and on a channel without confirms if it cannot be stored
-    /// (routed at once rather than nowhere).
-    raw: Option<Bytes>,
-    /// What is parked once the broker said it would take the publish.
-    park: Option<Park>,
-    /// The settle timeout gave it up (the publisher got a nack): a late
-    /// stored copy is dropped.
-    given_up: bool,
-}
-
-/// A delayed `exchange.declare` the broker has not answered yet.
-#[derive(Debug)]
-pub struct Declared {
-    name: Arc<str>,
-    /// The real type it set.
-    kind: String,
-    /// The client sent `nowait`: the broker's `declare-ok` is nackd's.
-    swallow: bool,
-}
-
-/// An `exchange.delete` of a delayed exchange the broker has not answered.
-#[derive(Debug)]
-pub struct Deleted {
-    name: Arc<str>,
-    /// The client sent `nowait`: the broker's `delete-ok` is nackd's.
-    swallow: bool,
-}
-
-impl Taken {
-    /// The settle timeout gave it up: its publisher got a nack.
-    pub(super) fn given_up(&self) -> bool {
-        self.given_up
-    }
-
-    /// Taken on a channel without confirms: its publisher hears nothing.
-    pub(super) fn unconfirmed(&self) -> bool {
-        self.tag.is_none()
-    }
-}
 
 impl Session {
     /// `exchange.declare` / `exchange.delete` of the client; `false`: do not
@@ -155,14 +82,10 @@ impl Session {
                     ));
                 }
                 debug!(exchange = %name, kind = %real, "delayed exchange declared");
-                let declared = Declared {
-                    name: name.clone(),
-                    kind: real.clone(),
-                    swallow: d.nowait,
-                };
+                let declared = Declared::new(name.clone(), real.clone(), d.nowait);
                 self.expect_declare_ok(channel_id, false, Some(declared));
-                *self.declaring.entry(name).or_default() += 1;
-                self.checks.hold(self.barrier_up);
+                self.publishes.declare_sent(name);
+                self.checks.hold(self.barrier.is_up());
                 let mut declare = d.clone();
                 declare.kind = real.as_str().into();
                 declare.nowait = false;
@@ -176,8 +99,7 @@ impl Session {
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
                 let name: Arc<str> = Arc::from(d.exchange.as_str());
-                let delayed =
-                    registry.is_delayed(&vhost, &name) || self.declaring.contains_key(&name);
+                let delayed = registry.is_delayed(&vhost, &name) || self.publishes.declaring(&name);
                 let deletes = &mut self.channels.get(channel_id).exchange_deletes;
                 if !delayed {
                     if !d.nowait {
@@ -185,11 +107,8 @@ impl Session {
                     }
                     return Ok(true);
                 }
-                deletes.push_back(Some(Deleted {
-                    name,
-                    swallow: d.nowait,
-                }));
-                self.checks.hold(self.barrier_up);
+                deletes.push_back(Some(Deleted::new(name, d.nowait)));
+                self.checks.hold(self.barrier.is_up());
                 let mut delete = d.clone();
                 delete.nowait = false;
                 let class = AMQPClass::Exchange(exchange::AMQPMethod::Delete(delete));
@@ -215,21 +134,22 @@ impl Session {
         let (name, swallow) = match delete {
             false => match channel.exchange_declares.pop_front() {
                 Some(Some(declared)) => {
+                    let (name, kind, swallow) = declared.parts();
                     if let Some(state) = self.scope.as_ref() {
-                        let registry = &state.shared.delayed;
-                        registry.declare(&state.vhost, &declared.name, &declared.kind);
+                        state.shared.delayed.declare(&state.vhost, name, kind);
                     }
-                    self.end_declaring(&declared.name);
-                    (declared.name, declared.swallow)
+                    self.end_declaring(name);
+                    (name.clone(), swallow)
                 }
                 _ => return true,
             },
             true => match channel.exchange_deletes.pop_front() {
                 Some(Some(deleted)) => {
+                    let (name, swallow) = deleted.parts();
                     if let Some(state) = self.scope.as_ref() {
-                        state.shared.delayed.delete(&state.vhost, &deleted.name);
+                        state.shared.delayed.delete(&state.vhost, name);
                     }
-                    (deleted.name, deleted.swallow)
+                    (name.clone(), swallow)
                 }
                 _ => return true,
             },
@@ -244,12 +164,7 @@ impl Session {
         if let Some(state) = self.scope.as_ref() {
             state.shared.delayed.unreserve(&state.vhost, name);
         }
-        if let Some(n) = self.declaring.get_mut(name) {
-            *n -= 1;
-            if *n == 0 {
-                self.declaring.remove(name);
-            }
-        }
+        self.publishes.declare_answered(name);
     }
 
     /// The broker closes a channel: declares and deletes it has not
@@ -260,12 +175,13 @@ impl Session {
         let deletes = std::mem::take(&mut channel.exchange_deletes);
         let declares = std::mem::take(&mut channel.exchange_declares);
         for declared in declares.into_iter().flatten() {
-            debug!(exchange = %declared.name, "the broker refused a delayed declare");
-            self.end_declaring(&declared.name);
+            let (name, ..) = declared.parts();
+            debug!(exchange = %name, "the broker refused a delayed declare");
+            self.end_declaring(name);
             self.checks.release(&mut self.to_upstream);
         }
         for deleted in deletes.into_iter().flatten() {
-            debug!(exchange = %deleted.name, "the broker refused a delete of a delayed exchange");
+            debug!(exchange = %deleted.parts().0, "the broker refused a delete of a delayed exchange");
             self.checks.release(&mut self.to_upstream);
         }
     }
@@ -284,7 +200,7 @@ impl Session {
         if channel.confirm {
             channel.published += 1;
         }
-        if state.shared.delayed.none() && self.declaring.is_empty() {
+        if state.shared.delayed.none() && self.publishes.none_declaring() {
             // The pass-through path: no exchange is delayed, nothing to read.
             if let Some(r) = channel.renumber.as_mut() {
                 r.forward();
@@ -300,11 +216,11 @@ impl Session {
         };
         // On a channel the broker closed, it discards what the client
         // still sends: nackd must not deliver it later either.
-        let declaring = &self.declaring;
+        let publishes = &self.publishes;
         let delayed = exchange.filter(|x| {
             !channel.closing
                 && !channel.refused
-                && (state.shared.delayed.is_delayed(&state.vhost, x) || declaring.contains_key(*x))
+                && (state.shared.delayed.is_delayed(&state.vhost, x) || publishes.declaring(x))
         });
         let Some(exchange) = delayed else {
             if let Some(r) = channel.renumber.as_mut() {
@@ -312,16 +228,11 @@ impl Session {
             }
             return Ok(false);
         };
-        channel.taking = Some(Box::new(Taking {
-            exchange: Arc::from(exchange),
-            routing_key: routing_key.map(str::to_string),
-            method: frame.raw.clone(),
-            content: BytesMut::new(),
-            header: None,
-            body: BytesMut::new(),
-            _reserved: None,
-            over_budget: false,
-        }));
+        channel.taking = Some(Box::new(Taking::new(
+            exchange,
+            routing_key,
+            frame.raw.clone(),
+        )));
         Ok(true)
     }
 
@@ -332,61 +243,23 @@ impl Session {
         let Some(taking) = channel.taking.as_mut() else {
             return Ok(());
         };
-        if !taking.over_budget {
-            taking.content.extend_from_slice(&frame.raw);
-        }
+        taking.on_frame(&frame.raw);
         match frame.kind {
             FrameType::Header => {
-                let payload = frame.payload();
-                if headers::delay_ms(&payload).is_none() {
-                    // No delay: to the broker as sent, now.
-                    let taking = channel.taking.take().expect("checked above");
-                    self.forward_publish(channel_id, *taking);
+                if !self.take_header(channel_id, frame.payload())? {
                     return Ok(());
                 }
-                if channel.tx {
-                    return Err(FrameError::NotImplemented(
-                        "a delayed publish (x-delay) on a transactional channel",
-                    ));
-                }
-                if taking.routing_key.is_none() {
-                    return Err(FrameError::NotImplemented(
-                        "a delayed publish (x-delay) whose routing key is not UTF-8",
-                    ));
-                }
-                let size = usize::try_from(content::body_size(&payload)?)
-                    .unwrap_or(usize::MAX)
-                    .saturating_add(payload.len());
-                let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
-                match budget.and_then(|b| b.reserve(size)) {
-                    Some(reserved) => taking._reserved = Some(reserved),
-                    None if !channel.confirm => {
-                        // Nackd cannot say no: routed at once, as when
-                        // the store cannot take it.
-                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
-                        self.stats.delayed_refused.inc();
-                        let taking = channel.taking.take().expect("checked above");
-                        self.forward_publish(channel_id, *taking);
-                        return Ok(());
-                    }
-                    None => {
-                        warn!(exchange = %taking.exchange, size, "a delayed publish does not fit in the capture budget: the publisher gets a nack");
-                        taking.over_budget = true;
-                        taking.content = BytesMut::new();
-                    }
-                }
-                taking.header = Some(payload);
             }
-            FrameType::Body if taking.over_budget => {}
-            FrameType::Body => taking.body.extend_from_slice(frame.payload_slice()),
+            FrameType::Body => taking.on_body(frame.payload_slice()),
             _ => {}
         }
+        let channel = self.channels.get(channel_id);
         if !channel.publishing.in_flight() {
             let taking = channel.taking.take().expect("checked above");
             if channel.closing {
                 // The broker closed the channel meanwhile: it would have
                 // discarded this publish, and so does nackd.
-                debug!(exchange = %taking.exchange, "a delayed publish on a channel the broker closed: dropped, as the broker drops it");
+                debug!(exchange = %taking.exchange(), "a delayed publish on a channel the broker closed: dropped, as the broker drops it");
                 self.flush_after_publish(channel_id);
                 return Ok(());
             }
@@ -395,17 +268,60 @@ impl Session {
         Ok(())
     }
 
+    /// The content header of the publish being taken on `channel_id`:
+    /// `false` if the publish went to the broker as sent (no delay, or
+    /// over the budget on a channel without confirms).
+    fn take_header(&mut self, channel_id: u16, payload: Bytes) -> Result<bool, Fault> {
+        let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
+        let channel = self.channels.get(channel_id);
+        let taking = channel.taking.as_mut().expect("a publish is being taken");
+        if headers::delay_ms(&payload).is_none() {
+            // No delay: to the broker as sent, now.
+            let taking = channel.taking.take().expect("checked above");
+            self.forward_publish(channel_id, *taking);
+            return Ok(false);
+        }
+        if channel.tx {
+            return Err(FrameError::NotImplemented(
+                "a delayed publish (x-delay) on a transactional channel",
+            ));
+        }
+        if !taking.has_routing_key() {
+            return Err(FrameError::NotImplemented(
+                "a delayed publish (x-delay) whose routing key is not UTF-8",
+            ));
+        }
+        let size = usize::try_from(content::body_size(&payload)?)
+            .unwrap_or(usize::MAX)
+            .saturating_add(payload.len());
+        let reserved = budget.and_then(|b| b.reserve(size));
+        if reserved.is_none() && !channel.confirm {
+            // Nackd cannot say no: routed at once, as when the store
+            // cannot take it.
+            warn!(exchange = %taking.exchange(), size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
+            self.stats.delayed_refused.inc();
+            let taking = channel.taking.take().expect("checked above");
+            self.forward_publish(channel_id, *taking);
+            return Ok(false);
+        }
+        if reserved.is_none() {
+            warn!(exchange = %taking.exchange(), size, "a delayed publish does not fit in the capture budget: the publisher gets a nack");
+        }
+        taking.on_header(payload, reserved);
+        Ok(true)
+    }
+
     /// A held publish goes to the broker after all: its method, then what
     /// came of its content (the rest follows as usual).
     fn forward_publish(&mut self, channel_id: u16, taking: Taking) {
-        let barrier_up = self.barrier_up;
+        let barrier_up = self.barrier.is_up();
         let channel = self.channels.get(channel_id);
         if let Some(r) = channel.renumber.as_mut() {
             r.forward();
         }
         channel.publish_behind_barrier = barrier_up;
-        self.emit_upstream(&taking.method);
-        self.emit_content(channel_id, &taking.content);
+        self.emit_upstream(taking.method());
+        self.emit_content(channel_id, taking.content());
     }
 
     /// The whole delayed publish is here: parked, or (the engine takes
@@ -415,26 +331,10 @@ impl Session {
         let Some(state) = self.scope.as_ref() else {
             return;
         };
-        let header = taking
-            .header
-            .clone()
-            .expect("a complete content has a header");
-        let delay_ms = headers::delay_ms(&header)
-            .expect("checked at the header")
-            .min(crate::delayed::MAX_DELAY_MS);
-        let header = headers::delivered_with_delay_spent(&header).map_or(header, Bytes::from);
         let vhost = state.vhost.clone();
         let ready = state.shared.ready.may_claim();
-        let channel = self.channels.get(channel_id);
-        let epoch = channel.epoch;
-        let tag = channel.confirm.then(|| {
-            let published = channel.published;
-            channel
-                .renumber
-                .get_or_insert_with(|| Box::new(Renumber::new(published)))
-                .take()
-        });
-        if taking.over_budget {
+        let (epoch, tag) = self.publisher_tag(channel_id);
+        if taking.over_budget() {
             let tag = tag.expect("only a confirm channel's publish is refused");
             self.stats.delayed_refused.inc();
             self.answer_taken(channel_id, epoch, tag, false);
@@ -445,84 +345,78 @@ impl Session {
             self.stats.delayed_refused.inc();
             match tag {
                 Some(tag) => {
-                    warn!(exchange = %taking.exchange, ?reason, "cannot hold a delayed publish now: the publisher gets a nack");
+                    warn!(exchange = %taking.exchange(), ?reason, "cannot hold a delayed publish now: the publisher gets a nack");
                     self.answer_taken(channel_id, epoch, tag, false);
                 }
                 None => {
-                    warn!(exchange = %taking.exchange, ?reason, "cannot hold a delayed publish now (no confirms on its channel): it is routed at once");
+                    warn!(exchange = %taking.exchange(), ?reason, "cannot hold a delayed publish now (no confirms on its channel): it is routed at once");
                     self.forward_whole(channel_id, &taking);
                 }
             }
             self.flush_after_publish(channel_id);
             return;
         }
-        let mut raw = BytesMut::from(&taking.method[..]);
-        raw.extend_from_slice(&taking.content);
-        let raw = raw.freeze();
-        let seq = self.claims + 1;
+        let raw = taking.raw();
+        let exchange = taking.exchange().clone();
         let key = ClaimKey {
             channel: channel_id,
             epoch,
             tag: tag.unwrap_or(0),
-            seq,
+            seq: self.claims.next(),
         };
-        let ticket = Ticket::default();
-        let park = Park {
-            key,
-            vhost,
-            queue: taking.exchange.clone(),
-            delay: std::time::Duration::from_millis(delay_ms),
-            retry: 0,
-            route: Route::Delayed {
-                exchange: taking.exchange.to_string(),
-                routing_key: taking.routing_key.expect("checked at the header"),
-            },
-            on_return: None,
-            header,
-            body: taking.body.freeze(),
-            ticket: ticket.clone(),
-        };
-        // The broker's word first: nothing is stored that it would refuse.
+        let park = delayed_park(key, vhost, taking);
+        if self.ask_check(key, &raw, &exchange, tag) {
+            debug!(exchange = %exchange, delay_ms = park.delay.as_millis() as u64, ?tag, "delayed publish taken; asking the broker");
+            self.claims.made(self.now, park.ticket.clone());
+            self.channels.get(channel_id).last_claim = key.seq;
+            let taken = Taken::new((channel_id, epoch), exchange, tag, raw, park);
+            self.publishes.insert(key.seq, taken);
+        }
+        self.flush_after_publish(channel_id);
+    }
+
+    /// The opening of channel `channel_id`, and on a confirm channel the
+    /// publisher's tag of the publish nackd takes now.
+    fn publisher_tag(&mut self, channel_id: u16) -> (u64, Option<u64>) {
+        let channel = self.channels.get(channel_id);
+        let tag = channel.confirm.then(|| {
+            let published = channel.published;
+            channel
+                .renumber
+                .get_or_insert_with(|| Box::new(Renumber::new(published)))
+                .take()
+        });
+        (channel.epoch, tag)
+    }
+
+    /// Asks the broker's word on publish `raw` (claim `seq`) before it is
+    /// stored: nothing is stored that the broker would refuse. `false`: no
+    /// channel to ask on (the broker allows the client one), and the
+    /// publish was refused (its publisher gets a nack) or, without
+    /// confirms, routed at once.
+    fn ask_check(&mut self, key: ClaimKey, raw: &Bytes, exchange: &str, tag: Option<u64>) -> bool {
         let before = self.to_upstream.len();
-        let asked = self.checks.ask(seq, &raw, &mut self.to_upstream);
+        let asked = self.checks.ask(key.seq, raw, &mut self.to_upstream);
         if self.to_upstream.len() > before {
             // Held back, a check is no word to the broker: the heartbeat
             // owed in the client's name still goes.
             self.upstream_tx = self.now;
         }
-        if !asked {
-            // No channel to ask on (the broker allows the client one).
-            self.stats.delayed_refused.inc();
-            match tag {
-                Some(tag) => {
-                    warn!(exchange = %taking.exchange, "cannot check a delayed publish (no channel to spare): the publisher gets a nack");
-                    self.answer_taken(channel_id, epoch, tag, false);
-                }
-                None => {
-                    warn!(exchange = %taking.exchange, "cannot check a delayed publish (no channel to spare; no confirms on its channel): it is routed at once");
-                    self.emit_upstream(&raw);
-                }
-            }
-            self.flush_after_publish(channel_id);
-            return;
+        if asked {
+            return true;
         }
-        debug!(exchange = %taking.exchange, delay_ms, ?tag, "delayed publish taken; asking the broker");
-        self.claims = seq;
-        self.unanswered.insert(seq, (self.now, ticket));
-        self.channels.get(channel_id).last_claim = seq;
-        self.taken.insert(
-            seq,
-            Taken {
-                channel: channel_id,
-                epoch,
-                exchange: taking.exchange,
-                tag,
-                raw: Some(raw),
-                park: Some(park),
-                given_up: false,
-            },
-        );
-        self.flush_after_publish(channel_id);
+        self.stats.delayed_refused.inc();
+        match tag {
+            Some(tag) => {
+                warn!(exchange, "cannot check a delayed publish (no channel to spare): the publisher gets a nack");
+                self.answer_taken(key.channel, key.epoch, tag, false);
+            }
+            None => {
+                warn!(exchange, "cannot check a delayed publish (no channel to spare; no confirms on its channel): it is routed at once");
+                self.emit_upstream(raw);
+            }
+        }
+        false
     }
 
     /// Whether nackd reserves a channel on this session's upstream
@@ -561,25 +455,22 @@ impl Session {
     /// (unless given up meanwhile, or its exchange is no longer delayed:
     /// then it goes to the broker as sent).
     fn on_granted(&mut self, seq: u64) {
-        let Some(taken) = self.taken.get_mut(&seq) else {
+        let Some(taken) = self.publishes.get(seq) else {
             return;
         };
-        let still_delayed = self.declaring.contains_key(&taken.exchange)
-            || self
-                .scope
-                .as_ref()
-                .is_some_and(|s| s.shared.delayed.is_delayed(&s.vhost, &taken.exchange));
+        let still_delayed = self.publishes_declaring(taken.exchange());
+        let (channel, epoch) = taken.channel();
         // After a refused publish on its channel, the broker discards this
         // one: it goes there as sent, to be discarded as without nackd.
         let refused_before = self
             .channels
-            .get_epoch(taken.channel, taken.epoch)
+            .get_epoch(channel, epoch)
             .is_some_and(|c| c.refused);
-        if taken.given_up || !still_delayed || refused_before {
-            let taken = self.taken.remove(&seq).expect("looked up above");
-            self.unanswered.remove(&seq);
-            if !taken.given_up {
-                debug!(exchange = %taken.exchange, refused_before, "the publish goes to the broker as sent after all");
+        if taken.given_up() || !still_delayed || refused_before {
+            let taken = self.publishes.remove(seq).expect("looked up above");
+            self.claims.answered(seq);
+            if !taken.given_up() {
+                debug!(exchange = %taken.exchange(), refused_before, "the publish goes to the broker as sent after all");
                 let unconfirmed = taken.unconfirmed() && !refused_before;
                 if !self.hand_over(taken) && unconfirmed {
                     tracing::error!("a delayed publish whose exchange is no longer delayed cannot go to the broker (its channel is closed): the message is lost (its publisher used no confirms)");
@@ -589,12 +480,8 @@ impl Session {
             self.release_if_settled();
             return;
         }
-        let park = taken.park.take().expect("a check is answered once");
-        if taken.tag.is_some() {
-            // Only a publish without confirms goes at once if it cannot
-            // be stored.
-            taken.raw = None;
-        }
+        let taken = self.publishes.get_mut(seq).expect("looked up above");
+        let park = taken.granted();
         self.effects.push_back(Effect::Park(park));
     }
 
@@ -602,13 +489,13 @@ impl Session {
     /// the broker as sent, on its channel, for the broker to refuse it
     /// there in the client's name, as it would without nackd.
     fn on_refused(&mut self, seq: u64) {
-        let Some(taken) = self.taken.remove(&seq) else {
+        let Some(taken) = self.publishes.remove(seq) else {
             return;
         };
-        self.unanswered.remove(&seq);
+        self.claims.answered(seq);
         self.stats.delayed_denied.inc();
-        if !taken.given_up {
-            let (channel, epoch) = (taken.channel, taken.epoch);
+        if !taken.given_up() {
+            let (channel, epoch) = taken.channel();
             if self.hand_over(taken) {
                 if let Some(c) = self.channels.get_epoch(channel, epoch) {
                     c.refused = true;
@@ -622,24 +509,21 @@ impl Session {
     /// (unless that channel is gone: the broker would discard it).
     /// `false`: it did not go.
     fn hand_over(&mut self, taken: Taken) -> bool {
-        let Some(raw) = taken.raw else {
+        let ((channel_id, epoch), tag) = (taken.channel(), taken.tag());
+        let Some(raw) = taken.into_raw() else {
             return false;
         };
         // Not once the broker closes the channel, or the client's close
         // went upstream (a publish after it closes the connection).
-        let barrier_up = self.barrier_up;
-        let alive = self
-            .channels
-            .get_epoch(taken.channel, taken.epoch)
-            .is_some_and(|c| {
-                !c.closing && (!c.client_closed || (barrier_up && c.end_behind.is_some()))
-            })
-            && self.upstream_takes_acks();
+        let barrier_up = self.barrier.is_up();
+        let alive = self.channels.get_epoch(channel_id, epoch).is_some_and(|c| {
+            !c.closing && (!c.client_closed || (barrier_up && c.end_behind.is_some()))
+        }) && self.upstream_takes_acks();
         if !alive {
             return false;
         }
-        let channel = self.channels.get(taken.channel);
-        match taken.tag {
+        let channel = self.channels.get(channel_id);
+        match tag {
             // The broker numbers it now: its confirm is the publisher's.
             Some(tag) => {
                 if let Some(r) = channel.renumber.as_mut() {
@@ -677,9 +561,7 @@ impl Session {
     /// Puts `raw` into the frames behind the barrier at offset `at`; the
     /// offsets kept past it move along.
     fn insert_behind_barrier(&mut self, at: usize, raw: &[u8]) {
-        let tail = self.behind_barrier.split_off(at);
-        self.behind_barrier.extend_from_slice(raw);
-        self.behind_barrier.unsplit(tail);
+        self.barrier.insert(at, raw);
         self.channels.shift_end_behind(at, raw.len());
     }
 
@@ -689,8 +571,8 @@ impl Session {
         if let Some(r) = self.channels.get(channel_id).renumber.as_mut() {
             r.forward();
         }
-        self.emit_upstream(&taking.method);
-        self.emit_upstream(&taking.content);
+        self.emit_upstream(taking.method());
+        self.emit_upstream(taking.content());
     }
 
     /// Taken publishes the check still holds when the session ends: the
@@ -700,7 +582,7 @@ impl Session {
     /// places under `[delayed] max_exchanges` are free again.
     pub(super) fn end_all_declaring(&mut self) {
         if let Some(state) = self.scope.as_ref() {
-            for (name, n) in std::mem::take(&mut self.declaring) {
+            for (name, n) in self.publishes.take_declaring() {
                 for _ in 0..n {
                     state.shared.delayed.unreserve(&state.vhost, &name);
                 }
@@ -709,47 +591,49 @@ impl Session {
     }
 
     pub(super) fn count_unparked_lost(&mut self) {
-        let lost = self
-            .taken
-            .values()
-            .filter(|t| t.park.is_some() && t.unconfirmed() && !t.given_up)
-            .count();
+        let lost = self.publishes.unchecked_unconfirmed();
         if lost > 0 {
             tracing::error!(lost, "delayed publishes still waiting for the broker's check when the session ended: lost (their publishers used no confirms)");
             self.stats.delayed_lost.inc_by(lost as u64);
         }
     }
 
-    /// Whether claim `seq` is a publish nackd took (answered here).
-    pub(super) fn is_taken(&self, seq: u64) -> bool {
-        self.taken.contains_key(&seq)
+    /// Whether publishes to `exchange` are still delayed: it is, or a
+    /// delayed declare of it waits for the broker.
+    fn publishes_declaring(&self, exchange: &str) -> bool {
+        self.publishes.declaring(exchange)
+            || self
+                .scope
+                .as_ref()
+                .is_some_and(|s| s.shared.delayed.is_delayed(&s.vhost, exchange))
     }
 
     /// The store answered for a publish nackd took.
     pub(super) fn on_publish_parked(&mut self, seq: u64, result: Result<u64, StoreError>) {
-        let Some(taken) = self.taken.remove(&seq) else {
+        let Some(taken) = self.publishes.remove(seq) else {
             return;
         };
-        self.unanswered.remove(&seq);
-        match (result, taken.given_up) {
+        self.claims.answered(seq);
+        let ((channel, epoch), tag) = (taken.channel(), taken.tag());
+        match (result, taken.given_up()) {
             (Ok(id), true) => {
                 // Its publisher was told "nack": the copy must not go.
                 self.effects.push_back(Effect::Cancel(id));
             }
             (Err(_), true) => {}
             (Ok(id), false) => {
-                debug!(id, tag = ?taken.tag, "delayed publish stored");
+                debug!(id, ?tag, "delayed publish stored");
                 self.stats.delayed_taken.inc();
-                if let Some(tag) = taken.tag {
-                    self.answer_taken(taken.channel, taken.epoch, tag, true);
+                if let Some(tag) = tag {
+                    self.answer_taken(channel, epoch, tag, true);
                 }
             }
             (Err(e), false) => {
                 self.stats.delayed_refused.inc();
-                match taken.tag {
+                match tag {
                     Some(tag) => {
                         warn!(error = %e, "cannot store a delayed publish: the publisher gets a nack");
-                        self.answer_taken(taken.channel, taken.epoch, tag, false);
+                        self.answer_taken(channel, epoch, tag, false);
                     }
                     // Early rather than nowhere: routed at once.
                     None if self.hand_over(taken) => {
@@ -772,27 +656,29 @@ impl Session {
     /// stored first is not given up: its ack is on its way). The rest of
     /// `seqs` is left.
     pub(super) fn give_up_taken(&mut self, seqs: &mut std::collections::BTreeSet<u64>) {
-        let mine: Vec<u64> = seqs.iter().copied().filter(|s| self.is_taken(*s)).collect();
+        let publishes = &self.publishes;
+        let mine: Vec<u64> = seqs
+            .iter()
+            .copied()
+            .filter(|s| publishes.is_taken(*s))
+            .collect();
         for seq in mine {
             seqs.remove(&seq);
-            let taken = self.taken.get_mut(&seq).expect("listed above");
-            let (channel, epoch, tag) = (taken.channel, taken.epoch, taken.tag);
-            let Some(tag) = tag else {
+            let unconfirmed = self.publishes.get(seq).is_some_and(|t| t.unconfirmed());
+            if unconfirmed {
                 // No confirms: its publisher was told nothing, and the
                 // store's copy (when it answers) is the only one there is.
-                self.unanswered.remove(&seq);
+                self.claims.answered(seq);
                 warn!("the store did not answer a delayed publish within the settle timeout: the close goes on, the publish is kept if the store takes it");
                 continue;
-            };
-            let ticket = self.unanswered.get(&seq).map(|(_, t)| t);
-            if !ticket.is_some_and(|t| t.give_up()) {
+            }
+            if !self.claims.give_up(seq) {
                 // Stored meanwhile: its answer (an ack) is on its way.
                 continue;
             }
-            self.unanswered.remove(&seq);
-            taken.given_up = true;
+            let (channel, epoch, tag) = self.publishes.give_up(seq).expect("listed above");
             warn!("the store did not answer a delayed publish within the settle timeout: its publisher gets a nack");
-            self.answer_taken(channel, epoch, tag, false);
+            self.answer_taken(channel, epoch, tag.expect("a confirm channel's"), false);
         }
     }
 
@@ -840,7 +726,7 @@ impl Session {
     /// A frame of nackd's own to the client, never inside a broker content
     /// in flight on its channel.
     fn send_client_own(&mut self, channel_id: u16, frame: Bytes) {
-        if self.close.client_failed {
+        if self.close.client_failed() {
             return;
         }
         let channel = self.channels.get(channel_id);
@@ -860,6 +746,33 @@ impl Session {
         for frame in std::mem::take(&mut channel.to_client_after) {
             self.to_client.extend_from_slice(&frame);
         }
+    }
+}
+
+/// The park of delayed publish `taking` (claim `key`) in `vhost`: held
+/// for its `x-delay` (at most [`crate::delayed::MAX_DELAY_MS`]), then
+/// published to its exchange.
+fn delayed_park(key: ClaimKey, vhost: Arc<str>, taking: Taking) -> Park {
+    let exchange = taking.exchange().clone();
+    let (header, routing_key, body) = taking.into_message();
+    let delay_ms = headers::delay_ms(&header)
+        .expect("checked at the header")
+        .min(crate::delayed::MAX_DELAY_MS);
+    let header = headers::delivered_with_delay_spent(&header).map_or(header, Bytes::from);
+    Park {
+        key,
+        vhost,
+        queue: exchange.clone(),
+        delay: std::time::Duration::from_millis(delay_ms),
+        retry: 0,
+        route: Route::Delayed {
+            exchange: exchange.to_string(),
+            routing_key,
+        },
+        on_return: None,
+        header,
+        body,
+        ticket: Ticket::default(),
     }
 }
 

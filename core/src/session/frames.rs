@@ -43,7 +43,7 @@ impl Session {
                 if let Some(fault) = fault {
                     // The rest of what the client sent is not read.
                     input.clear();
-                    if self.close.client_failed {
+                    if self.close.client_failed() {
                         // Answered with connection.close already; what
                         // follows may not even be frames (the rest of an
                         // oversized body): one close, one warning.

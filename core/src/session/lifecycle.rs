@@ -14,7 +14,7 @@ impl Session {
     pub(super) fn on_client_fault(&mut self, fault: Fault) {
         let code = fault.reply_code();
         warn!(code = code.code(), error = %fault, "closing the client connection: protocol error");
-        self.close.client_failed = true;
+        self.close.on_client_failed();
         let text = format!("{} - {fault}", code.name());
         self.to_client
             .extend_from_slice(&method::connection_close(code, &text, None));
@@ -28,7 +28,7 @@ impl Session {
 
     pub(super) fn on_upstream_fault(&mut self, fault: Fault) {
         warn!(error = %fault, "the broker sent a malformed frame; closing both sides");
-        self.close.upstream_gone = true;
+        self.close.on_upstream_gone();
         self.close_client(
             ReplyCode::InternalError,
             &format!("nackd: broker sent a malformed frame: {fault}"),
@@ -36,7 +36,7 @@ impl Session {
     }
 
     pub(super) fn on_client_gone(&mut self, error: Option<std::io::Error>) {
-        if self.close.client_gone {
+        if self.close.client_gone() {
             return;
         }
         match (&error, self.close.started()) {
@@ -44,7 +44,7 @@ impl Session {
             (Some(e), false) => info!(error = %e, "client socket failed"),
             (None, false) => info!("client closed the socket without connection.close"),
         }
-        self.close.client_gone = true;
+        self.close.on_client_gone();
         // Nothing more is written to the client: what waited for it goes.
         self.to_client.clear();
         self.close.begin(self.now);
@@ -62,13 +62,13 @@ impl Session {
     }
 
     pub(super) fn on_upstream_gone(&mut self, error: Option<std::io::Error>) {
-        if self.close.upstream_gone {
+        if self.close.upstream_gone() {
             return;
         }
         if !self.close.started() {
             warn!(error = ?error.map(|e| e.to_string()), "upstream connection lost");
         }
-        self.close.upstream_gone = true;
+        self.close.on_upstream_gone();
         self.close.begin(self.now);
         // The broker requeued every unacked delivery.
         self.forget_all_deferred();
@@ -87,11 +87,11 @@ impl Session {
     /// Sends `connection.close` to the client (or drops it mid-handshake).
     pub(super) fn close_client(&mut self, code: ReplyCode, text: &str) {
         self.close.begin(self.now);
-        if self.close.client_gone || self.close.awaiting_client().is_some() {
+        if self.close.client_gone() || self.close.awaiting_client().is_some() {
             return;
         }
         if !self.open {
-            self.close.client_gone = true;
+            self.close.on_client_gone();
             return;
         }
         self.to_client
@@ -102,11 +102,11 @@ impl Session {
     /// Sends `connection.close` to the broker (or drops it mid-handshake).
     pub(super) fn close_upstream(&mut self, why: &'static str) {
         self.close.begin(self.now);
-        if self.close.upstream_gone || self.close.awaiting_upstream().is_some() {
+        if self.close.upstream_gone() || self.close.awaiting_upstream().is_some() {
             return;
         }
         if !self.open {
-            self.close.upstream_gone = true;
+            self.close.on_upstream_gone();
             return;
         }
         // The broker requeues every unacked delivery with the connection.
@@ -118,7 +118,7 @@ impl Session {
     }
 
     pub(super) fn on_force(&mut self) {
-        self.close.forced = true;
+        self.close.on_forced();
         info!("closing: nackd is shutting down");
         // Deferred nacks go now, ahead of the close (see the function).
         self.requeue_all_deferred_now();
@@ -138,14 +138,14 @@ impl Session {
         let now: Instant = self.now;
         // Claims have a deadline even if the store never answers, whether
         // a close waits for them or not; so have held-back frames.
-        self.give_up_overdue(self.claims);
+        self.give_up_overdue(self.claims.last());
         self.release_if_settled();
         self.fire_deferred();
         if !self.open && now >= self.handshake_deadline && !self.close.started() {
             warn!(timeout = ?self.limits.handshake_timeout, "handshake timed out");
             self.close.begin(self.now);
-            self.close.client_gone = true;
-            self.close.upstream_gone = true;
+            self.close.on_client_gone();
+            self.close.on_upstream_gone();
             return;
         }
         if self.heartbeat.is_zero() || self.close.started() {

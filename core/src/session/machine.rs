@@ -9,19 +9,22 @@
 //! sides gone, shutdown, timers). `channel` tracks each channel, `close`
 //! the closing handshake.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
+use super::barrier::Barrier;
 use super::channel::Channels;
+use super::claims::Claims;
 use super::close::Close;
 use super::deferrals::Deferrals;
 use super::peer::Peer;
+use super::publishes::DelayedPublishes;
 use super::scope::{Interception, Scope};
 use super::{Limits, HIGH_WATER, TICK};
-use crate::held::{Park, Parked, Ticket};
+use crate::held::{Park, Parked};
 use crate::protocol::frame::{FrameDecoder, HANDSHAKE_FRAME_MAX};
 use crate::stats::SessionStats;
 
@@ -62,34 +65,16 @@ pub struct Session {
     pub(super) close: Close,
     /// What this session intercepts (none when no policy is configured).
     pub(super) scope: Option<Scope>,
-    /// Client frames wait behind a barrier (see `claim`).
-    pub(super) barrier_up: bool,
-    /// The client frames waiting behind the barrier.
-    pub(super) behind_barrier: BytesMut,
-    pub(super) deferred_close: Option<&'static str>,
-    /// When nackd last acked a held message upstream.
-    pub(super) acked_at: Option<Instant>,
-    /// Claims made (the number of the last one).
-    pub(super) claims: u64,
-    /// The claims the store has not answered yet: number → when made,
-    /// and the ticket that gives its park up.
-    pub(super) unanswered: BTreeMap<u64, (Instant, Ticket)>,
-    /// Held-back frames wait for the claims up to this number.
-    pub(super) barrier: Option<u64>,
-    /// When the last claim of the barrier was acked.
-    pub(super) barrier_acked_at: Option<Instant>,
-    /// When the frames held back may go on (see [`super::ACK_GRACE`]).
-    pub(super) release_at: Option<Instant>,
+    /// Client frames held back until the claims are acked (see `claim`).
+    pub(super) barrier: Barrier,
+    /// The claims made, and those the store has not answered.
+    pub(super) claims: Claims,
     /// Deliveries nackd could not hold, unacked until their nack (see `defer`).
     pub(super) deferrals: Deferrals,
-    /// Delayed publishes taken, until the store answers: claim number → it.
-    pub(super) taken: BTreeMap<u64, super::delayed::Taken>,
+    /// Delayed publishes taken and delayed declares waiting (see `delayed`).
+    pub(super) publishes: DelayedPublishes,
     /// The broker's word on delayed publishes (the reserved channel).
     pub(super) checks: super::check::Checks,
-    /// Delayed declares of this session the broker has not answered, by
-    /// exchange: publishes to them are taken meanwhile (a publish sent
-    /// right after a declare must not go out at once).
-    pub(super) declaring: std::collections::HashMap<Arc<str>, usize>,
     pub(super) stats: Arc<SessionStats>,
 }
 
@@ -122,19 +107,11 @@ impl Session {
             upstream_tx: now,
             close: Close::default(),
             scope: interception.map(|shared| Scope::new(shared.clone())),
-            barrier_up: false,
-            behind_barrier: BytesMut::new(),
-            deferred_close: None,
-            acked_at: None,
-            claims: 0,
-            unanswered: BTreeMap::new(),
-            barrier: None,
-            barrier_acked_at: None,
-            release_at: None,
+            barrier: Barrier::default(),
+            claims: Claims::default(),
             deferrals: Deferrals::new(stats.deferred_now.clone()),
-            taken: BTreeMap::new(),
+            publishes: DelayedPublishes::default(),
             checks: super::check::Checks::default(),
-            declaring: std::collections::HashMap::new(),
             stats,
         }
     }
@@ -175,9 +152,7 @@ impl Session {
     /// The time [`Session::poll_timeout`] gave has come.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.now = now;
-        if self.release_at.is_some_and(|at| at <= now) {
-            self.release_at = None;
-        }
+        self.barrier.on_timeout(now);
         if now >= self.next_tick {
             self.next_tick = now + TICK;
         }
@@ -186,7 +161,7 @@ impl Session {
 
     /// When the core wants [`Session::handle_timeout`] called.
     pub fn poll_timeout(&self) -> Instant {
-        [self.release_at, self.deferrals.next_wake()]
+        [self.barrier.wake(), self.deferrals.next_wake()]
             .into_iter()
             .flatten()
             .fold(self.next_tick, Instant::min)
@@ -208,13 +183,13 @@ impl Session {
     pub fn may_read(&self, peer: Peer) -> bool {
         match peer {
             Peer::Client => {
-                !self.close.client_gone
-                    && self.to_upstream.len() + self.behind_barrier.len() < HIGH_WATER
+                !self.close.client_gone()
+                    && self.to_upstream.len() + self.barrier.len() < HIGH_WATER
             }
             Peer::Upstream => {
                 // Once the client is gone nothing queued for it is written.
-                !self.close.upstream_gone
-                    && (self.close.client_gone || self.to_client.len() < HIGH_WATER)
+                !self.close.upstream_gone()
+                    && (self.close.client_gone() || self.to_client.len() < HIGH_WATER)
             }
         }
     }
@@ -222,14 +197,14 @@ impl Session {
     /// Whether `peer`'s socket is still open to writes.
     pub fn may_write(&self, peer: Peer) -> bool {
         match peer {
-            Peer::Client => !self.close.client_gone,
-            Peer::Upstream => !self.close.upstream_gone,
+            Peer::Client => !self.close.client_gone(),
+            Peer::Upstream => !self.close.upstream_gone(),
         }
     }
 
     /// Whether shutdown already asked this session to close.
     pub fn forced(&self) -> bool {
-        self.close.forced
+        self.close.forced()
     }
 
     /// Whether the pair is done (both sides closed, or out of time).
@@ -245,7 +220,7 @@ impl Session {
         self.end_all_declaring();
         // A delayed publish stays held: its publisher sent it (unless the
         // publisher was told "nack").
-        let taken = std::mem::take(&mut self.taken);
+        let taken = self.publishes.take_all();
         let kept = |p: &Parked| taken.get(&p.key.seq).is_some_and(|t| !t.given_up());
         let late: Vec<Parked> = late.into_iter().collect();
         for p in &late {

@@ -35,7 +35,7 @@ impl Session {
         if content {
             self.capture_content(&frame);
         }
-        if !self.close.client_failed {
+        if !self.close.client_failed() {
             self.to_client.extend_from_slice(&frame.raw);
         }
         if content {
@@ -77,7 +77,7 @@ impl Session {
                     "broker closes the connection"
                 );
                 self.close.expect_client_close_ok(Origin::Broker, self.now);
-                self.close.broker_closed = true;
+                self.close.on_broker_close();
                 self.forget_all_deferred();
                 // Nothing held back can still be acked: let it go.
                 self.release_if_settled();

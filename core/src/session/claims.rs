@@ -1,0 +1,143 @@
+//! The claims of a session: one numbering for the nacks nackd claims and
+//! the delayed publishes it takes (a barrier waits for the claims up to a
+//! number, whatever they are), and the ones the store has not answered.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use super::SETTLE_TIMEOUT;
+use crate::held::Ticket;
+
+/// The claims of one session (see the module).
+#[derive(Default)]
+pub(super) struct Claims {
+    /// Claims made (the number of the last one).
+    last: u64,
+    /// The claims the store has not answered yet: number → when made,
+    /// and the ticket that gives its park up.
+    unanswered: BTreeMap<u64, (Instant, Ticket)>,
+}
+
+impl Claims {
+    /// The number of the last claim made (0: none yet).
+    pub(super) fn last(&self) -> u64 {
+        self.last
+    }
+
+    /// The number the next claim gets.
+    pub(super) fn next(&self) -> u64 {
+        self.last + 1
+    }
+
+    /// Claim number [`Claims::next`] is made at `now`; `ticket` gives
+    /// its park up.
+    pub(super) fn made(&mut self, now: Instant, ticket: Ticket) -> u64 {
+        self.last += 1;
+        self.unanswered.insert(self.last, (now, ticket));
+        self.last
+    }
+
+    /// Claim `seq` is answered (or no longer waited for).
+    pub(super) fn answered(&mut self, seq: u64) {
+        self.unanswered.remove(&seq);
+    }
+
+    /// Whether any claim waits for the store.
+    pub(super) fn any_unanswered(&self) -> bool {
+        !self.unanswered.is_empty()
+    }
+
+    /// Whether a claim up to `upto` waits for the store, leaving out those
+    /// `skip` names.
+    pub(super) fn waits_upto(&self, upto: u64, skip: impl Fn(u64) -> bool) -> bool {
+        self.unanswered.range(..=upto).any(|(seq, _)| !skip(*seq))
+    }
+
+    /// The claims up to `upto` unanswered for [`SETTLE_TIMEOUT`] at `now`,
+    /// leaving out those `skip` names. Claims are numbered in the order
+    /// they were made: the scan stops at the first young one.
+    pub(super) fn overdue(
+        &self,
+        upto: u64,
+        now: Instant,
+        skip: impl Fn(u64) -> bool,
+    ) -> BTreeSet<u64> {
+        self.unanswered
+            .range(..=upto)
+            .take_while(|(_, (at, _))| now.duration_since(*at) >= SETTLE_TIMEOUT)
+            .filter(|(seq, _)| !skip(**seq))
+            .map(|(seq, _)| *seq)
+            .collect()
+    }
+
+    /// Gives claim `seq` up: `true` when its ticket says the engine had
+    /// not stored it yet (it is then no longer waited for); `false` when
+    /// it was stored meanwhile (its answer is on its way) or is not waited for.
+    pub(super) fn give_up(&mut self, seq: u64) -> bool {
+        let given_up = self.unanswered.get(&seq).is_some_and(|(_, t)| t.give_up());
+        if given_up {
+            self.unanswered.remove(&seq);
+        }
+        given_up
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn claims_are_numbered_once_for_nacks_and_publishes() {
+        let mut c = Claims::default();
+        let now = Instant::now();
+        assert_eq!((c.last(), c.next()), (0, 1));
+        assert_eq!(c.made(now, Ticket::default()), 1);
+        assert_eq!(c.made(now, Ticket::default()), 2);
+        assert_eq!((c.last(), c.next()), (2, 3));
+        assert!(c.any_unanswered());
+        c.answered(1);
+        assert!(!c.waits_upto(1, |_| false), "claim 1 is answered");
+        assert!(c.waits_upto(2, |_| false));
+        assert!(
+            !c.waits_upto(2, |s| s == 2),
+            "a skipped claim does not wait"
+        );
+        c.answered(2);
+        assert!(!c.any_unanswered());
+        assert_eq!(c.last(), 2, "answering does not renumber");
+    }
+
+    #[test]
+    fn overdue_claims_are_the_old_ones_up_to_the_barrier() {
+        let mut c = Claims::default();
+        let t0 = Instant::now();
+        c.made(t0, Ticket::default());
+        c.made(t0 + Duration::from_secs(1), Ticket::default());
+        c.made(t0, Ticket::default());
+        let at = t0 + SETTLE_TIMEOUT;
+        assert_eq!(
+            c.overdue(3, at, |_| false),
+            BTreeSet::from([1]),
+            "stops at the young one"
+        );
+        let later = t0 + SETTLE_TIMEOUT + Duration::from_secs(1);
+        assert_eq!(c.overdue(3, later, |_| false), BTreeSet::from([1, 2, 3]));
+        assert_eq!(c.overdue(2, later, |_| false), BTreeSet::from([1, 2]));
+        assert_eq!(c.overdue(3, later, |s| s == 2), BTreeSet::from([1, 3]));
+    }
+
+    #[test]
+    fn a_claim_stored_meanwhile_is_not_given_up() {
+        let mut c = Claims::default();
+        let now = Instant::now();
+        let stored = Ticket::default();
+        c.made(now, Ticket::default());
+        c.made(now, stored.clone());
+        assert!(stored.stored(), "the engine stored claim 2 first");
+        assert!(c.give_up(1));
+        assert!(!c.give_up(2), "its answer is on its way");
+        assert!(c.waits_upto(2, |_| false), "and still awaited");
+        assert!(!c.give_up(1), "given up once");
+    }
+}
