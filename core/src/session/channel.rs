@@ -278,35 +278,9 @@ impl Channel {
                 self.last_queue = Some(Arc::from(d.queue.as_str()));
                 self.named_nowait_at = Some(self.declares_sent);
             }
-            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
-                self.consumes += 1;
-                let consumer = Consumer {
-                    started: self.consumes,
-                    ..self.consumer_of(c.queue.as_str(), c.no_ack)
-                };
-                let tag = c.consumer_tag.as_str();
-                let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
-                if !c.nowait {
-                    self.pending_consumes.push_back(consumer);
-                } else if cancels > 0 {
-                    // The broker applies those cancels first.
-                    self.reusing.push((Arc::from(tag), cancels, consumer));
-                } else {
-                    self.lingering.retain(|(t, _)| &**t != tag);
-                    self.consumers.insert(Arc::from(tag), consumer);
-                }
-            }
+            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => self.on_consume(c),
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if c.nowait => {
-                // It cancels the newest consumer of the tag.
-                let tag = c.consumer_tag.as_str();
-                if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
-                    self.reusing.remove(at);
-                } else if let Some((tag, consumer)) = self.consumers.remove_entry(tag) {
-                    if self.lingering.len() == LINGERING {
-                        self.lingering.remove(0);
-                    }
-                    self.lingering.push((tag, consumer));
-                }
+                self.on_nowait_cancel(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
                 self.cancels.push(Arc::from(c.consumer_tag.as_str()));
@@ -332,6 +306,39 @@ impl Channel {
             AMQPClass::Tx(tx::AMQPMethod::Select(_)) => self.tx = true,
             AMQPClass::Confirm(confirm::AMQPMethod::Select(_)) => self.confirm = true,
             _ => {}
+        }
+    }
+
+    /// The client's `basic.consume`.
+    fn on_consume(&mut self, c: &basic::Consume) {
+        self.consumes += 1;
+        let consumer = Consumer {
+            started: self.consumes,
+            ..self.consumer_of(c.queue.as_str(), c.no_ack)
+        };
+        let tag = c.consumer_tag.as_str();
+        let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
+        if !c.nowait {
+            self.pending_consumes.push_back(consumer);
+        } else if cancels > 0 {
+            // The broker applies those cancels first.
+            self.reusing.push((Arc::from(tag), cancels, consumer));
+        } else {
+            self.lingering.retain(|(t, _)| &**t != tag);
+            self.consumers.insert(Arc::from(tag), consumer);
+        }
+    }
+
+    /// The client's `basic.cancel` of `tag` with `nowait`: it cancels the
+    /// newest consumer of the tag.
+    fn on_nowait_cancel(&mut self, tag: &str) {
+        if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
+            self.reusing.remove(at);
+        } else if let Some((tag, consumer)) = self.consumers.remove_entry(tag) {
+            if self.lingering.len() == LINGERING {
+                self.lingering.remove(0);
+            }
+            self.lingering.push((tag, consumer));
         }
     }
 

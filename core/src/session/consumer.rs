@@ -5,4 +5,4 @@ use std::sync::Arc;
 
 /// The consumer a delivery went to: its tag, and which `basic.consume` of
 /// the channel it is (a tag is free again once its consumer is cancelled).
-pub type ConsumerRef = (Arc<str>, u64);
+pub(super) type ConsumerRef = (Arc<str>, u64);

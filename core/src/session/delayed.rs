@@ -244,14 +244,16 @@ impl Session {
             return Ok(());
         };
         taking.on_frame(&frame.raw);
-        match frame.kind {
-            FrameType::Header => {
-                if !self.take_header(channel_id, frame.payload())? {
-                    return Ok(());
-                }
+        let goes_on = match frame.kind {
+            FrameType::Header => self.take_header(channel_id, frame.payload())?,
+            FrameType::Body => {
+                taking.on_body(frame.payload_slice());
+                true
             }
-            FrameType::Body => taking.on_body(frame.payload_slice()),
-            _ => {}
+            _ => true,
+        };
+        if !goes_on {
+            return Ok(());
         }
         let channel = self.channels.get(channel_id);
         if !channel.publishing.in_flight() {

@@ -37,7 +37,7 @@ pub(super) struct Scope {
 }
 
 impl Scope {
-    pub fn new(shared: Arc<Interception>) -> Self {
+    pub(super) fn new(shared: Arc<Interception>) -> Self {
         let policies = shared.policies.subscribe();
         Self {
             shared,
@@ -49,14 +49,14 @@ impl Scope {
 
     /// How many queues' policies are cached.
     #[cfg(test)]
-    pub fn cached(&self) -> usize {
+    pub(super) fn cached(&self) -> usize {
         self.cache.len()
     }
 
     /// The policy of `queue`, cached per session until a reload (or until
     /// [`CACHED`] queues are: a client that consumes a new server-named
     /// queue again and again must not grow it for ever).
-    pub fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
+    pub(super) fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
         let (policies, changed) = self.policies.current();
         if changed || (self.cache.len() >= CACHED && !self.cache.contains_key(queue)) {
             self.cache.clear();

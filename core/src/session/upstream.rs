@@ -47,44 +47,7 @@ impl Session {
     /// Observes a decoded broker method; `false` means "do not forward it".
     pub(super) fn on_upstream_method(&mut self, channel_id: u16, class: &AMQPClass) -> bool {
         match class {
-            AMQPClass::Connection(connection::AMQPMethod::Tune(tune))
-                if tune.frame_max == 0
-                    || tune.frame_max > self.limits.max_frame
-                    || self.reserves_channel() =>
-            {
-                // Offer the client no more than nackd accepts, and one
-                // channel fewer when nackd reserves one (`check`).
-                let mut capped = tune.clone();
-                capped.frame_max = match tune.frame_max {
-                    0 => self.limits.max_frame,
-                    n => n.min(self.limits.max_frame),
-                };
-                if self.reserves_channel() {
-                    capped.channel_max = self.checks.offer(tune.channel_max);
-                }
-                let tune = AMQPClass::Connection(connection::AMQPMethod::Tune(capped));
-                self.to_client.extend_from_slice(&method::encode(0, &tune));
-                return false;
-            }
-            AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)) => {
-                self.open = true;
-                info!("connection open");
-            }
-            AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
-                info!(
-                    code = c.reply_code,
-                    text = c.reply_text.as_str(),
-                    "broker closes the connection"
-                );
-                self.close.expect_client_close_ok(Origin::Broker, self.now);
-                self.close.on_broker_close();
-                self.forget_all_deferred();
-                // Nothing held back can still be acked: let it go.
-                self.release_if_settled();
-            }
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
-                return self.close.upstream_close_ok() == Some(Origin::Client);
-            }
+            AMQPClass::Connection(method) => return self.on_broker_connection_method(method),
             AMQPClass::Channel(amqp_channel::AMQPMethod::CloseOk(_)) => {
                 self.forget_deferred(channel_id);
                 self.on_broker_channel_close_exchanges(channel_id);
@@ -122,6 +85,52 @@ impl Session {
                 );
             }
             _ if channel_id != 0 => self.channels.get(channel_id).on_broker_method(class),
+            _ => {}
+        }
+        true
+    }
+
+    /// A `connection.*` method of the broker; `false`: do not forward it.
+    fn on_broker_connection_method(&mut self, method: &connection::AMQPMethod) -> bool {
+        match method {
+            connection::AMQPMethod::Tune(tune)
+                if tune.frame_max == 0
+                    || tune.frame_max > self.limits.max_frame
+                    || self.reserves_channel() =>
+            {
+                // Offer the client no more than nackd accepts, and one
+                // channel fewer when nackd reserves one (`check`).
+                let mut capped = tune.clone();
+                capped.frame_max = match tune.frame_max {
+                    0 => self.limits.max_frame,
+                    n => n.min(self.limits.max_frame),
+                };
+                if self.reserves_channel() {
+                    capped.channel_max = self.checks.offer(tune.channel_max);
+                }
+                let tune = AMQPClass::Connection(connection::AMQPMethod::Tune(capped));
+                self.to_client.extend_from_slice(&method::encode(0, &tune));
+                return false;
+            }
+            connection::AMQPMethod::OpenOk(_) => {
+                self.open = true;
+                info!("connection open");
+            }
+            connection::AMQPMethod::Close(c) => {
+                info!(
+                    code = c.reply_code,
+                    text = c.reply_text.as_str(),
+                    "broker closes the connection"
+                );
+                self.close.expect_client_close_ok(Origin::Broker, self.now);
+                self.close.on_broker_close();
+                self.forget_all_deferred();
+                // Nothing held back can still be acked: let it go.
+                self.release_if_settled();
+            }
+            connection::AMQPMethod::CloseOk(_) => {
+                return self.close.upstream_close_ok() == Some(Origin::Client);
+            }
             _ => {}
         }
         true
