@@ -1,12 +1,16 @@
 //! The claims of a session: one numbering for the nacks nackd claims and
 //! the delayed publishes it takes (a barrier waits for the claims up to a
 //! number, whatever they are), and the ones the store has not answered.
-
+//!
+//! Also here: what claiming one nack came to ([`Claim`]) and where a
+//! claimed message goes by its policy and retry number ([`Plan`]).
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::SETTLE_TIMEOUT;
-use crate::held::Ticket;
+use crate::held::{Route, Ticket};
+use crate::policy::{OnExhausted, Policy, Step};
+use crate::stats::PassReason;
 
 /// The claims of one session (see the module).
 #[derive(Default)]
@@ -79,6 +83,75 @@ impl Claims {
             self.unanswered.remove(&seq);
         }
         given_up
+    }
+}
+
+/// What claiming one delivery came to.
+pub(super) enum Claim {
+    /// Sent to the store; its ack waits for the answer. With how long a
+    /// deferral waits if the store refuses it ([`Plan::deferral`]).
+    Parked(Option<Duration>),
+    /// Schedule exhausted with `on_exhausted = "reject"` (after this many retries).
+    Reject(u32),
+    /// Not intercepted after all: forward the client's settle.
+    Pass(PassReason),
+    /// nackd would hold it but cannot now: it stays unacked and is nacked
+    /// upstream later (after the policy's delay, when known).
+    Defer(PassReason, Option<Duration>),
+}
+
+/// Where a claimed message goes, by its policy and retry number.
+pub(super) struct Plan {
+    /// How long it is held.
+    pub(super) delay: Duration,
+    /// Where it goes when due.
+    pub(super) route: Route,
+    /// Where it goes if returned as unroutable (`on_exhausted`).
+    pub(super) dead_letter: Option<Route>,
+    /// The retry count its headers carry.
+    pub(super) count: u32,
+    /// Why it goes to the dead-letter exchange, when it does.
+    pub(super) exhausted: Option<&'static str>,
+}
+
+impl Plan {
+    /// How long a deferral of this retry waits: the policy's delay for it,
+    /// unknown (the fallback) once the schedule is exhausted, as the plan's
+    /// zero delay would make a requeue loop at the floor.
+    pub(super) fn deferral(&self) -> Option<Duration> {
+        self.exhausted.is_none().then_some(self.delay)
+    }
+
+    /// The plan for retry number `retry` of a message from `queue`; `None`
+    /// when the schedule is exhausted and the policy rejects.
+    pub(super) fn of(policy: &Policy, queue: &str, retry: u32) -> Option<Self> {
+        let dead_letter = match &policy.on_exhausted {
+            OnExhausted::Reject => None,
+            OnExhausted::DeadLetter {
+                exchange,
+                routing_key,
+            } => Some(Route::Exchange {
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone().unwrap_or_else(|| queue.to_string()),
+            }),
+        };
+        let (delay, route, count, exhausted) = match (policy.step(retry), &dead_letter) {
+            (Step::Delay(delay), _) => (delay, Route::Queue, retry, None),
+            (Step::Exhausted, None) => return None,
+            (Step::Exhausted, Some(route)) => (
+                Duration::ZERO,
+                route.clone(),
+                retry - 1,
+                Some("retry schedule exhausted"),
+            ),
+        };
+        Some(Self {
+            delay,
+            route,
+            dead_letter,
+            count,
+            exhausted,
+        })
     }
 }
 

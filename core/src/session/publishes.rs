@@ -1,19 +1,44 @@
-//! The delayed publishes of a session (see `delayed` for what nackd does
-//! with them): a publish being read ([`Taking`], one per channel), the
-//! publishes taken until the store answers ([`Taken`], by claim number),
-//! and the delayed declares the broker has not answered
-//! ([`DelayedPublishes`], which owns the last two).
+//! Delayed publishes inside a session: nackd emulates the archived
+//! delayed-message plugin's `x-delayed-message` exchanges.
 //!
+//! - `exchange.declare` of that type with `x-delayed-type = T` goes to the
+//!   broker as type `T` (its arguments kept), in its waiting form even when
+//!   the client sent `nowait` (whose `declare-ok` then stays with nackd):
+//!   the exchange becomes delayed ([`crate::delayed::DelayedExchanges`])
+//!   only once the broker said yes to the client's own declare. A delete
+//!   of a delayed exchange likewise: it is forgotten at the broker's
+//!   `delete-ok`, a refused one leaves it delayed.
+//! - A `basic.publish` to a delayed exchange (or to one whose delayed
+//!   declare waits for the broker) is held until its content header says
+//!   whether it carries `x-delay` > 0. If not, it goes to the broker as
+//!   sent. If so, the whole message is taken, and the broker is asked
+//!   whether it would take that publish from this client (`check`: the
+//!   reserved channel); a publish it would refuse goes to the broker as
+//!   sent, so that the client gets the broker's own refusal. One it would
+//!   take is parked with [`Route::Delayed`] (the engine publishes it to the
+//!   exchange when due), and on a confirm channel the publisher's
+//!   `basic.ack` goes once it is stored (`basic.nack` if it cannot be);
+//!   [`Renumber`] keeps the publisher's delivery tags its own while some
+//!   publishes go to the broker and some to nackd.
+//! - On a `tx.select` channel a delayed publish closes the connection
+//!   with 540 NOT_IMPLEMENTED: nackd cannot make it part of a transaction.
+
+//!
+//! This file holds the state of delayed publishes: a publish being read
+//! ([`Taking`], one per channel), the publishes taken until the store
+//! answers ([`Taken`], by claim number), and the delayed declares the
+//! broker has not answered ([`DelayedPublishes`], which owns the last
+//! two). The session (`machine`) decides what the broker's answers mean.
 //! A leaf: it names no session type, so the channel book can hold a
 //! [`Taking`] and the declares and deletes it waits for.
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
 use super::capture::Reservation;
-use crate::held::Park;
+use crate::held::{ClaimKey, Park, Route, Ticket};
+use crate::protocol::headers;
 
 /// A publish to a delayed exchange whose content is being read.
 #[derive(Debug)]
@@ -112,11 +137,30 @@ impl Taking {
         raw.freeze()
     }
 
-    /// What a park of it needs: the header, the routing key and the body.
-    pub(super) fn into_message(self) -> (Bytes, String, Bytes) {
+    /// The park of it as claim `key` in `vhost`: held for its `x-delay`
+    /// (at most [`crate::delayed::MAX_DELAY_MS`]), then published to its
+    /// exchange with its routing key.
+    pub(super) fn into_park(self, key: ClaimKey, vhost: Arc<str>) -> Park {
         let header = self.header.expect("a complete content has a header");
-        let key = self.routing_key.expect("checked at the header");
-        (header, key, self.body.freeze())
+        let delay_ms = headers::delay_ms(&header)
+            .expect("checked at the header")
+            .min(crate::delayed::MAX_DELAY_MS);
+        let header = headers::delivered_with_delay_spent(&header).map_or(header, Bytes::from);
+        Park {
+            key,
+            vhost,
+            queue: self.exchange.clone(),
+            delay: std::time::Duration::from_millis(delay_ms),
+            retry: 0,
+            route: Route::Delayed {
+                exchange: self.exchange.to_string(),
+                routing_key: self.routing_key.expect("checked at the header"),
+            },
+            on_return: None,
+            header,
+            body: self.body.freeze(),
+            ticket: Ticket::default(),
+        }
     }
 }
 
@@ -342,7 +386,6 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::held::{ClaimKey, Route, Ticket};
     use crate::session::capture::Budget;
 
     fn park(seq: u64) -> Park {
@@ -365,24 +408,47 @@ mod tests {
         }
     }
 
+    /// A content header with `x-delay = 5000`.
+    fn delayed_header() -> Bytes {
+        use amq_protocol::protocol::BasicProperties;
+        use amq_protocol::types::{AMQPValue, FieldTable};
+        let mut h = FieldTable::default();
+        h.insert("x-delay".into(), AMQPValue::LongLongInt(5000));
+        let props = BasicProperties::default().with_headers(h);
+        Bytes::from(crate::protocol::content::encode_header(60, 4, &props))
+    }
+
     #[test]
     fn a_publish_being_taken_keeps_its_frames_and_its_message() {
         let mut t = Taking::new("x", Some("key"), Bytes::from_static(b"M"));
         assert!(t.has_routing_key() && !t.over_budget());
         t.on_frame(b"H");
         let budget = Budget::new(100);
-        t.on_header(Bytes::from_static(b"h"), budget.reserve(10));
+        t.on_header(delayed_header(), budget.reserve(10));
         t.on_frame(b"B");
         t.on_body(b"body");
         assert_eq!((t.method(), t.content()), (&b"M"[..], &b"HB"[..]));
         assert_eq!(t.raw(), Bytes::from_static(b"MHB"));
         assert_eq!(budget.used(), 10, "its share of the budget is held");
-        let (header, key, body) = t.into_message();
+        let key = ClaimKey {
+            channel: 1,
+            epoch: 1,
+            tag: 0,
+            seq: 1,
+        };
+        let park = t.into_park(key, Arc::from("/"));
+        assert_eq!(park.delay, Duration::from_secs(5));
+        let route = Route::Delayed {
+            exchange: "x".into(),
+            routing_key: "key".into(),
+        };
+        assert_eq!((park.route, &park.body[..]), (route, &b"body"[..]));
         assert_eq!(
-            (&header[..], key.as_str(), &body[..]),
-            (&b"h"[..], "key", &b"body"[..])
+            crate::protocol::headers::delay_ms(&park.header),
+            None,
+            "delivered with its delay spent"
         );
-        assert_eq!(budget.used(), 0, "and given back with it");
+        assert_eq!(budget.used(), 0, "the budget is given back once parked");
     }
 
     #[test]
