@@ -174,21 +174,21 @@ pub struct Channel {
     /// The delivery whose content is being captured.
     pub capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
-    pub pending: BTreeMap<u64, Claimed>,
+    pending: BTreeMap<u64, Claimed>,
     /// Number of the last claim made on this channel.
-    pub last_claim: u64,
+    last_claim: u64,
     /// A close, recover or `tx.select` of the client on this channel waits
     /// behind the barrier: no new claim is made here.
-    pub barrier_raised: bool,
+    barrier_raised: bool,
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
-    pub settled_again: BTreeSet<u64>,
+    settled_again: BTreeSet<u64>,
     /// Frames of nackd's own (acks, nacks) to send once the client's publish
     /// in flight on this channel ends, with the held id an ack stands for.
-    pub after_publish: Vec<(Bytes, Option<u64>)>,
+    after_publish: Vec<(Bytes, Option<u64>)>,
     /// The publish in flight began while client frames waited behind a
     /// barrier: all of its frames wait there, none has gone upstream yet.
-    pub publish_behind_barrier: bool,
+    publish_behind_barrier: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
     pub closing: bool,
     /// Publishes since `confirm.select`: the publisher's number of the last.
@@ -215,7 +215,7 @@ pub struct Channel {
     /// The client's `channel.close` or `tx.select` on this channel waits
     /// behind the barrier at this offset: a publish nackd gives back goes
     /// before it, where the client sent it.
-    pub end_behind: Option<usize>,
+    end_behind: Option<usize>,
     /// The client sent `channel.close` on this channel.
     pub client_closed: bool,
     /// A publish nackd gave back here is one the broker refuses: it closes
@@ -266,6 +266,99 @@ impl Channel {
             consumer.queue = name.clone();
             consumer.after_declare = None;
         }
+    }
+
+    /// Claim `claimed` of tag `tag` waits for the store.
+    pub fn claim(&mut self, tag: u64, claimed: Claimed) {
+        self.last_claim = claimed.seq;
+        self.pending.insert(tag, claimed);
+    }
+
+    /// A delayed publish of this channel was taken as claim `seq`.
+    pub fn took_publish(&mut self, seq: u64) {
+        self.last_claim = seq;
+    }
+
+    /// Whether tag `tag` is claimed and waits for the store.
+    pub fn is_claimed(&self, tag: u64) -> bool {
+        self.pending.contains_key(&tag)
+    }
+
+    /// The lowest claimed tag waiting for the store.
+    pub fn lowest_claimed(&self) -> Option<u64> {
+        self.pending.keys().next().copied()
+    }
+
+    /// The client settled claimed tag `tag` a second time: that settle
+    /// went to the broker, so nackd neither acks it nor keeps its copy.
+    pub fn settle_again(&mut self, tag: u64) {
+        self.settled_again.insert(tag);
+    }
+
+    /// The store answered for claimed tag `tag`: its claim, unless the
+    /// client settled it again meanwhile (then nackd steps back).
+    pub fn take_claim(&mut self, tag: u64) -> Option<Claimed> {
+        let claimed = self.pending.remove(&tag)?;
+        (!self.settled_again.remove(&tag)).then_some(claimed)
+    }
+
+    /// Forgets claimed tag `tag` (the broker took it back).
+    pub fn drop_claim(&mut self, tag: u64) {
+        self.pending.remove(&tag);
+        self.settled_again.remove(&tag);
+    }
+
+    /// A close, recover or `tx.select` of the client on this channel waits
+    /// behind the barrier: no new claim is made here. Returns the number
+    /// of the last claim made on it, which the barrier waits for.
+    pub fn raise_barrier(&mut self) -> u64 {
+        self.barrier_raised = true;
+        self.last_claim
+    }
+
+    /// Whether a close, recover or `tx.select` of this channel waits
+    /// behind the barrier.
+    pub fn barrier_raised(&self) -> bool {
+        self.barrier_raised
+    }
+
+    /// A client publish begins (its method goes upstream, or behind the
+    /// barrier when `behind_barrier`): its content follows it there.
+    pub fn publish_begins(&mut self, behind_barrier: bool) {
+        self.publish_behind_barrier = behind_barrier;
+    }
+
+    /// Whether the publish in flight waits behind the barrier.
+    pub fn publish_behind_barrier(&self) -> bool {
+        self.publish_behind_barrier
+    }
+
+    /// A frame of nackd's own (`held`: the stored copy an ack stands for)
+    /// waits for the client's publish in flight to end.
+    pub fn wait_for_publish(&mut self, frame: Bytes, held: Option<u64>) {
+        self.after_publish.push((frame, held));
+    }
+
+    /// Whether frames of nackd's own wait for the client's publish.
+    pub fn waits_for_publish(&self) -> bool {
+        !self.after_publish.is_empty()
+    }
+
+    /// Takes the frames of nackd's own that waited for the client's publish.
+    pub fn take_after_publish(&mut self) -> Vec<(Bytes, Option<u64>)> {
+        std::mem::take(&mut self.after_publish)
+    }
+
+    /// The client's `channel.close` or `tx.select` goes behind the barrier
+    /// at offset `at` (the first one's place is kept).
+    pub fn end_behind_at(&mut self, at: usize) {
+        self.end_behind.get_or_insert(at);
+    }
+
+    /// Where the client's close or `tx.select` of this channel waits
+    /// behind the barrier.
+    pub fn end_behind(&self) -> Option<usize> {
+        self.end_behind
     }
 
     /// Observes a method the client sends on this channel.

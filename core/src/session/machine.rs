@@ -433,7 +433,7 @@ impl Session {
                 let channel = self.channels.get(frame.channel);
                 if channel.publishing.in_flight() {
                     // A publish begins: where its method goes, its content follows.
-                    channel.publish_behind_barrier = barrier_up;
+                    channel.publish_begins(barrier_up);
                 }
                 self.emit_upstream(&frame.raw);
             }
@@ -454,7 +454,7 @@ impl Session {
     /// publish to end goes right after its last frame.
     pub(super) fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
         let channel = self.channels.get(channel_id);
-        if channel.publish_behind_barrier && self.barrier.hold(raw) {
+        if channel.publish_behind_barrier() && self.barrier.hold(raw) {
             if !channel.publishing.in_flight() {
                 // Publishes nackd gave back follow it, behind the barrier.
                 for raw in std::mem::take(&mut channel.handed_over) {
@@ -478,9 +478,9 @@ impl Session {
             }
         }
         let channel = self.channels.get(channel_id);
-        if !channel.publishing.in_flight() && !channel.after_publish.is_empty() {
+        if !channel.publishing.in_flight() && channel.waits_for_publish() {
             let mut acks = false;
-            for (frame, held) in std::mem::take(&mut channel.after_publish) {
+            for (frame, held) in channel.take_after_publish() {
                 self.to_upstream.extend_from_slice(&frame);
                 acks |= held.is_some();
             }
@@ -532,7 +532,7 @@ impl Session {
                 let channel = self.channels.get(channel_id);
                 if barrier_up && !matches!(class, AMQPClass::Basic(_)) {
                     // The close or tx.select goes behind the barrier next.
-                    channel.end_behind.get_or_insert(at);
+                    channel.end_behind_at(at);
                 }
                 channel.on_client_method(class);
             }
@@ -872,11 +872,11 @@ impl Session {
         let deferred_again =
             intercepting && !multiple && self.settled_again_deferred(channel_id, tag);
         let channel = self.channels.get(channel_id);
-        let claimed_again = intercepting && !multiple && channel.pending.contains_key(&tag);
+        let claimed_again = intercepting && !multiple && channel.is_claimed(tag);
         if claimed_again {
             // A second settle of a claimed tag: the broker gets it as sent
             // and nackd steps back (no ack of its own, no held copy).
-            channel.settled_again.insert(tag);
+            channel.settle_again(tag);
         }
         let again = claimed_again || deferred_again;
         if !intercepting || channel.tx || again {
@@ -953,7 +953,7 @@ impl Session {
         for t in requeues {
             self.send_own(channel_id, method::nack(channel_id, t, false, true), None);
         }
-        let lowest_claimed = self.channels.get(channel_id).pending.keys().next().copied();
+        let lowest_claimed = self.channels.get(channel_id).lowest_claimed();
         let lowest_held = match (lowest_claimed, self.deferrals.lowest(channel_id)) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -985,8 +985,7 @@ impl Session {
             delay,
             from,
         };
-        channel.pending.insert(tag, claimed);
-        channel.last_claim = seq;
+        channel.claim(tag, claimed);
     }
 
     /// Counts the nacks of deliveries forwarded as sent; a settle of tags
@@ -1110,7 +1109,7 @@ impl Session {
         let closing = self
             .channels
             .peek(channel_id)
-            .is_some_and(|c| c.barrier_raised);
+            .is_some_and(|c| c.barrier_raised());
         if closing || !self.upstream_takes_acks() {
             // An ack would come after the close (or recover) the client sent.
             return Err(PassReason::Closing);
@@ -1133,12 +1132,8 @@ impl Session {
             .channels
             .get_epoch(key.channel, key.epoch)
             .filter(|c| !c.closing && upstream_alive)
-            .and_then(|c| {
-                let claimed = c.pending.remove(&key.tag);
-                claimed
-                    .map(|c| (c.delay, c.from))
-                    .filter(|_| !c.settled_again.remove(&key.tag))
-            });
+            .and_then(|c| c.take_claim(key.tag))
+            .map(|c| (c.delay, c.from));
         match (settle, parked.result) {
             (Some(_), Ok(id)) => {
                 debug!(
@@ -1182,9 +1177,9 @@ impl Session {
         let barrier_up = self.barrier.is_up();
         let channel = self.channels.get(channel_id);
         let content_open =
-            channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier);
+            channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier());
         if content_open {
-            channel.after_publish.push((frame, held));
+            channel.wait_for_publish(frame, held);
         } else {
             self.to_upstream.extend_from_slice(&frame);
         }
@@ -1205,8 +1200,7 @@ impl Session {
 
     fn drop_orphan_pending(&mut self, key: ClaimKey) {
         if let Some(c) = self.channels.get_epoch(key.channel, key.epoch) {
-            c.pending.remove(&key.tag);
-            c.settled_again.remove(&key.tag);
+            c.drop_claim(key.tag);
         }
     }
 
@@ -1238,9 +1232,7 @@ impl Session {
     /// Like [`Session::hold`] for a close, recover or `tx.select` of one
     /// channel: it waits for that channel's claims (and the older ones).
     pub(super) fn raise_channel_barrier(&mut self, channel_id: u16) {
-        let channel = self.channels.get(channel_id);
-        channel.barrier_raised = true;
-        let last = channel.last_claim;
+        let last = self.channels.get(channel_id).raise_barrier();
         self.raise_barrier_behind(last);
     }
 
@@ -1361,7 +1353,7 @@ impl Session {
     pub(super) fn cancel_after_publish(&mut self, channel_id: u16) {
         // The broker discards what the client sends on it until close-ok.
         self.channels.get(channel_id).handed_over.clear();
-        let waiting = std::mem::take(&mut self.channels.get(channel_id).after_publish);
+        let waiting = self.channels.get(channel_id).take_after_publish();
         for id in waiting.into_iter().filter_map(|(_, id)| id) {
             self.effects.push_back(Effect::Cancel(id));
         }
@@ -1648,7 +1640,7 @@ impl Session {
         if let Some(r) = channel.renumber.as_mut() {
             r.forward();
         }
-        channel.publish_behind_barrier = barrier_up;
+        channel.publish_begins(barrier_up);
         self.emit_upstream(taking.method());
         self.emit_content(channel_id, taking.content());
     }
@@ -1697,7 +1689,7 @@ impl Session {
         if self.ask_check(key, &raw, &exchange, tag) {
             debug!(exchange = %exchange, delay_ms = park.delay.as_millis() as u64, ?tag, "delayed publish taken; asking the broker");
             self.claims.made(self.now, park.ticket.clone());
-            self.channels.get(channel_id).last_claim = key.seq;
+            self.channels.get(channel_id).took_publish(key.seq);
             let taken = Taken::new((channel_id, epoch), exchange, tag, raw, park);
             self.publishes.insert(key.seq, taken);
         }
@@ -1846,7 +1838,7 @@ impl Session {
         // went upstream (a publish after it closes the connection).
         let barrier_up = self.barrier.is_up();
         let alive = self.channels.get_epoch(channel_id, epoch).is_some_and(|c| {
-            !c.closing && (!c.client_closed || (barrier_up && c.end_behind.is_some()))
+            !c.closing && (!c.client_closed || (barrier_up && c.end_behind().is_some()))
         }) && self.upstream_takes_acks();
         if !alive {
             return false;
@@ -1876,7 +1868,7 @@ impl Session {
             // (a publish nackd is reading sent nothing upstream yet, and
             // its number comes after this one's).
             channel.handed_over.push(raw);
-        } else if let (true, Some(at)) = (barrier_up, channel.end_behind) {
+        } else if let (true, Some(at)) = (barrier_up, channel.end_behind()) {
             // Before the channel's close or tx.select that waits behind the
             // barrier: the client sent the publish first.
             self.insert_behind_barrier(at, &raw);
@@ -2095,7 +2087,7 @@ impl Session {
         let channel_closing = self
             .channels
             .peek(channel_id)
-            .is_some_and(|c| c.barrier_raised || c.closing);
+            .is_some_and(|c| c.barrier_raised() || c.closing);
         let connection_closing =
             self.barrier.close_waits() || self.close.awaiting_upstream() == Some(Origin::Client);
         if channel_closing || connection_closing {

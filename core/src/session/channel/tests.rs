@@ -353,3 +353,71 @@ fn a_nowait_cancel_cancels_the_newest_consumer_of_its_tag() {
     ch.on_broker_method(&cancel_ok("t"));
     assert_eq!(ch.consumer_count(), 0);
 }
+
+fn claimed(seq: u64) -> Claimed {
+    Claimed {
+        settle: Settle::Nack(false),
+        seq,
+        delay: None,
+        from: None,
+    }
+}
+
+#[test]
+fn a_claim_is_answered_unless_settled_again_and_the_barrier_waits_for_the_last() {
+    let mut ch = Channel::default();
+    ch.claim(5, claimed(1));
+    ch.claim(3, claimed(2));
+    ch.took_publish(3);
+    assert!(ch.is_claimed(5) && ch.is_claimed(3) && !ch.is_claimed(4));
+    assert_eq!(ch.lowest_claimed(), Some(3));
+    assert!(!ch.barrier_raised());
+    assert_eq!(ch.raise_barrier(), 3, "the last claim here is the publish");
+    assert!(ch.barrier_raised());
+    ch.settle_again(5);
+    assert!(
+        ch.take_claim(5).is_none(),
+        "settled again: nackd steps back"
+    );
+    assert!(!ch.is_claimed(5));
+    assert_eq!(ch.take_claim(3).map(|c| c.seq), Some(2));
+    ch.claim(7, claimed(4));
+    ch.settle_again(7);
+    ch.drop_claim(7);
+    ch.claim(7, claimed(5));
+    assert!(
+        ch.take_claim(7).is_some(),
+        "a dropped claim forgets its second settle"
+    );
+}
+
+#[test]
+fn frames_wait_for_the_publish_and_the_close_keeps_its_place_behind_the_barrier() {
+    let mut chs = Channels::default();
+    let ch = chs.get(1);
+    assert!(!ch.waits_for_publish());
+    ch.wait_for_publish(Bytes::from_static(b"ack"), Some(9));
+    ch.wait_for_publish(Bytes::from_static(b"nack"), None);
+    assert!(ch.waits_for_publish());
+    ch.publish_begins(true);
+    ch.end_behind_at(10);
+    ch.end_behind_at(20);
+    assert_eq!(ch.end_behind(), Some(10), "the first close's place is kept");
+    chs.shift_end_behind(5, 3);
+    assert_eq!(chs.get(1).end_behind(), Some(13));
+    assert_eq!(
+        chs.take_all_after_publish(),
+        vec![9],
+        "the held ids acks stood for"
+    );
+    assert!(!chs.get(1).waits_for_publish());
+    let ch = chs.get(1);
+    ch.raise_barrier();
+    assert!(ch.publish_behind_barrier());
+    chs.lower_barriers();
+    let ch = chs.get(1);
+    assert!(!ch.publish_behind_barrier() && !ch.barrier_raised());
+    assert_eq!(ch.end_behind(), None);
+    ch.wait_for_publish(Bytes::from_static(b"ack"), Some(1));
+    assert_eq!(ch.take_after_publish().len(), 1);
+}
