@@ -4,7 +4,7 @@
 //! before what was held back goes on (see [`super::ACK_GRACE`]).
 //!
 //! [`Barrier`] keeps the frames and the times; the session decides when
-//! the claims are settled (`claim`) and writes what [`Barrier::lower`]
+//! the claims are settled (`machine`) and writes what [`Barrier::lower`]
 //! gives back.
 
 use std::time::Instant;

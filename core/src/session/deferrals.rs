@@ -1,4 +1,4 @@
-//! The deferred tags of a session (see `defer`), by channel and due time,
+//! The deferred tags of a session (the session defers them), by channel and due time,
 //! and the rate their nacks go at.
 //!
 //! Deferred nacks: a nack nackd would claim but cannot hold right now (the

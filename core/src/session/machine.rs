@@ -95,13 +95,13 @@ pub struct Session {
     pub(super) close: Close,
     /// What this session intercepts (none when no policy is configured).
     pub(super) scope: Option<Scope>,
-    /// Client frames held back until the claims are acked (see `claim`).
+    /// Client frames held back until the claims are acked (see `barrier`).
     pub(super) barrier: Barrier,
     /// The claims made, and those the store has not answered.
     pub(super) claims: Claims,
-    /// Deliveries nackd could not hold, unacked until their nack (see `defer`).
+    /// Deliveries nackd could not hold, unacked until their nack (see `deferrals`).
     pub(super) deferrals: Deferrals,
-    /// Delayed publishes taken and delayed declares waiting (see `delayed`).
+    /// Delayed publishes taken and delayed declares waiting (see `publishes`).
     pub(super) publishes: DelayedPublishes,
     /// The broker's word on delayed publishes (the reserved channel).
     pub(super) checks: Checks,
@@ -661,7 +661,7 @@ impl Session {
     // --- Broker frames: tracking, capture of deliveries, tune capping.
 
     /// A `basic.deliver` on channel `channel_id` (read in place by
-    /// `frames`): tracked, and captured if its queue is intercepted.
+    /// `inspect`): tracked, and captured if its queue is intercepted.
     pub(super) fn on_deliver(&mut self, channel_id: u16, d: &DeliverArgs<'_>) {
         self.channels
             .get(channel_id)
