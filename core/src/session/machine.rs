@@ -576,7 +576,7 @@ impl Session {
             connection::AMQPMethod::Open(open) => {
                 Span::current().record("vhost", open.virtual_host.as_str());
                 if let Some(state) = self.scope.as_mut() {
-                    state.vhost = Arc::from(open.virtual_host.as_str());
+                    state.open(open.virtual_host.as_str());
                 }
             }
             connection::AMQPMethod::Close(c) => {
@@ -1009,7 +1009,7 @@ impl Session {
         let Some(state) = self.scope.as_ref() else {
             return;
         };
-        let vhost = state.vhost.to_string();
+        let vhost = state.vhost().to_string();
         let at_ms = state.shared.clock.ms_at(self.now);
         let (kind, queue) = (EventKind::ExhaustedReject, queue.to_string());
         self.stats.recent.push(Event {
@@ -1067,7 +1067,7 @@ impl Session {
         let ticket = Ticket::default();
         let park = Park {
             key,
-            vhost: state.vhost.clone(),
+            vhost: state.vhost().clone(),
             queue,
             delay: plan.delay,
             retry,
@@ -1378,7 +1378,7 @@ impl Session {
             return Ok(true);
         };
         let registry = state.shared.delayed.clone();
-        let vhost = state.vhost.clone();
+        let vhost = state.vhost().clone();
         if self.channels.get(channel_id).closing {
             // The broker closed the channel: it discards what the client
             // still sends on it, and answers none of it.
@@ -1455,7 +1455,7 @@ impl Session {
                 Some(Some(declared)) => {
                     let (name, kind, swallow) = declared.parts();
                     if let Some(state) = self.scope.as_ref() {
-                        state.shared.delayed.declare(&state.vhost, name, kind);
+                        state.shared.delayed.declare(state.vhost(), name, kind);
                     }
                     self.end_declaring(name);
                     (name.clone(), swallow)
@@ -1466,7 +1466,7 @@ impl Session {
                 Some(Some(deleted)) => {
                     let (name, swallow) = deleted.parts();
                     if let Some(state) = self.scope.as_ref() {
-                        state.shared.delayed.delete(&state.vhost, name);
+                        state.shared.delayed.delete(state.vhost(), name);
                     }
                     (name.clone(), swallow)
                 }
@@ -1481,7 +1481,7 @@ impl Session {
     /// A delayed declare of `name` is answered (yes or no).
     fn end_declaring(&mut self, name: &Arc<str>) {
         if let Some(state) = self.scope.as_ref() {
-            state.shared.delayed.unreserve(&state.vhost, name);
+            state.shared.delayed.unreserve(state.vhost(), name);
         }
         self.publishes.declare_answered(name);
     }
@@ -1539,7 +1539,7 @@ impl Session {
         let delayed = exchange.filter(|x| {
             !channel.closing
                 && !channel.refused
-                && (state.shared.delayed.is_delayed(&state.vhost, x) || publishes.declaring(x))
+                && (state.shared.delayed.is_delayed(state.vhost(), x) || publishes.declaring(x))
         });
         let Some(exchange) = delayed else {
             if let Some(r) = channel.renumber.as_mut() {
@@ -1652,7 +1652,7 @@ impl Session {
         let Some(state) = self.scope.as_ref() else {
             return;
         };
-        let vhost = state.vhost.clone();
+        let vhost = state.vhost().clone();
         let ready = state.shared.ready.may_claim();
         let (epoch, tag) = self.publisher_tag(channel_id);
         if taking.over_budget() {
@@ -1905,7 +1905,7 @@ impl Session {
         if let Some(state) = self.scope.as_ref() {
             for (name, n) in self.publishes.take_declaring() {
                 for _ in 0..n {
-                    state.shared.delayed.unreserve(&state.vhost, &name);
+                    state.shared.delayed.unreserve(state.vhost(), &name);
                 }
             }
         }
@@ -1926,7 +1926,7 @@ impl Session {
             || self
                 .scope
                 .as_ref()
-                .is_some_and(|s| s.shared.delayed.is_delayed(&s.vhost, exchange))
+                .is_some_and(|s| s.shared.delayed.is_delayed(s.vhost(), exchange))
     }
 
     /// The store answered for a publish nackd took.

@@ -30,8 +30,10 @@ pub(super) const CACHED: usize = 1024;
 /// What one session intercepts: its vhost, and the policies that apply
 /// to its queues (cached until a reload).
 pub(super) struct Scope {
+    /// What every session shares (read-only here).
     pub shared: Arc<Interception>,
-    pub vhost: Arc<str>,
+    /// The vhost the client opened (`/` until it does).
+    vhost: Arc<str>,
     policies: PolicyView,
     cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
 }
@@ -45,6 +47,16 @@ impl Scope {
             policies,
             cache: HashMap::new(),
         }
+    }
+
+    /// The vhost the client opened (`/` until it does).
+    pub(super) fn vhost(&self) -> &Arc<str> {
+        &self.vhost
+    }
+
+    /// The client opened `vhost` (`connection.open`).
+    pub(super) fn open(&mut self, vhost: &str) {
+        self.vhost = Arc::from(vhost);
     }
 
     /// How many queues' policies are cached.
