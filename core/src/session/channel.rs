@@ -10,6 +10,9 @@ use bytes::Bytes;
 use crate::session::capture::{Captured, Capturing};
 use crate::session::settle::Settle;
 
+use super::consumer::ConsumerRef;
+use super::publishes::{Declared, Deleted};
+
 use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
 use crate::protocol::method::MethodId;
@@ -114,7 +117,9 @@ impl ContentState {
 /// Consumers a channel remembers after their `nowait` cancel.
 const LINGERING: usize = 16;
 
-use super::consumer::ConsumerRef;
+/// The `exchange.declare`s and `exchange.delete`s of a channel the broker
+/// has not answered, in order (`Some`: a delayed one).
+pub type ExchangeChanges = (VecDeque<Option<Declared>>, VecDeque<Option<Deleted>>);
 
 /// A claimed tag waiting for the store.
 #[derive(Clone, Debug)]
@@ -190,9 +195,9 @@ pub struct Channel {
     /// barrier: all of its frames wait there, none has gone upstream yet.
     publish_behind_barrier: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
-    pub closing: bool,
+    closing: bool,
     /// Publishes since `confirm.select`: the publisher's number of the last.
-    pub published: u64,
+    published: u64,
     /// The publisher's and the broker's numbering of confirms, once nackd
     /// took a publish of this confirm channel.
     pub renumber: Option<Box<super::confirms::Renumber>>,
@@ -200,28 +205,28 @@ pub struct Channel {
     pub taking: Option<Box<super::publishes::Taking>>,
     /// Frames of nackd's own to the client (confirms) waiting for the
     /// broker's content in flight on this channel to end.
-    pub to_client_after: Vec<Bytes>,
+    to_client_after: Vec<Bytes>,
     /// `exchange.declare`s sent that the broker answers, in order: for a
     /// delayed one, the registry's entry before it (to restore if the
     /// broker refuses it).
-    pub exchange_declares: VecDeque<Option<super::publishes::Declared>>,
+    exchange_declares: VecDeque<Option<Declared>>,
     /// `exchange.delete`s sent that the broker answers: the exchanges,
     /// forgotten as delayed at their `delete-ok`.
-    pub exchange_deletes: VecDeque<Option<super::publishes::Deleted>>,
+    exchange_deletes: VecDeque<Option<Deleted>>,
     /// Publishes nackd took and gives back to the broker as sent, waiting
     /// for the client content going upstream on this channel to end (they
     /// follow it, in the client's order).
-    pub handed_over: Vec<Bytes>,
+    handed_over: Vec<Bytes>,
     /// The client's `channel.close` or `tx.select` on this channel waits
     /// behind the barrier at this offset: a publish nackd gives back goes
     /// before it, where the client sent it.
     end_behind: Option<usize>,
     /// The client sent `channel.close` on this channel.
-    pub client_closed: bool,
+    client_closed: bool,
     /// A publish nackd gave back here is one the broker refuses: it closes
     /// the channel, and discards the client's later publishes, so nackd
     /// takes none of them either.
-    pub refused: bool,
+    refused: bool,
     /// Log span of this channel (a child of the connection's span).
     pub span: Option<tracing::Span>,
 }
@@ -266,6 +271,111 @@ impl Channel {
             consumer.queue = name.clone();
             consumer.after_declare = None;
         }
+    }
+
+    /// The broker closed the channel (`channel.close`).
+    pub fn on_broker_close(&mut self) {
+        self.closing = true;
+    }
+
+    /// Whether the broker closed the channel: it takes unacked deliveries back.
+    pub fn closing(&self) -> bool {
+        self.closing
+    }
+
+    /// The client sent `channel.close`.
+    pub fn on_client_close(&mut self) {
+        self.client_closed = true;
+    }
+
+    /// Whether the client sent `channel.close`.
+    pub fn client_closed(&self) -> bool {
+        self.client_closed
+    }
+
+    /// A publish nackd gave back here is one the broker refuses.
+    pub fn on_refused_publish(&mut self) {
+        self.refused = true;
+    }
+
+    /// Whether the broker refuses a publish nackd gave back here (it
+    /// discards the client's later publishes).
+    pub fn refused(&self) -> bool {
+        self.refused
+    }
+
+    /// A client `basic.publish`: counted on a confirm channel.
+    pub fn count_publish(&mut self) {
+        if self.confirm {
+            self.published += 1;
+        }
+    }
+
+    /// Publishes since `confirm.select`: the publisher's number of the last.
+    pub fn published(&self) -> u64 {
+        self.published
+    }
+
+    /// A publish nackd took goes back to the broker as sent once the
+    /// client content going upstream here ends.
+    pub fn hand_over(&mut self, raw: Bytes) {
+        self.handed_over.push(raw);
+    }
+
+    /// Whether publishes nackd gave back wait for the client's content.
+    pub fn has_handed_over(&self) -> bool {
+        !self.handed_over.is_empty()
+    }
+
+    /// Takes the publishes nackd gave back, in the client's order.
+    pub fn take_handed_over(&mut self) -> Vec<Bytes> {
+        std::mem::take(&mut self.handed_over)
+    }
+
+    /// A frame of nackd's own to the client waits for the broker's content
+    /// in flight here to end.
+    pub fn wait_for_delivery(&mut self, frame: Bytes) {
+        self.to_client_after.push(frame);
+    }
+
+    /// Whether frames of nackd's own wait for the broker's content.
+    pub fn waits_for_delivery(&self) -> bool {
+        !self.to_client_after.is_empty()
+    }
+
+    /// Takes the frames of nackd's own that waited for the broker's content.
+    pub fn take_to_client_after(&mut self) -> Vec<Bytes> {
+        std::mem::take(&mut self.to_client_after)
+    }
+
+    /// An `exchange.declare` the broker answers went (`Some`: a delayed one).
+    pub fn expect_declare_ok(&mut self, declared: Option<Declared>) {
+        self.exchange_declares.push_back(declared);
+    }
+
+    /// An `exchange.delete` the broker answers went (`Some`: of a delayed
+    /// exchange).
+    pub fn expect_delete_ok(&mut self, deleted: Option<Deleted>) {
+        self.exchange_deletes.push_back(deleted);
+    }
+
+    /// The broker's `declare-ok`: the declare it answers, if one was expected.
+    pub fn declare_ok(&mut self) -> Option<Option<Declared>> {
+        self.exchange_declares.pop_front()
+    }
+
+    /// The broker's `delete-ok`: the delete it answers, if one was expected.
+    pub fn delete_ok(&mut self) -> Option<Option<Deleted>> {
+        self.exchange_deletes.pop_front()
+    }
+
+    /// The broker closes the channel: the declares and deletes it never
+    /// answered.
+    pub fn take_exchange_changes(&mut self) -> ExchangeChanges {
+        (
+            std::mem::take(&mut self.exchange_declares),
+            std::mem::take(&mut self.exchange_deletes),
+        )
     }
 
     /// Claim `claimed` of tag `tag` waits for the store.

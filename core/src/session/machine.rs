@@ -457,7 +457,7 @@ impl Session {
         if channel.publish_behind_barrier() && self.barrier.hold(raw) {
             if !channel.publishing.in_flight() {
                 // Publishes nackd gave back follow it, behind the barrier.
-                for raw in std::mem::take(&mut channel.handed_over) {
+                for raw in channel.take_handed_over() {
                     self.barrier.hold(&raw);
                 }
             }
@@ -472,8 +472,8 @@ impl Session {
     /// frames that waited for it go upstream.
     pub(super) fn flush_after_publish(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        if !channel.publishing.in_flight() && !channel.handed_over.is_empty() {
-            for raw in std::mem::take(&mut channel.handed_over) {
+        if !channel.publishing.in_flight() && channel.has_handed_over() {
+            for raw in channel.take_handed_over() {
                 self.emit_upstream(&raw);
             }
         }
@@ -552,7 +552,7 @@ impl Session {
     /// now, ahead of it.
     fn on_client_channel_end(&mut self, channel_id: u16, class: &AMQPClass) {
         if let AMQPClass::Channel(amqp_channel::AMQPMethod::Close(_)) = class {
-            self.channels.get(channel_id).client_closed = true;
+            self.channels.get(channel_id).on_client_close();
         }
         match class {
             AMQPClass::Channel(
@@ -706,7 +706,7 @@ impl Session {
                 self.on_broker_channel_close_exchanges(channel_id);
                 // The broker requeues the channel's unacked deliveries.
                 self.forget_deferred(channel_id);
-                self.channels.get(channel_id).closing = true;
+                self.channels.get(channel_id).on_broker_close();
                 self.cancel_after_publish(channel_id);
             }
             AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) if channel_id != 0 => {
@@ -1131,7 +1131,7 @@ impl Session {
         let settle = self
             .channels
             .get_epoch(key.channel, key.epoch)
-            .filter(|c| !c.closing && upstream_alive)
+            .filter(|c| !c.closing() && upstream_alive)
             .and_then(|c| c.take_claim(key.tag))
             .map(|c| (c.delay, c.from));
         match (settle, parked.result) {
@@ -1352,7 +1352,7 @@ impl Session {
     /// publish there will never be applied; their copies are cancelled.
     pub(super) fn cancel_after_publish(&mut self, channel_id: u16) {
         // The broker discards what the client sends on it until close-ok.
-        self.channels.get(channel_id).handed_over.clear();
+        self.channels.get(channel_id).take_handed_over();
         let waiting = self.channels.get(channel_id).take_after_publish();
         for id in waiting.into_iter().filter_map(|(_, id)| id) {
             self.effects.push_back(Effect::Cancel(id));
@@ -1379,7 +1379,7 @@ impl Session {
         };
         let registry = state.shared.delayed.clone();
         let vhost = state.vhost().clone();
-        if self.channels.get(channel_id).closing {
+        if self.channels.get(channel_id).closing() {
             // The broker closed the channel: it discards what the client
             // still sends on it, and answers none of it.
             return Ok(true);
@@ -1419,14 +1419,14 @@ impl Session {
             AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
                 let name: Arc<str> = Arc::from(d.exchange.as_str());
                 let delayed = registry.is_delayed(&vhost, &name) || self.publishes.declaring(&name);
-                let deletes = &mut self.channels.get(channel_id).exchange_deletes;
+                let channel = self.channels.get(channel_id);
                 if !delayed {
                     if !d.nowait {
-                        deletes.push_back(None);
+                        channel.expect_delete_ok(None);
                     }
                     return Ok(true);
                 }
-                deletes.push_back(Some(Deleted::new(name, d.nowait)));
+                channel.expect_delete_ok(Some(Deleted::new(name, d.nowait)));
                 self.checks.hold(self.barrier.is_up());
                 let mut delete = d.clone();
                 delete.nowait = false;
@@ -1440,8 +1440,7 @@ impl Session {
 
     fn expect_declare_ok(&mut self, channel_id: u16, nowait: bool, declared: Option<Declared>) {
         if !nowait {
-            let channel = self.channels.get(channel_id);
-            channel.exchange_declares.push_back(declared);
+            self.channels.get(channel_id).expect_declare_ok(declared);
         }
     }
 
@@ -1451,7 +1450,7 @@ impl Session {
     pub(super) fn on_broker_exchange_ok(&mut self, channel_id: u16, delete: bool) -> bool {
         let channel = self.channels.get(channel_id);
         let (name, swallow) = match delete {
-            false => match channel.exchange_declares.pop_front() {
+            false => match channel.declare_ok() {
                 Some(Some(declared)) => {
                     let (name, kind, swallow) = declared.parts();
                     if let Some(state) = self.scope.as_ref() {
@@ -1462,7 +1461,7 @@ impl Session {
                 }
                 _ => return true,
             },
-            true => match channel.exchange_deletes.pop_front() {
+            true => match channel.delete_ok() {
                 Some(Some(deleted)) => {
                     let (name, swallow) = deleted.parts();
                     if let Some(state) = self.scope.as_ref() {
@@ -1491,8 +1490,7 @@ impl Session {
     /// as they were.
     pub(super) fn on_broker_channel_close_exchanges(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        let deletes = std::mem::take(&mut channel.exchange_deletes);
-        let declares = std::mem::take(&mut channel.exchange_declares);
+        let (declares, deletes) = channel.take_exchange_changes();
         for declared in declares.into_iter().flatten() {
             let (name, ..) = declared.parts();
             debug!(exchange = %name, "the broker refused a delayed declare");
@@ -1516,9 +1514,7 @@ impl Session {
             return Ok(false);
         };
         let channel = self.channels.get(frame.channel);
-        if channel.confirm {
-            channel.published += 1;
-        }
+        channel.count_publish();
         if state.shared.delayed.none() && self.publishes.none_declaring() {
             // The pass-through path: no exchange is delayed, nothing to read.
             if let Some(r) = channel.renumber.as_mut() {
@@ -1537,8 +1533,8 @@ impl Session {
         // still sends: nackd must not deliver it later either.
         let publishes = &self.publishes;
         let delayed = exchange.filter(|x| {
-            !channel.closing
-                && !channel.refused
+            !channel.closing()
+                && !channel.refused()
                 && (state.shared.delayed.is_delayed(state.vhost(), x) || publishes.declaring(x))
         });
         let Some(exchange) = delayed else {
@@ -1577,7 +1573,7 @@ impl Session {
         let channel = self.channels.get(channel_id);
         if !channel.publishing.in_flight() {
             let taking = channel.taking.take().expect("checked above");
-            if channel.closing {
+            if channel.closing() {
                 // The broker closed the channel meanwhile: it would have
                 // discarded this publish, and so does nackd.
                 debug!(exchange = %taking.exchange(), "a delayed publish on a channel the broker closed: dropped, as the broker drops it");
@@ -1701,7 +1697,7 @@ impl Session {
     fn publisher_tag(&mut self, channel_id: u16) -> (u64, Option<u64>) {
         let channel = self.channels.get(channel_id);
         let tag = channel.confirm.then(|| {
-            let published = channel.published;
+            let published = channel.published();
             channel
                 .renumber
                 .get_or_insert_with(|| Box::new(Renumber::new(published)))
@@ -1786,7 +1782,7 @@ impl Session {
         let refused_before = self
             .channels
             .get_epoch(channel, epoch)
-            .is_some_and(|c| c.refused);
+            .is_some_and(|c| c.refused());
         if taken.given_up() || !still_delayed || refused_before {
             let taken = self.publishes.remove(seq).expect("looked up above");
             self.claims.answered(seq);
@@ -1819,7 +1815,7 @@ impl Session {
             let (channel, epoch) = taken.channel();
             if self.hand_over(taken) {
                 if let Some(c) = self.channels.get_epoch(channel, epoch) {
-                    c.refused = true;
+                    c.on_refused_publish();
                 }
             }
         }
@@ -1838,7 +1834,7 @@ impl Session {
         // went upstream (a publish after it closes the connection).
         let barrier_up = self.barrier.is_up();
         let alive = self.channels.get_epoch(channel_id, epoch).is_some_and(|c| {
-            !c.closing && (!c.client_closed || (barrier_up && c.end_behind().is_some()))
+            !c.closing() && (!c.client_closed() || (barrier_up && c.end_behind().is_some()))
         }) && self.upstream_takes_acks();
         if !alive {
             return false;
@@ -1855,7 +1851,7 @@ impl Session {
                 // `confirm.select` came since: the broker numbers this
                 // publish, its publisher does not. The next publish the
                 // publisher numbers is one not yet accounted for.
-                let next = channel.published + 1 - u64::from(channel.taking.is_some());
+                let next = channel.published() + 1 - u64::from(channel.taking.is_some());
                 channel
                     .renumber
                     .get_or_insert_with(|| Box::new(Renumber::new(next)))
@@ -1867,7 +1863,7 @@ impl Session {
             // After the client content going upstream on this channel
             // (a publish nackd is reading sent nothing upstream yet, and
             // its number comes after this one's).
-            channel.handed_over.push(raw);
+            channel.hand_over(raw);
         } else if let (true, Some(at)) = (barrier_up, channel.end_behind()) {
             // Before the channel's close or tx.select that waits behind the
             // barrier: the client sent the publish first.
@@ -2008,7 +2004,7 @@ impl Session {
         let Some(channel) = self.channels.get_epoch(channel_id, epoch) else {
             return;
         };
-        if channel.closing {
+        if channel.closing() {
             return;
         }
         let Some(confirm) = channel.renumber.as_mut().and_then(|r| r.answer(tag, ack)) else {
@@ -2052,7 +2048,7 @@ impl Session {
         }
         let channel = self.channels.get(channel_id);
         if channel.delivering.in_flight() {
-            channel.to_client_after.push(frame);
+            channel.wait_for_delivery(frame);
         } else {
             self.to_client.extend_from_slice(&frame);
         }
@@ -2061,10 +2057,10 @@ impl Session {
     /// After a broker content frame: what waited for it to end goes.
     pub(super) fn flush_client_after(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        if channel.to_client_after.is_empty() || channel.delivering.in_flight() {
+        if !channel.waits_for_delivery() || channel.delivering.in_flight() {
             return;
         }
-        for frame in std::mem::take(&mut channel.to_client_after) {
+        for frame in channel.take_to_client_after() {
             self.to_client.extend_from_slice(&frame);
         }
     }
@@ -2087,7 +2083,7 @@ impl Session {
         let channel_closing = self
             .channels
             .peek(channel_id)
-            .is_some_and(|c| c.barrier_raised() || c.closing);
+            .is_some_and(|c| c.barrier_raised() || c.closing());
         let connection_closing =
             self.barrier.close_waits() || self.close.awaiting_upstream() == Some(Origin::Client);
         if channel_closing || connection_closing {

@@ -421,3 +421,42 @@ fn frames_wait_for_the_publish_and_the_close_keeps_its_place_behind_the_barrier(
     ch.wait_for_publish(Bytes::from_static(b"ack"), Some(1));
     assert_eq!(ch.take_after_publish().len(), 1);
 }
+
+#[test]
+fn a_channel_remembers_its_close_refusal_publishes_and_exchange_changes() {
+    use std::sync::Arc;
+    let mut ch = Channel::default();
+    assert!(!ch.closing() && !ch.client_closed() && !ch.refused());
+    ch.on_broker_close();
+    ch.on_client_close();
+    ch.on_refused_publish();
+    assert!(ch.closing() && ch.client_closed() && ch.refused());
+    ch.count_publish();
+    assert_eq!(ch.published(), 0, "counted on a confirm channel only");
+    ch.confirm = true;
+    ch.count_publish();
+    ch.count_publish();
+    assert_eq!(ch.published(), 2);
+    assert!(!ch.has_handed_over());
+    ch.hand_over(Bytes::from_static(b"p1"));
+    ch.hand_over(Bytes::from_static(b"p2"));
+    assert!(ch.has_handed_over());
+    assert_eq!(
+        ch.take_handed_over(),
+        vec![Bytes::from_static(b"p1"), Bytes::from_static(b"p2")]
+    );
+    ch.wait_for_delivery(Bytes::from_static(b"ack"));
+    assert!(ch.waits_for_delivery());
+    assert_eq!(ch.take_to_client_after().len(), 1);
+    assert!(!ch.waits_for_delivery());
+    ch.expect_declare_ok(None);
+    ch.expect_declare_ok(Some(Declared::new(Arc::from("x"), "direct".into(), false)));
+    ch.expect_delete_ok(Some(Deleted::new(Arc::from("x"), true)));
+    assert!(
+        matches!(ch.declare_ok(), Some(None)),
+        "answers come in order"
+    );
+    let (declares, deletes) = ch.take_exchange_changes();
+    assert_eq!((declares.len(), deletes.len()), (1, 1));
+    assert!(ch.declare_ok().is_none() && ch.delete_ok().is_none());
+}
