@@ -11,6 +11,7 @@ use crate::session::capture::{Captured, Capturing};
 use crate::session::settle::Settle;
 
 use super::consumer::ConsumerRef;
+use super::peer::Peer;
 use super::publishes::{Declared, Deleted};
 
 use crate::protocol::content;
@@ -164,18 +165,18 @@ pub struct Channel {
     /// `declares_sent` when the last nowait declare named its queue.
     named_nowait_at: Option<u64>,
     /// `tx.select` was sent: nothing on this channel is intercepted.
-    pub tx: bool,
+    tx: bool,
     /// `confirm.select` was sent.
-    pub confirm: bool,
+    confirm: bool,
     /// Client to broker content (a publish).
-    pub publishing: ContentState,
+    publishing: ContentState,
     /// Broker to client content (a delivery, get-ok or return).
-    pub delivering: ContentState,
+    delivering: ContentState,
     outstanding: BTreeMap<u64, Delivery>,
     /// `basic.consume`s the client sent on the channel.
     consumes: u64,
     /// Which opening of this channel number this is.
-    pub epoch: u64,
+    epoch: u64,
     /// The delivery whose content is being captured.
     pub capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
@@ -228,7 +229,7 @@ pub struct Channel {
     /// takes none of them either.
     refused: bool,
     /// Log span of this channel (a child of the connection's span).
-    pub span: Option<tracing::Span>,
+    span: Option<tracing::Span>,
 }
 
 impl Channel {
@@ -270,6 +271,50 @@ impl Channel {
         for consumer in waiting.filter(|c| c.after_declare == Some(n)) {
             consumer.queue = name.clone();
             consumer.after_declare = None;
+        }
+    }
+
+    /// Whether `tx.select` was sent: nothing on this channel is intercepted.
+    pub fn tx(&self) -> bool {
+        self.tx
+    }
+
+    /// Whether `confirm.select` was sent.
+    pub fn confirm(&self) -> bool {
+        self.confirm
+    }
+
+    /// Which opening of this channel number this is.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The log span of this channel.
+    pub fn span(&self) -> tracing::Span {
+        self.span.clone().unwrap_or_else(tracing::Span::none)
+    }
+
+    /// Client to broker content (a publish).
+    pub fn publishing(&self) -> ContentState {
+        self.publishing
+    }
+
+    /// Broker to client content (a delivery, get-ok or return).
+    pub fn delivering(&self) -> ContentState {
+        self.delivering
+    }
+
+    /// Checks `frame` from `peer` against the content state of the
+    /// direction it goes, and moves it on (see [`ContentState::advance`]).
+    pub fn advance(
+        &mut self,
+        peer: Peer,
+        frame: &Frame,
+        method: Option<MethodId>,
+    ) -> Result<(), FrameError> {
+        match peer {
+            Peer::Client => self.publishing.advance(frame, method),
+            Peer::Upstream => self.delivering.advance(frame, method),
         }
     }
 

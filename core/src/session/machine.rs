@@ -35,7 +35,7 @@ use tracing::{debug, info, warn, Span};
 
 use super::barrier::Barrier;
 use super::capture::{Captured, Capturing};
-use super::channel::{Channels, Claimed, ContentState, Delivery};
+use super::channel::{Channels, Claimed, Delivery};
 use super::check::{Checks, Verdict};
 use super::claims::{Claim, Claims, Plan};
 use super::close::{Close, Origin};
@@ -336,20 +336,7 @@ impl Session {
     pub(super) fn channel_span(&mut self, channel: u16) -> Span {
         match channel {
             0 => Span::none(),
-            id => self
-                .channels
-                .get(id)
-                .span
-                .clone()
-                .unwrap_or_else(Span::none),
-        }
-    }
-
-    fn content_state(&mut self, peer: Peer, channel: u16) -> &mut ContentState {
-        let channel = self.channels.get(channel);
-        match peer {
-            Peer::Client => &mut channel.publishing,
-            Peer::Upstream => &mut channel.delivering,
+            id => self.channels.get(id).span(),
         }
     }
 
@@ -366,8 +353,9 @@ impl Session {
                 let payload = frame.payload_slice();
                 let id = MethodId::peek(payload)?;
                 if frame.channel != 0 {
-                    self.content_state(peer, frame.channel)
-                        .advance(frame, Some(id))?;
+                    self.channels
+                        .get(frame.channel)
+                        .advance(peer, frame, Some(id))?;
                 }
                 if id == ids::BASIC_DELIVER && peer == Peer::Upstream && frame.channel != 0 {
                     // Every delivery: read in place, no allocation.
@@ -381,8 +369,9 @@ impl Session {
                 Err(FrameError::Unexpected("content frame on channel 0"))
             }
             FrameType::Header | FrameType::Body => {
-                self.content_state(peer, frame.channel)
-                    .advance(frame, None)?;
+                self.channels
+                    .get(frame.channel)
+                    .advance(peer, frame, None)?;
                 Ok(None)
             }
         }
@@ -431,7 +420,7 @@ impl Session {
                 }
                 let barrier_up = self.barrier.is_up();
                 let channel = self.channels.get(frame.channel);
-                if channel.publishing.in_flight() {
+                if channel.publishing().in_flight() {
                     // A publish begins: where its method goes, its content follows.
                     channel.publish_begins(barrier_up);
                 }
@@ -455,7 +444,7 @@ impl Session {
     pub(super) fn emit_content(&mut self, channel_id: u16, raw: &[u8]) {
         let channel = self.channels.get(channel_id);
         if channel.publish_behind_barrier() && self.barrier.hold(raw) {
-            if !channel.publishing.in_flight() {
+            if !channel.publishing().in_flight() {
                 // Publishes nackd gave back follow it, behind the barrier.
                 for raw in channel.take_handed_over() {
                     self.barrier.hold(&raw);
@@ -472,13 +461,13 @@ impl Session {
     /// frames that waited for it go upstream.
     pub(super) fn flush_after_publish(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        if !channel.publishing.in_flight() && channel.has_handed_over() {
+        if !channel.publishing().in_flight() && channel.has_handed_over() {
             for raw in channel.take_handed_over() {
                 self.emit_upstream(&raw);
             }
         }
         let channel = self.channels.get(channel_id);
-        if !channel.publishing.in_flight() && channel.waits_for_publish() {
+        if !channel.publishing().in_flight() && channel.waits_for_publish() {
             let mut acks = false;
             for (frame, held) in channel.take_after_publish() {
                 self.to_upstream.extend_from_slice(&frame);
@@ -802,7 +791,7 @@ impl Session {
             return;
         };
         let channel = self.channels.get(channel_id);
-        if channel.tx {
+        if channel.tx() {
             return;
         }
         let Some(delivery) = channel.delivery_mut(tag) else {
@@ -849,7 +838,7 @@ impl Session {
             FrameType::Body => capturing.body(payload),
             _ => return,
         }
-        if !channel.delivering.in_flight() {
+        if !channel.delivering().in_flight() {
             let capturing = channel.capturing.take().expect("checked above");
             let tag = capturing.tag;
             if let (Some(captured), Some(delivery)) =
@@ -879,9 +868,9 @@ impl Session {
             channel.settle_again(tag);
         }
         let again = claimed_again || deferred_again;
-        if !intercepting || channel.tx || again {
+        if !intercepting || channel.tx() || again {
             // Not ours (or a second settle of a held tag: the broker answers it).
-            let reason = match (intercepting, channel.tx) {
+            let reason = match (intercepting, channel.tx()) {
                 (false, _) => PassReason::NotConfigured,
                 (true, true) => PassReason::TxChannel,
                 (true, false) => PassReason::UnknownTag,
@@ -1059,7 +1048,7 @@ impl Session {
         };
         let key = ClaimKey {
             channel: channel_id,
-            epoch: self.channels.get(channel_id).epoch,
+            epoch: self.channels.get(channel_id).epoch(),
             tag,
             seq: self.claims.next(),
         };
@@ -1177,7 +1166,7 @@ impl Session {
         let barrier_up = self.barrier.is_up();
         let channel = self.channels.get(channel_id);
         let content_open =
-            channel.publishing.in_flight() && !(barrier_up && channel.publish_behind_barrier());
+            channel.publishing().in_flight() && !(barrier_up && channel.publish_behind_barrier());
         if content_open {
             channel.wait_for_publish(frame, held);
         } else {
@@ -1571,7 +1560,7 @@ impl Session {
             return Ok(());
         }
         let channel = self.channels.get(channel_id);
-        if !channel.publishing.in_flight() {
+        if !channel.publishing().in_flight() {
             let taking = channel.taking.take().expect("checked above");
             if channel.closing() {
                 // The broker closed the channel meanwhile: it would have
@@ -1591,6 +1580,7 @@ impl Session {
     fn take_header(&mut self, channel_id: u16, payload: Bytes) -> Result<bool, Fault> {
         let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
         let channel = self.channels.get(channel_id);
+        let (tx, confirm) = (channel.tx(), channel.confirm());
         let taking = channel.taking.as_mut().expect("a publish is being taken");
         if headers::delay_ms(&payload).is_none() {
             // No delay: to the broker as sent, now.
@@ -1598,7 +1588,7 @@ impl Session {
             self.forward_publish(channel_id, *taking);
             return Ok(false);
         }
-        if channel.tx {
+        if tx {
             return Err(FrameError::NotImplemented(
                 "a delayed publish (x-delay) on a transactional channel",
             ));
@@ -1612,7 +1602,7 @@ impl Session {
             .unwrap_or(usize::MAX)
             .saturating_add(payload.len());
         let reserved = budget.and_then(|b| b.reserve(size));
-        if reserved.is_none() && !channel.confirm {
+        if reserved.is_none() && !confirm {
             // Nackd cannot say no: routed at once, as when the store
             // cannot take it.
             warn!(exchange = %taking.exchange(), size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
@@ -1696,14 +1686,14 @@ impl Session {
     /// publisher's tag of the publish nackd takes now.
     fn publisher_tag(&mut self, channel_id: u16) -> (u64, Option<u64>) {
         let channel = self.channels.get(channel_id);
-        let tag = channel.confirm.then(|| {
+        let tag = channel.confirm().then(|| {
             let published = channel.published();
             channel
                 .renumber
                 .get_or_insert_with(|| Box::new(Renumber::new(published)))
                 .take()
         });
-        (channel.epoch, tag)
+        (channel.epoch(), tag)
     }
 
     /// Asks the broker's word on publish `raw` (claim `seq`) before it is
@@ -1847,7 +1837,7 @@ impl Session {
                     r.hand_over(tag);
                 }
             }
-            None if channel.confirm => {
+            None if channel.confirm() => {
                 // `confirm.select` came since: the broker numbers this
                 // publish, its publisher does not. The next publish the
                 // publisher numbers is one not yet accounted for.
@@ -1859,7 +1849,7 @@ impl Session {
             }
             None => {}
         }
-        if channel.publishing.in_flight() && channel.taking.is_none() {
+        if channel.publishing().in_flight() && channel.taking.is_none() {
             // After the client content going upstream on this channel
             // (a publish nackd is reading sent nothing upstream yet, and
             // its number comes after this one's).
@@ -2047,7 +2037,7 @@ impl Session {
             return;
         }
         let channel = self.channels.get(channel_id);
-        if channel.delivering.in_flight() {
+        if channel.delivering().in_flight() {
             channel.wait_for_delivery(frame);
         } else {
             self.to_client.extend_from_slice(&frame);
@@ -2057,7 +2047,7 @@ impl Session {
     /// After a broker content frame: what waited for it to end goes.
     pub(super) fn flush_client_after(&mut self, channel_id: u16) {
         let channel = self.channels.get(channel_id);
-        if !channel.waits_for_delivery() || channel.delivering.in_flight() {
+        if !channel.waits_for_delivery() || channel.delivering().in_flight() {
             return;
         }
         for frame in channel.take_to_client_after() {

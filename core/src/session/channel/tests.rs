@@ -191,7 +191,7 @@ fn tx_and_confirm_modes() {
     ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(
         confirm::Select { nowait: false },
     )));
-    assert!(ch.tx && ch.confirm);
+    assert!(ch.tx() && ch.confirm());
 }
 
 fn header(body: u64) -> Frame {
