@@ -10,9 +10,10 @@ use bytes::Bytes;
 use crate::session::capture::{Captured, Capturing};
 use crate::session::settle::Settle;
 
+use super::confirms::Renumber;
 use super::consumer::ConsumerRef;
 use super::peer::Peer;
-use super::publishes::{Declared, Deleted};
+use super::publishes::{Declared, Deleted, Taking};
 
 use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
@@ -178,7 +179,7 @@ pub struct Channel {
     /// Which opening of this channel number this is.
     epoch: u64,
     /// The delivery whose content is being captured.
-    pub capturing: Option<Capturing>,
+    capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
     pending: BTreeMap<u64, Claimed>,
     /// Number of the last claim made on this channel.
@@ -201,9 +202,9 @@ pub struct Channel {
     published: u64,
     /// The publisher's and the broker's numbering of confirms, once nackd
     /// took a publish of this confirm channel.
-    pub renumber: Option<Box<super::confirms::Renumber>>,
+    renumber: Option<Box<Renumber>>,
     /// A publish to a delayed exchange whose content is being read.
-    pub taking: Option<Box<super::publishes::Taking>>,
+    taking: Option<Box<Taking>>,
     /// Frames of nackd's own to the client (confirms) waiting for the
     /// broker's content in flight on this channel to end.
     to_client_after: Vec<Bytes>,
@@ -272,6 +273,61 @@ impl Channel {
             consumer.queue = name.clone();
             consumer.after_declare = None;
         }
+    }
+
+    /// The delivery of `capturing` is captured as its content comes.
+    pub fn start_capture(&mut self, capturing: Capturing) {
+        self.capturing = Some(capturing);
+    }
+
+    /// The capture in progress, if any.
+    pub fn capturing_mut(&mut self) -> Option<&mut Capturing> {
+        self.capturing.as_mut()
+    }
+
+    /// Ends the capture in progress (done, or over the budget).
+    pub fn take_capturing(&mut self) -> Option<Capturing> {
+        self.capturing.take()
+    }
+
+    /// A publish to a delayed exchange begins: its content is read here.
+    pub fn start_taking(&mut self, taking: Box<Taking>) {
+        self.taking = Some(taking);
+    }
+
+    /// Whether a publish to a delayed exchange is being read.
+    pub fn is_taking(&self) -> bool {
+        self.taking.is_some()
+    }
+
+    /// The publish being read, if any.
+    pub fn taking_mut(&mut self) -> Option<&mut Taking> {
+        self.taking.as_deref_mut()
+    }
+
+    /// Ends reading the publish (it is whole, or goes on as sent).
+    pub fn take_taking(&mut self) -> Option<Box<Taking>> {
+        self.taking.take()
+    }
+
+    /// A publish goes to the broker: the broker numbers it (once nackd
+    /// renumbers this channel's confirms).
+    pub fn forward_publish(&mut self) {
+        if let Some(r) = self.renumber.as_mut() {
+            r.forward();
+        }
+    }
+
+    /// The channel's two numberings of confirms, once nackd took a publish.
+    pub fn renumber_mut(&mut self) -> Option<&mut Renumber> {
+        self.renumber.as_deref_mut()
+    }
+
+    /// The channel's two numberings, begun at the publisher's `next`
+    /// number if nackd renumbers nothing yet.
+    pub fn renumber_from(&mut self, next: u64) -> &mut Renumber {
+        self.renumber
+            .get_or_insert_with(|| Box::new(Renumber::new(next)))
     }
 
     /// Whether `tx.select` was sent: nothing on this channel is intercepted.

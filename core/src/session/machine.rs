@@ -39,7 +39,7 @@ use super::channel::{Channels, Claimed, Delivery};
 use super::check::{Checks, Verdict};
 use super::claims::{Claim, Claims, Plan};
 use super::close::{Close, Origin};
-use super::confirms::{Confirm, Renumber};
+use super::confirms::Confirm;
 use super::consumer::ConsumerRef;
 use super::deferrals::{Deferrals, FALLBACK_DELAY, MAX_DELAY, MIN_DELAY};
 use super::peer::{Fault, Peer};
@@ -427,7 +427,7 @@ impl Session {
                 self.emit_upstream(&frame.raw);
             }
             FrameType::Header | FrameType::Body => {
-                if self.channels.get(frame.channel).taking.is_some() {
+                if self.channels.get(frame.channel).is_taking() {
                     return self.take_content(&frame);
                 }
                 self.emit_content(frame.channel, &frame.raw)
@@ -799,8 +799,12 @@ impl Session {
         }; // no-ack: never captured
         let queue = delivery.queue.clone();
         if let Some(policy) = state.policy(&queue) {
-            self.channels.get(channel_id).capturing =
-                Some(Capturing::new(tag, exchange, routing_key, policy));
+            self.channels.get(channel_id).start_capture(Capturing::new(
+                tag,
+                exchange,
+                routing_key,
+                policy,
+            ));
         }
     }
 
@@ -811,7 +815,7 @@ impl Session {
         };
         let budget = state.shared.budget.clone();
         let channel = self.channels.get(frame.channel);
-        let Some(capturing) = channel.capturing.as_mut() else {
+        let Some(capturing) = channel.capturing_mut() else {
             return;
         };
         let payload = frame.payload_slice();
@@ -820,7 +824,7 @@ impl Session {
                 let size = crate::protocol::content::body_size(payload).unwrap_or(0);
                 if !capturing.header(payload, size, &budget) {
                     let tag = capturing.tag;
-                    channel.capturing = None;
+                    channel.take_capturing();
                     if let Some(delivery) = channel.delivery_mut(tag) {
                         delivery.over_budget = true;
                     }
@@ -839,7 +843,7 @@ impl Session {
             _ => return,
         }
         if !channel.delivering().in_flight() {
-            let capturing = channel.capturing.take().expect("checked above");
+            let capturing = channel.take_capturing().expect("checked above");
             let tag = capturing.tag;
             if let (Some(captured), Some(delivery)) =
                 (capturing.finish(), channel.delivery_mut(tag))
@@ -1506,9 +1510,7 @@ impl Session {
         channel.count_publish();
         if state.shared.delayed.none() && self.publishes.none_declaring() {
             // The pass-through path: no exchange is delayed, nothing to read.
-            if let Some(r) = channel.renumber.as_mut() {
-                r.forward();
-            }
+            channel.forward_publish();
             return Ok(false);
         }
         // A routing key that is not UTF-8 is legal (RabbitMQ routes it):
@@ -1527,12 +1529,10 @@ impl Session {
                 && (state.shared.delayed.is_delayed(state.vhost(), x) || publishes.declaring(x))
         });
         let Some(exchange) = delayed else {
-            if let Some(r) = channel.renumber.as_mut() {
-                r.forward();
-            }
+            channel.forward_publish();
             return Ok(false);
         };
-        channel.taking = Some(Box::new(Taking::new(
+        channel.start_taking(Box::new(Taking::new(
             exchange,
             routing_key,
             frame.raw.clone(),
@@ -1544,7 +1544,7 @@ impl Session {
     pub(super) fn take_content(&mut self, frame: &Frame) -> Result<(), Fault> {
         let channel_id = frame.channel;
         let channel = self.channels.get(channel_id);
-        let Some(taking) = channel.taking.as_mut() else {
+        let Some(taking) = channel.taking_mut() else {
             return Ok(());
         };
         taking.on_frame(&frame.raw);
@@ -1561,7 +1561,7 @@ impl Session {
         }
         let channel = self.channels.get(channel_id);
         if !channel.publishing().in_flight() {
-            let taking = channel.taking.take().expect("checked above");
+            let taking = channel.take_taking().expect("checked above");
             if channel.closing() {
                 // The broker closed the channel meanwhile: it would have
                 // discarded this publish, and so does nackd.
@@ -1581,10 +1581,10 @@ impl Session {
         let budget = self.scope.as_ref().map(|s| s.shared.budget.clone());
         let channel = self.channels.get(channel_id);
         let (tx, confirm) = (channel.tx(), channel.confirm());
-        let taking = channel.taking.as_mut().expect("a publish is being taken");
+        let taking = channel.taking_mut().expect("a publish is being taken");
         if headers::delay_ms(&payload).is_none() {
             // No delay: to the broker as sent, now.
-            let taking = channel.taking.take().expect("checked above");
+            let taking = channel.take_taking().expect("checked above");
             self.forward_publish(channel_id, *taking);
             return Ok(false);
         }
@@ -1607,7 +1607,7 @@ impl Session {
             // cannot take it.
             warn!(exchange = %taking.exchange(), size, "a delayed publish does not fit in the capture budget (no confirms on its channel): it is routed at once");
             self.stats.delayed_refused.inc();
-            let taking = channel.taking.take().expect("checked above");
+            let taking = channel.take_taking().expect("checked above");
             self.forward_publish(channel_id, *taking);
             return Ok(false);
         }
@@ -1623,9 +1623,7 @@ impl Session {
     fn forward_publish(&mut self, channel_id: u16, taking: Taking) {
         let barrier_up = self.barrier.is_up();
         let channel = self.channels.get(channel_id);
-        if let Some(r) = channel.renumber.as_mut() {
-            r.forward();
-        }
+        channel.forward_publish();
         channel.publish_begins(barrier_up);
         self.emit_upstream(taking.method());
         self.emit_content(channel_id, taking.content());
@@ -1688,10 +1686,7 @@ impl Session {
         let channel = self.channels.get(channel_id);
         let tag = channel.confirm().then(|| {
             let published = channel.published();
-            channel
-                .renumber
-                .get_or_insert_with(|| Box::new(Renumber::new(published)))
-                .take()
+            channel.renumber_from(published).take()
         });
         (channel.epoch(), tag)
     }
@@ -1833,7 +1828,7 @@ impl Session {
         match tag {
             // The broker numbers it now: its confirm is the publisher's.
             Some(tag) => {
-                if let Some(r) = channel.renumber.as_mut() {
+                if let Some(r) = channel.renumber_mut() {
                     r.hand_over(tag);
                 }
             }
@@ -1841,15 +1836,12 @@ impl Session {
                 // `confirm.select` came since: the broker numbers this
                 // publish, its publisher does not. The next publish the
                 // publisher numbers is one not yet accounted for.
-                let next = channel.published() + 1 - u64::from(channel.taking.is_some());
-                channel
-                    .renumber
-                    .get_or_insert_with(|| Box::new(Renumber::new(next)))
-                    .extra();
+                let next = channel.published() + 1 - u64::from(channel.is_taking());
+                channel.renumber_from(next).extra();
             }
             None => {}
         }
-        if channel.publishing().in_flight() && channel.taking.is_none() {
+        if channel.publishing().in_flight() && !channel.is_taking() {
             // After the client content going upstream on this channel
             // (a publish nackd is reading sent nothing upstream yet, and
             // its number comes after this one's).
@@ -1875,9 +1867,7 @@ impl Session {
     /// Sends a whole publish nackd held to the broker (frames of nackd's
     /// own wait for no client content here: this one has ended).
     fn forward_whole(&mut self, channel_id: u16, taking: &Taking) {
-        if let Some(r) = self.channels.get(channel_id).renumber.as_mut() {
-            r.forward();
-        }
+        self.channels.get(channel_id).forward_publish();
         self.emit_upstream(taking.method());
         self.emit_upstream(taking.content());
     }
@@ -1997,7 +1987,7 @@ impl Session {
         if channel.closing() {
             return;
         }
-        let Some(confirm) = channel.renumber.as_mut().and_then(|r| r.answer(tag, ack)) else {
+        let Some(confirm) = channel.renumber_mut().and_then(|r| r.answer(tag, ack)) else {
             return;
         };
         self.confirm_to_client(channel_id, confirm);
@@ -2012,7 +2002,7 @@ impl Session {
         tag: u64,
         multiple: bool,
     ) -> bool {
-        let Some(r) = self.channels.get(channel_id).renumber.as_mut() else {
+        let Some(r) = self.channels.get(channel_id).renumber_mut() else {
             return false;
         };
         for confirm in r.broker(ack, tag, multiple) {

@@ -460,3 +460,28 @@ fn a_channel_remembers_its_close_refusal_publishes_and_exchange_changes() {
     assert_eq!((declares.len(), deletes.len()), (1, 1));
     assert!(ch.declare_ok().is_none() && ch.delete_ok().is_none());
 }
+
+#[test]
+fn a_channel_numbers_confirms_two_ways_only_once_nackd_takes_a_publish() {
+    let mut ch = Channel::default();
+    ch.forward_publish();
+    assert!(ch.renumber_mut().is_none(), "nothing to renumber yet");
+    assert!(!ch.is_taking());
+    ch.start_taking(Box::new(Taking::new(
+        "x",
+        Some("k"),
+        Bytes::from_static(b"M"),
+    )));
+    assert!(ch.is_taking() && ch.taking_mut().is_some());
+    assert_eq!(
+        ch.renumber_from(3).take(),
+        3,
+        "the publisher's number 3 is nackd's"
+    );
+    assert_eq!(ch.renumber_from(99).take(), 4, "begun once");
+    ch.forward_publish();
+    assert!(ch.renumber_mut().is_some());
+    assert!(ch.take_taking().is_some());
+    assert!(!ch.is_taking() && ch.take_taking().is_none());
+    assert!(ch.capturing_mut().is_none() && ch.take_capturing().is_none());
+}
