@@ -7,7 +7,7 @@ use std::sync::Arc;
 use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
 use bytes::Bytes;
 
-use crate::session::capture::{Captured, Capturing};
+use crate::session::capture::{Budget, Captured, Capturing};
 use crate::session::settle::Settle;
 
 use super::confirms::Renumber;
@@ -275,19 +275,49 @@ impl Channel {
         }
     }
 
+    /// A content frame from the broker: feeds the capture in progress; a
+    /// delivery over the capture `budget` is marked so (its nack is
+    /// deferred), a whole one keeps its capture.
+    pub fn capture_content(&mut self, frame: &Frame, budget: &Arc<Budget>) {
+        let Some(capturing) = self.capturing.as_mut() else {
+            return;
+        };
+        let payload = frame.payload_slice();
+        match frame.kind {
+            FrameType::Header => {
+                let size = content::body_size(payload).unwrap_or(0);
+                if !capturing.header(payload, size, budget) {
+                    let tag = capturing.tag;
+                    self.capturing = None;
+                    if let Some(delivery) = self.delivery_mut(tag) {
+                        delivery.over_budget = true;
+                    }
+                    let refused = budget.refused();
+                    if refused.is_power_of_two() {
+                        tracing::warn!(
+                            refused,
+                            used = budget.used(),
+                            "capture budget spent: nacks of such deliveries are deferred"
+                        );
+                    }
+                    return;
+                }
+            }
+            FrameType::Body => capturing.body(payload),
+            _ => return,
+        }
+        if !self.delivering.in_flight() {
+            let capturing = self.capturing.take().expect("checked above");
+            let tag = capturing.tag;
+            if let (Some(captured), Some(delivery)) = (capturing.finish(), self.delivery_mut(tag)) {
+                delivery.capture = Some(captured);
+            }
+        }
+    }
+
     /// The delivery of `capturing` is captured as its content comes.
     pub fn start_capture(&mut self, capturing: Capturing) {
         self.capturing = Some(capturing);
-    }
-
-    /// The capture in progress, if any.
-    pub fn capturing_mut(&mut self) -> Option<&mut Capturing> {
-        self.capturing.as_mut()
-    }
-
-    /// Ends the capture in progress (done, or over the budget).
-    pub fn take_capturing(&mut self) -> Option<Capturing> {
-        self.capturing.take()
     }
 
     /// A publish to a delayed exchange begins: its content is read here.

@@ -810,46 +810,11 @@ impl Session {
 
     /// A content frame from the broker: feed the capture of its channel.
     pub(super) fn capture_content(&mut self, frame: &Frame) {
-        let Some(state) = self.scope.as_ref() else {
-            return;
-        };
-        let budget = state.shared.budget.clone();
-        let channel = self.channels.get(frame.channel);
-        let Some(capturing) = channel.capturing_mut() else {
-            return;
-        };
-        let payload = frame.payload_slice();
-        match frame.kind {
-            FrameType::Header => {
-                let size = crate::protocol::content::body_size(payload).unwrap_or(0);
-                if !capturing.header(payload, size, &budget) {
-                    let tag = capturing.tag;
-                    channel.take_capturing();
-                    if let Some(delivery) = channel.delivery_mut(tag) {
-                        delivery.over_budget = true;
-                    }
-                    let refused = budget.refused();
-                    if refused.is_power_of_two() {
-                        warn!(
-                            refused,
-                            used = budget.used(),
-                            "capture budget spent: nacks of such deliveries are deferred"
-                        );
-                    }
-                    return;
-                }
-            }
-            FrameType::Body => capturing.body(payload),
-            _ => return,
-        }
-        if !channel.delivering().in_flight() {
-            let capturing = channel.take_capturing().expect("checked above");
-            let tag = capturing.tag;
-            if let (Some(captured), Some(delivery)) =
-                (capturing.finish(), channel.delivery_mut(tag))
-            {
-                delivery.capture = Some(captured);
-            }
+        if let Some(state) = self.scope.as_ref() {
+            let budget = &state.shared.budget;
+            self.channels
+                .get(frame.channel)
+                .capture_content(frame, budget);
         }
     }
 

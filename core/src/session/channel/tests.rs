@@ -483,5 +483,51 @@ fn a_channel_numbers_confirms_two_ways_only_once_nackd_takes_a_publish() {
     assert!(ch.renumber_mut().is_some());
     assert!(ch.take_taking().is_some());
     assert!(!ch.is_taking() && ch.take_taking().is_none());
-    assert!(ch.capturing_mut().is_none() && ch.take_capturing().is_none());
+}
+
+/// A policy for captures (what it says does not matter here).
+fn any_policy() -> Arc<crate::policy::Policy> {
+    let config: crate::policy::PolicyConfig =
+        toml::from_str("queues = [\"q\"]\ndelays = [\"1s\"]\n").unwrap();
+    Arc::new(crate::policy::Policy::new(&config).unwrap())
+}
+
+/// The broker's content of a delivery: header (body of `body.len()`) and body.
+fn content(body: &[u8]) -> (Frame, Frame) {
+    let props = amq_protocol::protocol::BasicProperties::default();
+    let header = crate::protocol::content::encode_header(60, body.len() as u64, &props);
+    (
+        Frame::new(FrameType::Header, 1, &header),
+        Frame::new(FrameType::Body, 1, body),
+    )
+}
+
+#[test]
+fn a_capture_keeps_a_whole_delivery_or_marks_it_over_the_budget() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&consume("q", "c", false, true));
+    let budget = crate::session::capture::Budget::new(1000);
+    for (tag, body) in [(1, &b"abc"[..]), (2, &[0u8; 2000][..])] {
+        let (header, body_frame) = content(body);
+        ch.on_deliver("c", tag);
+        ch.delivering
+            .advance(
+                &Frame::new(FrameType::Method, 1, &[0, 60, 0, 60]),
+                Some(MethodId::peek(&[0, 60, 0, 60]).unwrap()),
+            )
+            .unwrap();
+        ch.start_capture(Capturing::new(tag, "", "q", any_policy()));
+        ch.delivering.advance(&header, None).unwrap();
+        ch.capture_content(&header, &budget);
+        ch.delivering.advance(&body_frame, None).unwrap();
+        ch.capture_content(&body_frame, &budget);
+    }
+    let d1 = ch.delivery_mut(1).unwrap();
+    assert!(d1.capture.is_some() && !d1.over_budget, "whole: captured");
+    let d2 = ch.delivery_mut(2).unwrap();
+    assert!(
+        d2.capture.is_none() && d2.over_budget,
+        "over the budget: marked"
+    );
+    assert_eq!(budget.refused(), 1);
 }
