@@ -123,6 +123,19 @@ const LINGERING: usize = 16;
 /// has not answered, in order (`Some`: a delayed one).
 pub type ExchangeChanges = (VecDeque<Option<Declared>>, VecDeque<Option<Deleted>>);
 
+/// Where a publish nackd gives back to the broker goes (see
+/// [`Channel::hand_back`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandBack {
+    /// Kept until the client content going upstream on the channel ends.
+    Kept,
+    /// Behind the barrier at this offset, before the channel's close or
+    /// `tx.select` waiting there: the client sent the publish first.
+    Before(usize, Bytes),
+    /// Upstream now, in the client's order (behind a barrier if one is up).
+    Send(Bytes),
+}
+
 /// A claimed tag waiting for the store.
 #[derive(Clone, Debug)]
 pub struct Claimed {
@@ -315,6 +328,46 @@ impl Channel {
         }
     }
 
+    /// Whether a publish nackd gives back may still go on this channel:
+    /// not once the broker closes it, or the client's close went upstream
+    /// (`barrier_up`: a close behind the barrier has not).
+    pub fn takes_hand_back(&self, barrier_up: bool) -> bool {
+        !self.closing && (!self.client_closed || (barrier_up && self.end_behind.is_some()))
+    }
+
+    /// Publish `raw` nackd took (`tag`: the publisher's, on a confirm
+    /// channel) goes back to the broker as sent: numbered by the broker
+    /// from now on, and placed where the client sent it.
+    pub fn hand_back(&mut self, tag: Option<u64>, raw: Bytes, barrier_up: bool) -> HandBack {
+        match tag {
+            // The broker numbers it now: its confirm is the publisher's.
+            Some(tag) => {
+                if let Some(r) = self.renumber.as_mut() {
+                    r.hand_over(tag);
+                }
+            }
+            None if self.confirm => {
+                // `confirm.select` came since: the broker numbers this
+                // publish, its publisher does not. The next publish the
+                // publisher numbers is one not yet accounted for.
+                let next = self.published + 1 - u64::from(self.is_taking());
+                self.renumber_from(next).extra();
+            }
+            None => {}
+        }
+        if self.publishing.in_flight() && !self.is_taking() {
+            // After the client content going upstream on this channel
+            // (a publish nackd is reading sent nothing upstream yet, and
+            // its number comes after this one's).
+            self.handed_over.push(raw);
+            return HandBack::Kept;
+        }
+        match (barrier_up, self.end_behind) {
+            (true, Some(at)) => HandBack::Before(at, raw),
+            _ => HandBack::Send(raw),
+        }
+    }
+
     /// The delivery of `capturing` is captured as its content comes.
     pub fn start_capture(&mut self, capturing: Capturing) {
         self.capturing = Some(capturing);
@@ -445,12 +498,6 @@ impl Channel {
     /// Publishes since `confirm.select`: the publisher's number of the last.
     pub fn published(&self) -> u64 {
         self.published
-    }
-
-    /// A publish nackd took goes back to the broker as sent once the
-    /// client content going upstream here ends.
-    pub fn hand_over(&mut self, raw: Bytes) {
-        self.handed_over.push(raw);
     }
 
     /// Whether publishes nackd gave back wait for the client's content.

@@ -35,7 +35,7 @@ use tracing::{debug, info, warn, Span};
 
 use super::barrier::Barrier;
 use super::capture::{Captured, Capturing};
-use super::channel::{Channels, Claimed, Delivery};
+use super::channel::{Channels, Claimed, Delivery, HandBack};
 use super::check::{Checks, Verdict};
 use super::claims::{Claim, Claims, Plan};
 use super::close::{Close, Origin};
@@ -1780,44 +1780,23 @@ impl Session {
         let Some(raw) = taken.into_raw() else {
             return false;
         };
-        // Not once the broker closes the channel, or the client's close
-        // went upstream (a publish after it closes the connection).
         let barrier_up = self.barrier.is_up();
-        let alive = self.channels.get_epoch(channel_id, epoch).is_some_and(|c| {
-            !c.closing() && (!c.client_closed() || (barrier_up && c.end_behind().is_some()))
-        }) && self.upstream_takes_acks();
+        let alive = self
+            .channels
+            .get_epoch(channel_id, epoch)
+            .is_some_and(|c| c.takes_hand_back(barrier_up))
+            && self.upstream_takes_acks();
         if !alive {
             return false;
         }
-        let channel = self.channels.get(channel_id);
-        match tag {
-            // The broker numbers it now: its confirm is the publisher's.
-            Some(tag) => {
-                if let Some(r) = channel.renumber_mut() {
-                    r.hand_over(tag);
-                }
-            }
-            None if channel.confirm() => {
-                // `confirm.select` came since: the broker numbers this
-                // publish, its publisher does not. The next publish the
-                // publisher numbers is one not yet accounted for.
-                let next = channel.published() + 1 - u64::from(channel.is_taking());
-                channel.renumber_from(next).extra();
-            }
-            None => {}
-        }
-        if channel.publishing().in_flight() && !channel.is_taking() {
-            // After the client content going upstream on this channel
-            // (a publish nackd is reading sent nothing upstream yet, and
-            // its number comes after this one's).
-            channel.hand_over(raw);
-        } else if let (true, Some(at)) = (barrier_up, channel.end_behind()) {
-            // Before the channel's close or tx.select that waits behind the
-            // barrier: the client sent the publish first.
-            self.insert_behind_barrier(at, &raw);
-        } else {
-            // In the client's order (behind a barrier if one is up).
-            self.emit_upstream(&raw);
+        match self
+            .channels
+            .get(channel_id)
+            .hand_back(tag, raw, barrier_up)
+        {
+            HandBack::Kept => {}
+            HandBack::Before(at, raw) => self.insert_behind_barrier(at, &raw),
+            HandBack::Send(raw) => self.emit_upstream(&raw),
         }
         true
     }

@@ -438,8 +438,15 @@ fn a_channel_remembers_its_close_refusal_publishes_and_exchange_changes() {
     ch.count_publish();
     assert_eq!(ch.published(), 2);
     assert!(!ch.has_handed_over());
-    ch.hand_over(Bytes::from_static(b"p1"));
-    ch.hand_over(Bytes::from_static(b"p2"));
+    ch.publishing = ContentState::Header;
+    assert_eq!(
+        ch.hand_back(None, Bytes::from_static(b"p1"), false),
+        HandBack::Kept
+    );
+    assert_eq!(
+        ch.hand_back(None, Bytes::from_static(b"p2"), true),
+        HandBack::Kept
+    );
     assert!(ch.has_handed_over());
     assert_eq!(
         ch.take_handed_over(),
@@ -530,4 +537,49 @@ fn a_capture_keeps_a_whole_delivery_or_marks_it_over_the_budget() {
         "over the budget: marked"
     );
     assert_eq!(budget.refused(), 1);
+}
+
+#[test]
+fn a_publish_given_back_goes_where_the_client_sent_it_and_is_numbered_by_the_broker() {
+    let raw = Bytes::from_static(b"p");
+    let mut ch = Channel::default();
+    assert!(ch.takes_hand_back(false));
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), false),
+        HandBack::Send(raw.clone())
+    );
+    ch.end_behind_at(7);
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), true),
+        HandBack::Before(7, raw.clone())
+    );
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), false),
+        HandBack::Send(raw.clone()),
+        "no barrier: now"
+    );
+    ch.on_client_close();
+    assert!(
+        ch.takes_hand_back(true),
+        "the close waits behind the barrier"
+    );
+    assert!(!ch.takes_hand_back(false), "the close went upstream");
+    ch.on_broker_close();
+    assert!(!ch.takes_hand_back(true));
+
+    let mut ch = Channel::default();
+    ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(
+        confirm::Select { nowait: false },
+    )));
+    ch.count_publish();
+    ch.count_publish();
+    ch.hand_back(None, raw.clone(), false);
+    let r = ch
+        .renumber_mut()
+        .expect("the broker numbers one more than the publisher");
+    assert_eq!(
+        r.take(),
+        3,
+        "the publisher's next publish is still its third"
+    );
 }
