@@ -28,16 +28,17 @@
 //!
 //! # A nack, as the core sees it
 //!
-//! `session::Session` is given the broker's `basic.deliver` of a configured
-//! queue (`session/upstream.rs` tracks the tag in `session/channel.rs`,
-//! `session/capture.rs` keeps the message), then the client's
-//! `basic.nack` (`session/client.rs`): `session/claim.rs` claims it, asks
-//! [`policy`] for the delay, rewrites the headers ([`protocol::headers`])
-//! and emits `Effect::Park` (a [`held::Park`]). When told `Parked` (the
-//! store has it) it writes `basic.ack` upstream, and `session/settle.rs`
-//! keeps the client's other settles off the claimed tag. Where nackd
-//! cannot hold it, `session/defer.rs` leaves it unacked and nacks it
-//! (requeue) later. The engine (in `nackd`) books what is parked in the
+//! `session::Session` (`session/machine.rs`, the coordinator) is given the
+//! broker's `basic.deliver` of a configured queue (it tracks the tag in
+//! `session/channel.rs`, `session/capture.rs` keeps the message), then the
+//! client's `basic.nack`: it claims it (numbered by `session/claims.rs`),
+//! asks [`policy`] for the delay, rewrites the headers
+//! ([`protocol::headers`]) and emits `Effect::Park` (a [`held::Park`]).
+//! When told `Parked` (the store has it) it writes `basic.ack` upstream,
+//! and `session/settle.rs` keeps the client's other settles off the
+//! claimed tag; `session/barrier.rs` holds a close behind the claims.
+//! Where nackd cannot hold it, `session/deferrals.rs` keeps it unacked and
+//! the session nacks it (requeue) later. The engine (in `nackd`) books what is parked in the
 //! [`wheel`], which says when it is due.
 #![forbid(unsafe_code)]
 

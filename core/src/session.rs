@@ -18,23 +18,20 @@
 
 use std::time::Duration;
 
+mod barrier;
 pub mod capture;
 pub mod channel;
 mod check;
-mod claim;
-mod client;
+mod claims;
 mod close;
 pub mod confirms;
-mod defer;
+mod consumer;
 mod deferrals;
-pub mod delayed;
-mod frames;
-mod lifecycle;
 mod machine;
 mod peer;
+mod publishes;
 mod scope;
 pub mod settle;
-mod upstream;
 
 pub use capture::Budget;
 pub use machine::{Effect, Session};

@@ -7,8 +7,13 @@ use std::sync::Arc;
 use amq_protocol::protocol::{basic, channel, confirm, queue, tx, AMQPClass};
 use bytes::Bytes;
 
-use crate::session::capture::{Captured, Capturing};
+use crate::session::capture::{Budget, Captured, Capturing};
 use crate::session::settle::Settle;
+
+use super::confirms::Renumber;
+use super::consumer::ConsumerRef;
+use super::peer::Peer;
+use super::publishes::{Declared, Deleted, Taking};
 
 use crate::protocol::content;
 use crate::protocol::frame::{Frame, FrameError, FrameType};
@@ -114,9 +119,22 @@ impl ContentState {
 /// Consumers a channel remembers after their `nowait` cancel.
 const LINGERING: usize = 16;
 
-/// The consumer a delivery went to: its tag, and which `basic.consume` of
-/// the channel it is (a tag is free again once its consumer is cancelled).
-pub type ConsumerRef = (Arc<str>, u64);
+/// The `exchange.declare`s and `exchange.delete`s of a channel the broker
+/// has not answered, in order (`Some`: a delayed one).
+pub type ExchangeChanges = (VecDeque<Option<Declared>>, VecDeque<Option<Deleted>>);
+
+/// Where a publish nackd gives back to the broker goes (see
+/// [`Channel::hand_back`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandBack {
+    /// Kept until the client content going upstream on the channel ends.
+    Kept,
+    /// Behind the barrier at this offset, before the channel's close or
+    /// `tx.select` waiting there: the client sent the publish first.
+    Before(usize, Bytes),
+    /// Upstream now, in the client's order (behind a barrier if one is up).
+    Send(Bytes),
+}
 
 /// A claimed tag waiting for the store.
 #[derive(Clone, Debug)]
@@ -161,71 +179,71 @@ pub struct Channel {
     /// `declares_sent` when the last nowait declare named its queue.
     named_nowait_at: Option<u64>,
     /// `tx.select` was sent: nothing on this channel is intercepted.
-    pub tx: bool,
+    tx: bool,
     /// `confirm.select` was sent.
-    pub confirm: bool,
+    confirm: bool,
     /// Client to broker content (a publish).
-    pub publishing: ContentState,
+    publishing: ContentState,
     /// Broker to client content (a delivery, get-ok or return).
-    pub delivering: ContentState,
+    delivering: ContentState,
     outstanding: BTreeMap<u64, Delivery>,
     /// `basic.consume`s the client sent on the channel.
     consumes: u64,
     /// Which opening of this channel number this is.
-    pub epoch: u64,
+    epoch: u64,
     /// The delivery whose content is being captured.
-    pub capturing: Option<Capturing>,
+    capturing: Option<Capturing>,
     /// Claimed tags waiting for the store, with how the client settled them.
-    pub pending: BTreeMap<u64, Claimed>,
+    pending: BTreeMap<u64, Claimed>,
     /// Number of the last claim made on this channel.
-    pub last_claim: u64,
+    last_claim: u64,
     /// A close, recover or `tx.select` of the client on this channel waits
     /// behind the barrier: no new claim is made here.
-    pub barrier_raised: bool,
+    barrier_raised: bool,
     /// Claimed tags the client settled a second time: that settle went to
     /// the broker, so nackd neither acks them nor keeps their copy.
-    pub settled_again: BTreeSet<u64>,
+    settled_again: BTreeSet<u64>,
     /// Frames of nackd's own (acks, nacks) to send once the client's publish
     /// in flight on this channel ends, with the held id an ack stands for.
-    pub after_publish: Vec<(Bytes, Option<u64>)>,
+    after_publish: Vec<(Bytes, Option<u64>)>,
     /// The publish in flight began while client frames waited behind a
     /// barrier: all of its frames wait there, none has gone upstream yet.
-    pub publish_behind_barrier: bool,
+    publish_behind_barrier: bool,
     /// The broker closed the channel: it takes unacked deliveries back.
-    pub closing: bool,
+    closing: bool,
     /// Publishes since `confirm.select`: the publisher's number of the last.
-    pub published: u64,
+    published: u64,
     /// The publisher's and the broker's numbering of confirms, once nackd
     /// took a publish of this confirm channel.
-    pub renumber: Option<Box<super::confirms::Renumber>>,
+    renumber: Option<Box<Renumber>>,
     /// A publish to a delayed exchange whose content is being read.
-    pub taking: Option<Box<super::delayed::Taking>>,
+    taking: Option<Box<Taking>>,
     /// Frames of nackd's own to the client (confirms) waiting for the
     /// broker's content in flight on this channel to end.
-    pub to_client_after: Vec<Bytes>,
+    to_client_after: Vec<Bytes>,
     /// `exchange.declare`s sent that the broker answers, in order: for a
     /// delayed one, the registry's entry before it (to restore if the
     /// broker refuses it).
-    pub exchange_declares: VecDeque<Option<super::delayed::Declared>>,
+    exchange_declares: VecDeque<Option<Declared>>,
     /// `exchange.delete`s sent that the broker answers: the exchanges,
     /// forgotten as delayed at their `delete-ok`.
-    pub exchange_deletes: VecDeque<Option<super::delayed::Deleted>>,
+    exchange_deletes: VecDeque<Option<Deleted>>,
     /// Publishes nackd took and gives back to the broker as sent, waiting
     /// for the client content going upstream on this channel to end (they
     /// follow it, in the client's order).
-    pub handed_over: Vec<Bytes>,
+    handed_over: Vec<Bytes>,
     /// The client's `channel.close` or `tx.select` on this channel waits
     /// behind the barrier at this offset: a publish nackd gives back goes
     /// before it, where the client sent it.
-    pub end_behind: Option<usize>,
+    end_behind: Option<usize>,
     /// The client sent `channel.close` on this channel.
-    pub client_closed: bool,
+    client_closed: bool,
     /// A publish nackd gave back here is one the broker refuses: it closes
     /// the channel, and discards the client's later publishes, so nackd
     /// takes none of them either.
-    pub refused: bool,
+    refused: bool,
     /// Log span of this channel (a child of the connection's span).
-    pub span: Option<tracing::Span>,
+    span: Option<tracing::Span>,
 }
 
 impl Channel {
@@ -270,6 +288,367 @@ impl Channel {
         }
     }
 
+    /// A content frame from the broker: feeds the capture in progress; a
+    /// delivery over the capture `budget` is marked so (its nack is
+    /// deferred), a whole one keeps its capture.
+    pub fn capture_content(&mut self, frame: &Frame, budget: &Arc<Budget>) {
+        let Some(capturing) = self.capturing.as_mut() else {
+            return;
+        };
+        let payload = frame.payload_slice();
+        match frame.kind {
+            FrameType::Header => {
+                let size = content::body_size(payload).unwrap_or(0);
+                if !capturing.header(payload, size, budget) {
+                    let tag = capturing.tag;
+                    self.capturing = None;
+                    if let Some(delivery) = self.delivery_mut(tag) {
+                        delivery.over_budget = true;
+                    }
+                    let refused = budget.refused();
+                    if refused.is_power_of_two() {
+                        tracing::warn!(
+                            refused,
+                            used = budget.used(),
+                            "capture budget spent: nacks of such deliveries are deferred"
+                        );
+                    }
+                    return;
+                }
+            }
+            FrameType::Body => capturing.body(payload),
+            _ => return,
+        }
+        if !self.delivering.in_flight() {
+            let capturing = self.capturing.take().expect("checked above");
+            let tag = capturing.tag;
+            if let (Some(captured), Some(delivery)) = (capturing.finish(), self.delivery_mut(tag)) {
+                delivery.capture = Some(captured);
+            }
+        }
+    }
+
+    /// Whether a publish nackd gives back may still go on this channel:
+    /// not once the broker closes it, or the client's close went upstream
+    /// (`barrier_up`: a close behind the barrier has not).
+    pub fn takes_hand_back(&self, barrier_up: bool) -> bool {
+        !self.closing && (!self.client_closed || (barrier_up && self.end_behind.is_some()))
+    }
+
+    /// Publish `raw` nackd took (`tag`: the publisher's, on a confirm
+    /// channel) goes back to the broker as sent: numbered by the broker
+    /// from now on, and placed where the client sent it.
+    pub fn hand_back(&mut self, tag: Option<u64>, raw: Bytes, barrier_up: bool) -> HandBack {
+        match tag {
+            // The broker numbers it now: its confirm is the publisher's.
+            Some(tag) => {
+                if let Some(r) = self.renumber.as_mut() {
+                    r.hand_over(tag);
+                }
+            }
+            None if self.confirm => {
+                // `confirm.select` came since: the broker numbers this
+                // publish, its publisher does not. The next publish the
+                // publisher numbers is one not yet accounted for.
+                let next = self.published + 1 - u64::from(self.is_taking());
+                self.renumber_from(next).extra();
+            }
+            None => {}
+        }
+        if self.publishing.in_flight() && !self.is_taking() {
+            // After the client content going upstream on this channel
+            // (a publish nackd is reading sent nothing upstream yet, and
+            // its number comes after this one's).
+            self.handed_over.push(raw);
+            return HandBack::Kept;
+        }
+        match (barrier_up, self.end_behind) {
+            (true, Some(at)) => HandBack::Before(at, raw),
+            _ => HandBack::Send(raw),
+        }
+    }
+
+    /// The delivery of `capturing` is captured as its content comes.
+    pub fn start_capture(&mut self, capturing: Capturing) {
+        self.capturing = Some(capturing);
+    }
+
+    /// A publish to a delayed exchange begins: its content is read here.
+    pub fn start_taking(&mut self, taking: Box<Taking>) {
+        self.taking = Some(taking);
+    }
+
+    /// Whether a publish to a delayed exchange is being read.
+    pub fn is_taking(&self) -> bool {
+        self.taking.is_some()
+    }
+
+    /// The publish being read, if any.
+    pub fn taking_mut(&mut self) -> Option<&mut Taking> {
+        self.taking.as_deref_mut()
+    }
+
+    /// Ends reading the publish (it is whole, or goes on as sent).
+    pub fn take_taking(&mut self) -> Option<Box<Taking>> {
+        self.taking.take()
+    }
+
+    /// A publish goes to the broker: the broker numbers it (once nackd
+    /// renumbers this channel's confirms).
+    pub fn forward_publish(&mut self) {
+        if let Some(r) = self.renumber.as_mut() {
+            r.forward();
+        }
+    }
+
+    /// The channel's two numberings of confirms, once nackd took a publish.
+    pub fn renumber_mut(&mut self) -> Option<&mut Renumber> {
+        self.renumber.as_deref_mut()
+    }
+
+    /// The channel's two numberings, begun at the publisher's `next`
+    /// number if nackd renumbers nothing yet.
+    pub fn renumber_from(&mut self, next: u64) -> &mut Renumber {
+        self.renumber
+            .get_or_insert_with(|| Box::new(Renumber::new(next)))
+    }
+
+    /// Whether `tx.select` was sent: nothing on this channel is intercepted.
+    pub fn tx(&self) -> bool {
+        self.tx
+    }
+
+    /// Whether `confirm.select` was sent.
+    pub fn confirm(&self) -> bool {
+        self.confirm
+    }
+
+    /// Which opening of this channel number this is.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The log span of this channel.
+    pub fn span(&self) -> tracing::Span {
+        self.span.clone().unwrap_or_else(tracing::Span::none)
+    }
+
+    /// Client to broker content (a publish).
+    pub fn publishing(&self) -> ContentState {
+        self.publishing
+    }
+
+    /// Broker to client content (a delivery, get-ok or return).
+    pub fn delivering(&self) -> ContentState {
+        self.delivering
+    }
+
+    /// Checks `frame` from `peer` against the content state of the
+    /// direction it goes, and moves it on (see [`ContentState::advance`]).
+    pub fn advance(
+        &mut self,
+        peer: Peer,
+        frame: &Frame,
+        method: Option<MethodId>,
+    ) -> Result<(), FrameError> {
+        match peer {
+            Peer::Client => self.publishing.advance(frame, method),
+            Peer::Upstream => self.delivering.advance(frame, method),
+        }
+    }
+
+    /// The broker closed the channel (`channel.close`).
+    pub fn on_broker_close(&mut self) {
+        self.closing = true;
+    }
+
+    /// Whether the broker closed the channel: it takes unacked deliveries back.
+    pub fn closing(&self) -> bool {
+        self.closing
+    }
+
+    /// The client sent `channel.close`.
+    pub fn on_client_close(&mut self) {
+        self.client_closed = true;
+    }
+
+    /// Whether the client sent `channel.close`.
+    pub fn client_closed(&self) -> bool {
+        self.client_closed
+    }
+
+    /// A publish nackd gave back here is one the broker refuses.
+    pub fn on_refused_publish(&mut self) {
+        self.refused = true;
+    }
+
+    /// Whether the broker refuses a publish nackd gave back here (it
+    /// discards the client's later publishes).
+    pub fn refused(&self) -> bool {
+        self.refused
+    }
+
+    /// A client `basic.publish`: counted on a confirm channel.
+    pub fn count_publish(&mut self) {
+        if self.confirm {
+            self.published += 1;
+        }
+    }
+
+    /// Publishes since `confirm.select`: the publisher's number of the last.
+    pub fn published(&self) -> u64 {
+        self.published
+    }
+
+    /// Whether publishes nackd gave back wait for the client's content.
+    pub fn has_handed_over(&self) -> bool {
+        !self.handed_over.is_empty()
+    }
+
+    /// Takes the publishes nackd gave back, in the client's order.
+    pub fn take_handed_over(&mut self) -> Vec<Bytes> {
+        std::mem::take(&mut self.handed_over)
+    }
+
+    /// A frame of nackd's own to the client waits for the broker's content
+    /// in flight here to end.
+    pub fn wait_for_delivery(&mut self, frame: Bytes) {
+        self.to_client_after.push(frame);
+    }
+
+    /// Whether frames of nackd's own wait for the broker's content.
+    pub fn waits_for_delivery(&self) -> bool {
+        !self.to_client_after.is_empty()
+    }
+
+    /// Takes the frames of nackd's own that waited for the broker's content.
+    pub fn take_to_client_after(&mut self) -> Vec<Bytes> {
+        std::mem::take(&mut self.to_client_after)
+    }
+
+    /// An `exchange.declare` the broker answers went (`Some`: a delayed one).
+    pub fn expect_declare_ok(&mut self, declared: Option<Declared>) {
+        self.exchange_declares.push_back(declared);
+    }
+
+    /// An `exchange.delete` the broker answers went (`Some`: of a delayed
+    /// exchange).
+    pub fn expect_delete_ok(&mut self, deleted: Option<Deleted>) {
+        self.exchange_deletes.push_back(deleted);
+    }
+
+    /// The broker's `declare-ok`: the declare it answers, if one was expected.
+    pub fn declare_ok(&mut self) -> Option<Option<Declared>> {
+        self.exchange_declares.pop_front()
+    }
+
+    /// The broker's `delete-ok`: the delete it answers, if one was expected.
+    pub fn delete_ok(&mut self) -> Option<Option<Deleted>> {
+        self.exchange_deletes.pop_front()
+    }
+
+    /// The broker closes the channel: the declares and deletes it never
+    /// answered.
+    pub fn take_exchange_changes(&mut self) -> ExchangeChanges {
+        (
+            std::mem::take(&mut self.exchange_declares),
+            std::mem::take(&mut self.exchange_deletes),
+        )
+    }
+
+    /// Claim `claimed` of tag `tag` waits for the store.
+    pub fn claim(&mut self, tag: u64, claimed: Claimed) {
+        self.last_claim = claimed.seq;
+        self.pending.insert(tag, claimed);
+    }
+
+    /// A delayed publish of this channel was taken as claim `seq`.
+    pub fn took_publish(&mut self, seq: u64) {
+        self.last_claim = seq;
+    }
+
+    /// Whether tag `tag` is claimed and waits for the store.
+    pub fn is_claimed(&self, tag: u64) -> bool {
+        self.pending.contains_key(&tag)
+    }
+
+    /// The lowest claimed tag waiting for the store.
+    pub fn lowest_claimed(&self) -> Option<u64> {
+        self.pending.keys().next().copied()
+    }
+
+    /// The client settled claimed tag `tag` a second time: that settle
+    /// went to the broker, so nackd neither acks it nor keeps its copy.
+    pub fn settle_again(&mut self, tag: u64) {
+        self.settled_again.insert(tag);
+    }
+
+    /// The store answered for claimed tag `tag`: its claim, unless the
+    /// client settled it again meanwhile (then nackd steps back).
+    pub fn take_claim(&mut self, tag: u64) -> Option<Claimed> {
+        let claimed = self.pending.remove(&tag)?;
+        (!self.settled_again.remove(&tag)).then_some(claimed)
+    }
+
+    /// Forgets claimed tag `tag` (the broker took it back).
+    pub fn drop_claim(&mut self, tag: u64) {
+        self.pending.remove(&tag);
+        self.settled_again.remove(&tag);
+    }
+
+    /// A close, recover or `tx.select` of the client on this channel waits
+    /// behind the barrier: no new claim is made here. Returns the number
+    /// of the last claim made on it, which the barrier waits for.
+    pub fn raise_barrier(&mut self) -> u64 {
+        self.barrier_raised = true;
+        self.last_claim
+    }
+
+    /// Whether a close, recover or `tx.select` of this channel waits
+    /// behind the barrier.
+    pub fn barrier_raised(&self) -> bool {
+        self.barrier_raised
+    }
+
+    /// A client publish begins (its method goes upstream, or behind the
+    /// barrier when `behind_barrier`): its content follows it there.
+    pub fn publish_begins(&mut self, behind_barrier: bool) {
+        self.publish_behind_barrier = behind_barrier;
+    }
+
+    /// Whether the publish in flight waits behind the barrier.
+    pub fn publish_behind_barrier(&self) -> bool {
+        self.publish_behind_barrier
+    }
+
+    /// A frame of nackd's own (`held`: the stored copy an ack stands for)
+    /// waits for the client's publish in flight to end.
+    pub fn wait_for_publish(&mut self, frame: Bytes, held: Option<u64>) {
+        self.after_publish.push((frame, held));
+    }
+
+    /// Whether frames of nackd's own wait for the client's publish.
+    pub fn waits_for_publish(&self) -> bool {
+        !self.after_publish.is_empty()
+    }
+
+    /// Takes the frames of nackd's own that waited for the client's publish.
+    pub fn take_after_publish(&mut self) -> Vec<(Bytes, Option<u64>)> {
+        std::mem::take(&mut self.after_publish)
+    }
+
+    /// The client's `channel.close` or `tx.select` goes behind the barrier
+    /// at offset `at` (the first one's place is kept).
+    pub fn end_behind_at(&mut self, at: usize) {
+        self.end_behind.get_or_insert(at);
+    }
+
+    /// Where the client's close or `tx.select` of this channel waits
+    /// behind the barrier.
+    pub fn end_behind(&self) -> Option<usize> {
+        self.end_behind
+    }
+
     /// Observes a method the client sends on this channel.
     pub fn on_client_method(&mut self, class: &AMQPClass) {
         match class {
@@ -280,35 +659,9 @@ impl Channel {
                 self.last_queue = Some(Arc::from(d.queue.as_str()));
                 self.named_nowait_at = Some(self.declares_sent);
             }
-            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
-                self.consumes += 1;
-                let consumer = Consumer {
-                    started: self.consumes,
-                    ..self.consumer_of(c.queue.as_str(), c.no_ack)
-                };
-                let tag = c.consumer_tag.as_str();
-                let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
-                if !c.nowait {
-                    self.pending_consumes.push_back(consumer);
-                } else if cancels > 0 {
-                    // The broker applies those cancels first.
-                    self.reusing.push((Arc::from(tag), cancels, consumer));
-                } else {
-                    self.lingering.retain(|(t, _)| &**t != tag);
-                    self.consumers.insert(Arc::from(tag), consumer);
-                }
-            }
+            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => self.on_consume(c),
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) if c.nowait => {
-                // It cancels the newest consumer of the tag.
-                let tag = c.consumer_tag.as_str();
-                if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
-                    self.reusing.remove(at);
-                } else if let Some((tag, consumer)) = self.consumers.remove_entry(tag) {
-                    if self.lingering.len() == LINGERING {
-                        self.lingering.remove(0);
-                    }
-                    self.lingering.push((tag, consumer));
-                }
+                self.on_nowait_cancel(c.consumer_tag.as_str());
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
                 self.cancels.push(Arc::from(c.consumer_tag.as_str()));
@@ -334,6 +687,39 @@ impl Channel {
             AMQPClass::Tx(tx::AMQPMethod::Select(_)) => self.tx = true,
             AMQPClass::Confirm(confirm::AMQPMethod::Select(_)) => self.confirm = true,
             _ => {}
+        }
+    }
+
+    /// The client's `basic.consume`.
+    fn on_consume(&mut self, c: &basic::Consume) {
+        self.consumes += 1;
+        let consumer = Consumer {
+            started: self.consumes,
+            ..self.consumer_of(c.queue.as_str(), c.no_ack)
+        };
+        let tag = c.consumer_tag.as_str();
+        let cancels = self.cancels.iter().filter(|t| &***t == tag).count();
+        if !c.nowait {
+            self.pending_consumes.push_back(consumer);
+        } else if cancels > 0 {
+            // The broker applies those cancels first.
+            self.reusing.push((Arc::from(tag), cancels, consumer));
+        } else {
+            self.lingering.retain(|(t, _)| &**t != tag);
+            self.consumers.insert(Arc::from(tag), consumer);
+        }
+    }
+
+    /// The client's `basic.cancel` of `tag` with `nowait`: it cancels the
+    /// newest consumer of the tag.
+    fn on_nowait_cancel(&mut self, tag: &str) {
+        if let Some(at) = self.reusing.iter().rposition(|(t, ..)| &**t == tag) {
+            self.reusing.remove(at);
+        } else if let Some((tag, consumer)) = self.consumers.remove_entry(tag) {
+            if self.lingering.len() == LINGERING {
+                self.lingering.remove(0);
+            }
+            self.lingering.push((tag, consumer));
         }
     }
 

@@ -19,7 +19,7 @@
 //! Nothing the broker sends on the reserved channel reaches the client,
 //! and the client cannot use it (its frames above its `channel_max` close
 //! its connection). [`Checks`] is the channel's state; the session decides
-//! what a yes or a no means (`delayed.rs`).
+//! what a yes or a no means (`machine.rs`).
 
 use std::collections::VecDeque;
 

@@ -1,4 +1,4 @@
-//! The deferred tags of a session (see `defer`), by channel and due time,
+//! The deferred tags of a session (the session defers them), by channel and due time,
 //! and the rate their nacks go at.
 //!
 //! Deferred nacks: a nack nackd would claim but cannot hold right now (the
@@ -14,7 +14,7 @@
 //! connection goes (a close, `basic.recover`, the broker gone): then it is
 //! simply forgotten, and it never holds a close or a barrier open.
 
-use super::channel::ConsumerRef;
+use super::consumer::ConsumerRef;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -49,7 +49,7 @@ pub(super) struct Deferrals {
 }
 
 impl Deferrals {
-    pub fn new(gauge: Gauge) -> Self {
+    pub(super) fn new(gauge: Gauge) -> Self {
         Self {
             tags: BTreeMap::new(),
             due: BTreeSet::new(),
@@ -59,7 +59,13 @@ impl Deferrals {
     }
 
     /// Defers `tag` of `channel` until `due`.
-    pub fn insert(&mut self, channel: u16, tag: u64, due: Instant, from: Option<ConsumerRef>) {
+    pub(super) fn insert(
+        &mut self,
+        channel: u16,
+        tag: u64,
+        due: Instant,
+        from: Option<ConsumerRef>,
+    ) {
         match self.tags.insert((channel, tag), (due, from)) {
             Some((old, _)) => {
                 self.due.remove(&(old, channel, tag));
@@ -72,7 +78,7 @@ impl Deferrals {
     }
 
     /// Forgets `tag` of `channel`; whether it was deferred.
-    pub fn remove(&mut self, channel: u16, tag: u64) -> bool {
+    pub(super) fn remove(&mut self, channel: u16, tag: u64) -> bool {
         let Some((due, _)) = self.tags.remove(&(channel, tag)) else {
             return false;
         };
@@ -82,18 +88,18 @@ impl Deferrals {
     }
 
     /// Whether `tag` of `channel` is deferred.
-    pub fn contains(&self, channel: u16, tag: u64) -> bool {
+    pub(super) fn contains(&self, channel: u16, tag: u64) -> bool {
         self.tags.contains_key(&(channel, tag))
     }
 
     /// The lowest deferred tag of `channel`.
-    pub fn lowest(&self, channel: u16) -> Option<u64> {
+    pub(super) fn lowest(&self, channel: u16) -> Option<u64> {
         self.of(channel).next()
     }
 
     /// Whether a deferred tag of `channel` is at or below `tag` (any, with
     /// `multiple` and 0), as a settle covers them.
-    pub fn within(&self, channel: u16, tag: u64, multiple: bool) -> bool {
+    pub(super) fn within(&self, channel: u16, tag: u64, multiple: bool) -> bool {
         match (multiple, tag) {
             (true, 0) => self.lowest(channel).is_some(),
             (true, tag) => self.lowest(channel).is_some_and(|t| t <= tag),
@@ -103,7 +109,7 @@ impl Deferrals {
 
     /// Forgets the deferred tags of `channel` whose deliveries went to
     /// consumer `from`; returns them.
-    pub fn take_from(&mut self, channel: u16, from: &ConsumerRef) -> Vec<u64> {
+    pub(super) fn take_from(&mut self, channel: u16, from: &ConsumerRef) -> Vec<u64> {
         let tags: Vec<u64> = self
             .tags
             .range((channel, 0)..=(channel, u64::MAX))
@@ -117,7 +123,7 @@ impl Deferrals {
     }
 
     /// Takes the deferred tags of `channel`.
-    pub fn take_channel(&mut self, channel: u16) -> Vec<u64> {
+    pub(super) fn take_channel(&mut self, channel: u16) -> Vec<u64> {
         let tags: Vec<u64> = self.of(channel).collect();
         for tag in &tags {
             self.remove(channel, *tag);
@@ -126,7 +132,7 @@ impl Deferrals {
     }
 
     /// Takes every deferred tag.
-    pub fn take_all(&mut self) -> Vec<(u16, u64)> {
+    pub(super) fn take_all(&mut self) -> Vec<(u16, u64)> {
         let all: Vec<(u16, u64)> = self.tags.keys().copied().collect();
         self.gauge.dec_by(all.len() as i64);
         (self.tags, self.due) = Default::default();
@@ -134,7 +140,7 @@ impl Deferrals {
     }
 
     /// Takes the tags due at `now` whose nacks the rate allows now, in due order.
-    pub fn take_due(&mut self, now: Instant) -> Vec<(u16, u64)> {
+    pub(super) fn take_due(&mut self, now: Instant) -> Vec<(u16, u64)> {
         let mut taken = Vec::new();
         while let Some(&(due, channel, tag)) = self.due.first() {
             if due > now || !self.rate_allows(now) {
@@ -150,13 +156,13 @@ impl Deferrals {
 
     /// When the next nack may go: when it is due, or later when the rate
     /// limit holds it back.
-    pub fn next_wake(&self) -> Option<Instant> {
+    pub(super) fn next_wake(&self) -> Option<Instant> {
         let &(due, _, _) = self.due.first()?;
         Some(due.max(self.rate_free_at().unwrap_or(due)))
     }
 
     /// How many tags are deferred.
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.tags.len()
     }
 

@@ -12,4 +12,4 @@ pub enum Peer {
 }
 
 /// A protocol fault of either side (closes the connection with its reply code).
-pub type Fault = FrameError;
+pub(super) type Fault = FrameError;

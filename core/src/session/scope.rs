@@ -30,14 +30,16 @@ pub(super) const CACHED: usize = 1024;
 /// What one session intercepts: its vhost, and the policies that apply
 /// to its queues (cached until a reload).
 pub(super) struct Scope {
+    /// What every session shares (read-only here).
     pub shared: Arc<Interception>,
-    pub vhost: Arc<str>,
+    /// The vhost the client opened (`/` until it does).
+    vhost: Arc<str>,
     policies: PolicyView,
     cache: HashMap<Arc<str>, Option<Arc<Policy>>>,
 }
 
 impl Scope {
-    pub fn new(shared: Arc<Interception>) -> Self {
+    pub(super) fn new(shared: Arc<Interception>) -> Self {
         let policies = shared.policies.subscribe();
         Self {
             shared,
@@ -47,16 +49,26 @@ impl Scope {
         }
     }
 
+    /// The vhost the client opened (`/` until it does).
+    pub(super) fn vhost(&self) -> &Arc<str> {
+        &self.vhost
+    }
+
+    /// The client opened `vhost` (`connection.open`).
+    pub(super) fn open(&mut self, vhost: &str) {
+        self.vhost = Arc::from(vhost);
+    }
+
     /// How many queues' policies are cached.
     #[cfg(test)]
-    pub fn cached(&self) -> usize {
+    pub(super) fn cached(&self) -> usize {
         self.cache.len()
     }
 
     /// The policy of `queue`, cached per session until a reload (or until
     /// [`CACHED`] queues are: a client that consumes a new server-named
     /// queue again and again must not grow it for ever).
-    pub fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
+    pub(super) fn policy(&mut self, queue: &Arc<str>) -> Option<Arc<Policy>> {
         let (policies, changed) = self.policies.current();
         if changed || (self.cache.len() >= CACHED && !self.cache.contains_key(queue)) {
             self.cache.clear();

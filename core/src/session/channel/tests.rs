@@ -191,7 +191,7 @@ fn tx_and_confirm_modes() {
     ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(
         confirm::Select { nowait: false },
     )));
-    assert!(ch.tx && ch.confirm);
+    assert!(ch.tx() && ch.confirm());
 }
 
 fn header(body: u64) -> Frame {
@@ -352,4 +352,234 @@ fn a_nowait_cancel_cancels_the_newest_consumer_of_its_tag() {
     );
     ch.on_broker_method(&cancel_ok("t"));
     assert_eq!(ch.consumer_count(), 0);
+}
+
+fn claimed(seq: u64) -> Claimed {
+    Claimed {
+        settle: Settle::Nack(false),
+        seq,
+        delay: None,
+        from: None,
+    }
+}
+
+#[test]
+fn a_claim_is_answered_unless_settled_again_and_the_barrier_waits_for_the_last() {
+    let mut ch = Channel::default();
+    ch.claim(5, claimed(1));
+    ch.claim(3, claimed(2));
+    ch.took_publish(3);
+    assert!(ch.is_claimed(5) && ch.is_claimed(3) && !ch.is_claimed(4));
+    assert_eq!(ch.lowest_claimed(), Some(3));
+    assert!(!ch.barrier_raised());
+    assert_eq!(ch.raise_barrier(), 3, "the last claim here is the publish");
+    assert!(ch.barrier_raised());
+    ch.settle_again(5);
+    assert!(
+        ch.take_claim(5).is_none(),
+        "settled again: nackd steps back"
+    );
+    assert!(!ch.is_claimed(5));
+    assert_eq!(ch.take_claim(3).map(|c| c.seq), Some(2));
+    ch.claim(7, claimed(4));
+    ch.settle_again(7);
+    ch.drop_claim(7);
+    ch.claim(7, claimed(5));
+    assert!(
+        ch.take_claim(7).is_some(),
+        "a dropped claim forgets its second settle"
+    );
+}
+
+#[test]
+fn frames_wait_for_the_publish_and_the_close_keeps_its_place_behind_the_barrier() {
+    let mut chs = Channels::default();
+    let ch = chs.get(1);
+    assert!(!ch.waits_for_publish());
+    ch.wait_for_publish(Bytes::from_static(b"ack"), Some(9));
+    ch.wait_for_publish(Bytes::from_static(b"nack"), None);
+    assert!(ch.waits_for_publish());
+    ch.publish_begins(true);
+    ch.end_behind_at(10);
+    ch.end_behind_at(20);
+    assert_eq!(ch.end_behind(), Some(10), "the first close's place is kept");
+    chs.shift_end_behind(5, 3);
+    assert_eq!(chs.get(1).end_behind(), Some(13));
+    assert_eq!(
+        chs.take_all_after_publish(),
+        vec![9],
+        "the held ids acks stood for"
+    );
+    assert!(!chs.get(1).waits_for_publish());
+    let ch = chs.get(1);
+    ch.raise_barrier();
+    assert!(ch.publish_behind_barrier());
+    chs.lower_barriers();
+    let ch = chs.get(1);
+    assert!(!ch.publish_behind_barrier() && !ch.barrier_raised());
+    assert_eq!(ch.end_behind(), None);
+    ch.wait_for_publish(Bytes::from_static(b"ack"), Some(1));
+    assert_eq!(ch.take_after_publish().len(), 1);
+}
+
+#[test]
+fn a_channel_remembers_its_close_refusal_publishes_and_exchange_changes() {
+    use std::sync::Arc;
+    let mut ch = Channel::default();
+    assert!(!ch.closing() && !ch.client_closed() && !ch.refused());
+    ch.on_broker_close();
+    ch.on_client_close();
+    ch.on_refused_publish();
+    assert!(ch.closing() && ch.client_closed() && ch.refused());
+    ch.count_publish();
+    assert_eq!(ch.published(), 0, "counted on a confirm channel only");
+    ch.confirm = true;
+    ch.count_publish();
+    ch.count_publish();
+    assert_eq!(ch.published(), 2);
+    assert!(!ch.has_handed_over());
+    ch.publishing = ContentState::Header;
+    assert_eq!(
+        ch.hand_back(None, Bytes::from_static(b"p1"), false),
+        HandBack::Kept
+    );
+    assert_eq!(
+        ch.hand_back(None, Bytes::from_static(b"p2"), true),
+        HandBack::Kept
+    );
+    assert!(ch.has_handed_over());
+    assert_eq!(
+        ch.take_handed_over(),
+        vec![Bytes::from_static(b"p1"), Bytes::from_static(b"p2")]
+    );
+    ch.wait_for_delivery(Bytes::from_static(b"ack"));
+    assert!(ch.waits_for_delivery());
+    assert_eq!(ch.take_to_client_after().len(), 1);
+    assert!(!ch.waits_for_delivery());
+    ch.expect_declare_ok(None);
+    ch.expect_declare_ok(Some(Declared::new(Arc::from("x"), "direct".into(), false)));
+    ch.expect_delete_ok(Some(Deleted::new(Arc::from("x"), true)));
+    assert!(
+        matches!(ch.declare_ok(), Some(None)),
+        "answers come in order"
+    );
+    let (declares, deletes) = ch.take_exchange_changes();
+    assert_eq!((declares.len(), deletes.len()), (1, 1));
+    assert!(ch.declare_ok().is_none() && ch.delete_ok().is_none());
+}
+
+#[test]
+fn a_channel_numbers_confirms_two_ways_only_once_nackd_takes_a_publish() {
+    let mut ch = Channel::default();
+    ch.forward_publish();
+    assert!(ch.renumber_mut().is_none(), "nothing to renumber yet");
+    assert!(!ch.is_taking());
+    ch.start_taking(Box::new(Taking::new(
+        "x",
+        Some("k"),
+        Bytes::from_static(b"M"),
+    )));
+    assert!(ch.is_taking() && ch.taking_mut().is_some());
+    assert_eq!(
+        ch.renumber_from(3).take(),
+        3,
+        "the publisher's number 3 is nackd's"
+    );
+    assert_eq!(ch.renumber_from(99).take(), 4, "begun once");
+    ch.forward_publish();
+    assert!(ch.renumber_mut().is_some());
+    assert!(ch.take_taking().is_some());
+    assert!(!ch.is_taking() && ch.take_taking().is_none());
+}
+
+/// A policy for captures (what it says does not matter here).
+fn any_policy() -> Arc<crate::policy::Policy> {
+    let config: crate::policy::PolicyConfig =
+        toml::from_str("queues = [\"q\"]\ndelays = [\"1s\"]\n").unwrap();
+    Arc::new(crate::policy::Policy::new(&config).unwrap())
+}
+
+/// The broker's content of a delivery: header (body of `body.len()`) and body.
+fn content(body: &[u8]) -> (Frame, Frame) {
+    let props = amq_protocol::protocol::BasicProperties::default();
+    let header = crate::protocol::content::encode_header(60, body.len() as u64, &props);
+    (
+        Frame::new(FrameType::Header, 1, &header),
+        Frame::new(FrameType::Body, 1, body),
+    )
+}
+
+#[test]
+fn a_capture_keeps_a_whole_delivery_or_marks_it_over_the_budget() {
+    let mut ch = Channel::default();
+    ch.on_client_method(&consume("q", "c", false, true));
+    let budget = crate::session::capture::Budget::new(1000);
+    for (tag, body) in [(1, &b"abc"[..]), (2, &[0u8; 2000][..])] {
+        let (header, body_frame) = content(body);
+        ch.on_deliver("c", tag);
+        ch.delivering
+            .advance(
+                &Frame::new(FrameType::Method, 1, &[0, 60, 0, 60]),
+                Some(MethodId::peek(&[0, 60, 0, 60]).unwrap()),
+            )
+            .unwrap();
+        ch.start_capture(Capturing::new(tag, "", "q", any_policy()));
+        ch.delivering.advance(&header, None).unwrap();
+        ch.capture_content(&header, &budget);
+        ch.delivering.advance(&body_frame, None).unwrap();
+        ch.capture_content(&body_frame, &budget);
+    }
+    let d1 = ch.delivery_mut(1).unwrap();
+    assert!(d1.capture.is_some() && !d1.over_budget, "whole: captured");
+    let d2 = ch.delivery_mut(2).unwrap();
+    assert!(
+        d2.capture.is_none() && d2.over_budget,
+        "over the budget: marked"
+    );
+    assert_eq!(budget.refused(), 1);
+}
+
+#[test]
+fn a_publish_given_back_goes_where_the_client_sent_it_and_is_numbered_by_the_broker() {
+    let raw = Bytes::from_static(b"p");
+    let mut ch = Channel::default();
+    assert!(ch.takes_hand_back(false));
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), false),
+        HandBack::Send(raw.clone())
+    );
+    ch.end_behind_at(7);
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), true),
+        HandBack::Before(7, raw.clone())
+    );
+    assert_eq!(
+        ch.hand_back(None, raw.clone(), false),
+        HandBack::Send(raw.clone()),
+        "no barrier: now"
+    );
+    ch.on_client_close();
+    assert!(
+        ch.takes_hand_back(true),
+        "the close waits behind the barrier"
+    );
+    assert!(!ch.takes_hand_back(false), "the close went upstream");
+    ch.on_broker_close();
+    assert!(!ch.takes_hand_back(true));
+
+    let mut ch = Channel::default();
+    ch.on_client_method(&AMQPClass::Confirm(confirm::AMQPMethod::Select(
+        confirm::Select { nowait: false },
+    )));
+    ch.count_publish();
+    ch.count_publish();
+    ch.hand_back(None, raw.clone(), false);
+    let r = ch
+        .renumber_mut()
+        .expect("the broker numbers one more than the publisher");
+    assert_eq!(
+        r.take(),
+        3,
+        "the publisher's next publish is still its third"
+    );
 }

@@ -66,98 +66,128 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Runs `before` publishes numbered alike (some confirmed before nackd
-/// took anything), then `ops`, then settles everything.
-fn run(before: u64, confirmed_before: u64, ops: Vec<Op>) {
-    let mut p = Publisher::default();
-    // The broker's unconfirmed tags → the publisher's tag.
-    let mut broker: BTreeMap<u64, u64> = BTreeMap::new();
-    let mut broker_next = 1;
-    for t in 1..=before {
-        p.unconfirmed.insert(t);
-        broker.insert(t, t);
-        broker_next += 1;
+/// Both ends around one [`Renumber`]: the publisher, the broker's
+/// unconfirmed tags, and the publishes nackd took.
+struct Model {
+    p: Publisher,
+    r: Renumber,
+    /// The broker's unconfirmed tags → the publisher's tag.
+    broker: BTreeMap<u64, u64>,
+    broker_next: u64,
+    taken: Vec<u64>,
+    /// The publisher's number of its next publish.
+    next: u64,
+}
+
+impl Model {
+    /// `before` publishes numbered alike, the first `confirmed_before` of
+    /// them confirmed before nackd took anything.
+    fn new(before: u64, confirmed_before: u64) -> Self {
+        let mut p = Publisher::default();
+        let mut broker: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut broker_next = 1;
+        for t in 1..=before {
+            p.unconfirmed.insert(t);
+            broker.insert(t, t);
+            broker_next += 1;
+        }
+        for t in 1..=confirmed_before.min(before) {
+            broker.remove(&t);
+            p.decided.insert(t, true);
+            p.get(Confirm {
+                ack: true,
+                tag: t,
+                multiple: false,
+            });
+        }
+        Self {
+            p,
+            r: Renumber::new(before + 1),
+            broker,
+            broker_next,
+            taken: Vec::new(),
+            next: before + 1,
+        }
     }
-    for t in 1..=confirmed_before.min(before) {
-        broker.remove(&t);
-        p.decided.insert(t, true);
-        p.get(Confirm {
-            ack: true,
-            tag: t,
-            multiple: false,
-        });
-    }
-    let mut r = Renumber::new(before + 1);
-    let mut taken: Vec<u64> = Vec::new();
-    let mut next = before + 1;
-    let broker_confirm = |r: &mut Renumber,
-                          p: &mut Publisher,
-                          broker: &mut BTreeMap<u64, u64>,
-                          pick: usize,
-                          ack: bool,
-                          multiple: bool| {
-        if broker.is_empty() {
+
+    fn broker_confirm(&mut self, pick: usize, ack: bool, multiple: bool) {
+        if self.broker.is_empty() {
             return;
         }
-        let tag = *broker.keys().nth(pick % broker.len()).unwrap();
+        let tag = *self.broker.keys().nth(pick % self.broker.len()).unwrap();
         let covered: Vec<u64> = if multiple {
-            broker.range(..=tag).map(|(b, _)| *b).collect()
+            self.broker.range(..=tag).map(|(b, _)| *b).collect()
         } else {
             vec![tag]
         };
         for b in covered {
-            let t = broker.remove(&b).unwrap();
-            p.decided.insert(t, ack);
+            let t = self.broker.remove(&b).unwrap();
+            self.p.decided.insert(t, ack);
         }
-        for c in r.broker(ack, tag, multiple) {
-            p.get(c);
+        for c in self.r.broker(ack, tag, multiple) {
+            self.p.get(c);
         }
-    };
-    for op in ops {
+    }
+
+    fn apply(&mut self, op: Op) {
         match op {
             Op::Publish(true) => {
-                let t = r.take();
-                assert_eq!(t, next);
-                p.unconfirmed.insert(t);
-                taken.push(t);
-                next += 1;
+                let t = self.r.take();
+                assert_eq!(t, self.next);
+                self.p.unconfirmed.insert(t);
+                self.taken.push(t);
+                self.next += 1;
             }
             Op::Publish(false) => {
-                r.forward();
-                p.unconfirmed.insert(next);
-                broker.insert(broker_next, next);
-                broker_next += 1;
-                next += 1;
+                self.r.forward();
+                self.p.unconfirmed.insert(self.next);
+                self.broker.insert(self.broker_next, self.next);
+                self.broker_next += 1;
+                self.next += 1;
             }
             Op::Broker {
                 pick,
                 ack,
                 multiple,
-            } => broker_confirm(&mut r, &mut p, &mut broker, pick, ack, multiple),
+            } => self.broker_confirm(pick, ack, multiple),
             Op::Answer { pick, ack } => {
-                if taken.is_empty() {
-                    continue;
+                if self.taken.is_empty() {
+                    return;
                 }
-                let t = taken.remove(pick % taken.len());
-                p.decided.insert(t, ack);
-                p.get(r.answer(t, ack).expect("taken"));
+                let t = self.taken.remove(pick % self.taken.len());
+                self.p.decided.insert(t, ack);
+                self.p.get(self.r.answer(t, ack).expect("taken"));
             }
         }
     }
-    for t in std::mem::take(&mut taken) {
-        p.decided.insert(t, true);
-        p.get(r.answer(t, true).expect("taken"));
+
+    /// Settles everything still open.
+    fn settle_all(&mut self) {
+        for t in std::mem::take(&mut self.taken) {
+            self.p.decided.insert(t, true);
+            self.p.get(self.r.answer(t, true).expect("taken"));
+        }
+        while !self.broker.is_empty() {
+            self.broker_confirm(0, true, true);
+        }
     }
-    while !broker.is_empty() {
-        broker_confirm(&mut r, &mut p, &mut broker, 0, true, true);
+}
+
+/// Runs `before` publishes numbered alike (some confirmed before nackd
+/// took anything), then `ops`, then settles everything.
+fn run(before: u64, confirmed_before: u64, ops: Vec<Op>) {
+    let mut m = Model::new(before, confirmed_before);
+    for op in ops {
+        m.apply(op);
     }
+    m.settle_all();
     assert!(
-        p.unconfirmed.is_empty(),
+        m.p.unconfirmed.is_empty(),
         "never confirmed: {:?}",
-        p.unconfirmed
+        m.p.unconfirmed
     );
-    assert_eq!(p.got.len() as u64, next - 1);
-    assert_eq!(r.unanswered(), 0);
+    assert_eq!(m.p.got.len() as u64, m.next - 1);
+    assert_eq!(m.r.unanswered(), 0);
 }
 
 proptest! {

@@ -40,7 +40,7 @@ fn a_declare_on_a_channel_the_broker_closed_holds_nothing_back() {
     p.publish_unanswered(2, ms(1000));
     p.upstream();
     assert_eq!(p.s.checks.sent(), 1, "the check goes at once");
-    assert!(!p.s.declaring.contains_key("other"));
+    assert!(!p.s.publishes.declaring("other"));
     p.grant_checks();
     let parks = p.take_parks();
     p.answer(&parks[0], Ok(1));
