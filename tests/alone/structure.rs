@@ -10,10 +10,8 @@ const DIR: &str = env!("CARGO_MANIFEST_DIR");
 
 #[test]
 fn no_import_circles() {
-    // Only src/ for now: core/src still has circles, being taken apart
-    // (core/src/session, core/src/fuzzing); the script's default is both.
+    // Both crates' sources (the script's default: src and core/src).
     let out = Command::new(Path::new(DIR).join("scripts/import-circles"))
-        .arg("src")
         .current_dir(DIR)
         .output()
         .expect("cannot run scripts/import-circles");
