@@ -309,9 +309,48 @@ impl Ledger {
         self.entries.get(id)
     }
 
-    /// A held message, to change its schedule state.
-    pub fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
-        self.entries.get_mut(id)
+    /// Records where the wheel entry that may fire `id` is due (µs).
+    pub fn arm(&mut self, id: u64, armed_us: u64) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.armed_us = armed_us;
+        }
+    }
+
+    /// `id` was handed to its republisher (or taken back).
+    pub fn set_inflight(&mut self, id: u64, inflight: bool) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.inflight = inflight;
+        }
+    }
+
+    /// `id` waits again: neither publishing nor fired by an operator.
+    /// `false` if it is not held.
+    pub fn unhand(&mut self, id: u64) -> bool {
+        let Some(e) = self.entries.get_mut(id) else {
+            return false;
+        };
+        e.inflight = false;
+        e.forced = false;
+        true
+    }
+
+    /// An operator fires `id` now: `false` if it is not held or is
+    /// publishing already.
+    pub fn force(&mut self, id: u64) -> bool {
+        match self.entries.get_mut(id) {
+            Some(e) if !e.inflight => {
+                e.forced = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// One more failed attempt for `id`; its number, if still held.
+    pub fn count_attempt(&mut self, id: u64) -> Option<u16> {
+        let e = self.entries.get_mut(id)?;
+        e.attempts = e.attempts.saturating_add(1);
+        Some(e.attempts)
     }
 
     /// Every held message.
