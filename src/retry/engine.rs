@@ -20,6 +20,8 @@
 //!   set aside (blocked exchanges, gone queues).
 //! - `link`: the replica, and the parks waiting on it.
 //! - `query`: what operators ask (list, fire now, purge, status).
+//! - `recovery`: [`recovery::Recovery`], the older segments read beside
+//!   the engine after a start, and their messages scheduled a step at a time.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,11 +42,13 @@ use crate::store::{
 use fire::Firing;
 use nackd_core::ready::{Readiness, Ready};
 use outcome::{Action, Admit, Outcomes};
+use recovery::Recovery;
 
 mod fire;
 mod link;
 mod outcome;
 pub(super) mod query;
+mod recovery;
 #[cfg(test)]
 mod unroutable_tests;
 
@@ -105,23 +109,11 @@ pub(super) struct Engine {
     firing: Firing,
     /// The destinations that refuse publishes, and what reports mean.
     outcomes: Outcomes,
-    /// The store's older segments, being read beside the engine after a
-    /// start ([`Engine::read_backlog`]).
-    backlog: Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
-    /// Recovered messages not scheduled yet ([`Engine::load_step`]).
-    loading: Option<Loading>,
+    /// The store's older segments being read beside the engine after a
+    /// start, and recovered messages not scheduled yet.
+    recovery: Recovery,
     /// Since when the store's writer works on its batch ([`Engine::watch_store`]).
     store_busy: Arc<store::Busy>,
-}
-
-/// Messages recovered after the engine started, scheduled a step at a time
-/// so that parks and firing go on meanwhile (10 M take seconds).
-struct Loading {
-    total: usize,
-    held: std::vec::IntoIter<(u64, u64, Loc)>,
-    meta: std::vec::IntoIter<HeldMeta>,
-    /// Recovery's queue numbers, as the ledger interned them.
-    queues: Vec<u32>,
 }
 
 /// Recovered messages scheduled per turn of the engine's loop.
@@ -129,13 +121,6 @@ const LOAD_STEP: usize = 65_536;
 
 /// How often the engine looks whether the store stalls.
 const STALL_CHECK: Duration = Duration::from_millis(500);
-
-/// How long after a failed read of the older segments it is tried again.
-const BACKLOG_RETRY: Duration = if cfg!(test) {
-    Duration::from_millis(100)
-} else {
-    Duration::from_secs(10)
-};
 
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
@@ -190,8 +175,7 @@ impl Engine {
             metrics,
             firing,
             outcomes,
-            backlog: None,
-            loading: None,
+            recovery: Recovery::default(),
             store_busy,
         };
         if !recovered.held.is_empty() {
@@ -205,43 +189,21 @@ impl Engine {
     /// engine parks and fires new messages; they join the engine (and the
     /// store's bookkeeping) once read.
     ///
-    /// A read that fails is tried again every [`BACKLOG_RETRY`] while the
-    /// engine runs: the store stays "recovering" meanwhile (nothing is
-    /// reclaimed, and `/readyz` and `nackd_store_recovering` say so).
-    pub(super) fn read_backlog(&mut self, mut backlog: store::Backlog) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+    /// A read that fails is tried again while the engine runs
+    /// ([`Recovery::read_backlog`]): the store stays "recovering" meanwhile
+    /// (nothing is reclaimed, and `/readyz` and `nackd_store_recovering`
+    /// say so).
+    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
         self.metrics.store_recovering.set(1);
-        let span = tracing::info_span!("store_recovery");
-        let metrics = self.metrics.clone();
-        let spawned = std::thread::Builder::new()
-            .name("nackd-recover".into())
-            .spawn(move || {
-                let _span = span.entered();
-                loop {
-                    match backlog.read() {
-                        Ok(read) => return drop(tx.send(Ok(read))),
-                        Err(e) => {
-                            metrics.store_errors.inc();
-                            tracing::error!(error = %e, retry_in = ?BACKLOG_RETRY, "store: cannot read the older segments; their messages wait, the read is tried again");
-                        }
-                    }
-                    std::thread::sleep(BACKLOG_RETRY);
-                    if tx.is_closed() {
-                        return; // the engine stopped
-                    }
-                }
-            });
-        match spawned {
-            Ok(_) => self.backlog = Some(rx),
-            Err(e) => self.on_backlog(Err(e)),
+        if let Err(e) = self.recovery.read_backlog(backlog, self.metrics.clone()) {
+            self.on_backlog(Err(e));
         }
     }
 
     /// The older segments are read: the store merges their bookkeeping
     /// (before any delete of theirs, which the same queue brings later),
     /// then their messages are scheduled.
-    fn on_backlog(&mut self, read: std::io::Result<(Recovered, store::Segments)>) {
-        self.backlog = None;
+    fn on_backlog(&mut self, read: recovery::Read) {
         match read {
             Ok((recovered, segments)) => {
                 self.metrics
@@ -275,28 +237,17 @@ impl Engine {
 
     /// Takes what recovery found, to schedule [`LOAD_STEP`] at a time.
     fn start_loading(&mut self, recovered: Recovered) {
-        let queues = recovered
-            .queues
-            .iter()
-            .map(|(vhost, queue)| self.ledger.intern(vhost, queue))
-            .collect();
-        self.loading = Some(Loading {
-            total: recovered.held.len(),
-            held: recovered.held.into_iter(),
-            meta: recovered.meta.into_iter(),
-            queues,
-        });
+        self.recovery.start(recovered, &mut self.ledger);
     }
 
     /// Schedules up to `n` more recovered messages; when none is left, the
     /// store counts as recovered.
     fn load_step(&mut self, n: usize) {
-        let Some(mut loading) = self.loading.take() else {
+        let Some(mut loading) = self.recovery.take() else {
             return;
         };
         self.ledger.tick(self.clock.now_ms());
-        for ((id, due, loc), mut meta) in loading.held.by_ref().zip(loading.meta.by_ref()).take(n) {
-            meta.queue = loading.queues[meta.queue as usize];
+        for (id, due, loc, meta) in loading.by_ref().take(n) {
             if self.ledger.get(id).is_some() {
                 // A NEXT_ID lowered by hand gave this id to a message
                 // parked since the start (the merge reports it): the newer
@@ -310,13 +261,12 @@ impl Engine {
             self.ledger.insert(id, Entry::new(loc, due, meta));
             self.schedule(id, due);
         }
-        if loading.held.len() > 0 {
-            self.loading = Some(loading);
+        if !loading.is_done() {
+            self.recovery.resume(loading);
             return;
         }
-        debug_assert!(loading.meta.len() == 0);
         info!(
-            held = loading.total,
+            held = loading.total(),
             "store recovered: its messages are scheduled"
         );
         // Last: whoever reads it as 0 finds every message scheduled.
@@ -363,8 +313,8 @@ impl Engine {
                     store::Event::Firing(paused) => self.on_firing(paused),
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
-                read = backlog_read(&mut self.backlog) => self.on_backlog(read),
-                _ = std::future::ready(()), if self.loading.is_some() => self.load_step(LOAD_STEP),
+                read = self.recovery.read() => self.on_backlog(read),
+                _ = std::future::ready(()), if self.recovery.is_loading() => self.load_step(LOAD_STEP),
                 Some(adopt) = adopts.recv(), if self.link.is_some() => self.on_adopt(adopt),
                 event = link::event(&mut self.link) => match event {
                     link::Event::Answer(answer) => self.on_replicated(answer),
@@ -979,20 +929,6 @@ fn raise_clock(log: &Log, clock: &Clock) {
         if !behind.is_zero() {
             warn!(behind = ?behind, "the wall clock is behind the time the store last recorded (it was set back): nackd's clock goes on from that time");
         }
-    }
-}
-
-/// The older segments' contents, once read (pending while there is none).
-async fn backlog_read(
-    backlog: &mut Option<
-        tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>,
-    >,
-) -> std::io::Result<(Recovered, store::Segments)> {
-    match backlog {
-        Some(rx) => rx
-            .await
-            .unwrap_or_else(|_| Err(std::io::Error::other("the store's recovery thread died"))),
-        None => std::future::pending().await,
     }
 }
 
