@@ -27,10 +27,10 @@ pub mod republish;
 mod supervisor;
 mod timer;
 
-pub use admin::{
+pub use engine::query::{
     BlockedStatus, DueBucket, ExchangeStatus, Kind, Listed, QueueStatus, Status, Target,
 };
-pub use supervisor::{Readiness, Ready, Start};
+pub use nackd_core::ready::{Readiness, Ready};
 
 pub use nackd_core::held::{ClaimKey, Park, Parked};
 
@@ -43,7 +43,7 @@ pub type ParkReply = mpsc::UnboundedSender<Parked>;
 enum Command {
     Park(Park, ParkReply),
     Cancel(u64),
-    Admin(admin::Command),
+    Admin(engine::query::Command),
 }
 
 /// Handle sessions use to park messages (and operators to inspect them).
@@ -80,6 +80,24 @@ impl RetryHandle {
             .await
             .map_err(|_| ReplicaError("the replica task is gone".into()))?
     }
+}
+
+/// What the engine thread needs to start.
+pub struct Start {
+    /// `store.path`.
+    pub dir: std::path::PathBuf,
+    /// How the store is sized.
+    pub store: crate::store::Options,
+    /// `[replica]`, resolved, when there is one.
+    pub replica: Option<crate::replica::Config>,
+    /// The broker.
+    pub connector: crate::net::Connector,
+    /// `[republish]`.
+    pub options: Options,
+    /// Metrics.
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// nackd's clock (the sessions read the same one).
+    pub clock: nackd_core::clock::Clock,
 }
 
 /// How the engine republishes (`[republish]`).

@@ -61,7 +61,7 @@ pub(super) struct Blocks<K> {
 
 impl<K: Hash + Eq + Clone> Blocks<K> {
     /// None blocked; probes wait `backoff`.
-    pub fn new(backoff: Backoff) -> Self {
+    pub(super) fn new(backoff: Backoff) -> Self {
         Self {
             map: HashMap::new(),
             backoff,
@@ -70,7 +70,7 @@ impl<K: Hash + Eq + Clone> Blocks<K> {
 
     /// Message `id` for `key` is due at `now`: `None` lets it go (as the
     /// probe if `key` is blocked), `Some(at)` sets it aside until `at`.
-    pub fn admit(&mut self, key: &K, id: u64, now: u64) -> Option<u64> {
+    pub(super) fn admit(&mut self, key: &K, id: u64, now: u64) -> Option<u64> {
         let backoff = self.backoff;
         let b = self.map.get_mut(key)?;
         let probe_free = match b.probe {
@@ -87,7 +87,7 @@ impl<K: Hash + Eq + Clone> Blocks<K> {
 
     /// A publish of `id` to `key` was refused for the whole destination;
     /// returns when `id` may be tried again and what changed.
-    pub fn refused(&mut self, key: K, id: u64, reason: u16, now: u64) -> (u64, Refusal) {
+    pub(super) fn refused(&mut self, key: K, id: u64, reason: u16, now: u64) -> (u64, Refusal) {
         let backoff = self.backoff;
         match self.map.get_mut(&key) {
             None => {
@@ -114,12 +114,12 @@ impl<K: Hash + Eq + Clone> Blocks<K> {
     }
 
     /// A publish to `key` went through: it is not blocked any more.
-    pub fn accepted(&mut self, key: &K) -> Option<Block> {
+    pub(super) fn accepted(&mut self, key: &K) -> Option<Block> {
         self.map.remove(key)
     }
 
     /// `id` will not answer for `key` (it left): another may probe.
-    pub fn forget_probe(&mut self, key: &K, id: u64) {
+    pub(super) fn forget_probe(&mut self, key: &K, id: u64) {
         if let Some(b) = self.map.get_mut(key) {
             if b.probe.is_some_and(|(probe, _)| probe == id) {
                 b.probe = None;
@@ -128,17 +128,17 @@ impl<K: Hash + Eq + Clone> Blocks<K> {
     }
 
     /// Unblocks `key` without a probe (its messages are all gone).
-    pub fn remove(&mut self, key: &K) -> Option<Block> {
+    pub(super) fn remove(&mut self, key: &K) -> Option<Block> {
         self.map.remove(key)
     }
 
     /// The block of `key`.
-    pub fn get(&self, key: &K) -> Option<&Block> {
+    pub(super) fn get(&self, key: &K) -> Option<&Block> {
         self.map.get(key)
     }
 
     /// Every block.
-    pub fn iter(&self) -> impl Iterator<Item = (&K, &Block)> {
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&K, &Block)> {
         self.map.iter()
     }
 }

@@ -8,53 +8,54 @@
 //! (`Del`, with the current record), superseded (a re-route's `replaces`,
 //! or a compaction copy adopted or discarded: `Release`).
 //!
-//! - `fire`: what is due goes to its vhost's republisher, read from the
-//!   store only as far as `republish.max_pending_bytes` allows.
-//! - `outcome`: what the broker said, and what is set aside.
+//! [`Engine`] is a coordinator: it owns the store's channels, the ledger
+//! and its parts, each with fields of its own, and dispatches every event
+//! to them. Only this file writes the engine's fields; each part writes
+//! only its own.
+//!
+//! - `fire`: [`fire::Firing`], the wheels and republishers: what is due
+//!   goes to its vhost's republisher, read from the store only as far as
+//!   `republish.max_pending_bytes` allows.
+//! - `outcome`: [`outcome::Outcomes`], what the broker said, and what is
+//!   set aside (blocked exchanges, gone queues).
+//! - `link`: the replica, and the parks waiting on it.
+//! - `query`: what operators ask (list, fire now, purge, status).
+//! - `recovery`: [`recovery::Recovery`], the older segments read beside
+//!   the engine after a start, and their messages scheduled a step at a time.
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
-use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::blocks::{Backoff, Blocks};
 use super::ledger::{Entry, Ledger, StoreOp};
-use super::republish::{Report, Republisher};
+use super::republish::Report;
 use super::timer::Alarm;
-use super::{Clock, Command, Options, Park, Parked};
-use crate::metrics::{Metrics, VhostLabels};
-use crate::net::Connector;
+use super::{Clock, Command, Park, Parked, Start};
+use crate::metrics::{BlockReason, Metrics, PauseReason};
 use crate::replica::fence::Fence;
 use crate::store::{
-    self, Held, HeldMeta, Loc, Log, Reader, Recovered, Relocation, StoreError, WriteOp, Written,
+    self, Held, HeldMeta, Loc, Log, Reader, Recovered, Relocation, Route, StoreError, WriteOp,
+    Written,
 };
-use nackd_core::wheel::Wheel;
+use fire::Firing;
+use nackd_core::ready::{Readiness, Ready};
+use outcome::{Action, Admit, Outcomes};
+use recovery::Recovery;
 
 mod fire;
 mod link;
 mod outcome;
+pub(super) mod query;
+mod recovery;
 #[cfg(test)]
 mod unroutable_tests;
 
 /// Why a put was made: to answer a session, to adopt another instance's
 /// message, or to re-route a message.
 pub(super) enum PutCtx {
-    Park {
-        key: super::ClaimKey,
-        reply: mpsc::UnboundedSender<Parked>,
-        meta: HeldMeta,
-        /// When it falls due, to the microsecond.
-        due_us: u64,
-        /// A delayed publish: its publisher sent it, so it is held even if
-        /// the session is gone (a retry's delivery is the broker's again).
-        keep_if_gone: bool,
-        /// Whether its session gave it up meanwhile (then the copy goes).
-        ticket: nackd_core::held::Ticket,
-    },
+    Park(ParkCtx),
     Adopt {
         reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
         meta: HeldMeta,
@@ -62,17 +63,19 @@ pub(super) enum PutCtx {
     Reroute,
 }
 
-/// How long the republishers get to end at shutdown.
-const REPUBLISHERS_STOP: Duration = Duration::from_secs(2);
-
-/// A due wheel entry: when it was due (µs) and the store id it fires.
-type Slot = (u64, u64);
-
-/// Waits between two probes of an exchange that refuses publishes.
-const LANE_BACKOFF: Backoff = Backoff {
-    first_ms: 1000,
-    max_ms: 30_000,
-};
+/// A session's park, until the store (and the replica) answer.
+pub(super) struct ParkCtx {
+    key: super::ClaimKey,
+    reply: mpsc::UnboundedSender<Parked>,
+    meta: HeldMeta,
+    /// When it falls due, to the microsecond.
+    due_us: u64,
+    /// A delayed publish: its publisher sent it, so it is held even if
+    /// the session is gone (a retry's delivery is the broker's again).
+    keep_if_gone: bool,
+    /// Whether its session gave it up meanwhile (then the copy goes).
+    ticket: nackd_core::held::Ticket,
+}
 
 /// Why [`Engine::run`] returned.
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
@@ -84,32 +87,6 @@ pub(super) enum Exit {
     Stale(Log),
 }
 
-/// What the engine keeps per vhost: its wheel and its republisher.
-pub(super) struct Vhost {
-    name: Arc<str>,
-    /// Held messages of the vhost by due time.
-    wheel: Wheel<u64>,
-    /// Taken out of the wheel (due), waiting for room in the republisher:
-    /// `ready[next..]`. One vector, refilled in place from the wheel.
-    ready: Vec<Slot>,
-    next: usize,
-    republisher: Option<Republisher>,
-    /// Handed to the republisher and not reported yet: count and bytes.
-    outstanding: usize,
-    pub(super) pending_bytes: u64,
-    pending_gauge: Gauge,
-}
-
-/// A message handed to a republisher, until its report.
-pub(super) struct Handed {
-    vhost: u32,
-    size: u64,
-    queue: u32,
-    /// Published to its queue (exchange `""`), not to an exchange.
-    queue_route: bool,
-    exchange: Arc<str>,
-}
-
 pub(super) struct Engine {
     writer: std::sync::mpsc::Sender<WriteOp<PutCtx>>,
     /// The store thread, joined when the engine stops (the log comes back).
@@ -117,51 +94,26 @@ pub(super) struct Engine {
     events: mpsc::UnboundedReceiver<store::Event<PutCtx>>,
     reports: mpsc::UnboundedReceiver<Report>,
     /// The replica and the parks waiting on it, when there is one.
-    pub(super) link: Option<link::Link>,
+    link: Option<link::Link>,
     /// Until when this process may hand messages to its republishers: the
     /// replica's lease, checked on the monotonic clock at each firing, so a
     /// process that was stopped fires nothing on the state it last saw.
     fence: Arc<Fence>,
-    ready: Arc<super::Readiness>,
-    pub(super) reader: Reader,
-    pub(super) ledger: Ledger,
-    pub(super) clock: Clock,
-    pub(super) vhosts: Vec<Vhost>,
-    connector: Connector,
-    pub(super) options: Options,
-    reports_tx: mpsc::UnboundedSender<Report>,
+    ready: Arc<Readiness>,
+    reader: Reader,
+    ledger: Ledger,
+    clock: Clock,
     next_id: u64,
     metrics: Arc<Metrics>,
-    handed: HashMap<u64, Handed>,
-    /// Exchanges (of a vhost) that refuse every publish.
-    pub(super) lanes: Blocks<(u32, Arc<str>)>,
-    /// Queues that are gone.
-    pub(super) gone: Blocks<u32>,
-    default_exchange: Arc<str>,
-    /// The last pass stopped on its budget: run again at once.
-    more: bool,
-    /// Why nothing is fired (the store cannot record completions), and
-    /// since when.
-    pub(super) paused: Option<(crate::metrics::PauseReason, Instant)>,
-    /// The republisher tasks, waited for at shutdown.
-    republishers: TaskTracker,
-    /// The store's older segments, being read beside the engine after a
-    /// start ([`Engine::read_backlog`]).
-    backlog: Option<tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>>,
-    /// Recovered messages not scheduled yet ([`Engine::load_step`]).
-    loading: Option<Loading>,
+    /// The wheels, the republishers and what they were handed.
+    firing: Firing,
+    /// The destinations that refuse publishes, and what reports mean.
+    outcomes: Outcomes,
+    /// The store's older segments being read beside the engine after a
+    /// start, and recovered messages not scheduled yet.
+    recovery: Recovery,
     /// Since when the store's writer works on its batch ([`Engine::watch_store`]).
     store_busy: Arc<store::Busy>,
-}
-
-/// Messages recovered after the engine started, scheduled a step at a time
-/// so that parks and firing go on meanwhile (10 M take seconds).
-struct Loading {
-    total: usize,
-    held: std::vec::IntoIter<(u64, u64, Loc)>,
-    meta: std::vec::IntoIter<HeldMeta>,
-    /// Recovery's queue numbers, as the ledger interned them.
-    queues: Vec<u32>,
 }
 
 /// Recovered messages scheduled per turn of the engine's loop.
@@ -170,38 +122,20 @@ const LOAD_STEP: usize = 65_536;
 /// How often the engine looks whether the store stalls.
 const STALL_CHECK: Duration = Duration::from_millis(500);
 
-/// How long after a failed read of the older segments it is tried again.
-const BACKLOG_RETRY: Duration = if cfg!(test) {
-    Duration::from_millis(100)
-} else {
-    Duration::from_secs(10)
-};
-
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
     /// thread starts now.
     pub(super) fn new(
         log: Log,
         recovered: Recovered,
-        start: &super::Start,
+        start: &Start,
         replica: Option<crate::replica::Replica>,
-        ready: Arc<super::Readiness>,
+        ready: Arc<Readiness>,
     ) -> Self {
         let (reports_tx, reports) = mpsc::unbounded_channel();
         let (events_tx, events) = mpsc::unbounded_channel();
-        let (clock, connector) = (start.clock.clone(), start.connector.clone());
-        let (options, metrics) = (start.options.clone(), start.metrics.clone());
-        let probe_ms = options.queue_gone.probe_interval.as_millis() as u64;
-        // Before anything is scheduled: a wall clock that went back since
-        // the store last wrote must not make its messages wait longer (nor
-        // what is held from now on early, once the wall clock is set right).
-        // (Checked when the log opened: a damaged file stopped startup.)
-        if let Ok(Some(ms)) = store::read_clock_mark(log.dir()) {
-            let behind = clock.raise_to_ms(ms);
-            if !behind.is_zero() {
-                warn!(behind = ?behind, "the wall clock is behind the time the store last recorded (it was set back): nackd's clock goes on from that time");
-            }
-        }
+        let (clock, metrics) = (start.clock.clone(), start.metrics.clone());
+        raise_clock(&log, &clock);
         let reader = log.reader();
         let writer = store::spawn_writer(log, events_tx, metrics.clone(), clock.clone());
         let paused = writer.paused;
@@ -209,8 +143,23 @@ impl Engine {
         let fence = replica
             .as_ref()
             .map_or_else(Fence::always, crate::replica::Replica::fence);
-        let mut options = options;
-        options.republish.fence = fence.clone();
+        let options = &start.options;
+        let mut settings = options.republish.clone();
+        settings.fence = fence.clone();
+        let firing = Firing::new(
+            start.connector.clone(),
+            settings,
+            options.max_pending_bytes,
+            reports_tx,
+            metrics.clone(),
+            clock.clone(),
+        );
+        let outcomes = Outcomes::new(
+            options.queue_gone.clone(),
+            options.delayed.clone(),
+            metrics.clone(),
+            clock.clone(),
+        );
         let mut engine = Self {
             fence,
             reader,
@@ -222,24 +171,11 @@ impl Engine {
             ready,
             ledger: Ledger::new(metrics.clone()),
             clock,
-            vhosts: Vec::new(),
-            connector,
-            options,
-            reports_tx,
             next_id: recovered.next_id,
             metrics,
-            handed: HashMap::new(),
-            lanes: Blocks::new(LANE_BACKOFF),
-            gone: Blocks::new(Backoff {
-                first_ms: probe_ms,
-                max_ms: probe_ms,
-            }),
-            default_exchange: Arc::from(""),
-            more: false,
-            paused: None,
-            republishers: TaskTracker::new(),
-            backlog: None,
-            loading: None,
+            firing,
+            outcomes,
+            recovery: Recovery::default(),
             store_busy,
         };
         if !recovered.held.is_empty() {
@@ -253,43 +189,21 @@ impl Engine {
     /// engine parks and fires new messages; they join the engine (and the
     /// store's bookkeeping) once read.
     ///
-    /// A read that fails is tried again every [`BACKLOG_RETRY`] while the
-    /// engine runs: the store stays "recovering" meanwhile (nothing is
-    /// reclaimed, and `/readyz` and `nackd_store_recovering` say so).
-    pub(super) fn read_backlog(&mut self, mut backlog: store::Backlog) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+    /// A read that fails is tried again while the engine runs
+    /// ([`Recovery::read_backlog`]): the store stays "recovering" meanwhile
+    /// (nothing is reclaimed, and `/readyz` and `nackd_store_recovering`
+    /// say so).
+    pub(super) fn read_backlog(&mut self, backlog: store::Backlog) {
         self.metrics.store_recovering.set(1);
-        let span = tracing::info_span!("store_recovery");
-        let metrics = self.metrics.clone();
-        let spawned = std::thread::Builder::new()
-            .name("nackd-recover".into())
-            .spawn(move || {
-                let _span = span.entered();
-                loop {
-                    match backlog.read() {
-                        Ok(read) => return drop(tx.send(Ok(read))),
-                        Err(e) => {
-                            metrics.store_errors.inc();
-                            tracing::error!(error = %e, retry_in = ?BACKLOG_RETRY, "store: cannot read the older segments; their messages wait, the read is tried again");
-                        }
-                    }
-                    std::thread::sleep(BACKLOG_RETRY);
-                    if tx.is_closed() {
-                        return; // the engine stopped
-                    }
-                }
-            });
-        match spawned {
-            Ok(_) => self.backlog = Some(rx),
-            Err(e) => self.on_backlog(Err(e)),
+        if let Err(e) = self.recovery.read_backlog(backlog, self.metrics.clone()) {
+            self.on_backlog(Err(e));
         }
     }
 
     /// The older segments are read: the store merges their bookkeeping
     /// (before any delete of theirs, which the same queue brings later),
     /// then their messages are scheduled.
-    fn on_backlog(&mut self, read: std::io::Result<(Recovered, store::Segments)>) {
-        self.backlog = None;
+    fn on_backlog(&mut self, read: recovery::Read) {
         match read {
             Ok((recovered, segments)) => {
                 self.metrics
@@ -323,28 +237,17 @@ impl Engine {
 
     /// Takes what recovery found, to schedule [`LOAD_STEP`] at a time.
     fn start_loading(&mut self, recovered: Recovered) {
-        let queues = recovered
-            .queues
-            .iter()
-            .map(|(vhost, queue)| self.ledger.intern(vhost, queue))
-            .collect();
-        self.loading = Some(Loading {
-            total: recovered.held.len(),
-            held: recovered.held.into_iter(),
-            meta: recovered.meta.into_iter(),
-            queues,
-        });
+        self.recovery.start(recovered, &mut self.ledger);
     }
 
     /// Schedules up to `n` more recovered messages; when none is left, the
     /// store counts as recovered.
     fn load_step(&mut self, n: usize) {
-        let Some(mut loading) = self.loading.take() else {
+        let Some(mut loading) = self.recovery.take() else {
             return;
         };
         self.ledger.tick(self.clock.now_ms());
-        for ((id, due, loc), mut meta) in loading.held.by_ref().zip(loading.meta.by_ref()).take(n) {
-            meta.queue = loading.queues[meta.queue as usize];
+        for (id, due, loc, meta) in loading.by_ref().take(n) {
             if self.ledger.get(id).is_some() {
                 // A NEXT_ID lowered by hand gave this id to a message
                 // parked since the start (the merge reports it): the newer
@@ -358,13 +261,12 @@ impl Engine {
             self.ledger.insert(id, Entry::new(loc, due, meta));
             self.schedule(id, due);
         }
-        if loading.held.len() > 0 {
-            self.loading = Some(loading);
+        if !loading.is_done() {
+            self.recovery.resume(loading);
             return;
         }
-        debug_assert!(loading.meta.len() == 0);
         info!(
-            held = loading.total,
+            held = loading.total(),
             "store recovered: its messages are scheduled"
         );
         // Last: whoever reads it as 0 finds every message scheduled.
@@ -411,8 +313,8 @@ impl Engine {
                     store::Event::Firing(paused) => self.on_firing(paused),
                 },
                 Some(report) = self.reports.recv() => self.on_report(report),
-                read = backlog_read(&mut self.backlog) => self.on_backlog(read),
-                _ = std::future::ready(()), if self.loading.is_some() => self.load_step(LOAD_STEP),
+                read = self.recovery.read() => self.on_backlog(read),
+                _ = std::future::ready(()), if self.recovery.is_loading() => self.load_step(LOAD_STEP),
                 Some(adopt) = adopts.recv(), if self.link.is_some() => self.on_adopt(adopt),
                 event = link::event(&mut self.link) => match event {
                     link::Event::Answer(answer) => self.on_replicated(answer),
@@ -428,7 +330,7 @@ impl Engine {
             }
         };
         if matches!(exit, Exit::Stopped) {
-            self.stop_republishers().await;
+            self.firing.stop().await;
             self.stop_store();
         }
         exit
@@ -453,23 +355,6 @@ impl Engine {
                 }
                 Command::Admin(_) => {}
             }
-        }
-    }
-
-    /// Nothing more is fired: each republisher's queue closes and its
-    /// task ends (what it did not get confirmed stays held, and goes
-    /// again after a restart).
-    async fn stop_republishers(&mut self) {
-        for vhost in &mut self.vhosts {
-            vhost.republisher = None;
-        }
-        self.republishers.close();
-        let ended = tokio::time::timeout(REPUBLISHERS_STOP, self.republishers.wait()).await;
-        if ended.is_err() {
-            warn!(
-                open = self.republishers.len(),
-                "republishers did not end in time; their connections are dropped"
-            );
         }
     }
 
@@ -505,14 +390,14 @@ impl Engine {
     /// Whether due messages may fire: while the store can record their
     /// completion, and the replica's lease is held if there is one.
     fn may_fire(&self) -> bool {
-        self.paused.is_none() && self.has_lease() && self.fence.holds()
+        !self.firing.is_paused() && self.has_lease() && self.fence.holds()
     }
 
     /// The lease is held but its fence lapsed (the broker's answer to the
     /// last probe is late, or this process was stopped): firing waits for
     /// the next answer.
     fn fenced(&self) -> bool {
-        self.paused.is_none() && self.has_lease() && !self.fence.holds()
+        !self.firing.is_paused() && self.has_lease() && !self.fence.holds()
     }
 
     /// Whether this instance acts for its id: always without a replica.
@@ -523,10 +408,7 @@ impl Engine {
     /// The lease came or went, or the stream: sessions may claim (or not)
     /// from now on.
     fn on_lease(&mut self) {
-        let ready = self
-            .link
-            .as_ref()
-            .map_or(super::Ready::Ready, link::Link::ready);
+        let ready = self.link.as_ref().map_or(Ready::Ready, link::Link::ready);
         self.ready.set(ready);
     }
 
@@ -534,8 +416,8 @@ impl Engine {
     /// got confirmed meanwhile is completed, and the store is handed back
     /// with everything committed.
     async fn hand_back(&mut self) -> Log {
-        self.ready.set(super::Ready::NoReplica);
-        self.stop_republishers().await;
+        self.ready.set(Ready::NoReplica);
+        self.firing.stop().await;
         while let Ok(report) = self.reports.try_recv() {
             self.on_report(report);
         }
@@ -551,30 +433,6 @@ impl Engine {
         writer.join().expect("the store thread ended cleanly")
     }
 
-    /// The engine's state for vhost `v` (created on first use).
-    pub(super) fn vhost(&mut self, v: u32) -> &mut Vhost {
-        while self.vhosts.len() <= v as usize {
-            let name = self.ledger.vhosts()[self.vhosts.len()].clone();
-            let labels = VhostLabels {
-                vhost: name.to_string(),
-            };
-            self.vhosts.push(Vhost {
-                pending_gauge: self
-                    .metrics
-                    .republish_pending_bytes
-                    .get_or_create_owned(&labels),
-                name,
-                wheel: Wheel::new(self.clock.now_us()),
-                ready: Vec::new(),
-                next: 0,
-                republisher: None,
-                outstanding: 0,
-                pending_bytes: 0,
-            });
-        }
-        &mut self.vhosts[v as usize]
-    }
-
     fn tell_store(&self, op: StoreOp) {
         self.write(match op {
             StoreOp::Del { id, loc } => WriteOp::Del { id, loc },
@@ -584,7 +442,7 @@ impl Engine {
 
     fn write(&self, op: WriteOp<PutCtx>) {
         if let Err(std::sync::mpsc::SendError(WriteOp::Put {
-            ctx: PutCtx::Park { key, reply, .. },
+            ctx: PutCtx::Park(ParkCtx { key, reply, .. }),
             ..
         })) = self.writer.send(op)
         {
@@ -616,31 +474,26 @@ impl Engine {
         };
         let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
         let keep_if_gone = held.route.is_delayed();
-        let ctx = PutCtx::Park {
+        let ctx = PutCtx::Park(ParkCtx {
             keep_if_gone,
             ticket: park.ticket,
             key: park.key,
             reply,
             meta,
             due_us,
-        };
+        });
         self.put_new(held, ctx);
     }
 
     /// Writes a new message to the store, and to the replica when there is
     /// one; it is held once both have it.
-    pub(super) fn put_new(&mut self, held: Held, ctx: PutCtx) {
+    fn put_new(&mut self, held: Held, ctx: PutCtx) {
         self.put_new_from(held, None, ctx)
     }
 
     /// [`Engine::put_new`]; `from`: the adoption that parks it (the
     /// replica gets a moved put, which counts once that is committed).
-    pub(super) fn put_new_from(
-        &mut self,
-        held: Held,
-        from: Option<crate::replica::Intent>,
-        ctx: PutCtx,
-    ) {
+    fn put_new_from(&mut self, held: Held, from: Option<crate::replica::Intent>, ctx: PutCtx) {
         if let Some(link) = &mut self.link {
             let record = match from {
                 Some(from) => crate::replica::Record::moved(&held, from),
@@ -668,81 +521,11 @@ impl Engine {
     }
 
     /// A new message's store answer, with the replica's (`Ok` without one).
-    pub(super) fn parked(&mut self, w: Written<PutCtx>, replicated: Result<(), String>) {
-        let w = match (w.result, replicated) {
-            (Ok(loc), Ok(())) => Written {
-                result: Ok(loc),
-                ..w
-            },
-            (Ok(loc), Err(e)) => {
-                // Stored here but not surely in the replica: not held at
-                // all. The stream may have it all the same (a confirm lost
-                // with its connection): a completion keeps a rebuild or an
-                // adoption from bringing it back.
-                self.tell_store(StoreOp::Del { id: w.id, loc });
-                if let Some(link) = &self.link {
-                    link.replica.done(w.id);
-                }
-                let result = Err(StoreError::Io(format!("replica: {e}")));
-                Written { result, ..w }
-            }
-            (Err(e), _) => {
-                // Not held; the stream may have it (even if its answer was
-                // an error): completed there too.
-                if let Some(link) = &self.link {
-                    link.replica.done(w.id);
-                }
-                Written {
-                    result: Err(e),
-                    ..w
-                }
-            }
-        };
+    fn parked(&mut self, w: Written<PutCtx>, replicated: Result<(), String>) {
+        let w = self.both_answers(w, replicated);
         match (w.ctx, w.result) {
-            (
-                PutCtx::Park {
-                    key,
-                    reply,
-                    meta,
-                    due_us,
-                    keep_if_gone,
-                    ticket,
-                },
-                Ok(loc),
-            ) => {
-                self.ledger.tick(self.clock.now_ms());
-                self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
-                if !ticket.stored() {
-                    // Its session gave it up (the settle timeout ran out):
-                    // the delivery went back to the broker, or the
-                    // publisher got a nack and may have published again.
-                    // Firing this copy would deliver it twice: it is
-                    // deleted, durably, as a completion is.
-                    info!(
-                        id = w.id,
-                        "stored after its session gave it up: deleted, never fired"
-                    );
-                    let result = Err(StoreError::Io("given up by its session".into()));
-                    let _ = reply.send(Parked { key, result });
-                    return self.forget(w.id);
-                }
-                let parked = Parked {
-                    key,
-                    result: Ok(w.id),
-                };
-                if reply.send(parked).is_err() && !keep_if_gone {
-                    // The session is gone and never acked the delivery: the
-                    // broker has it back and redelivers it. Holding it too
-                    // would deliver it twice.
-                    debug!(
-                        id = w.id,
-                        "parked for a session that is gone: completing it"
-                    );
-                    return self.forget(w.id);
-                }
-                self.schedule_us(w.id, due_us);
-            }
-            (PutCtx::Park { key, reply, .. }, Err(e)) => {
+            (PutCtx::Park(park), Ok(loc)) => self.held_parked(w.id, w.due_ms, loc, park),
+            (PutCtx::Park(ParkCtx { key, reply, .. }), Err(e)) => {
                 let _ = reply.send(Parked {
                     key,
                     result: Err(e),
@@ -763,6 +546,86 @@ impl Engine {
         }
     }
 
+    /// The store's answer as the engine takes it: held only if the
+    /// replica has it too; else its local copy goes, and the stream
+    /// forgets it.
+    fn both_answers(
+        &mut self,
+        w: Written<PutCtx>,
+        replicated: Result<(), String>,
+    ) -> Written<PutCtx> {
+        match (w.result, replicated) {
+            (Ok(loc), Ok(())) => Written {
+                result: Ok(loc),
+                ..w
+            },
+            (Ok(loc), Err(e)) => {
+                // Stored here but not surely in the replica: not held at
+                // all. The stream may have it all the same (a confirm lost
+                // with its connection): a completion keeps a rebuild or an
+                // adoption from bringing it back.
+                self.tell_store(StoreOp::Del { id: w.id, loc });
+                if let Some(link) = &self.link {
+                    link.done(w.id);
+                }
+                let result = Err(StoreError::Io(format!("replica: {e}")));
+                Written { result, ..w }
+            }
+            (Err(e), _) => {
+                // Not held; the stream may have it (even if its answer was
+                // an error): completed there too.
+                if let Some(link) = &self.link {
+                    link.done(w.id);
+                }
+                Written {
+                    result: Err(e),
+                    ..w
+                }
+            }
+        }
+    }
+
+    /// A session's park is stored (and replicated): held, answered and
+    /// scheduled, unless its session gave it up or is gone.
+    fn held_parked(&mut self, id: u64, due_ms: u64, loc: Loc, park: ParkCtx) {
+        let ParkCtx {
+            key,
+            reply,
+            meta,
+            due_us,
+            keep_if_gone,
+            ticket,
+        } = park;
+        self.ledger.tick(self.clock.now_ms());
+        self.ledger.insert(id, Entry::new(loc, due_ms, meta));
+        if !ticket.stored() {
+            // Its session gave it up (the settle timeout ran out):
+            // the delivery went back to the broker, or the
+            // publisher got a nack and may have published again.
+            // Firing this copy would deliver it twice: it is
+            // deleted, durably, as a completion is.
+            info!(
+                id,
+                "stored after its session gave it up: deleted, never fired"
+            );
+            let result = Err(StoreError::Io("given up by its session".into()));
+            let _ = reply.send(Parked { key, result });
+            return self.forget(id);
+        }
+        let parked = Parked {
+            key,
+            result: Ok(id),
+        };
+        if reply.send(parked).is_err() && !keep_if_gone {
+            // The session is gone and never acked the delivery: the
+            // broker has it back and redelivers it. Holding it too
+            // would deliver it twice.
+            debug!(id, "parked for a session that is gone: completing it");
+            return self.forget(id);
+        }
+        self.schedule_us(id, due_us);
+    }
+
     fn on_rerouted(&mut self, id: u64, result: Result<Loc, StoreError>) {
         let (op, held) = self
             .ledger
@@ -774,15 +637,14 @@ impl Engine {
         match result {
             Ok(_) => {
                 self.ledger.rerouted(id);
-                let entry = self.ledger.get_mut(id).expect("still held");
-                entry.inflight = false;
+                self.ledger.set_inflight(id, false);
                 // The return was a failed attempt: its lateness was observed already.
-                entry.attempts = entry.attempts.saturating_add(1);
+                self.ledger.count_attempt(id);
                 self.schedule(id, self.clock.now_ms());
             }
             Err(e) => self.set_aside(
                 id,
-                crate::metrics::BlockReason::Store,
+                BlockReason::Store,
                 format!("cannot store the re-route ({e})"),
             ),
         }
@@ -795,7 +657,7 @@ impl Engine {
 
     /// (Re)arms the wheel for `id` at `at_ms`; wheel entries armed before
     /// are stale.
-    pub(super) fn schedule(&mut self, id: u64, at_ms: u64) {
+    fn schedule(&mut self, id: u64, at_ms: u64) {
         self.schedule_us(id, at_ms.saturating_mul(1000));
     }
 
@@ -805,13 +667,13 @@ impl Engine {
             return;
         };
         let v = self.ledger.vhost_of(entry.meta.queue);
-        let armed = self.vhost(v).wheel.insert(at_us, id);
-        self.ledger.get_mut(id).expect("checked above").armed_us = armed;
+        let armed = self.firing.arm(self.ledger.vhosts(), v, at_us, id);
+        self.ledger.arm(id, armed);
     }
 
     /// Completes a message: it leaves the ledger now and the store with a
     /// delete record (once a re-route being written has its answer).
-    pub(super) fn forget(&mut self, id: u64) {
+    fn forget(&mut self, id: u64) {
         let Some((entry, op)) = self.ledger.complete(id) else {
             return;
         };
@@ -819,544 +681,256 @@ impl Engine {
             self.tell_store(op);
         }
         if let Some(link) = &self.link {
-            link.replica.done(id);
+            link.done(id);
         }
         let queue = entry.meta.queue;
         if self.ledger.count(queue) == 0 {
-            self.queue_emptied(queue);
+            self.outcomes.queue_emptied(&self.ledger, queue);
+        }
+    }
+    /// The store says whether completions can be recorded: firing pauses
+    /// (or resumes) from now.
+    fn on_firing(&mut self, paused: Option<PauseReason>) {
+        self.firing.on_pause(paused, self.ledger.len());
+    }
+
+    /// When the engine must look again (µs).
+    fn next_wake(&self) -> Option<u64> {
+        self.firing.next_wake(self.clock.now_us())
+    }
+
+    /// Fires what is due, as far as each republisher has room.
+    fn fire(&mut self) {
+        let now_us = self.clock.now_us();
+        self.ledger.tick(now_us / 1000);
+        self.firing.begin_pass();
+        for v in 0..self.firing.vhost_count() {
+            self.fire_vhost(v, now_us);
+        }
+    }
+
+    /// Fires what is due in vhost `v`, after taking back what a
+    /// republisher task that ended held.
+    fn fire_vhost(&mut self, v: u32, now_us: u64) {
+        for (id, dest) in self.firing.take_lost(v) {
+            let action = self.outcomes.lost(&mut self.ledger, id, &dest);
+            self.apply(action);
+        }
+        let mut budget = fire::PASS;
+        while let Some((armed, id)) = self.firing.next_due(v, now_us, &mut budget) {
+            self.fire_one(v, id, armed, now_us / 1000);
+        }
+    }
+
+    /// A due slot of vhost `v`: `id` goes to its republisher unless it was
+    /// rescheduled meanwhile or its destination is known to refuse it.
+    fn fire_one(&mut self, v: u32, id: u64, armed: u64, now: u64) {
+        let Some(entry) = self.ledger.get(id).copied() else {
+            return; // forgotten meanwhile
+        };
+        if entry.armed_us != armed || entry.inflight || entry.rewriting {
+            return; // rescheduled (fired now, backed off) or already publishing
+        }
+        // An operator's "fire now" goes whatever is known to block it.
+        let admit = match entry.forced {
+            true => Admit::Go,
+            false => self.outcomes.admit(&self.ledger, v, id, &entry, now),
+        };
+        if admit != Admit::Go {
+            return self.held_back(id, &entry, admit);
+        }
+        let held = match self.reader.read(entry.loc) {
+            Ok(held) => held,
+            Err(e) => {
+                let why = format!("cannot read the held message ({e})");
+                return self.set_aside(id, BlockReason::Store, why);
+            }
+        };
+        if !entry.forced {
+            let admit = self
+                .outcomes
+                .admit_route(&self.ledger, v, id, &held.route, now);
+            if admit != Admit::Go {
+                return self.held_back(id, &entry, admit);
+            }
+        }
+        self.ledger.set_inflight(id, true);
+        self.firing.hand(v, id, &entry, held, now);
+    }
+
+    /// `id` (`entry`) does not go: its destination is known to refuse it.
+    fn held_back(&mut self, id: u64, entry: &Entry, admit: Admit) {
+        match admit {
+            Admit::Go => {}
+            Admit::Hold { at, reason } => self.hold(id, at, reason),
+            Admit::GoneRule => match self.reader.read(entry.loc) {
+                Ok(held) => {
+                    let action = self.outcomes.gone_action(id, held);
+                    self.apply(Some(action));
+                }
+                Err(e) => {
+                    let why = format!("cannot read the held message ({e})");
+                    self.set_aside(id, BlockReason::Store, why);
+                }
+            },
+        }
+    }
+
+    /// Sets `id` aside until `at` with `reason` (a ledger reason id; 0:
+    /// the reason it has stays).
+    fn hold(&mut self, id: u64, at: u64, reason: u16) {
+        if !self.ledger.unhand(id) {
+            return;
+        }
+        if reason != 0 {
+            self.ledger.set_blocked(id, reason);
+        }
+        self.schedule(id, at);
+    }
+
+    /// Sets `id` aside for a reason of its own, with a backoff of its own.
+    fn set_aside(&mut self, id: u64, kind: BlockReason, why: String) {
+        let action = self.outcomes.set_aside(&mut self.ledger, id, kind, why);
+        self.apply(action);
+    }
+
+    /// Takes the action an outcome calls for.
+    fn apply(&mut self, action: Option<Action>) {
+        match action {
+            None => {}
+            Some(Action::Hold { id, at, reason }) => self.hold(id, at, reason),
+            Some(Action::Complete(id)) => self.forget(id),
+            Some(Action::Reroute { id, held, route }) => self.reroute(id, held, route),
+        }
+    }
+
+    /// A republisher's report: its room is given back, and the outcome
+    /// says what becomes of the message.
+    fn on_report(&mut self, report: Report) {
+        let Some(dest) = self.firing.on_report(report.id) else {
+            return;
+        };
+        let (ledger, reader) = (&mut self.ledger, &self.reader);
+        let action = self
+            .outcomes
+            .on_report(ledger, reader, report.id, &dest, report.outcome);
+        self.apply(action);
+    }
+
+    /// Sends `held` to `route` instead, once the store has the new record.
+    fn reroute(&mut self, id: u64, mut held: Held, route: Route) {
+        held.route = route;
+        if let Some(replaces) = self.ledger.start_rewrite(id) {
+            if let Some(link) = &self.link {
+                link.append_version(&held);
+            }
+            self.write(WriteOp::Put {
+                held,
+                replaces: Some(replaces),
+                ctx: PutCtx::Reroute,
+            });
+        }
+    }
+
+    /// An operator's command, answered from what the engine holds now.
+    fn on_admin(&mut self, command: query::Command) {
+        match command {
+            query::Command::List {
+                vhost,
+                named,
+                limit,
+                reply,
+            } => {
+                let named = named.as_ref().map(|(n, k)| (n.as_str(), *k));
+                let (listed, total) = query::list(&self.ledger, vhost.as_deref(), named, limit);
+                let _ = reply.send((listed, total, self.reader.clone()));
+            }
+            query::Command::Fire { target, reply } => {
+                let _ = reply.send(self.fire_now(&target));
+            }
+            query::Command::Purge { target, reply } => {
+                // A message being republished is not recalled: its confirm
+                // completes it (docs/src/operations.md, "Admin API"), so a purge cannot race
+                // with a delivery the consumer already has.
+                let ids: Vec<u64> = query::matching(&self.ledger, &target)
+                    .into_iter()
+                    .filter(|id| self.ledger.get(*id).is_some_and(|e| !e.inflight))
+                    .collect();
+                ids.iter().for_each(|id| self.forget(*id));
+                let _ = reply.send(ids.len());
+            }
+            query::Command::Status { reply } => {
+                let status = query::status(
+                    &self.ledger,
+                    self.clock.now_ms(),
+                    |q| self.outcomes.gone_since(q),
+                    self.outcomes.blocked_exchanges(&self.ledger),
+                    self.firing.pending_bytes(),
+                );
+                let _ = reply.send(status);
+            }
+        }
+    }
+
+    /// Moves the target's wheel entries to now; the old ones go stale.
+    fn fire_now(&mut self, target: &query::Target) -> usize {
+        let now = self.clock.now_ms();
+        let mut fired = 0;
+        for id in query::matching(&self.ledger, target) {
+            if self.ledger.force(id) {
+                self.schedule(id, now);
+                fired += 1;
+            }
+        }
+        fired
+    }
+
+    /// The replica's answer to a new message.
+    fn on_replicated(&mut self, answer: link::Answer) {
+        let both = self.link.as_mut().and_then(|l| l.replicated(answer));
+        if let Some((w, replicated)) = both {
+            self.parked(w, replicated);
+        }
+    }
+
+    /// Another instance's message to hold under a new id of ours.
+    fn on_adopt(&mut self, adopt: crate::replica::Adopt) {
+        use crate::replica::Adopt;
+        match adopt {
+            Adopt::Park {
+                mut held,
+                from,
+                reply,
+            } => {
+                held.id = self.next_id;
+                self.next_id += 1;
+                let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
+                self.put_new_from(held, Some(from), PutCtx::Adopt { reply, meta });
+            }
+            Adopt::Complete(id) => self.forget(id),
+            Adopt::Release(ids) => {
+                for id in ids {
+                    if let Some(due_ms) = self.ledger.get(id).map(|e| e.due_ms) {
+                        self.schedule(id, due_ms);
+                    }
+                }
+            }
         }
     }
 }
 
-/// The older segments' contents, once read (pending while there is none).
-async fn backlog_read(
-    backlog: &mut Option<
-        tokio::sync::oneshot::Receiver<std::io::Result<(Recovered, store::Segments)>>,
-    >,
-) -> std::io::Result<(Recovered, store::Segments)> {
-    match backlog {
-        Some(rx) => rx
-            .await
-            .unwrap_or_else(|_| Err(std::io::Error::other("the store's recovery thread died"))),
-        None => std::future::pending().await,
+/// Before anything is scheduled: a wall clock that went back since the
+/// store last wrote must not make its messages wait longer (nor what is
+/// held from now on early, once the wall clock is set right). (Checked
+/// when the log opened: a damaged file stopped startup.)
+fn raise_clock(log: &Log, clock: &Clock) {
+    if let Ok(Some(ms)) = store::read_clock_mark(log.dir()) {
+        let behind = clock.raise_to_ms(ms);
+        if !behind.is_zero() {
+            warn!(behind = ?behind, "the wall clock is behind the time the store last recorded (it was set back): nackd's clock goes on from that time");
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::retry::{ClaimKey, Command, RetryHandle};
-    use crate::store::{Options, Route};
-    use bytes::Bytes;
-    use std::time::Duration;
-    use tokio_util::sync::CancellationToken;
-
-    /// What an engine on `dir` needs, its broker unreachable.
-    fn start(dir: &std::path::Path) -> crate::retry::Start {
-        let upstream = crate::config::Upstream {
-            address: Some("127.0.0.1:9".into()),
-            ..Default::default()
-        };
-        crate::retry::Start {
-            dir: dir.to_owned(),
-            store: Options::default(),
-            replica: None,
-            connector: Connector::new(&upstream).unwrap(),
-            options: crate::retry::Options::new(&Default::default(), "guest".into()),
-            metrics: Metrics::new(),
-            clock: nackd_core::clock::Clock::start(),
-        }
-    }
-
-    fn park(tag: u64) -> Park {
-        Park {
-            key: ClaimKey {
-                channel: 1,
-                epoch: 1,
-                tag,
-                seq: tag,
-            },
-            vhost: Arc::from("/"),
-            queue: Arc::from("q"),
-            delay: Duration::from_secs(3600),
-            retry: 1,
-            route: Route::Queue,
-            on_return: None,
-            header: Bytes::from_static(b"h"),
-            body: Bytes::from_static(b"body"),
-            ticket: Default::default(),
-        }
-    }
-
-    /// Issue 33, item 5: a delayed publish whose session gave it up (the
-    /// store answered after the settle timeout; the publisher got a nack,
-    /// and its connection ended) is not held when the store answers at
-    /// last: deleted, on disk too, so that neither this process nor a
-    /// restart fires it (its publisher republished it).
-    #[tokio::test]
-    async fn a_park_given_up_by_its_session_is_deleted_not_fired() {
-        let dir = tempfile::tempdir().unwrap();
-        let (handle, _engine): (RetryHandle, _) =
-            crate::retry::start(start(dir.path()), CancellationToken::new());
-        let mut withdrawn = park(1);
-        withdrawn.route = Route::Delayed {
-            exchange: "x".into(),
-            routing_key: "k".into(),
-        };
-        assert!(withdrawn.ticket.give_up(), "the session gives it up first");
-        let (gone, dropped) = mpsc::unbounded_channel();
-        drop(dropped); // and its session ended
-        assert!(handle.park(withdrawn, &gone));
-        let (alive, mut answers) = mpsc::unbounded_channel();
-        assert!(handle.park(park(2), &alive));
-        let answer = answers.recv().await.unwrap();
-        let kept = answer.result.expect("the other park is held");
-        let (listed, total) = handle.list(None, None, 10).await.unwrap();
-        assert_eq!(total, 1, "only the park still standing is held");
-        assert_eq!(listed[0].0.id, kept);
-        for _ in 0..500 {
-            if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the given-up copy is still on disk");
-    }
-
-    /// Issue 12, item 6: a session that ended before its message was
-    /// stored never acked it, so the broker redelivers it: nackd must not
-    /// hold it too.
-    #[tokio::test]
-    async fn a_park_for_a_session_that_is_gone_is_completed() {
-        let dir = tempfile::tempdir().unwrap();
-        let (handle, _engine): (RetryHandle, _) =
-            crate::retry::start(start(dir.path()), CancellationToken::new());
-        let (gone, dropped) = mpsc::unbounded_channel();
-        drop(dropped);
-        assert!(handle.park(park(1), &gone));
-        let (alive, mut answers) = mpsc::unbounded_channel();
-        assert!(handle.park(park(2), &alive));
-        let answer = answers.recv().await.unwrap();
-        assert!(answer.result.is_ok());
-        let (listed, total) = handle.list(None, None, 10).await.unwrap();
-        assert_eq!(
-            total, 1,
-            "only the session that is still there has one held"
-        );
-        assert_eq!(listed[0].0.id, answer.result.unwrap());
-        // And its delete reaches the disk: a restart does not bring it back.
-        for _ in 0..500 {
-            if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the orphan is still on disk");
-    }
-
-    /// Shutdown: stopping the engine ends its thread only once the store
-    /// writer committed and was joined (the store's lock is free again).
-    #[tokio::test]
-    async fn a_stopped_engine_has_released_the_store() {
-        let dir = tempfile::tempdir().unwrap();
-        let (handle, engine): (RetryHandle, _) =
-            crate::retry::start(start(dir.path()), CancellationToken::new());
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        assert!(handle.park(park(1), &reply));
-        let id = answers.recv().await.unwrap().result.unwrap();
-        engine.stop(Duration::from_secs(10)).await;
-        let (_log, recovered) =
-            Log::open(dir.path(), Options::default()).expect("the lock was released");
-        let held: Vec<u64> = recovered.held.iter().map(|h| h.0).collect();
-        assert_eq!(held, [id]);
-        assert!(!handle.park(park(2), &reply), "the engine is gone");
-    }
-
-    /// Shutdown: the sessions end first, and the last thing a session does
-    /// is cancel the copies it could not ack (the broker requeued their
-    /// deliveries). Those cancels are queued when the engine is told to
-    /// stop: they must be applied (and committed) before it stops, or the
-    /// copies come back after a restart and are delivered twice.
-    #[tokio::test]
-    async fn cancels_queued_before_the_stop_are_applied() {
-        let dir = tempfile::tempdir().unwrap();
-        const N: u64 = 16;
-        // Hold N messages, then stop cleanly.
-        let (handle, engine): (RetryHandle, _) =
-            crate::retry::start(start(dir.path()), CancellationToken::new());
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        for tag in 1..=N {
-            assert!(handle.park(park(tag), &reply));
-        }
-        let mut ids = Vec::new();
-        for _ in 0..N {
-            ids.push(answers.recv().await.unwrap().result.unwrap());
-        }
-        engine.stop(Duration::from_secs(10)).await;
-        // A new engine on that store: every held copy is cancelled, and
-        // shutdown comes right behind the cancels.
-        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        assert_eq!(recovered.held.len() as u64, N);
-        let start = start(dir.path());
-        let ready = crate::retry::Readiness::new();
-        let engine = Engine::new(log, recovered, &start, None, ready);
-        let (tx, mut commands) = mpsc::unbounded_channel();
-        for id in &ids {
-            tx.send(Command::Cancel(*id)).unwrap();
-        }
-        let stop = CancellationToken::new();
-        stop.cancel();
-        let (_adopt_tx, mut adopts) = mpsc::channel(1);
-        let exit = engine.run(&mut commands, &mut adopts, &stop).await;
-        assert!(matches!(exit, Exit::Stopped));
-        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        assert!(
-            recovered.held.is_empty(),
-            "cancelled before the stop, still held: {:?}",
-            recovered.held
-        );
-    }
-
-    /// Issue 21, item 6: a message stored here whose replica append
-    /// failed is not held (its nack is deferred): its local copy goes, and
-    /// a completion goes to the stream, which may have it all the same (a
-    /// confirm lost with its connection), so that no rebuild or adoption
-    /// brings it back while the broker redelivers it too.
-    #[tokio::test]
-    async fn a_failed_replica_append_deletes_the_copy_and_completes_it_in_the_stream() {
-        use crate::replica::{Command as ToReplica, Record, ReplicaError, State};
-        let dir = tempfile::tempdir().unwrap();
-        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        let start = start(dir.path());
-        let (replica, mut to_replica, state) = crate::replica::Replica::detached("test");
-        state.send(State::Active).unwrap();
-        let ready = crate::retry::Readiness::new();
-        let engine = Engine::new(log, recovered, &start, Some(replica), ready);
-        let (tx, mut commands) = mpsc::unbounded_channel();
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        tx.send(Command::Park(park(1), reply)).unwrap();
-        let stop = CancellationToken::new();
-        let (_adopt_tx, mut adopts) = mpsc::channel(1);
-        let replica_side = async {
-            let appended = match to_replica.recv().await {
-                Some(ToReplica::Append { record, reply }) => {
-                    let _ = reply.send(Err(ReplicaError("connection lost".into())));
-                    record
-                }
-                _ => panic!("the park is appended to the replica first"),
-            };
-            let Record::Put { record, .. } = appended else {
-                panic!("a put: {appended:?}");
-            };
-            let id = crate::store::record::id_of(&record).unwrap();
-            let answer = answers.recv().await.unwrap();
-            assert!(answer.result.is_err(), "not held: {:?}", answer.result);
-            let completed = tokio::time::timeout(Duration::from_secs(5), async {
-                loop {
-                    match to_replica.recv().await {
-                        Some(ToReplica::Done(done)) => return done,
-                        Some(_) => {}
-                        None => panic!("the engine dropped the replica"),
-                    }
-                }
-            })
-            .await
-            .expect("a completion for the message the replica may hold");
-            assert_eq!(completed, id);
-            stop.cancel();
-        };
-        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), replica_side);
-        assert!(matches!(exit, Exit::Stopped));
-        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        assert!(recovered.held.is_empty(), "the local copy is deleted");
-    }
-
-    /// Issue 33, item 7: the host slept (its monotonic clock stood still,
-    /// its wall clock went on) before a nack. The stored due time is the
-    /// wall clock at the nack plus the delay: a restart does not fire it
-    /// early by the time slept.
-    #[tokio::test]
-    async fn a_due_time_after_a_suspend_is_the_wall_clock_at_the_nack_plus_the_delay() {
-        use nackd_core::clock::Clock;
-        const T: u64 = 1_800_000_000_000;
-        const SLEPT_MS: u64 = 600_000;
-        let dir = tempfile::tempdir().unwrap();
-        let clock = Clock::manual(T);
-        let mut started = start(dir.path());
-        started.clock = clock.clone();
-        let (handle, engine): (RetryHandle, _) =
-            crate::retry::start(started, CancellationToken::new());
-        clock.step_wall(SLEPT_MS as i64);
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        let parked = park(1);
-        let delay_ms = parked.delay.as_millis() as u64;
-        assert!(handle.park(parked, &reply));
-        answers.recv().await.unwrap().result.unwrap();
-        engine.stop(Duration::from_secs(10)).await;
-        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        let due = recovered.held[0].1;
-        assert!(
-            due >= T + SLEPT_MS + delay_ms,
-            "stored due {due} is {} ms before the wall clock at the nack plus the delay",
-            (T + SLEPT_MS + delay_ms).saturating_sub(due)
-        );
-    }
-
-    /// Issue 33, item 7: a restart after the wall clock was set back. The
-    /// message waits for the time it had left when the store last wrote:
-    /// not less (never early), and not the step longer.
-    #[tokio::test]
-    async fn a_restart_on_a_wall_clock_set_back_holds_for_the_time_that_was_left() {
-        use nackd_core::clock::Clock;
-        const T: u64 = 1_800_000_000_000;
-        const BACK_MS: u64 = 600_000;
-        let dir = tempfile::tempdir().unwrap();
-        let mut before = start(dir.path());
-        before.clock = Clock::manual(T);
-        let (handle, engine): (RetryHandle, _) =
-            crate::retry::start(before, CancellationToken::new());
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        let parked = park(1);
-        let delay_ms = parked.delay.as_millis() as u64;
-        assert!(handle.park(parked, &reply));
-        let id = answers.recv().await.unwrap().result.unwrap();
-        engine.stop(Duration::from_secs(10)).await;
-        // The restart: its wall clock was set back meanwhile.
-        let (log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        let mut after = start(dir.path());
-        after.clock = Clock::manual(T - BACK_MS);
-        let ready = crate::retry::Readiness::new();
-        let engine = Engine::new(log, recovered, &after, None, ready);
-        let due = engine.ledger.get(id).expect("held again").due_ms;
-        let left = due.saturating_sub(engine.clock.now_ms());
-        assert!(left >= delay_ms, "early: {left} ms left of {delay_ms}");
-        assert!(
-            left < delay_ms + BACK_MS,
-            "{left} ms left of {delay_ms}: late by the wall clock's step back"
-        );
-    }
-
-    /// Writes messages 1..=`n` (due far ahead) to the store in `dir`, as a
-    /// nackd that held them before a restart left it.
-    fn hold_before_a_restart(dir: &std::path::Path, n: u64) {
-        let (mut log, _) = Log::open(dir, Options::default()).unwrap();
-        for id in 1..=n {
-            let held = Held {
-                id,
-                vhost: Arc::from("/"),
-                queue: Arc::from("q"),
-                due_ms: u64::MAX / 2,
-                retry: 1,
-                route: Route::Queue,
-                on_return: None,
-                header: Bytes::from_static(b"h"),
-                body: Bytes::from_static(b"old"),
-            };
-            log.put(&held, None).unwrap();
-        }
-        log.commit().unwrap();
-    }
-
-    /// Issue 19: a restart holds nacks at once. With a store full of
-    /// messages held before it, a park is answered while the older
-    /// segments are still being read, and they are all scheduled after
-    /// (in steps: more than one [`LOAD_STEP`] here).
-    #[tokio::test]
-    async fn a_restart_parks_at_once_and_schedules_what_it_held_after() {
-        let dir = tempfile::tempdir().unwrap();
-        let before = LOAD_STEP as u64 + 4_000;
-        hold_before_a_restart(dir.path(), before);
-        let start = start(dir.path());
-        let metrics = start.metrics.clone();
-        let (handle, engine): (RetryHandle, _) =
-            crate::retry::start(start, CancellationToken::new());
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        assert!(handle.park(park(1), &reply));
-        let answer = answers.recv().await.unwrap();
-        let id = answer.result.expect("parked while the store recovers");
-        assert!(id > before, "a new id, above every old one: {id}");
-        let mut total = 0;
-        for _ in 0..1000 {
-            total = handle.list(None, None, 1).await.unwrap().1;
-            if total as u64 == before + 1 && metrics.store_recovering.get() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(
-            total as u64,
-            before + 1,
-            "every old message scheduled, and the new one"
-        );
-        assert_eq!(metrics.store_recovering.get(), 0);
-        engine.stop(Duration::from_secs(10)).await;
-        let (_log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        assert_eq!(recovered.held.len() as u64, before + 1);
-    }
-
-    /// Issue 19: while the store cannot record completions (another
-    /// process filled its disk), the engine fires nothing, not even what
-    /// an operator fires now; it resumes by itself once the disk has room.
-    #[tokio::test]
-    async fn nothing_fires_while_the_store_cannot_record_completions() {
-        use crate::metrics::PauseReason;
-        use crate::retry::admin::Target;
-        use std::sync::atomic::{AtomicU64, Ordering};
-        let dir = tempfile::tempdir().unwrap();
-        let (mut log, recovered) = Log::open(dir.path(), Options::default()).unwrap();
-        let disk = Arc::new(AtomicU64::new(1 << 30));
-        log.faults.disk = Some(disk.clone());
-        let start = start(dir.path());
-        let metrics = start.metrics.clone();
-        let ready = crate::retry::Readiness::new();
-        let engine = Engine::new(log, recovered, &start, None, ready.clone());
-        let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle {
-            tx,
-            ready,
-            reseeds: mpsc::unbounded_channel().0,
-        };
-        let (_adopt_tx, mut adopts) = mpsc::channel(1);
-        let stop = CancellationToken::new();
-        let wait = |what: &'static str, f: Box<dyn Fn() -> bool>| async move {
-            let began = std::time::Instant::now();
-            while !f() {
-                assert!(began.elapsed() < Duration::from_secs(10), "{what}");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
-        let test = async {
-            let (reply, mut answers) = mpsc::unbounded_channel();
-            assert!(handle.park(park(1), &reply) && handle.park(park(2), &reply));
-            let one = answers.recv().await.unwrap().result.unwrap();
-            let two = answers.recv().await.unwrap().result.unwrap();
-            disk.store(0, Ordering::SeqCst); // someone else took every byte
-            handle.cancel(one); // a completion: its delete does not fit
-            let m = metrics.clone();
-            let paused = move || m.firing_paused() == Some(PauseReason::DiskFull);
-            wait("paused", Box::new(paused)).await;
-            // Fire now: the pass that follows the command fires nothing
-            // (the list below is answered after it).
-            assert_eq!(handle.fire(Target::Id(two)).await.unwrap(), 1);
-            handle.list(None, None, 10).await.unwrap();
-            assert_eq!(metrics.published.get(), 0, "fired while paused");
-            disk.store(1 << 30, Ordering::SeqCst);
-            let m = metrics.clone();
-            let resumed = move || m.firing_paused().is_none() && m.published.get() == 1;
-            wait("resumed and fired", Box::new(resumed)).await;
-            stop.cancel();
-        };
-        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
-        assert!(matches!(exit, Exit::Stopped));
-    }
-
-    /// Review 3: with a NEXT_ID lowered by hand, a message parked at the
-    /// start takes an id an older record has. The merge reports it; the
-    /// engine must not then let the older record replace the parked
-    /// message in the ledger: the parked one (acked to the broker) would
-    /// never fire, and a cancel of its id would complete the older one.
-    /// The newer record is the one a restart keeps: the engine keeps it too.
-    #[tokio::test]
-    async fn an_older_message_with_a_parked_id_does_not_replace_it() {
-        let dir = tempfile::tempdir().unwrap();
-        hold_before_a_restart(dir.path(), 3);
-        std::fs::write(dir.path().join("NEXT_ID"), "ahead 1\n").unwrap();
-        let (log, mut backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
-        let start = start(dir.path());
-        let recovered = Recovered {
-            next_id: log.next_id(),
-            ..Default::default()
-        };
-        let ready = crate::retry::Readiness::new();
-        let mut engine = Engine::new(log, recovered, &start, None, ready);
-        let (reply, mut answers) = mpsc::unbounded_channel();
-        engine.park(park(1), reply);
-        match engine.events.recv().await.unwrap() {
-            store::Event::Written(w) => engine.on_written(w),
-            _ => panic!("not the park's answer"),
-        }
-        let id = answers.recv().await.unwrap().result.unwrap();
-        assert_eq!(id, 1, "the id an older record has");
-        let parked_due = engine.ledger.get(id).unwrap().due_ms;
-        engine.on_backlog(backlog.read());
-        engine.load_step(usize::MAX);
-        let entry = engine.ledger.get(id).expect("held");
-        assert_eq!(
-            entry.due_ms, parked_due,
-            "the older record replaced the parked one"
-        );
-        assert_eq!(
-            entry.armed_us.div_ceil(1000),
-            parked_due,
-            "armed for the parked one"
-        );
-        assert_eq!(
-            engine.ledger.len(),
-            3,
-            "the parked one and the older 2 and 3"
-        );
-        let log = engine.stop_store();
-        assert_eq!(log.mismatched_releases(), 0, "the older record was live");
-    }
-
-    /// Review of issue 19: when the older segments cannot be read (an I/O
-    /// error), their messages must not wait silently for a restart that
-    /// nobody is told to make: the store stays "recovering" (the gauge,
-    /// `/readyz`) and the read is tried again, so they fire once it works.
-    #[tokio::test]
-    async fn a_failed_read_of_the_older_segments_is_tried_again() {
-        use crate::store::segment_path;
-        let dir = tempfile::tempdir().unwrap();
-        hold_before_a_restart(dir.path(), 3);
-        let (log, backlog) = Log::open_deferred(dir.path(), Options::default()).unwrap();
-        // The first read fails: the segment cannot be read for now.
-        let first = segment_path(dir.path(), 1);
-        let aside = dir.path().join("aside");
-        std::fs::rename(&first, &aside).unwrap();
-        let start = start(dir.path());
-        let metrics = start.metrics.clone();
-        let ready = crate::retry::Readiness::new();
-        let recovered = Recovered {
-            next_id: log.next_id(),
-            ..Default::default()
-        };
-        let mut engine = Engine::new(log, recovered, &start, None, ready.clone());
-        engine.read_backlog(backlog);
-        let (tx, mut commands) = mpsc::unbounded_channel();
-        let handle = RetryHandle {
-            tx,
-            ready,
-            reseeds: mpsc::unbounded_channel().0,
-        };
-        let (_adopt_tx, mut adopts) = mpsc::channel(1);
-        let stop = CancellationToken::new();
-        let test = async {
-            let began = std::time::Instant::now();
-            while metrics.store_errors.get() == 0 {
-                assert!(began.elapsed() < Duration::from_secs(10), "no read error");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            assert_eq!(
-                metrics.store_recovering.get(),
-                1,
-                "the older segments are not read: still recovering"
-            );
-            std::fs::rename(&aside, &first).unwrap();
-            let began = std::time::Instant::now();
-            loop {
-                let total = handle.list(None, None, 1).await.unwrap().1;
-                if total == 3 && metrics.store_recovering.get() == 0 {
-                    break;
-                }
-                assert!(
-                    began.elapsed() < Duration::from_secs(30),
-                    "the older messages never came: {total} held"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            stop.cancel();
-        };
-        let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
-        assert!(matches!(exit, Exit::Stopped));
-    }
-}
+mod tests;

@@ -28,7 +28,7 @@ use crate::store::{HeldMeta, Loc};
 
 /// One held message.
 #[derive(Clone, Copy, Debug)]
-pub struct Entry {
+pub(crate) struct Entry {
     /// Its current put record.
     pub loc: Loc,
     /// When it is due, in ms since the Unix epoch.
@@ -54,7 +54,7 @@ pub struct Entry {
 
 impl Entry {
     /// A fresh entry.
-    pub fn new(loc: Loc, due_ms: u64, meta: HeldMeta) -> Self {
+    pub(crate) fn new(loc: Loc, due_ms: u64, meta: HeldMeta) -> Self {
         Self {
             loc,
             due_ms,
@@ -70,14 +70,14 @@ impl Entry {
     }
 
     /// Why its last republish was set aside: an id for [`Ledger::reason`], 0 if never.
-    pub fn blocked(&self) -> u16 {
+    pub(crate) fn blocked(&self) -> u16 {
         self.blocked
     }
 }
 
 /// Why messages were set aside: the kind and the broker's reply.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Reason {
+pub(crate) struct Reason {
     /// The kind (the metrics label).
     pub kind: BlockReason,
     /// `404 NOT_FOUND - no exchange 'x' in vhost '/'`, or nackd's own words.
@@ -93,7 +93,7 @@ const MAX_REASONS: usize = 4096;
 
 /// What the store must be told about a record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreOp {
+pub(crate) enum StoreOp {
     /// A delete record for the message whose current record is `loc`.
     Del {
         /// Message id.
@@ -124,7 +124,7 @@ struct QueueStat {
 }
 
 /// Held messages by store id, and per-queue totals.
-pub struct Ledger {
+pub(crate) struct Ledger {
     entries: IdMap<Entry>,
     /// Messages completed while a superseding put of theirs was being
     /// written, with their record before it: whichever record is current
@@ -143,7 +143,7 @@ pub struct Ledger {
 
 impl Ledger {
     /// An empty ledger reporting into `metrics`.
-    pub fn new(metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Self {
         Self {
             entries: IdMap::default(),
             orphans: HashMap::new(),
@@ -160,13 +160,13 @@ impl Ledger {
 
     /// The engine's clock moved: messages parked later than an hour from
     /// now are charted by the minute.
-    pub fn tick(&mut self, now_ms: u64) {
+    pub(crate) fn tick(&mut self, now_ms: u64) {
         self.now_ms = now_ms;
         self.due.advance(now_ms);
     }
 
     /// The interned id of `(vhost, queue)`.
-    pub fn intern(&mut self, vhost: &Arc<str>, queue: &Arc<str>) -> u32 {
+    pub(crate) fn intern(&mut self, vhost: &Arc<str>, queue: &Arc<str>) -> u32 {
         if let Some(id) = self.names.get(&(vhost.clone(), queue.clone())) {
             return *id;
         }
@@ -194,28 +194,28 @@ impl Ledger {
     }
 
     /// `(vhost, queue)` of an interned id.
-    pub fn name(&self, queue: u32) -> (&Arc<str>, &Arc<str>) {
+    pub(crate) fn name(&self, queue: u32) -> (&Arc<str>, &Arc<str>) {
         let q = &self.queues[queue as usize];
         (&q.vhost, &q.queue)
     }
 
     /// The index of a queue's vhost (see [`Ledger::vhosts`]).
-    pub fn vhost_of(&self, queue: u32) -> u32 {
+    pub(crate) fn vhost_of(&self, queue: u32) -> u32 {
         self.queues[queue as usize].vhost_index
     }
 
     /// Every vhost a queue was interned for, by index.
-    pub fn vhosts(&self) -> &[Arc<str>] {
+    pub(crate) fn vhosts(&self) -> &[Arc<str>] {
         &self.vhosts
     }
 
     /// Messages held for a queue.
-    pub fn count(&self, queue: u32) -> u64 {
+    pub(crate) fn count(&self, queue: u32) -> u64 {
         self.queues[queue as usize].count
     }
 
     /// The id of a reason, interned (never 0).
-    pub fn intern_reason(&mut self, reason: Reason) -> u16 {
+    pub(crate) fn intern_reason(&mut self, reason: Reason) -> u16 {
         if let Some(id) = self.reason_ids.get(&reason) {
             return *id;
         }
@@ -238,14 +238,14 @@ impl Ledger {
     }
 
     /// A reason by id (`None` for 0).
-    pub fn reason(&self, id: u16) -> Option<&Reason> {
+    pub(crate) fn reason(&self, id: u16) -> Option<&Reason> {
         self.reasons
             .get(usize::from(id).checked_sub(1)?)
             .map(|(r, _)| r)
     }
 
     /// Records why a held message was set aside (replacing the reason before).
-    pub fn set_blocked(&mut self, id: u64, reason: u16) {
+    pub(crate) fn set_blocked(&mut self, id: u64, reason: u16) {
         let Some(entry) = self.entries.get(id).copied() else {
             return;
         };
@@ -262,7 +262,7 @@ impl Ledger {
     }
 
     /// Set-aside messages by reason, most first: `(reason, count)`.
-    pub fn blocked_reasons(&self) -> Vec<(&Reason, u64)> {
+    pub(crate) fn blocked_reasons(&self) -> Vec<(&Reason, u64)> {
         let mut out: Vec<(&Reason, u64)> = self
             .reasons
             .iter()
@@ -277,19 +277,19 @@ impl Ledger {
     /// seconds from `now_ms` (the first counts what is due already; one more
     /// bucket counts the rest). Costs the number of distinct due seconds in
     /// the last edge, not the number of messages.
-    pub fn due_chart(&self, now_ms: u64, edges: &[u64]) -> Vec<u64> {
+    pub(crate) fn due_chart(&self, now_ms: u64, edges: &[u64]) -> Vec<u64> {
         self.due.chart(now_ms, edges, self.entries.len() as u64)
     }
 
     /// The interned id of `(vhost, queue)` if a message of it was ever held.
-    pub fn find(&self, vhost: &str, queue: &str) -> Option<u32> {
+    pub(crate) fn find(&self, vhost: &str, queue: &str) -> Option<u32> {
         self.names
             .get(&(Arc::from(vhost), Arc::from(queue)))
             .copied()
     }
 
     /// Adds (or replaces) a held message.
-    pub fn insert(&mut self, id: u64, mut entry: Entry) {
+    pub(crate) fn insert(&mut self, id: u64, mut entry: Entry) {
         entry.coarse = entry.due_ms > self.now_ms + FINE_HORIZON_MS;
         if let Some(old) = self.entries.insert(id, entry) {
             self.account(&old, -1);
@@ -298,36 +298,75 @@ impl Ledger {
     }
 
     /// Removes a held message.
-    pub fn remove(&mut self, id: u64) -> Option<Entry> {
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Entry> {
         let entry = self.entries.remove(id)?;
         self.account(&entry, -1);
         Some(entry)
     }
 
     /// A held message.
-    pub fn get(&self, id: u64) -> Option<&Entry> {
+    pub(crate) fn get(&self, id: u64) -> Option<&Entry> {
         self.entries.get(id)
     }
 
-    /// A held message, to change its schedule state.
-    pub fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
-        self.entries.get_mut(id)
+    /// Records where the wheel entry that may fire `id` is due (µs).
+    pub(crate) fn arm(&mut self, id: u64, armed_us: u64) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.armed_us = armed_us;
+        }
+    }
+
+    /// `id` was handed to its republisher (or taken back).
+    pub(crate) fn set_inflight(&mut self, id: u64, inflight: bool) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.inflight = inflight;
+        }
+    }
+
+    /// `id` waits again: neither publishing nor fired by an operator.
+    /// `false` if it is not held.
+    pub(crate) fn unhand(&mut self, id: u64) -> bool {
+        let Some(e) = self.entries.get_mut(id) else {
+            return false;
+        };
+        e.inflight = false;
+        e.forced = false;
+        true
+    }
+
+    /// An operator fires `id` now: `false` if it is not held or is
+    /// publishing already.
+    pub(crate) fn force(&mut self, id: u64) -> bool {
+        match self.entries.get_mut(id) {
+            Some(e) if !e.inflight => {
+                e.forced = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// One more failed attempt for `id`; its number, if still held.
+    pub(crate) fn count_attempt(&mut self, id: u64) -> Option<u16> {
+        let e = self.entries.get_mut(id)?;
+        e.attempts = e.attempts.saturating_add(1);
+        Some(e.attempts)
     }
 
     /// Every held message.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &Entry)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &Entry)> {
         self.entries.iter()
     }
 
     /// Number of held messages.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// Completes a message: it leaves the book now. Returns its entry and
     /// the delete for the store, which waits (`None`) while a re-route of
     /// it is being written.
-    pub fn complete(&mut self, id: u64) -> Option<(Entry, Option<StoreOp>)> {
+    pub(crate) fn complete(&mut self, id: u64) -> Option<(Entry, Option<StoreOp>)> {
         let entry = self.remove(id)?;
         if entry.rewriting {
             self.orphans.insert(id, entry.loc);
@@ -338,7 +377,7 @@ impl Ledger {
 
     /// A put superseding `id`'s record starts (a re-route); returns the
     /// record it supersedes, or `None` if one is already being written.
-    pub fn start_rewrite(&mut self, id: u64) -> Option<Loc> {
+    pub(crate) fn start_rewrite(&mut self, id: u64) -> Option<Loc> {
         let entry = self.entries.get_mut(id).filter(|e| !e.rewriting)?;
         entry.rewriting = true;
         Some(entry.loc)
@@ -347,7 +386,11 @@ impl Ledger {
     /// A re-route's put was answered. Returns the delete to send if the
     /// message was completed meanwhile (for whichever record is current
     /// now), and whether it is still held.
-    pub fn rewritten(&mut self, id: u64, result: Result<Loc, ()>) -> (Option<StoreOp>, bool) {
+    pub(crate) fn rewritten(
+        &mut self,
+        id: u64,
+        result: Result<Loc, ()>,
+    ) -> (Option<StoreOp>, bool) {
         if let Some(old) = self.orphans.remove(&id) {
             let loc = result.unwrap_or(old);
             return (Some(StoreOp::Del { id, loc }), false);
@@ -366,7 +409,7 @@ impl Ledger {
     /// becomes current if it copies the current record; otherwise (the
     /// message was completed, its delete following the copy; or it is being
     /// re-routed, which supersedes the original) the copy is stale.
-    pub fn relocated(&mut self, id: u64, from: Loc, to: Loc) -> StoreOp {
+    pub(crate) fn relocated(&mut self, id: u64, from: Loc, to: Loc) -> StoreOp {
         match self.entries.get_mut(id).filter(|e| !e.rewriting) {
             Some(entry) if entry.loc == from => {
                 entry.loc = to;
@@ -377,7 +420,7 @@ impl Ledger {
     }
 
     /// `(queue, vhost, queue name, count, bytes)` of every queue holding something.
-    pub fn totals(&self) -> impl Iterator<Item = (u32, &Arc<str>, &Arc<str>, u64, u64)> {
+    pub(crate) fn totals(&self) -> impl Iterator<Item = (u32, &Arc<str>, &Arc<str>, u64, u64)> {
         self.queues
             .iter()
             .enumerate()
@@ -387,12 +430,12 @@ impl Ledger {
 
     /// Delayed publishes among the messages held under a name (an
     /// `x-delayed-message` exchange's).
-    pub fn delayed_count(&self, queue: u32) -> u64 {
+    pub(crate) fn delayed_count(&self, queue: u32) -> u64 {
         self.queues[queue as usize].delayed
     }
 
     /// Set-aside messages of a queue.
-    pub fn blocked_count(&self, queue: u32) -> u64 {
+    pub(crate) fn blocked_count(&self, queue: u32) -> u64 {
         self.queues[queue as usize].blocked
     }
 
@@ -445,7 +488,7 @@ impl Ledger {
 
     /// `id` goes to an exchange of its own now (a re-route): it is no
     /// longer a delayed message, whatever it was.
-    pub fn rerouted(&mut self, id: u64) {
+    pub(crate) fn rerouted(&mut self, id: u64) {
         let Some(entry) = self.entries.get(id).copied() else {
             return;
         };

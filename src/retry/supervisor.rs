@@ -6,7 +6,6 @@
 //! way clients are served from the start, and nacks claimed before the
 //! engine runs wait in its queue (the broker keeps their deliveries).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use std::time::Duration;
@@ -16,31 +15,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, info_span, Instrument};
 
 use super::engine::{Engine, Exit};
-use super::{Command, Options};
-use crate::metrics::Metrics;
-use crate::net::Connector;
+use super::{Command, Start};
 use crate::replica::{self, Adopt, Replica};
 use crate::store::{self, Log};
-
-pub use nackd_core::ready::{Readiness, Ready};
-
-/// What the engine thread needs to start.
-pub struct Start {
-    /// `store.path`.
-    pub dir: PathBuf,
-    /// How the store is sized.
-    pub store: store::Options,
-    /// `[replica]`, resolved, when there is one.
-    pub replica: Option<replica::Config>,
-    /// The broker.
-    pub connector: Connector,
-    /// `[republish]`.
-    pub options: Options,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
-    /// nackd's clock (the sessions read the same one).
-    pub clock: nackd_core::clock::Clock,
-}
+use nackd_core::ready::{Readiness, Ready};
 
 /// Starts the engine's thread; returns where interception stands and the
 /// thread, which ends once `stop` is cancelled (the store writer joined).

@@ -24,7 +24,7 @@ pub(super) struct Alarm {
 
 impl Alarm {
     /// An unset alarm on `clock`. Must be called inside the engine's runtime.
-    pub fn new(clock: Clock) -> Self {
+    pub(super) fn new(clock: Clock) -> Self {
         #[cfg(target_os = "linux")]
         let fd = match linux::TimerFd::registered() {
             Ok(fd) => Some(fd),
@@ -42,7 +42,7 @@ impl Alarm {
     }
 
     /// Sets the alarm to `at`, or unsets it.
-    pub fn set(&mut self, at: Option<Instant>) {
+    pub(super) fn set(&mut self, at: Option<Instant>) {
         if self.at == at {
             return;
         }
@@ -65,7 +65,7 @@ impl Alarm {
     }
 
     /// Resolves once the time it was set to has come; never while unset.
-    pub async fn rings(&mut self) {
+    pub(super) async fn rings(&mut self) {
         let Some(at) = self.at else {
             return std::future::pending().await;
         };
@@ -102,10 +102,10 @@ mod linux {
     use tokio::io::Interest;
 
     /// A non-blocking `CLOCK_MONOTONIC` timerfd (the clock of `Instant`).
-    pub struct TimerFd(OwnedFd);
+    pub(super) struct TimerFd(OwnedFd);
 
     impl TimerFd {
-        pub fn new() -> io::Result<Self> {
+        pub(super) fn new() -> io::Result<Self> {
             let flags = libc::TFD_NONBLOCK | libc::TFD_CLOEXEC;
             // SAFETY: plain syscall; the result is checked before use.
             let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, flags) };
@@ -117,7 +117,7 @@ mod linux {
         }
 
         /// A new one, registered with the current runtime's reactor.
-        pub fn registered() -> io::Result<AsyncFd<Self>> {
+        pub(super) fn registered() -> io::Result<AsyncFd<Self>> {
             // SAFETY: the fd is owned by the `TimerFd` moved into the
             // `AsyncFd`, which never replaces or closes it while registered.
             unsafe { AsyncFd::register_with_interest(Self::new()?, Interest::READABLE) }
@@ -125,7 +125,7 @@ mod linux {
         }
 
         /// Expires once, `after` from now (at once for zero); `None` disarms.
-        pub fn arm(&self, after: Option<Duration>) -> io::Result<()> {
+        pub(super) fn arm(&self, after: Option<Duration>) -> io::Result<()> {
             let value = match after {
                 // A zero time would disarm it: one nanosecond is "at once".
                 Some(d) => libc::timespec {
@@ -154,7 +154,7 @@ mod linux {
         }
 
         /// Whether it expired since last asked (reading resets it).
-        pub fn expired(&self) -> bool {
+        pub(super) fn expired(&self) -> bool {
             let mut count = 0u64;
             // SAFETY: reads at most 8 bytes into `count`, which has 8.
             let n = unsafe {

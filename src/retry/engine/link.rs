@@ -9,11 +9,11 @@ use std::collections::HashMap;
 
 use tokio::sync::{mpsc, watch};
 
-use super::{Engine, PutCtx};
-use crate::replica::{Adopt, Record, Replica, State};
+use super::PutCtx;
+use crate::replica::{Record, Replica, State};
 use crate::store::{Held, Written};
 
-type Answer = (u64, Result<(), String>);
+pub(super) type Answer = (u64, Result<(), String>);
 
 /// A new message's two answers, whichever comes first.
 #[derive(Default)]
@@ -22,8 +22,9 @@ struct Pending {
     replicated: Option<Result<(), String>>,
 }
 
-pub(in crate::retry) struct Link {
-    pub(in crate::retry) replica: Replica,
+/// The replica, and the new messages waiting for its answer.
+pub(super) struct Link {
+    replica: Replica,
     state: watch::Receiver<State>,
     tx: mpsc::UnboundedSender<Answer>,
     rx: mpsc::UnboundedReceiver<Answer>,
@@ -71,6 +72,11 @@ impl Link {
         });
     }
 
+    /// `id` is completed (or was never held): the stream forgets it too.
+    pub(super) fn done(&self, id: u64) {
+        self.replica.done(id);
+    }
+
     /// Appends a new version of a held message (a re-route). Not waited
     /// for: should it be lost, a rebuild has the previous version, which
     /// is returned and re-routed again.
@@ -99,7 +105,7 @@ impl Link {
     }
 
     /// The replica's answer; both answers once the store's came too.
-    fn replicated(
+    pub(super) fn replicated(
         &mut self,
         (id, result): Answer,
     ) -> Option<(Written<PutCtx>, Result<(), String>)> {
@@ -142,38 +148,5 @@ pub(super) async fn event(link: &mut Option<Link>) -> Event {
             State::Reseeding => Event::Resync,
             _ => Event::Lease,
         },
-    }
-}
-
-impl Engine {
-    pub(super) fn on_replicated(&mut self, answer: Answer) {
-        let both = self.link.as_mut().and_then(|l| l.replicated(answer));
-        if let Some((w, replicated)) = both {
-            self.parked(w, replicated);
-        }
-    }
-
-    /// Another instance's message to hold under a new id of ours.
-    pub(super) fn on_adopt(&mut self, adopt: Adopt) {
-        match adopt {
-            Adopt::Park {
-                mut held,
-                from,
-                reply,
-            } => {
-                held.id = self.next_id;
-                self.next_id += 1;
-                let meta = held.meta(self.ledger.intern(&held.vhost, &held.queue));
-                self.put_new_from(held, Some(from), PutCtx::Adopt { reply, meta });
-            }
-            Adopt::Complete(id) => self.forget(id),
-            Adopt::Release(ids) => {
-                for id in ids {
-                    if let Some(due_ms) = self.ledger.get(id).map(|e| e.due_ms) {
-                        self.schedule(id, due_ms);
-                    }
-                }
-            }
-        }
     }
 }

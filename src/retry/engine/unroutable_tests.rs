@@ -88,7 +88,7 @@ fn fired_with(
     let mut engine = Engine::new(log, recovered, &start, None, crate::retry::Readiness::new());
     assert!(engine.ledger.get(1).unwrap().meta.delayed);
     engine.fire();
-    assert!(engine.handed.contains_key(&1), "fired");
+    assert!(engine.firing.is_handed(1), "fired");
     engine.on_report(Report { id: 1, outcome });
     engine
 }
@@ -212,7 +212,7 @@ async fn a_missing_delayed_exchange_keeps_its_message() {
     // without being read or sent.
     engine.schedule(2, 0);
     engine.fire();
-    assert!(!engine.handed.contains_key(&2), "held back");
+    assert!(!engine.firing.is_handed(2), "held back");
     let entry = engine.ledger.get(2).expect("kept");
     let reason = engine.ledger.reason(entry.blocked()).unwrap();
     assert_eq!(reason.kind, BlockReason::NoExchange);

@@ -41,7 +41,7 @@ impl<V> Page<V> {
 }
 
 /// A map from store id to `V`.
-pub struct IdMap<V> {
+pub(super) struct IdMap<V> {
     pages: HashMap<u64, Page<V>>,
     len: usize,
 }
@@ -61,12 +61,12 @@ fn split(id: u64) -> (u64, u32) {
 
 impl<V> IdMap<V> {
     /// Entries held.
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.len
     }
 
     /// Adds or replaces; returns the value replaced.
-    pub fn insert(&mut self, id: u64, value: V) -> Option<V> {
+    pub(super) fn insert(&mut self, id: u64, value: V) -> Option<V> {
         let (page, bit) = split(id);
         let page = self.pages.entry(page).or_insert_with(|| Page {
             mask: 0,
@@ -87,7 +87,7 @@ impl<V> IdMap<V> {
     }
 
     /// Removes and returns `id`'s value.
-    pub fn remove(&mut self, id: u64) -> Option<V> {
+    pub(super) fn remove(&mut self, id: u64) -> Option<V> {
         let (key, bit) = split(id);
         let page = self.pages.get_mut(&key)?;
         if page.mask & (1 << bit) == 0 {
@@ -105,14 +105,14 @@ impl<V> IdMap<V> {
     }
 
     /// `id`'s value.
-    pub fn get(&self, id: u64) -> Option<&V> {
+    pub(super) fn get(&self, id: u64) -> Option<&V> {
         let (page, bit) = split(id);
         let page = self.pages.get(&page)?;
         (page.mask & (1 << bit) != 0).then(|| &page.values[page.rank(bit)])
     }
 
     /// `id`'s value, to change.
-    pub fn get_mut(&mut self, id: u64) -> Option<&mut V> {
+    pub(super) fn get_mut(&mut self, id: u64) -> Option<&mut V> {
         let (page, bit) = split(id);
         let page = self.pages.get_mut(&page)?;
         match page.mask & (1 << bit) != 0 {
@@ -125,7 +125,7 @@ impl<V> IdMap<V> {
     }
 
     /// Every entry, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
         self.pages.iter().flat_map(|(key, page)| {
             let base = key << PAGE_BITS;
             let mut mask = page.mask;
