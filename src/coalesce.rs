@@ -335,4 +335,5 @@ pub fn precise_sleeps() -> std::io::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests;

@@ -209,6 +209,7 @@ fn persist(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use super::*;
 

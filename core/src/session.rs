@@ -69,4 +69,5 @@ pub struct Limits {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests;

@@ -176,6 +176,7 @@ mod linux {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use std::time::{Duration, Instant};
 

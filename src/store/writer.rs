@@ -482,6 +482,7 @@ impl<C> Thread<C> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use std::sync::Mutex;
 

@@ -159,6 +159,7 @@ impl Barrier {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use super::*;
     use std::time::Duration;

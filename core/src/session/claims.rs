@@ -156,6 +156,7 @@ impl Plan {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -189,6 +189,7 @@ impl Close {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests time with the real clock
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -69,7 +69,7 @@ struct Handshake {
 
 impl Conn {
     /// Connects, logs in to `vhost` and negotiates `heartbeat`.
-    pub async fn open(
+    pub(super) async fn open(
         connector: &Connector,
         login: &Credentials,
         vhost: &str,
@@ -131,7 +131,7 @@ impl Conn {
     }
 
     /// Takes the next complete frame out of the read buffer, if any.
-    pub fn frame(&mut self) -> Result<Option<Frame>, ConnError> {
+    pub(super) fn frame(&mut self) -> Result<Option<Frame>, ConnError> {
         self.decoder
             .decode(&mut self.buf)
             .map_err(|e| ConnError::Protocol(e.to_string()))

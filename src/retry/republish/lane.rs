@@ -133,7 +133,7 @@ pub(super) struct Lane {
 
 impl Lane {
     /// A lane with no channel yet.
-    pub fn new(exchange: Arc<str>) -> Self {
+    pub(super) fn new(exchange: Arc<str>) -> Self {
         Self {
             exchange,
             state: State::Closed,
@@ -149,32 +149,32 @@ impl Lane {
     }
 
     /// What the lane learnt about [`Impersonation`], once.
-    pub fn take_learned(&mut self) -> Option<Impersonation> {
+    pub(super) fn take_learned(&mut self) -> Option<Impersonation> {
         self.learned.take()
     }
 
     /// Queues a message.
-    pub fn push(&mut self, p: Publish) {
+    pub(super) fn push(&mut self, p: Publish) {
         self.pending.push_back(p);
     }
 
     /// Where its channel is.
-    pub fn state(&self) -> State {
+    pub(super) fn state(&self) -> State {
         self.state
     }
 
     /// Publishes waiting and in flight.
-    pub fn len(&self) -> (usize, usize) {
+    pub(super) fn len(&self) -> (usize, usize) {
         (self.pending.len(), self.inflight.len())
     }
 
     /// It has messages to send and no channel.
-    pub fn wants_channel(&self) -> bool {
+    pub(super) fn wants_channel(&self) -> bool {
         self.state == State::Closed && !self.pending.is_empty()
     }
 
     /// Opens `channel` for this lane.
-    pub fn open(&mut self, channel: u16, out: &mut BytesMut) {
+    pub(super) fn open(&mut self, channel: u16, out: &mut BytesMut) {
         debug_assert_eq!(self.state, State::Closed);
         let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
         out.extend_from_slice(&method::encode(channel, &open));
@@ -186,7 +186,7 @@ impl Lane {
     /// Writes the next publish if the window allows; `false` when nothing
     /// more can go now. A message that cannot be published at all is set
     /// aside instead (and counts as progress).
-    pub fn publish_next(
+    pub(super) fn publish_next(
         &mut self,
         limits: Limits<'_>,
         out: &mut BytesMut,
@@ -262,7 +262,7 @@ impl Lane {
 
     /// A method frame on the lane's channel. `Some` when the broker closed
     /// the channel (`channel.close-ok` is already in `out`).
-    pub fn on_method(
+    pub(super) fn on_method(
         &mut self,
         class: AMQPClass,
         out: &mut BytesMut,
@@ -347,7 +347,7 @@ impl Lane {
     }
 
     /// A content frame on the lane's channel: the message of a return.
-    pub fn on_content(&mut self, frame: &Frame) {
+    pub(super) fn on_content(&mut self, frame: &Frame) {
         let Some(ret) = self.returning.as_mut() else {
             return;
         };
@@ -532,7 +532,7 @@ impl Lane {
     }
 
     /// Sets every pending message aside without sending it.
-    pub fn set_aside_pending(&mut self, aside: &SetAside, reports: &mut Vec<Report>) {
+    pub(super) fn set_aside_pending(&mut self, aside: &SetAside, reports: &mut Vec<Report>) {
         for p in self.pending.drain(..) {
             reports.push(Report {
                 id: p.id,
@@ -544,7 +544,7 @@ impl Lane {
     /// The connection is gone: unconfirmed publishes go back to the front,
     /// to be sent again on the next connection (a returned one is settled:
     /// the broker did not route it).
-    pub fn disconnected(&mut self, reports: &mut Vec<Report>) {
+    pub(super) fn disconnected(&mut self, reports: &mut Vec<Report>) {
         self.alone = None;
         self.state = State::Closed;
         self.returning = None;

@@ -22,7 +22,7 @@ use crate::metrics::{Login, Metrics};
 use crate::net::Connector;
 
 /// How often a failing login is tried again.
-pub const RETRY: Duration = Duration::from_secs(10);
+pub(super) const RETRY: Duration = Duration::from_secs(10);
 /// Time one login may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -34,7 +34,13 @@ pub(super) struct Returning {
 impl Returning {
     /// A return announced by its method frame; its content is kept up to
     /// `limit` bytes of body (the largest body in flight).
-    pub fn new(code: u16, text: &str, exchange: &str, routing_key: &str, limit: u64) -> Self {
+    pub(super) fn new(
+        code: u16,
+        text: &str,
+        exchange: &str,
+        routing_key: &str,
+        limit: u64,
+    ) -> Self {
         Self {
             reply: format!("{code} {text}"),
             exchange: exchange.to_string(),
@@ -49,7 +55,7 @@ impl Returning {
     }
 
     /// Takes the content header; `true` when the return is complete.
-    pub fn on_header(&mut self, payload: Bytes) -> bool {
+    pub(super) fn on_header(&mut self, payload: Bytes) -> bool {
         self.body_size = nackd_core::protocol::content::body_size(&payload).unwrap_or(0);
         self.oversized = self.body_size > self.limit;
         self.header = Some(payload);
@@ -57,7 +63,7 @@ impl Returning {
     }
 
     /// Takes a body frame; `true` when the return is complete.
-    pub fn on_body(&mut self, payload: &[u8]) -> bool {
+    pub(super) fn on_body(&mut self, payload: &[u8]) -> bool {
         if !self.oversized {
             self.body.extend_from_slice(payload);
         }
@@ -66,7 +72,7 @@ impl Returning {
     }
 
     /// Whether its header frame arrived.
-    pub fn has_header(&self) -> bool {
+    pub(super) fn has_header(&self) -> bool {
         self.header.is_some()
     }
 

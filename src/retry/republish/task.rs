@@ -62,7 +62,7 @@ struct Wire {
 }
 
 impl Task {
-    pub fn new(
+    pub(super) fn new(
         vhost: Arc<str>,
         connector: Connector,
         settings: Settings,
@@ -93,7 +93,7 @@ impl Task {
         }
     }
 
-    pub async fn run(mut self) {
+    pub(super) async fn run(mut self) {
         let mut backoff = BACKOFF_MIN;
         loop {
             let opened = Conn::open(

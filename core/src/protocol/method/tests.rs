@@ -14,6 +14,8 @@ fn table() -> FieldTable {
 }
 
 /// One instance of every method nackd decodes.
+// Whole because: a list, one method per entry.
+#[allow(clippy::too_many_lines)]
 fn decoded_methods() -> Vec<AMQPClass> {
     use AMQPClass::*;
     vec![
@@ -332,6 +334,8 @@ fn with_nested_table(class: &AMQPClass, levels: usize) -> Vec<u8> {
 }
 
 /// Every method with a field table, the table being { "m": void }.
+// Whole because: a list, one method per entry.
+#[allow(clippy::too_many_lines)]
 fn methods_with_tables() -> Vec<AMQPClass> {
     use amq_protocol::protocol::exchange;
     let mut marker = FieldTable::default();
