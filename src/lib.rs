@@ -40,12 +40,13 @@
 //! 1. `server` accepts the client; `session` connects upstream and feeds
 //!    both sockets' bytes to `nackd_core::session::Session`.
 //! 2. The broker's `basic.deliver` of a configured queue: the core tracks
-//!    the tag and captures the message (`core/src/session/upstream.rs`,
+//!    the tag and captures the message (`core/src/session/machine.rs`,
 //!    `channel.rs`, `capture.rs`).
 //! 3. The client's `basic.nack`: the core claims it, picks the delay
 //!    (`nackd_core::policy`), rewrites the headers
 //!    (`nackd_core::protocol::headers`) and asks for a park
-//!    (`core/src/session/claim.rs`, `Effect::Park`).
+//!    (`core/src/session/machine.rs`, numbered by `claims.rs`,
+//!    `Effect::Park`).
 //! 4. `session` hands the park to the engine (`retry::RetryHandle`, a
 //!    channel to the engine's thread). `retry/engine.rs` gives it an id
 //!    and sends it to the store writer (`store/writer.rs`, its thread,
@@ -53,13 +54,16 @@
 //!    (`retry/engine/link.rs`, `replica/task.rs`).
 //! 5. Durable: the engine books it in the ledger and the wheel
 //!    (`retry/ledger.rs`, `nackd_core::wheel`) and answers the session,
-//!    whose core acks the delivery upstream (`claim.rs`; `settle.rs`
+//!    whose core acks the delivery upstream (`machine.rs`; `settle.rs`
 //!    rewrites the client's other settles around it).
-//! 6. Due: `retry/engine/fire.rs` reads it back from the store and hands
-//!    it to `retry/republish/lane.rs`, which publishes it to the tail of
-//!    its queue on a confirm channel.
-//! 7. The broker's confirm comes back through `retry/engine/outcome.rs`,
-//!    which deletes it from the store: completed.
+//! 6. Due: the wheel (`retry/engine/fire.rs`) gives it back, the engine
+//!    reads it from the store and hands it to `retry/republish/lane.rs`,
+//!    which publishes it to the tail of its queue on a confirm channel.
+//! 7. The broker's confirm comes back through `retry/engine/outcome.rs`;
+//!    the engine deletes it from the store: completed.
+//!
+//! The book's Architecture chapter (`docs/src/design/architecture.md`)
+//! follows the same path step by step.
 // Two audited exceptions: `sched` and `coalesce::precise_sleeps` (syscalls
 // libc has no safe form of).
 #![deny(unsafe_code)]
