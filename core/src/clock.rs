@@ -218,7 +218,13 @@ mod tests {
         let clock = Clock::start();
         let later = clock.origin + Duration::from_millis(1_500);
         assert_eq!(clock.ms_at(later), clock.origin_ms + 1_500);
-        assert_eq!(clock.instant_at(clock.ms_at(later)), later);
+        // Back to within the millisecond: a catch-up with the wall clock
+        // (µs, under load) moves the mapping by less than that.
+        let back = clock.instant_at(clock.ms_at(later));
+        assert!(
+            back.max(later) - back.min(later) < Duration::from_millis(1),
+            "{back:?} vs {later:?}"
+        );
         assert_eq!(
             clock.ms_at(clock.origin - Duration::from_secs(1)),
             clock.origin_ms

@@ -59,30 +59,60 @@ fn rabbitpy_suite_ends_the_same_through_nackd() {
 fn same_through_nackd(suite: &str, deselect: &[&str]) {
     common::require_broker();
     ensure_installed();
-    let dir = tempfile::tempdir().unwrap();
+    let first = tempfile::tempdir().unwrap();
+    let differ = differences(suite, deselect, first.path());
+    if differ.is_empty() {
+        return;
+    }
+    // A suite's own timing tests can fail straight against a loaded
+    // broker: a test fails here only when it ends differently through
+    // nackd in two runs of both.
+    eprintln!(
+        "{suite}: {} test(s) ended differently; both runs again:\n{}",
+        differ.len(),
+        differ.join("\n")
+    );
+    let again = tempfile::tempdir().unwrap();
+    let twice: Vec<String> = differences(suite, deselect, again.path())
+        .into_iter()
+        .filter(|d| differ.iter().any(|e| same_test(e, d)))
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "{suite} on {}: {} test(s) end differently through nackd in both runs (their output: {} and {}):\n{}",
+        BROKER.label(),
+        twice.len(),
+        first.keep().display(),
+        again.keep().display(),
+        twice.join("\n")
+    );
+}
 
+/// The test a line of [`differences`] names.
+fn same_test(a: &str, b: &str) -> bool {
+    a.split(": direct ").next() == b.split(": direct ").next()
+}
+
+/// Runs `suite` straight against the broker and through a nackd, in
+/// `dir`, and returns each test that ended differently (one line each).
+fn differences(suite: &str, deselect: &[&str], dir: &Path) -> Vec<String> {
     let began = Instant::now();
-    let direct = run(suite, BROKER.addr(), deselect, &dir.path().join("direct"));
+    let direct = run(suite, BROKER.addr(), deselect, &dir.join("direct"));
     let direct_took = began.elapsed();
 
-    let cfg = dir.path().join("nackd.toml");
+    let cfg = dir.join("nackd.toml");
     std::fs::write(
         &cfg,
         format!(
             "[upstream]\naddress = \"{}\"\n[store]\npath = {:?}\n{POLICY}",
             BROKER.addr(),
-            dir.path().join("store").display().to_string()
+            dir.join("store").display().to_string()
         ),
     )
     .unwrap();
     let nackd = Process::start(&cfg);
     let began = Instant::now();
-    let through = run(
-        suite,
-        &nackd.addr.to_string(),
-        deselect,
-        &dir.path().join("nackd"),
-    );
+    let through = run(suite, &nackd.addr.to_string(), deselect, &dir.join("nackd"));
     let through_took = began.elapsed();
     let accepted = accepted_connections(nackd.metrics);
     let (status, _) = nackd.terminate(Duration::from_secs(30));
@@ -107,7 +137,7 @@ fn same_through_nackd(suite: &str, deselect: &[&str]) {
         passed * 2 > direct.len(),
         "{summary}; fewer than half of the tests pass straight against the broker: {direct:#?}"
     );
-    let differ: Vec<String> = direct
+    direct
         .keys()
         .chain(through.keys())
         .collect::<std::collections::BTreeSet<_>>()
@@ -120,14 +150,7 @@ fn same_through_nackd(suite: &str, deselect: &[&str]) {
                 through.get(test).map_or("did not run", String::as_str)
             )
         })
-        .collect();
-    assert!(
-        differ.is_empty(),
-        "{summary}; {} test(s) end differently through nackd (the runs' output: {}):\n{}",
-        differ.len(),
-        dir.keep().display(),
-        differ.join("\n")
-    );
+        .collect()
 }
 
 /// Fetches and installs the suites unless they are cached.
