@@ -71,13 +71,7 @@ async fn a_park_given_up_by_its_session_is_deleted_not_fired() {
     let (listed, total) = handle.list(None, None, 10).await.unwrap();
     assert_eq!(total, 1, "only the park still standing is held");
     assert_eq!(listed[0].0.id, kept);
-    for _ in 0..500 {
-        if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the given-up copy is still on disk");
+    one_left_on_disk(dir.path(), "the given-up copy is still on disk").await;
 }
 
 /// Issue 12, item 6: a session that ended before its message was
@@ -102,13 +96,7 @@ async fn a_park_for_a_session_that_is_gone_is_completed() {
     );
     assert_eq!(listed[0].0.id, answer.result.unwrap());
     // And its delete reaches the disk: a restart does not bring it back.
-    for _ in 0..500 {
-        if crate::store::inspect::held(dir.path()).unwrap().len() == 1 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the orphan is still on disk");
+    one_left_on_disk(dir.path(), "the orphan is still on disk").await;
 }
 
 /// Shutdown: stopping the engine ends its thread only once the store
@@ -522,4 +510,16 @@ async fn a_failed_read_of_the_older_segments_is_tried_again() {
     };
     let (exit, ()) = tokio::join!(engine.run(&mut commands, &mut adopts, &stop), test);
     assert!(matches!(exit, Exit::Stopped));
+}
+
+/// Waits (5 s at most) until the store in `dir` holds exactly one message
+/// on disk; panics with `what` if it does not.
+async fn one_left_on_disk(dir: &std::path::Path, what: &str) {
+    for _ in 0..500 {
+        if crate::store::inspect::held(dir).unwrap().len() == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what}");
 }
