@@ -56,6 +56,19 @@ async fn count(q: &str) -> Option<u32> {
     Some(n)
 }
 
+/// The broker's app, stopped by the test: started again if the test fails
+/// before it does, so that the tests after it find the broker up (a run
+/// loaded enough to fail the check after the stop left it down, and every
+/// later test of that broker failed too).
+struct StartsAgain;
+
+impl Drop for StartsAgain {
+    fn drop(&mut self) {
+        let _ = BROKER.ctl(&["start_app"]);
+        let _ = BROKER.ctl(&["await_startup"]);
+    }
+}
+
 #[tokio::test]
 async fn held_messages_survive_a_broker_restart() {
     let _alone = common::alone();
@@ -152,6 +165,7 @@ async fn held_messages_survive_a_broker_restart() {
     .await;
 
     BROKER.ctl_ok(&["stop_app"]);
+    let stopped = StartsAgain;
     // They fall due while the broker is down: none may have gone out before.
     let s = scrape(nackd.metrics).await;
     assert_eq!(
@@ -162,6 +176,7 @@ async fn held_messages_survive_a_broker_restart() {
     tokio::time::sleep_until((all_due + Duration::from_secs(1)).into()).await;
     BROKER.ctl_ok(&["start_app"]);
     BROKER.ctl_ok(&["await_startup"]);
+    std::mem::forget(stopped);
 
     let began = Instant::now();
     loop {

@@ -178,8 +178,7 @@ fn assert_the_service_user_reads_the_config(root: &Root) {
 
 #[test]
 fn the_package_installs_on_a_clean_debian_13_and_an_upgrade_keeps_the_config_edit() {
-    // Not common::alone(): it runs in scripts/test's pass for the package
-    // and the image, beside the rest; nothing here is timed.
+    let _alone = crate::common::alone();
     let root = Root::new();
     let [(first, first_version), (second, second_version)] = build_packages(&root);
     assert!(

@@ -213,6 +213,8 @@ fn header<'a>(d: &'a lapin::message::Delivery, key: &str) -> Option<&'a AMQPValu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_image_builds_from_the_work_tree_runs_as_10001_retries_and_stops_on_sigterm() {
+    let _alone = common::alone();
+    common::require_broker();
     assert!(
         unsafe { libc::geteuid() } == 0,
         "the image test needs root (buildah, podman, the image store); it does not skip"
@@ -230,12 +232,6 @@ async fn the_image_builds_from_the_work_tree_runs_as_10001_retries_and_stops_on_
             .stderr(Stdio::inherit()),
         "scripts/image build",
     );
-    // The build above runs beside the rest of the suite (scripts/test's
-    // pass for the package and the image); the container's nackd needs the
-    // default broker, which a tests/alone test may restart: from here on,
-    // it takes its turn with them.
-    let _alone = common::alone();
-    common::require_broker();
     let revision = assert_the_image_config(&image_config());
 
     let name = common::unique("image");

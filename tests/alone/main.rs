@@ -2,11 +2,7 @@
 //! tests: one restarts the default broker (`broker_restart`), the others
 //! measure or load the whole machine (a million held messages, RAM of a
 //! due backlog, third-party client suites, a package installed in a
-//! Debian root). Each holds `common::alone()`, so they take turns; but
-//! the package and the container image (`deb`, `image`), which time
-//! nothing and build at the lowest CPU priority, run in a pass of their
-//! own beside the rest (scripts/test); the image takes its turn only to
-//! run its container against the default broker. The
+//! Debian root). Each holds `common::alone()`, so they take turns. The
 //! shared harness is `tests/common`; the other tests are in `tests/it`.
 //!
 //! Run one with a filter, e.g. `cargo test --test alone -- restart::`.
