@@ -517,8 +517,11 @@ async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again()
     let extra = format!(
         "[republish]\nheartbeat = \"0s\"\n[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n"
     );
-    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
-    let a = Process::start(&config(dir.path(), &frozen, &q, "8s", &extra));
+    // 20 s: parking 2 000 through A took over 8 s (the delay this had)
+    // on a machine loaded by the rest of the suite, and they fired before
+    // they were all held.
+    let b = Process::start(&config(dir.path(), &live, &q, "20s", ""));
+    let a = Process::start(&config(dir.path(), &frozen, &q, "20s", &extra));
     // One retry through A first, so that its republisher is connected.
     publish(&warm, 1).await;
     let through_a = connect(&format!("amqp://guest:guest@{}/%2f", a.addr)).await;
@@ -537,12 +540,14 @@ async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again()
     let nacked = park_all(&a, &q, n).await;
     signal(&a, "STOP");
     // A's lease is free after about two heartbeats (1 s), B adopts 5 s
-    // later and fires what is due (8 s after the nacks).
+    // later and fires what is due (20 s after the nacks). Adoption parks
+    // one message at a time and fires nothing before its commit: on a
+    // loaded machine, 2 000 took more than a minute.
     let conn = cluster().connect(2).await;
     let (_ch, mut c) = consumer(&conn, &q, 500).await;
     let mut seen: HashMap<u32, u32> = HashMap::new();
     let began = Instant::now();
-    while seen.len() < n as usize && began.elapsed() < Duration::from_secs(60) {
+    while seen.len() < n as usize && began.elapsed() < Duration::from_secs(150) {
         if let Some(d) = next(&mut c, Duration::from_secs(1)).await {
             *seen.entry(id_of(&d.data)).or_default() += 1;
             d.ack(BasicAckOptions::default()).await.unwrap();
