@@ -186,16 +186,17 @@ async fn a_due_backlog_costs_ram_for_max_pending_bytes_not_for_the_backlog() {
     );
     // The queue holds a message before its confirm reaches nackd: wait for
     // the last confirms (a loaded run scraped 99 667 of 100 000).
-    let confirmed_by = Instant::now() + Duration::from_secs(30);
-    let confirmed = loop {
-        let c = scrape(nackd.metrics)
-            .await
-            .get("nackd_retries_confirmed_total", &[]);
-        if c >= n as f64 || Instant::now() > confirmed_by {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let confirmed = wait_for(
+        Duration::from_secs(30),
+        "every retry confirmed",
+        || async {
+            scrape(nackd.metrics)
+                .await
+                .get("nackd_retries_confirmed_total", &[])
+        },
+        |c| *c >= n as f64,
+    )
+    .await;
     assert_eq!(confirmed, n as f64, "each once");
     nackd.kill9();
     assert_eq!(message_count(&ch, &q).await, n as u32, "none twice");
