@@ -1,9 +1,11 @@
 //! nackd's integration tests that must not share the machine with other
 //! tests: one restarts the default broker (`broker_restart`), the others
 //! measure or load the whole machine (a million held messages, RAM of a
-//! due backlog, third-party client suites, a package installed in a
-//! Debian root). Each holds `common::alone()`, so they take turns. The
-//! shared harness is `tests/common`; the other tests are in `tests/it`.
+//! due backlog, third-party client suites, the container image's build).
+//! Each holds `common::alone()`, so they take turns; the package test
+//! (`deb`, apt in a Debian root of its own) is here for its time and
+//! needs no turn. The shared harness is `tests/common`; the other tests
+//! are in `tests/it`.
 //!
 //! Run one with a filter, e.g. `cargo test --test alone -- restart::`.
 
