@@ -99,8 +99,9 @@ pub(super) async fn delete(q: &str) {
 }
 
 /// Messages of `q` delivered and not yet acked, as the broker counts them
-/// (`rabbitmqctl list_queues` on node 1, where the queue is led).
-async fn unacked(q: &str) -> u32 {
+/// (`rabbitmqctl list_queues`, asked of node 1: a metric the queue's
+/// leader refreshes every few seconds).
+pub(super) async fn unacked(q: &str) -> u32 {
     let out = cluster()
         .ctl(
             1,

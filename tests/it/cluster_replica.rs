@@ -12,6 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::cluster::unacked;
 use common::cluster::cluster;
 use common::ops::{get, scrape};
 use common::process::{Process, NACKD};
@@ -356,7 +357,16 @@ async fn a_deleted_stream_holds_nothing_more_until_reseeded_and_loses_nothing() 
     assert_eq!(s.get("nackd_replica_missing", &[]), 1.0);
     assert!(s.get("nackd_nacks_deferred_total", &[("reason", "no_replica")]) > 0.0);
     assert_eq!(readiness(&nackd).await, (503, no_replica(&stream)));
-    // The deferred deliveries go back to the queue with the consumer.
+    // The deferred deliveries go back to the queue with the consumer,
+    // once the broker applied nackd's acks (else a close right behind them
+    // can overtake them and requeue held ones too: see park_all).
+    wait_for(
+        Duration::from_secs(90),
+        "the broker to apply nackd's acks",
+        || unacked(&q),
+        |n| *n == total - intercepted,
+    )
+    .await;
     let _ = conn.close(200, "".into()).await;
     wait_for(
         Duration::from_secs(15),
