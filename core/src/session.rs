@@ -53,9 +53,13 @@ pub const FORCED_END: Duration =
     Duration::from_secs(SETTLE_TIMEOUT.as_secs() + CLOSE_TIMEOUT.as_secs() + 3);
 /// Time the broker gets to apply nackd's acks before a close, recover or
 /// disconnect that it held back goes on. RabbitMQ applies a quorum queue's
-/// settles at low priority: a channel that closes right after its acks can
-/// have them overtaken by its own death, and the messages requeued.
-pub const ACK_GRACE: Duration = Duration::from_millis(100);
+/// settles behind other work (a burst of them is sent a few at a time): a
+/// channel that closes right after its acks can have them overtaken by its
+/// own death, and the messages requeued (rabbitmq-server#10327). 100 ms was
+/// not enough on a loaded 2-core CI machine: a close right after 1 000
+/// nacks had 372 of 2 000 requeued (2026-11-29). Only a close that comes
+/// less than this after nackd's last ack waits.
+pub const ACK_GRACE: Duration = Duration::from_secs(1);
 /// How often the core checks heartbeats and deadlines.
 const TICK: Duration = Duration::from_millis(500);
 
