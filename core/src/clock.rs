@@ -236,7 +236,7 @@ mod tests {
         let ahead = clock.ahead_us.load(Ordering::SeqCst);
         assert_eq!(
             clock.instant_at_us(clock.origin_ms * 1000 + 1_500_250),
-            clock.origin + Duration::from_micros(1_500_250 - ahead)
+            clock.origin + Duration::from_micros(1_500_250u64.saturating_sub(ahead))
         );
         let (ms, us) = (clock.now_ms(), clock.now_us());
         assert!(

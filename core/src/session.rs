@@ -48,7 +48,8 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
 /// leaves a write unanswered this long stalled.
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest a forced session takes to end: its claims answered or given
-/// up, the close handshake, the last writes.
+/// up, the close handshake, the last writes (and within the slack, the
+/// broker's [`ACK_GRACE`] after the last acks).
 pub const FORCED_END: Duration =
     Duration::from_secs(SETTLE_TIMEOUT.as_secs() + CLOSE_TIMEOUT.as_secs() + 3);
 /// Time the broker gets to apply nackd's acks before a close, recover or

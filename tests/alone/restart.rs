@@ -36,6 +36,7 @@ use lapin::BasicProperties;
 use nackd::metrics::PassReason;
 use nackd::store::{Held, Log, Options, Route};
 use nackd_core::protocol::content::encode_header;
+use nackd_core::session::ACK_GRACE;
 
 /// Body size of every message here.
 const BODY: usize = 100;
@@ -524,9 +525,9 @@ const BACKLOG: u32 = 8_000;
 /// How long the graceful stop test gives open sessions.
 const GRACE: Duration = Duration::from_secs(2);
 /// What a forced close and the rest of the stop may add to it: the held
-/// messages acked upstream, 100 ms for the broker to apply them, the close
-/// handshakes, the engine stopped (store committed, writer joined).
-const STOP_AFTER_GRACE: Duration = Duration::from_secs(1);
+/// messages acked upstream, `ACK_GRACE` for the broker to apply them, the
+/// close handshakes, the engine stopped (store committed, writer joined).
+const STOP_AFTER_GRACE: Duration = Duration::from_secs(ACK_GRACE.as_secs() + 1);
 
 /// Item 2: SIGTERM while a consumer nacks continuously and a publisher
 /// feeds it. nackd acks what it holds upstream, commits the store and exits
@@ -535,7 +536,7 @@ const STOP_AFTER_GRACE: Duration = Duration::from_secs(1);
 /// the broker. A graceful stop is in none of the windows for a
 /// second delivery (docs/src/guarantees.md, "When a message can be delivered twice": 6 is a kill
 /// or a lost broker connection, 7 a client's own close, which waits its
-/// 100 ms too, but a classic queue applies a channel's acks in order
+/// `ACK_GRACE` too, but a classic queue applies a channel's acks in order
 /// before its close), so no duplicate at all is allowed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_under_nack_load_loses_nothing_and_duplicates_nothing() {

@@ -121,6 +121,17 @@ pub(super) async fn unacked(q: &str) -> u32 {
         .unwrap_or_else(|| panic!("no queue {q} in {out}"))
 }
 
+/// `probe`'s answer, after a pause if it is not 0: each probe of
+/// [`unacked`] starts a `rabbitmqctl` (an Erlang VM), which a loaded
+/// machine should not run back to back.
+pub(super) async fn paced(probe: impl std::future::Future<Output = u32>) -> u32 {
+    let n = probe.await;
+    if n != 0 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    n
+}
+
 pub(super) fn id_of(data: &[u8]) -> u32 {
     u32::from_be_bytes(data[..4].try_into().unwrap())
 }
@@ -185,7 +196,7 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     wait_for(
         Duration::from_secs(90),
         "the broker to apply nackd's acks",
-        || unacked(q),
+        || paced(unacked(q)),
         |n| *n == 0,
     )
     .await;

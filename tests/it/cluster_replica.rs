@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::cluster::unacked;
+use super::cluster::{paced, unacked};
 use common::cluster::cluster;
 use common::ops::{get, scrape};
 use common::process::{Process, NACKD};
@@ -363,7 +363,7 @@ async fn a_deleted_stream_holds_nothing_more_until_reseeded_and_loses_nothing() 
     wait_for(
         Duration::from_secs(90),
         "the broker to apply nackd's acks",
-        || unacked(&q),
+        || paced(unacked(&q)),
         |n| *n == total - intercepted,
     )
     .await;
