@@ -185,7 +185,11 @@ async fn a_gone_queue_is_visible_probed_and_its_messages_go_when_it_is_back() {
     let q = unique("gone-keep");
     let nackd = start(&format!(
         "[republish.queue_gone]\naction = \"keep\"\nprobe_interval = \"1s\"\n[metrics]\nadmin_token = \"{TOKEN}\"\n{}",
-        policy(&q, "\"300ms\"", "")
+        // Long enough that the queue is deleted before the retries fire:
+        // the channel's close in nack_all waits nackd's ACK_GRACE (1 s)
+        // after its acks, and with 300 ms the retries landed in the queue
+        // and went with it (a fresh-clone run, 2026-11-29).
+        policy(&q, "\"3s\"", "")
     ))
     .await;
     let conn = nackd.connect().await;
