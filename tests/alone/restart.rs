@@ -527,7 +527,7 @@ const GRACE: Duration = Duration::from_secs(2);
 /// What a forced close and the rest of the stop may add to it: the held
 /// messages acked upstream, `ACK_GRACE` for the broker to apply them, the
 /// close handshakes, the engine stopped (store committed, writer joined).
-const STOP_AFTER_GRACE: Duration = Duration::from_secs(ACK_GRACE.as_secs() + 1);
+const STOP_AFTER_GRACE: Duration = ACK_GRACE.saturating_add(Duration::from_secs(1));
 
 /// Item 2: SIGTERM while a consumer nacks continuously and a publisher
 /// feeds it. nackd acks what it holds upstream, commits the store and exits

@@ -101,7 +101,7 @@ pub(super) async fn delete(q: &str) {
 /// Messages of `q` delivered and not yet acked, as the broker counts them
 /// (`rabbitmqctl list_queues`, asked of node 1: a metric the queue's
 /// leader refreshes every few seconds).
-pub(super) async fn unacked(q: &str) -> u32 {
+async fn unacked(q: &str) -> u32 {
     let out = cluster()
         .ctl(
             1,
@@ -121,15 +121,24 @@ pub(super) async fn unacked(q: &str) -> u32 {
         .unwrap_or_else(|| panic!("no queue {q} in {out}"))
 }
 
-/// `probe`'s answer, after a pause if it is not 0: each probe of
-/// [`unacked`] starts a `rabbitmqctl` (an Erlang VM), which a loaded
-/// machine should not run back to back.
-pub(super) async fn paced(probe: impl std::future::Future<Output = u32>) -> u32 {
-    let n = probe.await;
-    if n != 0 {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    n
+/// Waits until the broker applied nackd's acks on a channel that stays
+/// open: `left` of `q`'s deliveries still unacked (those nackd did not
+/// hold). Each probe starts a `rabbitmqctl` (an Erlang VM): one a second,
+/// not back to back on a loaded machine.
+pub(super) async fn acks_applied(q: &str, left: u32) {
+    wait_for(
+        Duration::from_secs(90),
+        "the broker to apply nackd's acks",
+        || async {
+            let n = unacked(q).await;
+            if n != left {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            n
+        },
+        |n| *n == left,
+    )
+    .await;
 }
 
 pub(super) fn id_of(data: &[u8]) -> u32 {
@@ -187,19 +196,13 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     })
     .await;
     // Closed only once the broker applied nackd's acks: a quorum queue
-    // applies settles at low priority, and a close right behind them can
+    // applies settles behind other work, and a close right behind them can
     // overtake them and requeue messages nackd holds too (guarantees,
     // window 7; rabbitmq-server#10327): a CI run loaded by the rest of the
     // suite closed at once and found 45 of 3 000 back in the queue. The
     // count is the broker's metric (refreshed every few seconds); whether
     // any message came twice, the tests check after.
-    wait_for(
-        Duration::from_secs(90),
-        "the broker to apply nackd's acks",
-        || paced(unacked(q)),
-        |n| *n == 0,
-    )
-    .await;
+    acks_applied(q, 0).await;
     let _ = ch.close(200, "".into()).await;
     let _ = conn.close(200, "".into()).await;
     nacked

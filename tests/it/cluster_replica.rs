@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::cluster::{paced, unacked};
+use super::cluster::acks_applied;
 use common::cluster::cluster;
 use common::ops::{get, scrape};
 use common::process::{Process, NACKD};
@@ -360,13 +360,7 @@ async fn a_deleted_stream_holds_nothing_more_until_reseeded_and_loses_nothing() 
     // The deferred deliveries go back to the queue with the consumer,
     // once the broker applied nackd's acks (else a close right behind them
     // can overtake them and requeue held ones too: see park_all).
-    wait_for(
-        Duration::from_secs(90),
-        "the broker to apply nackd's acks",
-        || paced(unacked(&q)),
-        |n| *n == total - intercepted,
-    )
-    .await;
+    acks_applied(&q, total - intercepted).await;
     let _ = conn.close(200, "".into()).await;
     wait_for(
         Duration::from_secs(15),
