@@ -208,6 +208,28 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     nacked
 }
 
+/// How long the adoption tests hold their messages, in config and as a
+/// `Duration`: long enough that parking them and waiting for the broker to
+/// apply nackd's acks ([`park_all`], which polls a metric the broker
+/// refreshes every 5 s) ends well before the first is due. With 8 s, a CI
+/// run's parking took longer than the delay and the instance to be killed
+/// fired every message itself.
+const ADOPTED_DELAY: Duration = Duration::from_secs(20);
+const ADOPTED_DELAY_CONFIG: &str = "20s";
+
+/// SIGKILLs `holder` while every message of `nacked` is still held in it
+/// (none due for [`ADOPTED_DELAY`]): a test of adoption proves nothing
+/// once the holder fired them itself, so it says so instead.
+fn kill_before_due(holder: Process, nacked: &HashMap<u32, Instant>) {
+    let first = nacked.values().min().expect("messages parked");
+    let parked_for = first.elapsed();
+    holder.kill9();
+    assert!(
+        parked_for < ADOPTED_DELAY,
+        "parking took {parked_for:?}, past the {ADOPTED_DELAY:?} delay: the holder may have fired before it was killed"
+    );
+}
+
 /// Consumes the retries of `q` through `addr` until every id of `nacked`
 /// came back once, acking each; none may come before `delay` after its nack.
 async fn all_back(
@@ -282,20 +304,13 @@ async fn an_instance_gone_for_good_is_adopted() {
     let dir = tempfile::tempdir().unwrap();
     let (q, gone, live) = (unique("cluster-adopt"), unique("gone"), unique("live"));
     publish(&q, 300).await;
-    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
-    let a = Process::start(&config(dir.path(), &gone, &q, "8s", ""));
+    let b = Process::start(&config(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, ""));
+    let a = Process::start(&config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, ""));
     let nacked = park_all(&a, &q, 300).await;
-    a.kill9();
-    // Held for 8 s: B adopts them 5 s after A's lease is free, and they
-    // still fall due at their own time.
-    all_back(
-        b.addr,
-        &q,
-        &nacked,
-        Duration::from_secs(8),
-        Duration::from_secs(60),
-    )
-    .await;
+    kill_before_due(a, &nacked);
+    // B adopts them 5 s after A's lease is free, and they still fall due
+    // at their own time.
+    all_back(b.addr, &q, &nacked, ADOPTED_DELAY, Duration::from_secs(60)).await;
     let s = scrape(b.metrics).await;
     assert_eq!(s.get("nackd_retries_confirmed_total", &[]), 300.0);
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
@@ -311,19 +326,12 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
     let dir = tempfile::tempdir().unwrap();
     let (q, gone, live) = (unique("cluster-readopt"), unique("gone"), unique("live"));
     publish(&q, 50).await;
-    let b = Process::start(&config(dir.path(), &live, &q, "8s", ""));
-    let a_config = config(dir.path(), &gone, &q, "8s", "");
+    let b = Process::start(&config(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, ""));
+    let a_config = config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, "");
     let a = Process::start(&a_config);
     let first = park_all(&a, &q, 50).await;
-    a.kill9();
-    all_back(
-        b.addr,
-        &q,
-        &first,
-        Duration::from_secs(8),
-        Duration::from_secs(60),
-    )
-    .await;
+    kill_before_due(a, &first);
+    all_back(b.addr, &q, &first, ADOPTED_DELAY, Duration::from_secs(60)).await;
     // Back on its old store, which was adopted: it starts empty.
     let a = Process::start(&a_config);
     let s = scrape(a.metrics).await;
@@ -334,15 +342,8 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
     );
     publish_range(&q, 50..100).await;
     let second = park_all(&a, &q, 50).await;
-    a.kill9();
-    all_back(
-        b.addr,
-        &q,
-        &second,
-        Duration::from_secs(8),
-        Duration::from_secs(60),
-    )
-    .await;
+    kill_before_due(a, &second);
+    all_back(b.addr, &q, &second, ADOPTED_DELAY, Duration::from_secs(60)).await;
     drop(b);
     delete(&q).await;
 }

@@ -142,10 +142,14 @@ async fn every_one_once(addr: SocketAddr, q: &str, nacked: &HashMap<u32, Instant
         let _ = d.ack(BasicAckOptions::default()).await;
     }
     let twice = back.values().filter(|n| **n > 1).count();
+    let mut which: Vec<u32> = back.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
+    which.sort_unstable();
+    // Ids below N were A's, then the adopters' own OWN each.
     eprintln!(
-        "{} of {} came back, {twice} more than once",
+        "{} of {} came back, {twice} more than once: {:?}",
         back.len(),
-        nacked.len()
+        nacked.len(),
+        &which[..which.len().min(20)]
     );
     assert_eq!(back.len(), nacked.len(), "every message came back");
     assert_eq!(twice, 0, "no message came back twice");
