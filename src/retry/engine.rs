@@ -893,6 +893,14 @@ impl Engine {
         }
     }
 
+    /// What an adoption asked before this engine ran (completions and
+    /// releases: see the supervisor's `between_engines`).
+    pub(super) fn adopt_all(&mut self, carried: Vec<crate::replica::Adopt>) {
+        for adopt in carried {
+            self.on_adopt(adopt);
+        }
+    }
+
     /// Another instance's message to hold under a new id of ours.
     fn on_adopt(&mut self, adopt: crate::replica::Adopt) {
         use crate::replica::Adopt;

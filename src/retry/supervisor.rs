@@ -80,11 +80,18 @@ async fn supervise(
     if let Some(replica) = &replica {
         tokio::spawn(forward_reseeds(reseeds, replica.clone()));
     }
+    // What an adoption asked while no engine ran (see `between_engines`).
+    let mut carried = Vec::new();
     loop {
         if let Some(replica) = &replica {
-            let synced = tokio::select! {
-                _ = stop.cancelled() => return,
-                synced = sync(replica, log, &ready) => synced,
+            let syncing = sync(replica, log, &ready);
+            tokio::pin!(syncing);
+            let synced = loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    synced = &mut syncing => break synced,
+                    Some(adopt) = adopts.recv() => carried.extend(between_engines(adopt)),
+                }
             };
             match synced {
                 Ok(synced) => (log, recovered) = (synced.log, synced.recovered),
@@ -96,7 +103,8 @@ async fn supervise(
             }
         }
         info!(held = recovered.held.len(), "store ready: intercepting");
-        let engine = Engine::new(log, recovered, &start, replica.clone(), ready.clone());
+        let mut engine = Engine::new(log, recovered, &start, replica.clone(), ready.clone());
+        engine.adopt_all(std::mem::take(&mut carried));
         match engine.run(&mut commands, &mut adopts, &stop).await {
             Exit::Stopped => return,
             Exit::Stale(back) => {
@@ -105,6 +113,24 @@ async fn supervise(
                 recovered = Default::default();
             }
         }
+    }
+}
+
+/// What an adoption asks while no engine runs (the store is being lined
+/// up with the replica, which may wait for this instance's lease a long
+/// time): a park is refused at once, so that the adoption, which waits
+/// for every park's answer, ends (and is tried again) rather than waits
+/// for a lease a standby may keep, holding the adopted instance's lease
+/// meanwhile; a completion or release is kept for the next engine.
+fn between_engines(adopt: Adopt) -> Option<Adopt> {
+    match adopt {
+        Adopt::Park { reply, .. } => {
+            let _ = reply.send(Err(
+                "the retry engine is restarting (its lease was lost)".into()
+            ));
+            None
+        }
+        kept => Some(kept),
     }
 }
 
