@@ -277,6 +277,7 @@ impl Watch {
             engine,
             state: &self.state,
             metrics: &self.metrics,
+            clock: &self.clock,
         };
         let adoption = me.adopt(name, progress, overdue).await?;
         self.ended(config, engine, name, adoption, now).await;
@@ -367,6 +368,7 @@ struct Adopter<'a> {
     engine: &'a mpsc::Sender<Adopt>,
     state: &'a watch::Receiver<State>,
     metrics: &'a Metrics,
+    clock: &'a Clock,
 }
 
 /// What another instance's directory says about adoptions.
@@ -682,8 +684,13 @@ impl Adopter<'_> {
             from: name.to_owned(),
             epoch,
         };
+        let began = self.clock.now();
         match self.take_over(g, from, &mut progress.ours).await {
-            Ok(count) => Ok(Outcome::Parked(count)),
+            Ok(count) => {
+                let took = self.clock.now().saturating_duration_since(began);
+                info!(from = name, epoch, messages = count, took = ?took, "parked the held messages of an adoption");
+                Ok(Outcome::Parked(count))
+            }
             Err(ClientError::Returned(stream)) => Ok(Outcome::StreamReturned(stream)),
             Err(e) => Err(e),
         }

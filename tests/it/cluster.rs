@@ -574,9 +574,9 @@ async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again()
     let nacked = park_all(&a, &q, n).await;
     signal(&a, "STOP");
     // A's lease is free after about two heartbeats (1 s), B adopts 5 s
-    // later and fires what is due (20 s after the nacks). Adoption parks
-    // one message at a time and fires nothing before its commit: on a
-    // loaded machine, 2 000 took more than a minute.
+    // later and fires what is due (20 s after the nacks). Adoption fires
+    // nothing before its commit: on a loaded machine, when it still parked
+    // one message at a time, 2 000 took more than a minute.
     let conn = cluster().connect(2).await;
     let (_ch, mut c) = consumer(&conn, &q, 500).await;
     let mut seen: HashMap<u32, u32> = HashMap::new();

@@ -83,13 +83,17 @@ async fn committed(p: &Process, gone: &str, since: Instant) -> Duration {
             .any(|l| l.contains("adopted the held messages") && l.contains(gone))
     };
     while !done() {
-        // A bound on "eventually" (an adoption parks one message at a
-        // time, and the suite's tests share the machine), not a claim.
+        // A bound on "eventually" (the suite's tests share the
+        // machine), not a claim.
         assert!(
             since.elapsed() < Duration::from_secs(180),
             "no adoption of {gone} committed"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = p.log.lock().unwrap();
+    for parked in log.iter().filter(|l| l.contains("parked the held messages") && l.contains(gone)) {
+        eprintln!("{parked}");
     }
     since.elapsed()
 }
