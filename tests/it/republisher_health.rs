@@ -168,10 +168,11 @@ async fn a_silent_republisher_connection_is_noticed_and_replaced() {
         frozen_at.elapsed()
     );
     let s = scrape(nackd.metrics).await;
-    assert_eq!(
-        s.get("nackd_republisher_connects_total", &[("vhost", "/")]),
-        2.0
-    );
+    // Replaced at least once. With a 1 s heartbeat, the new connection may
+    // be presumed dead too on a loaded machine (a run of the suite saw a third
+    // connect 3 s after the second): that costs a reconnect, not a message.
+    let connects = s.get("nackd_republisher_connects_total", &[("vhost", "/")]);
+    assert!(connects >= 2.0, "{connects} connects: never replaced");
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
     delete_queues(&check, &[&q]).await;
 }
