@@ -317,6 +317,7 @@ async fn a_message_held_from_3x_above_the_4x_size_limit_is_kept_and_named() {
                     &[("reason", "precondition_failed")],
                 ) == 1.0
                     && s.get("nackd_retries_confirmed_total", &[]) == 1.0
+                    && s.sum("nackd_held_messages") == 1.0
             },
         )
         .await;

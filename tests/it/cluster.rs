@@ -208,7 +208,7 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     nacked
 }
 
-/// How long the adoption tests hold their messages, in config and as a
+/// How long the adoption and takeover tests hold their messages, in config and as a
 /// `Duration`: long enough that parking them and waiting for the broker to
 /// apply nackd's acks ([`park_all`], which polls a metric the broker
 /// refreshes every 5 s) ends well before the first is due. With 8 s, a CI
@@ -218,15 +218,16 @@ const ADOPTED_DELAY: Duration = Duration::from_secs(20);
 const ADOPTED_DELAY_CONFIG: &str = "20s";
 
 /// SIGKILLs `holder` while every message of `nacked` is still held in it
-/// (none due for [`ADOPTED_DELAY`]): a test of adoption proves nothing
-/// once the holder fired them itself, so it says so instead.
-fn kill_before_due(holder: Process, nacked: &HashMap<u32, Instant>) {
-    let first = nacked.values().min().expect("messages parked");
-    let parked_for = first.elapsed();
+/// (none due for `delay`): a test of adoption or takeover proves nothing
+/// once the holder fired them itself, so it says so instead. Checked once
+/// the process is gone, so that a slow kill counts too.
+fn kill_before_due(holder: Process, nacked: &HashMap<u32, Instant>, delay: Duration) {
+    let first = *nacked.values().min().expect("messages parked");
     holder.kill9();
+    let dead_after = first.elapsed();
     assert!(
-        parked_for < ADOPTED_DELAY,
-        "parking took {parked_for:?}, past the {ADOPTED_DELAY:?} delay: the holder may have fired before it was killed"
+        dead_after < delay,
+        "the holder died {dead_after:?} after the first nack, past the {delay:?} delay: it may have fired before it was killed"
     );
 }
 
@@ -307,7 +308,7 @@ async fn an_instance_gone_for_good_is_adopted() {
     let b = Process::start(&config(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, ""));
     let a = Process::start(&config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, ""));
     let nacked = park_all(&a, &q, 300).await;
-    kill_before_due(a, &nacked);
+    kill_before_due(a, &nacked, ADOPTED_DELAY);
     // B adopts them 5 s after A's lease is free, and they still fall due
     // at their own time.
     all_back(b.addr, &q, &nacked, ADOPTED_DELAY, Duration::from_secs(60)).await;
@@ -330,7 +331,7 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
     let a_config = config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, "");
     let a = Process::start(&a_config);
     let first = park_all(&a, &q, 50).await;
-    kill_before_due(a, &first);
+    kill_before_due(a, &first, ADOPTED_DELAY);
     all_back(b.addr, &q, &first, ADOPTED_DELAY, Duration::from_secs(60)).await;
     // Back on its old store, which was adopted: it starts empty.
     let a = Process::start(&a_config);
@@ -342,7 +343,7 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
     );
     publish_range(&q, 50..100).await;
     let second = park_all(&a, &q, 50).await;
-    kill_before_due(a, &second);
+    kill_before_due(a, &second, ADOPTED_DELAY);
     all_back(b.addr, &q, &second, ADOPTED_DELAY, Duration::from_secs(60)).await;
     drop(b);
     delete(&q).await;
@@ -358,8 +359,8 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     publish(&q, 100).await;
     let a_dir = tempfile::tempdir().unwrap();
     let b_dir = tempfile::tempdir().unwrap();
-    let a = Process::start(&config(a_dir.path(), &id, &q, "10s", ""));
-    let b = Process::start_listening(&config(b_dir.path(), &id, &q, "10s", ""));
+    let a = Process::start(&config(a_dir.path(), &id, &q, ADOPTED_DELAY_CONFIG, ""));
+    let b = Process::start_listening(&config(b_dir.path(), &id, &q, ADOPTED_DELAY_CONFIG, ""));
     // B recovers its (empty) store, then waits for the lease A holds.
     wait_for(
         Duration::from_secs(30),
@@ -373,8 +374,8 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
         a.addr,
         &q,
         &first,
-        Duration::from_secs(10),
-        Duration::from_secs(30),
+        ADOPTED_DELAY,
+        Duration::from_secs(60),
     )
     .await;
     let s = scrape(b.metrics).await;
@@ -387,7 +388,7 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     // A second batch is held when the holder dies.
     publish_range(&q, 100..200).await;
     let second = park_all(&a, &q, 100).await;
-    a.kill9();
+    kill_before_due(a, &second, ADOPTED_DELAY);
     let died = Instant::now();
     common::ops::wait_intercepting(b.metrics).await;
     let took = died.elapsed();
@@ -396,10 +397,16 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
         b.addr,
         &q,
         &second,
-        Duration::from_secs(10),
-        Duration::from_secs(30),
+        ADOPTED_DELAY,
+        Duration::from_secs(60),
     )
     .await;
+    let s = scrape(b.metrics).await;
+    assert_eq!(
+        s.get("nackd_retries_confirmed_total", &[]),
+        100.0,
+        "the second batch fired by the standby that took over"
+    );
     drop(b);
     delete(&q).await;
     let _ = dir;
