@@ -1,8 +1,9 @@
 //! The broker goes away while nackd holds messages: the republisher
 //! reconnects and every held message is delivered.
 //!
-//! This test stops and starts the RabbitMQ application, so it lives alone in
-//! its own test binary (cargo runs test binaries one after another).
+//! This test stops and starts the RabbitMQ application, so it holds its
+//! broker's `common::alone()` turn, and `.config/nextest.toml` runs it
+//! once the tests of `tests/it` have ended.
 
 use crate::common;
 

@@ -30,7 +30,8 @@ pub mod republish;
 /// runs meanwhile, whatever runs them (threads of one `cargo test` binary,
 /// or one process per test under `cargo nextest`, whose settings also keep
 /// the rest of the pass away: `.config/nextest.toml`). The tests of
-/// `tests/it` share the machine; those of `tests/alone` take turns.
+/// `tests/it` share the machine; those of `tests/alone` take turns per
+/// broker.
 pub fn alone() -> Alone {
     let broker = broker::chosen();
     let name = format!("alone-{}", broker.trim().replace([':', '/'], "_"));

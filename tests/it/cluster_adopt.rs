@@ -148,7 +148,7 @@ async fn every_one_once(addr: SocketAddr, q: &str, nacked: &HashMap<u32, Instant
     let twice = back.values().filter(|n| **n > 1).count();
     let mut which: Vec<u32> = back.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
     which.sort_unstable();
-    // Ids below N were A's, then the adopters' own OWN each.
+    // Ids below N are A's; then come B's OWN, then C's OWN.
     eprintln!(
         "{} of {} came back, {twice} more than once: {:?}",
         back.len(),
