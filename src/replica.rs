@@ -73,6 +73,9 @@ pub struct Config {
     /// A generation is replaced once it holds more than twice the live
     /// bytes plus this much.
     pub generation_slack: u64,
+    /// `replica.previous_addresses`: the nodes an id's last holder may
+    /// have listed, besides `target.nodes`, during a change of them.
+    pub previous_nodes: Vec<String>,
 }
 
 impl Config {
@@ -120,6 +123,9 @@ pub enum State {
     /// A reseed was asked for: the local store must be handed back
     /// ([`Replica::sync`] writes the new generation from it).
     Reseeding,
+    /// This process lists other `upstream.addresses` than its id's last
+    /// holder did: it does not take the lease (and says so in the log).
+    Refused,
 }
 
 /// A reseed done: how many held messages the new generation got, and its name.
@@ -228,7 +234,7 @@ impl Replica {
     /// a missing one; `reply` gets the outcome once it is written.
     pub fn reseed(&self, reply: ReseedReply) {
         let state = self.state.borrow().clone();
-        if matches!(state, State::Connecting | State::Standby) {
+        if matches!(state, State::Connecting | State::Standby | State::Refused) {
             // The task may wait for the lease for ever: answer now.
             let why = format!("the replica is {state:?}, not holding its lease: nothing to reseed");
             let _ = reply.send(Err(ReplicaError(why)));

@@ -194,6 +194,7 @@ fn replica_config(
         done_every: r.completions_every,
         adopt_after: r.adopt_after,
         generation_slack: r.generation_slack,
+        previous_nodes: r.previous_addresses.clone(),
     }))
 }
 

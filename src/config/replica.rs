@@ -46,6 +46,16 @@ pub struct Replica {
     /// once it holds more than twice their bytes plus this many bytes.
     #[serde(default = "default_generation_slack")]
     pub generation_slack: u64,
+    /// For a change of `upstream.addresses` only: the list as it was. The
+    /// lease's registers are named by their place in that list, so every
+    /// process of an id must list the same nodes in the same order; a
+    /// process whose list differs from the one its id's last holder
+    /// recorded does not take the lease (and logs both). During a change,
+    /// the processes with the new list name the old one here; remove it
+    /// once every process runs with the new list.
+    #[serde(default)]
+    #[schemars(example = ["10.0.0.1:5672", "10.0.0.2:5672", "10.0.0.3:5672"])]
+    pub previous_addresses: Vec<String>,
 }
 
 /// What `instance` and `group` may be, for the JSON Schema.
@@ -109,6 +119,16 @@ impl Replica {
         }
         if self.cluster_size == Some(0) {
             return Err(("replica.cluster_size".into(), "must be at least 1".into()));
+        }
+        if let Some(i) = self
+            .previous_addresses
+            .iter()
+            .position(|a| !a.contains(':'))
+        {
+            return Err((
+                format!("replica.previous_addresses[{i}]"),
+                "expected host:port".into(),
+            ));
         }
         Ok(())
     }

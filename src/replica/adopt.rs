@@ -1161,6 +1161,7 @@ mod tests {
         let epoch = Record::Epoch {
             n: 2,
             holder: "pid 1".into(),
+            nodes: None,
         };
         let dir = Directory::fold(vec![Record::Generation(1), adopting("b", 1)]);
         assert_eq!(dir.open, Some(("b".into(), 1)));

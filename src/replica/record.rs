@@ -9,7 +9,9 @@
 //!                                        (a put parked by an adoption of `from`)
 //! directory stream   nackd.<instance>
 //!   generation = 16 n:u64                (the generation to read)
-//!   epoch      = 17 n:u64 holder:str16   (a lease acquisition)
+//!   epoch      = 17 n:u64 holder:str16 [count:u16 node:str16 * count]
+//!                                        (a lease acquisition, with the
+//!                                         holder's upstream.addresses)
 //!   adopted    = 18 by:str16 [epoch:u64] (another instance took everything;
 //!                                         with the epoch of its intent)
 //!   adopting   = 19 by:str16 epoch:u64   (another instance's intent to adopt)
@@ -87,6 +89,9 @@ pub enum Record {
         n: u64,
         /// Who took it (process and host, for logs).
         holder: String,
+        /// The holder's `upstream.addresses`, in order: every process of
+        /// an id must list the same (none from older versions).
+        nodes: Option<Vec<String>>,
     },
     /// Every held message was adopted by another instance (the commit
     /// of its intent, when `epoch` names one).
@@ -202,10 +207,11 @@ impl Record {
                 out.put_u8(GENERATION);
                 out.put_u64(*n);
             }
-            Self::Epoch { n, holder } => {
+            Self::Epoch { n, holder, nodes } => {
                 out.put_u8(EPOCH);
                 out.put_u64(*n);
                 put_str16(&mut out, holder);
+                nodes.iter().for_each(|nodes| put_list16(&mut out, nodes));
             }
             Self::Adopted { by, epoch } => {
                 out.put_u8(ADOPTED);
@@ -239,10 +245,16 @@ impl Record {
             GENERATION if b.remaining() == 8 => Self::Generation(b.get_u64()),
             EPOCH => {
                 let n = take_u64(&mut b)?;
-                Self::Epoch {
-                    n,
-                    holder: take_str16(&mut b)?,
-                }
+                let holder = take_str16(&mut b)?;
+                let nodes = match b.remaining() {
+                    0 => None,
+                    _ => {
+                        let count = take_u16(&mut b)?;
+                        let nodes = (0..count).map(|_| take_str16(&mut b));
+                        Some(nodes.collect::<Result<Vec<_>, _>>()?)
+                    }
+                };
+                Self::Epoch { n, holder, nodes }
             }
             MOVED => take_moved(&mut b)?,
             ADOPTED => Self::Adopted {
@@ -382,6 +394,13 @@ fn put_str16(out: &mut Vec<u8>, s: &str) {
     out.put_slice(bytes);
 }
 
+/// A count, then each string (at most `u16::MAX` of them).
+fn put_list16(out: &mut Vec<u8>, list: &[String]) {
+    let list = &list[..list.len().min(u16::MAX as usize)];
+    out.put_u16(list.len() as u16);
+    list.iter().for_each(|s| put_str16(out, s));
+}
+
 /// The rest of a put: its copy flag, then one whole hold-log put record
 /// (the rest of the body).
 fn take_put(b: &mut &[u8]) -> Result<Record, Malformed> {
@@ -447,6 +466,10 @@ fn take_done(b: &mut &[u8]) -> Result<Record, Malformed> {
 
 fn take_u8(b: &mut &[u8]) -> Result<u8, Malformed> {
     (b.remaining() >= 1).then(|| b.get_u8()).ok_or(Malformed)
+}
+
+fn take_u16(b: &mut &[u8]) -> Result<u16, Malformed> {
+    (b.remaining() >= 2).then(|| b.get_u16()).ok_or(Malformed)
 }
 
 fn take_u32(b: &mut &[u8]) -> Result<u32, Malformed> {
@@ -538,6 +561,17 @@ mod tests {
             Record::Epoch {
                 n: 7,
                 holder: "pid 1 on host".into(),
+                nodes: None,
+            },
+            Record::Epoch {
+                n: 8,
+                holder: "pid 2 on host".into(),
+                nodes: Some(vec!["a:5672".into(), "b:5672".into()]),
+            },
+            Record::Epoch {
+                n: 9,
+                holder: "pid 3 on host".into(),
+                nodes: Some(Vec::new()),
             },
             Record::Adopted {
                 by: "b".into(),

@@ -27,6 +27,9 @@ mod sync;
 
 /// How often a standby asks for the lease, and a lost connection is retried.
 const RETRY: Duration = Duration::from_secs(1);
+/// How often a process that refuses the lease (its `upstream.addresses`
+/// differ from its id's) reads the directory again, and says why.
+const REFUSED_AGAIN: Duration = Duration::from_secs(30);
 /// Steps of a rebuild committed together.
 const REBUILD_BATCH: usize = 512;
 /// Seed records of a new generation in flight at most.
@@ -81,8 +84,8 @@ impl Directory {
                     dir.generation = Some(n);
                     dir.adopted_by = None;
                 }
-                Record::Epoch { n, holder } if n > dir.epoch => {
-                    (dir.epoch, dir.holder) = (n, Some(holder));
+                Record::Epoch { n, holder, nodes } if n > dir.epoch => {
+                    (dir.epoch, dir.holder, dir.nodes) = (n, Some(holder), nodes);
                 }
                 Record::Adopted { by, .. } => dir.adopted_by = Some(by),
                 _ => {}
@@ -111,6 +114,9 @@ struct Directory {
     epoch: u64,
     /// Who wrote the last record of the highest epoch.
     holder: Option<String>,
+    /// The `upstream.addresses` that holder listed (none: an older
+    /// version's record, or no holder yet).
+    nodes: Option<Vec<String>>,
     adopted_by: Option<String>,
 }
 
@@ -152,6 +158,9 @@ struct Task {
     clock: Clock,
     /// When the last lease probe (or acquisition) the broker answered was sent.
     heard: Option<Instant>,
+    /// The nodes this id's last holder listed, while they differ from this
+    /// process's: it does not take the lease meanwhile.
+    refused: Option<Vec<String>>,
 }
 
 /// A generation switch in progress: copies come from the copier; every new
@@ -256,6 +265,7 @@ impl Task {
             synced_once: false,
             appended: 0,
             compaction: None,
+            refused: None,
         }
     }
 
@@ -866,9 +876,13 @@ impl Task {
         }
     }
 
-    /// One attempt at the lease and a writes connection.
+    /// One attempt at the lease and a writes connection. A lease just
+    /// taken is given back if the directory says that its last holder
+    /// listed other nodes ([`Task::judge`]): read under the lease, that
+    /// record is the last one.
     async fn acquire_once(&mut self) -> bool {
-        if self.lease.is_none() && !self.take_lease().await {
+        let taken = self.lease.is_none();
+        if taken && !self.take_lease().await {
             return false;
         }
         let target = &self.config.target;
@@ -885,6 +899,20 @@ impl Task {
             }
             self.next_node += 1;
         }
+        if taken {
+            match self.directory().await {
+                Ok(dir) if self.judge(&dir) => {}
+                Ok(_) => {
+                    self.lease = None;
+                    return false;
+                }
+                Err(e) => {
+                    warn!(error = %e, "replica cannot read its directory; giving the lease back");
+                    self.lease = None;
+                    return false;
+                }
+            }
+        }
         true
     }
 
@@ -892,15 +920,80 @@ impl Task {
         format!("nackd replica {}", self.config.instance)
     }
 
-    /// Waits for the lease (as a standby while another process holds it).
+    /// Waits for the lease (as a standby while another process holds it,
+    /// or while this one refuses it).
     async fn acquire(&mut self) {
         self.register().await;
-        while !self.acquire_once().await {
+        // Before contending: so a process started with other nodes says
+        // so at once, even while another holds the lease.
+        if !self.synced_once {
+            self.look().await;
+        }
+        loop {
+            if self.refused.is_none() && self.acquire_once().await {
+                return;
+            }
+            if self.refused.is_some() {
+                tokio::time::sleep(REFUSED_AGAIN).await;
+                self.look().await;
+                continue;
+            }
             // Jittered: standbys that each took a minority of the
             // registers gave them back, and must not meet again in step.
             let jitter = Duration::from_millis(fastrand::u64(..500));
             tokio::time::sleep(RETRY + jitter).await;
         }
+    }
+
+    /// Reads the directory on a connection of its own (no lease is needed
+    /// to read it) and judges its nodes. One that cannot be read changes
+    /// nothing: the reading under the lease decides.
+    async fn look(&mut self) {
+        let target = &self.config.target;
+        let client = match Client::connect(target, self.next_node, &self.name()).await {
+            Ok(c) => c,
+            Err(e) => return warn!(error = %e, "replica cannot connect"),
+        };
+        let name = Config::directory(&self.config.instance);
+        let read = match client.declare_stream(&name).await {
+            Ok(()) => client.read_all(&name).await,
+            Err(e) => Err(e),
+        };
+        client.close().await;
+        match read {
+            Ok(records) => {
+                self.judge(&Directory::fold(records));
+            }
+            Err(e) => warn!(error = %e, "replica cannot read its directory"),
+        }
+    }
+
+    /// Whether this process may hold its id's lease by the nodes the last
+    /// holder listed (`dir`): register `k` is named by its place in
+    /// `upstream.addresses`, so two processes of one id with different
+    /// lists could each hold a majority. While they differ it refuses.
+    fn judge(&mut self, dir: &Directory) -> bool {
+        let config = &self.config;
+        let Some(recorded) = dir
+            .nodes
+            .as_ref()
+            .filter(|r| !nodes_agree(r, &config.target.nodes, &config.previous_nodes))
+        else {
+            if self.refused.take().is_some() {
+                info!("upstream.addresses agree with this instance id's last holder's again: taking part in the lease");
+            }
+            return true;
+        };
+        error!(
+            "upstream.addresses differ from this instance id's last holder's: this process lists [{}], {} (epoch {}) listed [{}]; not taking the lease: every process of an id must list the same nodes in the same order (to change them, see replica.previous_addresses)",
+            config.target.nodes.join(", "),
+            dir.holder.as_deref().unwrap_or("the holder"),
+            dir.epoch,
+            recorded.join(", "),
+        );
+        self.refused = Some(recorded.clone());
+        self.set(State::Refused);
+        false
     }
 
     /// Adds this id to the registry, so that others can adopt it one day.
@@ -977,6 +1070,7 @@ impl Task {
                 &Record::Epoch {
                     n: epoch,
                     holder: holder.clone(),
+                    nodes: Some(self.config.target.nodes.clone()),
                 },
             )
             .await?;
@@ -999,6 +1093,12 @@ impl Task {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
     }
+}
+
+/// Whether a process listing `ours` (and `previous`, during a change) may
+/// hold a lease whose last holder listed `recorded`.
+fn nodes_agree(recorded: &[String], ours: &[String], previous: &[String]) -> bool {
+    recorded == ours || recorded == previous
 }
 
 /// Whether the local store's epoch is the directory's by the same holder
@@ -1069,6 +1169,7 @@ mod directory_tests {
         Record::Epoch {
             n,
             holder: holder.into(),
+            nodes: None,
         }
     }
 
@@ -1098,5 +1199,41 @@ mod directory_tests {
             ..synced("x")
         };
         assert!(same_holder(&old, &dir));
+    }
+
+    fn nodes(list: &[&str]) -> Vec<String> {
+        list.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// Issue 36: the nodes that count are the first record's of the
+    /// highest epoch (the holder's), and a later epoch of an older
+    /// version, which records none, leaves none to compare.
+    #[test]
+    fn the_recorded_nodes_are_the_last_holders() {
+        let with = |n: u64, holder: &str, list: &[&str]| Record::Epoch {
+            n,
+            holder: holder.into(),
+            nodes: Some(nodes(list)),
+        };
+        let dir = Directory::fold([
+            with(1, "a", &["n1:1", "n2:1"]),
+            with(2, "b", &["n1:1", "n2:1", "n3:1"]),
+            with(2, "late", &["x:1"]),
+        ]);
+        assert_eq!(dir.nodes, Some(nodes(&["n1:1", "n2:1", "n3:1"])));
+        let dir = Directory::fold([with(1, "a", &["n1:1"]), epoch(2, "old")]);
+        assert_eq!(dir.nodes, None);
+        assert_eq!(Directory::fold([Record::Generation(1)]).nodes, None);
+    }
+
+    #[test]
+    fn nodes_agree_in_the_same_order_or_as_the_previous_list() {
+        let ours = nodes(&["n1:1", "n2:1", "n3:1"]);
+        assert!(nodes_agree(&ours, &ours, &[]));
+        assert!(!nodes_agree(&nodes(&["n1:1", "n3:1", "n2:1"]), &ours, &[]));
+        assert!(!nodes_agree(&nodes(&["n1:1", "n2:1"]), &ours, &[]));
+        let old = nodes(&["n1:1", "n2:1"]);
+        assert!(nodes_agree(&old, &ours, &old));
+        assert!(!nodes_agree(&nodes(&["n9:1"]), &ours, &old));
     }
 }

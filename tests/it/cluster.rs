@@ -20,11 +20,20 @@ use lapin::{BasicProperties, Channel, Connection};
 
 /// A nackd config in front of the whole cluster, with a replica.
 pub(super) fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> PathBuf {
-    let nodes: Vec<String> = cluster()
-        .addrs()
-        .iter()
-        .map(|a| format!("\"{a}\""))
-        .collect();
+    let nodes: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    config_listing(dir, instance, queue, delay, extra, &nodes)
+}
+
+/// [`config`], with `nodes` as `upstream.addresses`.
+fn config_listing(
+    dir: &Path,
+    instance: &str,
+    queue: &str,
+    delay: &str,
+    extra: &str,
+    nodes: &[String],
+) -> PathBuf {
+    let nodes: Vec<String> = nodes.iter().map(|a| format!("\"{a}\"")).collect();
     let path = dir.join(format!("{instance}.toml"));
     std::fs::write(
         &path,
@@ -1051,4 +1060,61 @@ async fn an_old_release_holding_the_id_keeps_a_new_process_standing_by() {
     )
     .await;
     drop(new);
+}
+
+/// Issue 36: the lease's registers are named by their place in
+/// `upstream.addresses`, so every process of an id must list the same
+/// nodes in the same order. One that lists them in another order refuses
+/// the lease, naming both lists, while the holder runs and once it is
+/// gone; one that names the holder's list as `replica.previous_addresses`
+/// (a change of the list) takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
+    let _all_up = cluster().steady().await;
+    let (q, id) = (unique("cluster-addresses"), unique("addresses"));
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let reversed: Vec<String> = ours.iter().rev().cloned().collect();
+    let a = Process::start_listening(&config(dirs[0].path(), &id, &q, "10s", ""));
+    common::ops::wait_intercepting(a.metrics).await;
+    let b = Process::start_listening(&config_listing(
+        dirs[1].path(),
+        &id,
+        &q,
+        "10s",
+        "",
+        &reversed,
+    ));
+    let line = b.wait_for_log(&[
+        "upstream.addresses differ",
+        &format!("this process lists [{}]", reversed.join(", ")),
+        &format!("listed [{}]", ours.join(", ")),
+        "not taking the lease",
+    ]);
+    eprintln!("{line}");
+    a.kill9();
+    // A's registers are free within two heartbeats (2 s): B still refuses.
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(8) {
+        let r = get(b.metrics, "/readyz").await;
+        assert!(!common::ops::intercepting(&r), "B took the lease: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(b.log.lock().unwrap().iter().all(|l| !l.contains("holding the lease")));
+    drop(b);
+    let previous = format!(
+        "previous_addresses = [{}]",
+        ours.iter().map(|a| format!("\"{a}\"")).collect::<Vec<_>>().join(", ")
+    );
+    let c = Process::start_listening(&config_listing(
+        dirs[2].path(),
+        &id,
+        &q,
+        "10s",
+        &previous,
+        &reversed,
+    ));
+    common::ops::wait_intercepting(c.metrics).await;
+    drop(c);
+    delete(&q).await;
 }

@@ -41,6 +41,7 @@ fn config_with_slack(instance: &str, dir: &std::path::Path, slack: u64) -> Confi
         done_every: Duration::from_millis(50),
         adopt_after: Duration::from_secs(3600),
         generation_slack: slack,
+        previous_nodes: Vec::new(),
     }
 }
 

@@ -239,6 +239,7 @@ mod tests {
             generation,
             epoch,
             holder: Some("pid 1 on h".into()),
+            nodes: None,
             adopted_by: adopted_by.map(str::to_owned),
         }
     }
