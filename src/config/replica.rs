@@ -50,9 +50,10 @@ pub struct Replica {
     /// lease's registers are named by their place in that list, so every
     /// process of an id must list the same nodes in the same order; a
     /// process whose list differs from the one its id's last holder
-    /// recorded does not take the lease (and logs both). During a change,
-    /// the processes with the new list name the old one here; remove it
-    /// once every process runs with the new list.
+    /// recorded does not take the lease (and logs both). Once every
+    /// process with the old list has stopped, start them with the new
+    /// list and the old one here (nothing checks that none still runs);
+    /// remove it once every process runs with the new list.
     #[serde(default)]
     #[schemars(example = ["10.0.0.1:5672", "10.0.0.2:5672", "10.0.0.3:5672"])]
     pub previous_addresses: Vec<String>,

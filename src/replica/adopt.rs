@@ -119,6 +119,9 @@ enum Adoption {
     Left(u64),
     /// Its generation stream is gone: its messages cannot be adopted.
     Missing(String),
+    /// Its last holder listed these nodes, not this process's: its lease
+    /// is not the one this process takes (registers are named by them).
+    OtherNodes(Vec<String>),
 }
 
 /// Which other instances' leases have been free, and since when.
@@ -327,6 +330,20 @@ impl Watch {
                 }
             }
             Adoption::Busy => {}
+            Adoption::OtherNodes(recorded) => {
+                error!(
+                    from = name,
+                    "cannot adopt: the instance's last lease holder listed upstream.addresses [{}], this process lists [{}]; every process of a group must list the same nodes in the same order (or name the other list as replica.previous_addresses during a change)",
+                    recorded.join(", "),
+                    config.target.nodes.join(", "),
+                );
+                // Looked at again once it registers again (it came back).
+                self.settled.insert(name.to_owned());
+                self.unadoptable.insert(name.to_owned());
+                if let Some(progress) = self.progress.remove(name) {
+                    abandon(engine, config, name, progress).await;
+                }
+            }
             Adoption::Missing(stream) => {
                 error!(
                     from = name,
@@ -385,6 +402,11 @@ pub(super) struct Directory {
     last_intent: u64,
     /// The epochs of committed intents.
     committed: HashSet<u64>,
+    /// The highest lease epoch of the instance itself.
+    holder_epoch: u64,
+    /// The `upstream.addresses` its holder listed (none from older
+    /// versions): its lease's registers are named by them.
+    nodes: Option<Vec<String>>,
 }
 
 impl Directory {
@@ -405,7 +427,13 @@ impl Directory {
                     (dir.generation, dir.adopted, dir.open) = (Some(n), false, None);
                 }
                 // The instance took its lease again: it holds its messages.
-                Record::Epoch { .. } => dir.open = None,
+                Record::Epoch { n, nodes, .. } => {
+                    dir.open = None;
+                    // The first record of the highest epoch is its holder's.
+                    if n > dir.holder_epoch {
+                        (dir.holder_epoch, dir.nodes) = (n, nodes);
+                    }
+                }
                 Record::Adopting { by, epoch } => {
                     dir.last_intent = dir.last_intent.max(epoch);
                     dir.open = Some((by, epoch));
@@ -575,7 +603,13 @@ impl Adopter<'_> {
                 Outcome::Lease(lease.is_some())
             }
             Phase::Reading => {
-                Outcome::Directory(Directory::read(client, name).await?.unwrap_or_default())
+                let dir = Directory::read(client, name).await?.unwrap_or_default();
+                match dir.nodes.as_ref().filter(|recorded| {
+                    !lease::nodes_agree(recorded, &target.nodes, &self.config.previous_nodes)
+                }) {
+                    Some(recorded) => Outcome::OtherNodes(recorded.clone()),
+                    None => Outcome::Directory(dir),
+                }
             }
             Phase::AskingAdopter { by, .. } => {
                 let nodes = target.nodes.len();
@@ -1154,6 +1188,29 @@ mod tests {
             by: by.into(),
             epoch,
         }
+    }
+
+    /// Issue 36: the nodes an adopter compares with its own are those of
+    /// the first record of the highest epoch (its holder's).
+    #[test]
+    fn the_nodes_are_the_last_holders() {
+        let epoch = |n: u64, holder: &str, nodes: Option<&[&str]>| Record::Epoch {
+            n,
+            holder: holder.into(),
+            nodes: nodes.map(|list| list.iter().map(|s| s.to_string()).collect()),
+        };
+        let dir = Directory::fold(vec![
+            epoch(1, "a", Some(&["n1:1"])),
+            epoch(2, "b", Some(&["n2:1"])),
+            epoch(2, "late", Some(&["x:1"])),
+        ]);
+        assert_eq!(dir.nodes, Some(vec!["n2:1".to_string()]));
+        let dir = Directory::fold(vec![
+            epoch(1, "a", Some(&["n1:1"])),
+            epoch(2, "old", None),
+            epoch(2, "late", Some(&["x:1"])),
+        ]);
+        assert_eq!(dir.nodes, None, "an older version's holder recorded none");
     }
 
     #[test]

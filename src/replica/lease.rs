@@ -53,6 +53,13 @@ pub fn register(lease: &str, k: usize) -> String {
     format!("{lease}.{k}")
 }
 
+/// Whether a process listing `ours` (and `previous`, during a change of
+/// them) may hold a lease whose last holder listed `recorded`: register
+/// `k` is named by its place in the list.
+pub(crate) fn nodes_agree(recorded: &[String], ours: &[String], previous: &[String]) -> bool {
+    recorded == ours || recorded == previous
+}
+
 /// How many registers of `n` make a lease.
 pub fn majority(n: usize) -> usize {
     n / 2 + 1

@@ -16,7 +16,7 @@ use super::adopt::Adopt;
 use super::client::{Client, ClientError, Confirm, Probe};
 use super::completions::Completions;
 use super::fence::Fence;
-use super::lease::{Keeper, Kept, Lease};
+use super::lease::{nodes_agree, Keeper, Kept, Lease};
 use super::local::{self, Synced};
 use super::record::Record;
 use super::{Config, ReplicaError, Reseeded, State};
@@ -161,6 +161,8 @@ struct Task {
     /// The nodes this id's last holder listed, while they differ from this
     /// process's: it does not take the lease meanwhile.
     refused: Option<Vec<String>>,
+    /// When it last read them (it reads again after [`REFUSED_AGAIN`]).
+    refused_at: Option<Instant>,
 }
 
 /// A generation switch in progress: copies come from the copier; every new
@@ -266,6 +268,7 @@ impl Task {
             appended: 0,
             compaction: None,
             refused: None,
+            refused_at: None,
         }
     }
 
@@ -795,7 +798,7 @@ impl Task {
             }
             return;
         }
-        if !self.acquire_once().await {
+        if self.still_refused().await || !self.acquire_once().await {
             return;
         }
         match self.check_current().await {
@@ -929,15 +932,7 @@ impl Task {
         if !self.synced_once {
             self.look().await;
         }
-        loop {
-            if self.refused.is_none() && self.acquire_once().await {
-                return;
-            }
-            if self.refused.is_some() {
-                tokio::time::sleep(REFUSED_AGAIN).await;
-                self.look().await;
-                continue;
-            }
+        while self.still_refused().await || !self.acquire_once().await {
             // Jittered: standbys that each took a minority of the
             // registers gave them back, and must not meet again in step.
             let jitter = Duration::from_millis(fastrand::u64(..500));
@@ -945,10 +940,25 @@ impl Task {
         }
     }
 
+    /// Whether this process refuses the lease: read again once
+    /// [`REFUSED_AGAIN`] passed since the last reading, else as it was.
+    async fn still_refused(&mut self) -> bool {
+        let Some(at) = self.refused_at else {
+            return false;
+        };
+        if self.clock.now() >= at + REFUSED_AGAIN {
+            self.look().await;
+        }
+        self.refused.is_some()
+    }
+
     /// Reads the directory on a connection of its own (no lease is needed
     /// to read it) and judges its nodes. One that cannot be read changes
     /// nothing: the reading under the lease decides.
     async fn look(&mut self) {
+        if self.refused.is_some() {
+            self.refused_at = Some(self.clock.now());
+        }
         let target = &self.config.target;
         let client = match Client::connect(target, self.next_node, &self.name()).await {
             Ok(c) => c,
@@ -982,6 +992,7 @@ impl Task {
             if self.refused.take().is_some() {
                 info!("upstream.addresses agree with this instance id's last holder's again: taking part in the lease");
             }
+            self.refused_at = None;
             return true;
         };
         error!(
@@ -992,6 +1003,7 @@ impl Task {
             recorded.join(", "),
         );
         self.refused = Some(recorded.clone());
+        self.refused_at = Some(self.clock.now());
         self.set(State::Refused);
         false
     }
@@ -1093,12 +1105,6 @@ impl Task {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
     }
-}
-
-/// Whether a process listing `ours` (and `previous`, during a change) may
-/// hold a lease whose last holder listed `recorded`.
-fn nodes_agree(recorded: &[String], ours: &[String], previous: &[String]) -> bool {
-    recorded == ours || recorded == previous
 }
 
 /// Whether the local store's epoch is the directory's by the same holder

@@ -33,20 +33,25 @@ fn config_listing(
     extra: &str,
     nodes: &[String],
 ) -> PathBuf {
-    let nodes: Vec<String> = nodes.iter().map(|a| format!("\"{a}\"")).collect();
     let path = dir.join(format!("{instance}.toml"));
     std::fs::write(
         &path,
         format!(
-            "[upstream]\naddresses = [{}]\n[store]\npath = \"{}\"\n\
+            "[upstream]\naddresses = {}\n[store]\npath = \"{}\"\n\
              [replica]\ninstance = \"{instance}\"\ngroup = \"{queue}\"\nheartbeat = \"1s\"\nadopt_after = \"5s\"\ncluster_size = 3\n{extra}\n\
              [[policy]]\nqueues = [\"{queue}\"]\ndelays = [\"{delay}\"]\n",
-            nodes.join(", "),
+            toml_list(nodes),
             dir.join(format!("{instance}.store")).display()
         ),
     )
     .unwrap();
     path
+}
+
+/// `list` as a TOML array of strings.
+fn toml_list(list: &[String]) -> String {
+    let quoted: Vec<String> = list.iter().map(|a| format!("\"{a}\"")).collect();
+    format!("[{}]", quoted.join(", "))
 }
 
 /// A quorum queue led by the node it is declared through (so a test knows
@@ -1102,10 +1107,7 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
     }
     assert!(b.log.lock().unwrap().iter().all(|l| !l.contains("holding the lease")));
     drop(b);
-    let previous = format!(
-        "previous_addresses = [{}]",
-        ours.iter().map(|a| format!("\"{a}\"")).collect::<Vec<_>>().join(", ")
-    );
+    let previous = format!("previous_addresses = {}", toml_list(&ours));
     let c = Process::start_listening(&config_listing(
         dirs[2].path(),
         &id,
@@ -1116,5 +1118,96 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
     ));
     common::ops::wait_intercepting(c.metrics).await;
     drop(c);
+    delete(&q).await;
+}
+
+/// Issue 36, review: the check under a lease just taken, on the path of a
+/// process that held the lease before. A (the first list) holds; frozen,
+/// it loses the lease to C, which lists the nodes in another order and
+/// names A's list as `replica.previous_addresses`, and so records its
+/// own. Once C is gone, A takes the lease back, reads C's list, gives the
+/// lease back, and then leaves it alone for 30 s: it says so once, not at
+/// every try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_holder_refuses_the_lease_a_new_list_took_over() {
+    let _all_up = cluster().steady().await;
+    let (q, id) = (unique("cluster-relist"), unique("relist"));
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let reversed: Vec<String> = ours.iter().rev().cloned().collect();
+    let a = Process::start_listening(&config(dirs[0].path(), &id, &q, "10s", ""));
+    common::ops::wait_intercepting(a.metrics).await;
+    let previous = format!("previous_addresses = {}", toml_list(&ours));
+    let c = Process::start_listening(&config_listing(
+        dirs[1].path(),
+        &id,
+        &q,
+        "10s",
+        &previous,
+        &reversed,
+    ));
+    signal(&a, "STOP");
+    common::ops::wait_intercepting(c.metrics).await;
+    signal(&a, "CONT");
+    c.kill9();
+    let line = a.wait_for_log(&[
+        "upstream.addresses differ",
+        &format!("this process lists [{}]", ours.join(", ")),
+        &format!("listed [{}]", reversed.join(", ")),
+    ]);
+    eprintln!("{line}");
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(8) {
+        let r = get(a.metrics, "/readyz").await;
+        assert!(!common::ops::intercepting(&r), "A took the lease: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let said = a
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.contains("upstream.addresses differ"))
+        .count();
+    assert_eq!(said, 1, "A took the lease again before 30 s passed");
+    drop(a);
+    delete(&q).await;
+}
+
+/// Issue 36, review: an adoption takes the adopted instance's lease by
+/// registers named by the adopter's own `upstream.addresses`. An adopter
+/// that lists other nodes than the instance's last holder leaves it
+/// alone, and says why (`nackd_replica_unadoptable`); the messages stay
+/// in that instance's stream and come back, once, when it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopter_listing_other_nodes_leaves_the_instance_alone() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (q, gone, live) = (unique("cluster-noadopt"), unique("gone"), unique("live"));
+    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let reversed: Vec<String> = ours.iter().rev().cloned().collect();
+    publish(&q, 20).await;
+    let b_config = config_listing(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, "", &reversed);
+    let b = Process::start(&b_config);
+    let a_config = config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, "");
+    let a = Process::start(&a_config);
+    let nacked = park_all(&a, &q, 20).await;
+    kill_before_due(a, &nacked, ADOPTED_DELAY);
+    common::ops::until(b.metrics, "B finding A unadoptable", |s| {
+        s.get("nackd_replica_unadoptable", &[]) == 1.0
+    })
+    .await;
+    b.wait_for_log(&[
+        "cannot adopt",
+        &format!("listed upstream.addresses [{}]", ours.join(", ")),
+        &format!("this process lists [{}]", reversed.join(", ")),
+    ]);
+    let s = scrape(b.metrics).await;
+    assert_eq!(s.sum("nackd_held_messages"), 0.0, "B adopted");
+    let a = Process::start(&a_config);
+    all_back(a.addr, &q, &nacked, ADOPTED_DELAY, Duration::from_secs(60)).await;
+    let s = scrape(b.metrics).await;
+    assert_eq!(s.get("nackd_retries_published_total", &[]), 0.0, "B fired");
+    drop((a, b));
     delete(&q).await;
 }

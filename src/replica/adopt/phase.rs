@@ -72,6 +72,9 @@ pub(super) enum Outcome {
     Lease(bool),
     /// [`Phase::Reading`]: the directory (empty if it has none).
     Directory(Directory),
+    /// [`Phase::Reading`]: the instance's last holder listed these
+    /// `upstream.addresses`, not this process's.
+    OtherNodes(Vec<String>),
     /// [`Phase::AskingAdopter`]: its lease is held.
     AdopterAlive(bool),
     /// [`Phase::CheckingStream`].
@@ -155,6 +158,10 @@ impl Attempt {
             }
             (Phase::Leasing, Outcome::Lease(true)) => (Phase::Reading, vec![]),
             (Phase::Reading, Outcome::Directory(dir)) => self.on_directory(&dir),
+            (Phase::Reading, Outcome::OtherNodes(recorded)) => {
+                let adoption = Ok(Adoption::OtherNodes(recorded));
+                return self.end(adoption, vec![Effect::GiveBackLease]);
+            }
             (Phase::AskingAdopter { epoch, .. }, Outcome::AdopterAlive(true)) => {
                 // It resumes (or gives up) itself.
                 return self.end(Ok(Adoption::Left(epoch)), vec![Effect::GiveBackLease]);
@@ -360,6 +367,8 @@ mod tests {
             open: open.map(|(by, e)| (by.to_owned(), e)),
             last_intent,
             committed: HashSet::new(),
+            holder_epoch: 0,
+            nodes: None,
         }
     }
 
@@ -376,6 +385,20 @@ mod tests {
         assert!(a.on(Outcome::Lease(false)).is_empty());
         assert_eq!(a.phase(), &Phase::Ended);
         assert!(matches!(a.exit(), Some(Ok(Adoption::Busy))));
+    }
+
+    /// Issue 36: an instance whose last holder listed other nodes is not
+    /// adopted: its lease is given back, and nothing is written.
+    #[test]
+    fn an_instance_of_other_nodes_is_not_adopted() {
+        let mut a = attempt(None, None);
+        assert!(a.on(Outcome::Lease(true)).is_empty());
+        assert_eq!(a.phase(), &Phase::Reading);
+        let other = vec!["n9:5672".to_string()];
+        let effects = a.on(Outcome::OtherNodes(other.clone()));
+        assert_eq!(effects, vec![Effect::GiveBackLease]);
+        assert_eq!(a.phase(), &Phase::Ended);
+        assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(n))) if n == other));
     }
 
     #[test]
