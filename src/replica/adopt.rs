@@ -407,6 +407,9 @@ pub(super) struct Directory {
     /// The `upstream.addresses` its holder listed (none from older
     /// versions): its lease's registers are named by them.
     nodes: Option<Vec<String>>,
+    /// Those nodes, when they are not this adopter's (nor its
+    /// `replica.previous_addresses`): set by the adopter, not the fold.
+    other_nodes: Option<Vec<String>>,
 }
 
 impl Directory {
@@ -603,13 +606,11 @@ impl Adopter<'_> {
                 Outcome::Lease(lease.is_some())
             }
             Phase::Reading => {
-                let dir = Directory::read(client, name).await?.unwrap_or_default();
-                match dir.nodes.as_ref().filter(|recorded| {
+                let mut dir = Directory::read(client, name).await?.unwrap_or_default();
+                dir.other_nodes = dir.nodes.clone().filter(|recorded| {
                     !lease::nodes_agree(recorded, &target.nodes, &self.config.previous_nodes)
-                }) {
-                    Some(recorded) => Outcome::OtherNodes(recorded.clone()),
-                    None => Outcome::Directory(dir),
-                }
+                });
+                Outcome::Directory(dir)
             }
             Phase::AskingAdopter { by, .. } => {
                 let nodes = target.nodes.len();

@@ -954,7 +954,8 @@ impl Task {
 
     /// Reads the directory on a connection of its own (no lease is needed
     /// to read it) and judges its nodes. One that cannot be read changes
-    /// nothing: the reading under the lease decides.
+    /// nothing: a process that agreed goes on to the lease, whose reading
+    /// decides; one that refused goes on refusing, and looks again later.
     async fn look(&mut self) {
         if self.refused.is_some() {
             self.refused_at = Some(self.clock.now());
@@ -991,6 +992,7 @@ impl Task {
         else {
             if self.refused.take().is_some() {
                 info!("upstream.addresses agree with this instance id's last holder's again: taking part in the lease");
+                self.set(State::Connecting);
             }
             self.refused_at = None;
             return true;

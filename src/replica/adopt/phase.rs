@@ -72,9 +72,6 @@ pub(super) enum Outcome {
     Lease(bool),
     /// [`Phase::Reading`]: the directory (empty if it has none).
     Directory(Directory),
-    /// [`Phase::Reading`]: the instance's last holder listed these
-    /// `upstream.addresses`, not this process's.
-    OtherNodes(Vec<String>),
     /// [`Phase::AskingAdopter`]: its lease is held.
     AdopterAlive(bool),
     /// [`Phase::CheckingStream`].
@@ -158,10 +155,6 @@ impl Attempt {
             }
             (Phase::Leasing, Outcome::Lease(true)) => (Phase::Reading, vec![]),
             (Phase::Reading, Outcome::Directory(dir)) => self.on_directory(&dir),
-            (Phase::Reading, Outcome::OtherNodes(recorded)) => {
-                let adoption = Ok(Adoption::OtherNodes(recorded));
-                return self.end(adoption, vec![Effect::GiveBackLease]);
-            }
             (Phase::AskingAdopter { epoch, .. }, Outcome::AdopterAlive(true)) => {
                 // It resumes (or gives up) itself.
                 return self.end(Ok(Adoption::Left(epoch)), vec![Effect::GiveBackLease]);
@@ -282,6 +275,14 @@ impl Attempt {
                 effects,
             );
         };
+        if let Some(recorded) = &dir.other_nodes {
+            // Its lease is named by other nodes than the one just taken:
+            // nothing is adopted (an intent of ours still open is
+            // abandoned with the attempt: it is never committed now).
+            effects.push(Effect::GiveBackLease);
+            self.exit = Some(Ok(Adoption::OtherNodes(recorded.clone())));
+            return (Phase::Ended, effects);
+        }
         let last_intent = dir.last_intent;
         let next = match dir.open.as_ref().filter(|(by, _)| *by != self.me) {
             Some((by, epoch)) if self.overdue != Some(*epoch) => Phase::AskingAdopter {
@@ -369,6 +370,7 @@ mod tests {
             committed: HashSet::new(),
             holder_epoch: 0,
             nodes: None,
+            other_nodes: None,
         }
     }
 
@@ -391,14 +393,38 @@ mod tests {
     /// adopted: its lease is given back, and nothing is written.
     #[test]
     fn an_instance_of_other_nodes_is_not_adopted() {
-        let mut a = attempt(None, None);
-        assert!(a.on(Outcome::Lease(true)).is_empty());
-        assert_eq!(a.phase(), &Phase::Reading);
         let other = vec!["n9:5672".to_string()];
-        let effects = a.on(Outcome::OtherNodes(other.clone()));
+        let with_other = |mut dir: Directory| {
+            dir.other_nodes = Some(other.clone());
+            dir
+        };
+        let (mut a, effects) = read(None, None, with_other(dir(Some(1), None, 0)));
         assert_eq!(effects, vec![Effect::GiveBackLease]);
         assert_eq!(a.phase(), &Phase::Ended);
         assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(n))) if n == other));
+        // Review: a commit of ours whose answer was lost is scheduled
+        // first (its parks count), and an intent of ours still open is
+        // abandoned with the attempt.
+        let mut committed = with_other(dir(Some(1), None, 3));
+        committed.committed.insert(3);
+        let (mut a, effects) = read(Some(3), None, committed);
+        assert_eq!(effects, vec![Effect::Schedule(3), Effect::GiveBackLease]);
+        assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(_)))));
+        // Nothing left to adopt (adopted, or no generation): not reported.
+        let (a, _) = read(None, None, with_other(dir(None, None, 0)));
+        assert!(
+            matches!(a.phase(), Phase::Finishing { .. }),
+            "{:?}",
+            a.phase()
+        );
+        let mut adopted = with_other(dir(Some(1), None, 0));
+        adopted.adopted = true;
+        let (a, _) = read(None, None, adopted);
+        assert!(
+            matches!(a.phase(), Phase::Finishing { .. }),
+            "{:?}",
+            a.phase()
+        );
     }
 
     #[test]
