@@ -410,21 +410,35 @@ mod tests {
         let (mut a, effects) = read(Some(3), None, committed);
         assert_eq!(effects, vec![Effect::Schedule(3), Effect::GiveBackLease]);
         assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(_)))));
-        // Nothing left to adopt (adopted, or no generation): not reported.
-        let (a, _) = read(None, None, with_other(dir(None, None, 0)));
-        assert!(
-            matches!(a.phase(), Phase::Finishing { .. }),
-            "{:?}",
-            a.phase()
-        );
+        // An intent of ours still open: dropped with the attempt (the
+        // driver abandons its parks), no other effect.
+        let (mut a, effects) = read(Some(3), None, with_other(dir(Some(1), Some(("me", 3)), 3)));
+        assert_eq!(effects, vec![Effect::GiveBackLease]);
+        assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(_)))));
+        // Ours closed (the instance came back since): abandoned first.
+        let (mut a, effects) = read(Some(3), None, with_other(dir(Some(1), None, 3)));
+        assert_eq!(effects, vec![Effect::Abandon, Effect::GiveBackLease]);
+        assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(_)))));
+        // Another adopter's intent open: not asked about, ended all the same.
+        let (mut a, effects) = read(None, None, with_other(dir(Some(1), Some(("b", 2)), 2)));
+        assert_eq!(effects, vec![Effect::GiveBackLease]);
+        assert_eq!(a.phase(), &Phase::Ended);
+        assert!(matches!(a.exit(), Some(Ok(Adoption::OtherNodes(_)))));
+        // Nothing left to adopt (no generation, or adopted): not reported.
+        let finishing = Phase::Finishing {
+            generation: None,
+            adopted: None,
+        };
+        let (mut a, effects) = read(None, None, with_other(dir(None, None, 0)));
+        assert!(effects.is_empty());
+        assert_eq!(a.phase(), &finishing);
+        assert!(a.exit().is_none());
         let mut adopted = with_other(dir(Some(1), None, 0));
         adopted.adopted = true;
-        let (a, _) = read(None, None, adopted);
-        assert!(
-            matches!(a.phase(), Phase::Finishing { .. }),
-            "{:?}",
-            a.phase()
-        );
+        let (mut a, effects) = read(None, None, adopted);
+        assert!(effects.is_empty());
+        assert_eq!(a.phase(), &finishing);
+        assert!(a.exit().is_none());
     }
 
     #[test]
