@@ -221,9 +221,13 @@ pub struct Metrics {
     pub replica_returns: Counter,
     /// Whether this instance's replica stream is missing.
     pub replica_missing: ReplicaMissing,
-    /// Other instances whose lease is free but whose replica stream is
-    /// missing: their messages cannot be adopted.
+    /// Other instances whose lease is free but whose messages cannot be
+    /// adopted: their replica stream is missing, or their last holder
+    /// listed other `upstream.addresses`.
     pub replica_unadoptable: Gauge,
+    /// 1 while this process refuses its id's lease: its
+    /// `upstream.addresses` differ from those its id's last holder listed.
+    pub replica_refused: Gauge,
     /// Republisher connections up now (all vhosts).
     pub republishers: Gauge,
     /// 1 while the republisher of a vhost is connected.
@@ -352,6 +356,7 @@ impl Metrics {
             replica_returns: Counter::default(),
             replica_missing: ReplicaMissing::default(),
             replica_unadoptable: Gauge::default(),
+            replica_refused: Gauge::default(),
             republishers: Gauge::default(),
             republisher_connected: Family::default(),
             republisher_blocked: Family::default(),
@@ -627,8 +632,13 @@ impl Metrics {
         );
         r.register(
             "nackd_replica_unadoptable",
-            "Instances of the group whose lease is free but whose replica stream is missing: their messages cannot be adopted",
+            "Instances of the group whose lease is free but whose messages cannot be adopted: their replica stream is missing, or their last holder listed other upstream.addresses",
             self.replica_unadoptable.clone(),
+        );
+        r.register(
+            "nackd_replica_refused",
+            "1 while this process refuses its instance id's lease: its upstream.addresses differ from those the id's last holder listed (the log names both)",
+            self.replica_refused.clone(),
         );
         r.register(
             "nackd_replica_compactions",

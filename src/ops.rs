@@ -167,6 +167,9 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
         }
         (true, Some((retry, _))) => match retry.ready.get() {
             crate::retry::Ready::Recovering => "recovering".to_string(),
+            crate::retry::Ready::NoLease if ops.metrics.replica_refused.get() == 1 => {
+                "no lease: upstream.addresses differ from those of this instance id's last holder (the log names both)".to_string()
+            }
             crate::retry::Ready::NoLease => "no lease".to_string(),
             // The stream and what to do about it.
             crate::retry::Ready::NoReplica => ops

@@ -992,6 +992,7 @@ impl Task {
         else {
             if self.refused.take().is_some() {
                 info!("upstream.addresses agree with this instance id's last holder's again: taking part in the lease");
+                self.metrics.replica_refused.set(0);
                 self.set(State::Connecting);
             }
             self.refused_at = None;
@@ -1006,6 +1007,7 @@ impl Task {
         );
         self.refused = Some(recorded.clone());
         self.refused_at = Some(self.clock.now());
+        self.metrics.replica_refused.set(1);
         self.set(State::Refused);
         false
     }

@@ -28,8 +28,8 @@ pub async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
 pub fn intercepting(r: &HttpResponse) -> bool {
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
     let store = v["store"].as_str();
-    !matches!(store, Some("recovering" | "no lease") | None)
-        && !store.is_some_and(|s| s.starts_with("no replica"))
+    !matches!(store, Some("recovering") | None)
+        && !store.is_some_and(|s| s.starts_with("no replica") || s.starts_with("no lease"))
         && v["store_recovering"] != true
 }
 

@@ -1097,6 +1097,9 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
         "not taking the lease",
     ]);
     eprintln!("{line}");
+    let r = get(b.metrics, "/readyz").await;
+    assert!(r.body.contains("no lease: upstream.addresses differ"), "{}", r.body);
+    assert_eq!(scrape(b.metrics).await.get("nackd_replica_refused", &[]), 1.0);
     a.kill9();
     // A's registers are free within two heartbeats (2 s): B still refuses.
     let began = Instant::now();
@@ -1117,6 +1120,7 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
         &reversed,
     ));
     common::ops::wait_intercepting(c.metrics).await;
+    assert_eq!(scrape(c.metrics).await.get("nackd_replica_refused", &[]), 0.0);
     drop(c);
     delete(&q).await;
 }
@@ -1170,6 +1174,7 @@ async fn a_former_holder_refuses_the_lease_a_new_list_took_over() {
         .filter(|l| l.contains("upstream.addresses differ"))
         .count();
     assert_eq!(said, 1, "A took the lease again before 30 s passed");
+    assert_eq!(scrape(a.metrics).await.get("nackd_replica_refused", &[]), 1.0);
     drop(a);
     delete(&q).await;
 }
