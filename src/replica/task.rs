@@ -998,6 +998,8 @@ impl Task {
             self.refused_at = None;
             return true;
         };
+        // The gauge first: whoever reads the log line finds it set.
+        self.metrics.replica_refused.set(1);
         error!(
             "upstream.addresses differ from this instance id's last holder's: this process lists [{}], {} (epoch {}) listed [{}]; not taking the lease: every process of an id must list the same nodes in the same order (to change them, see replica.previous_addresses)",
             config.target.nodes.join(", "),
@@ -1007,7 +1009,6 @@ impl Task {
         );
         self.refused = Some(recorded.clone());
         self.refused_at = Some(self.clock.now());
-        self.metrics.replica_refused.set(1);
         self.set(State::Refused);
         false
     }
