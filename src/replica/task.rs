@@ -73,6 +73,13 @@ enum Current {
 }
 
 impl Directory {
+    /// Reads `instance`'s directory over `client` (declared if need be).
+    async fn read(client: &Client, instance: &str) -> Result<Self, ClientError> {
+        let name = Config::directory(instance);
+        client.declare_stream(&name).await?;
+        Ok(Self::fold(client.read_all(&name).await?))
+    }
+
     /// What the directory's records say. Of two records of the same epoch
     /// the first counts: a second one was written by a process that had
     /// lost the lease by then (it read the directory before the other's).
@@ -158,10 +165,9 @@ struct Task {
     clock: Clock,
     /// When the last lease probe (or acquisition) the broker answered was sent.
     heard: Option<Instant>,
-    /// The nodes this id's last holder listed, while they differ from this
-    /// process's: it does not take the lease meanwhile.
-    refused: Option<Vec<String>>,
-    /// When it last read them (it reads again after [`REFUSED_AGAIN`]).
+    /// While this process refuses the lease (its `upstream.addresses`
+    /// differ from those its id's last holder listed): when it last read
+    /// the directory. It reads again after [`REFUSED_AGAIN`].
     refused_at: Option<Instant>,
 }
 
@@ -267,7 +273,6 @@ impl Task {
             synced_once: false,
             appended: 0,
             compaction: None,
-            refused: None,
             refused_at: None,
         }
     }
@@ -949,7 +954,7 @@ impl Task {
         if self.clock.now() >= at + REFUSED_AGAIN {
             self.look().await;
         }
-        self.refused.is_some()
+        self.refused_at.is_some()
     }
 
     /// Reads the directory on a connection of its own (no lease is needed
@@ -957,23 +962,19 @@ impl Task {
     /// nothing: a process that agreed goes on to the lease, whose reading
     /// decides; one that refused goes on refusing, and looks again later.
     async fn look(&mut self) {
-        if self.refused.is_some() {
-            self.refused_at = Some(self.clock.now());
+        if let Some(at) = &mut self.refused_at {
+            *at = self.clock.now();
         }
         let target = &self.config.target;
         let client = match Client::connect(target, self.next_node, &self.name()).await {
             Ok(c) => c,
             Err(e) => return warn!(error = %e, "replica cannot connect"),
         };
-        let name = Config::directory(&self.config.instance);
-        let read = match client.declare_stream(&name).await {
-            Ok(()) => client.read_all(&name).await,
-            Err(e) => Err(e),
-        };
+        let read = Directory::read(&client, &self.config.instance).await;
         client.close().await;
         match read {
-            Ok(records) => {
-                self.judge(&Directory::fold(records));
+            Ok(dir) => {
+                self.judge(&dir);
             }
             Err(e) => warn!(error = %e, "replica cannot read its directory"),
         }
@@ -990,12 +991,11 @@ impl Task {
             .as_ref()
             .filter(|r| !nodes_agree(r, &config.target.nodes, &config.previous_nodes))
         else {
-            if self.refused.take().is_some() {
+            if self.refused_at.take().is_some() {
                 info!("upstream.addresses agree with this instance id's last holder's again: taking part in the lease");
                 self.metrics.replica_refused.set(0);
                 self.set(State::Connecting);
             }
-            self.refused_at = None;
             return true;
         };
         // The gauge first: whoever reads the log line finds it set.
@@ -1007,7 +1007,6 @@ impl Task {
             dir.epoch,
             recorded.join(", "),
         );
-        self.refused = Some(recorded.clone());
         self.refused_at = Some(self.clock.now());
         self.set(State::Refused);
         false
@@ -1039,9 +1038,7 @@ impl Task {
 
     async fn directory(&self) -> Result<Directory, ClientError> {
         let client = self.client.as_ref().expect("held");
-        let name = Config::directory(&self.config.instance);
-        client.declare_stream(&name).await?;
-        Ok(Directory::fold(client.read_all(&name).await?))
+        Directory::read(client, &self.config.instance).await
     }
 
     /// After the lease came back: is the local store still the last
