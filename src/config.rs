@@ -242,12 +242,16 @@ impl Upstream {
             true => "upstream.address".to_string(),
             false => format!("upstream.addresses[{i}]"),
         };
-        for (i, node) in self.nodes().iter().enumerate() {
-            if !node.contains(':') {
-                return Err((key(i), "expected host:port".into()));
-            }
-        }
-        Ok(())
+        host_ports(&self.nodes(), key)
+    }
+}
+
+/// Each of `nodes` is a `host:port`, or the key (`key(i)`) of the first
+/// that is not.
+fn host_ports(nodes: &[String], key: impl Fn(usize) -> String) -> Result<(), (String, String)> {
+    match nodes.iter().position(|node| !node.contains(':')) {
+        Some(i) => Err((key(i), "expected host:port".into())),
+        None => Ok(()),
     }
 }
 

@@ -121,16 +121,8 @@ impl Replica {
         if self.cluster_size == Some(0) {
             return Err(("replica.cluster_size".into(), "must be at least 1".into()));
         }
-        if let Some(i) = self
-            .previous_addresses
-            .iter()
-            .position(|a| !a.contains(':'))
-        {
-            return Err((
-                format!("replica.previous_addresses[{i}]"),
-                "expected host:port".into(),
-            ));
-        }
-        Ok(())
+        super::host_ports(&self.previous_addresses, |i| {
+            format!("replica.previous_addresses[{i}]")
+        })
     }
 }

@@ -71,6 +71,16 @@ fn errors_name_the_key() {
     assert!(e.contains("limits.handshake_timeout"), "{e}");
     let e = err("[upstream]\naddress = \"rabbit\"\n");
     assert!(e.contains("upstream.address: expected host:port"), "{e}");
+    let e = err("[upstream]\naddresses = [\"a:1\", \"b\"]\n");
+    assert!(
+        e.contains("upstream.addresses[1]: expected host:port"),
+        "{e}"
+    );
+    let e = err("[replica]\ninstance = \"i\"\nprevious_addresses = [\"a:1\", \"b\"]\n");
+    assert!(
+        e.contains("replica.previous_addresses[1]: expected host:port"),
+        "{e}"
+    );
     let e = err("[listen\n");
     assert!(e.contains("(syntax)"), "{e}");
 }
