@@ -20,8 +20,12 @@ use lapin::{BasicProperties, Channel, Connection};
 
 /// A nackd config in front of the whole cluster, with a replica.
 pub(super) fn config(dir: &Path, instance: &str, queue: &str, delay: &str, extra: &str) -> PathBuf {
-    let nodes: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
-    config_listing(dir, instance, queue, delay, extra, &nodes)
+    config_listing(dir, instance, queue, delay, extra, &nodes())
+}
+
+/// The cluster's nodes, as [`config`] lists them in `upstream.addresses`.
+fn nodes() -> Vec<String> {
+    cluster().addrs().iter().map(|a| a.to_string()).collect()
 }
 
 /// [`config`], with `nodes` as `upstream.addresses`.
@@ -960,6 +964,17 @@ async fn retries_go_on_through(fault: NodeFault) {
     delete(&q).await;
 }
 
+/// Watches `p`'s `/readyz` for `span` (every 100 ms): it never intercepts
+/// (holds the lease); else fails with `what` and the body.
+async fn never_intercepting(p: &Process, span: Duration, what: &str) {
+    let began = Instant::now();
+    while began.elapsed() < span {
+        let r = get(p.metrics, "/readyz").await;
+        assert!(!common::ops::intercepting(&r), "{what}: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// How many of `processes` intercept (hold the lease) now, by `/readyz`.
 async fn holders(processes: &[Option<Process>]) -> Vec<usize> {
     let mut holding = Vec::new();
@@ -1044,16 +1059,8 @@ async fn an_old_release_holding_the_id_keeps_a_new_process_standing_by() {
     .await
     .unwrap();
     let new = Process::start_listening(&config(dir.path(), &id, &q, "1s", ""));
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(6) {
-        let r = get(new.metrics, "/readyz").await;
-        assert!(
-            !common::ops::intercepting(&r),
-            "acting for an id an old release holds: {}",
-            r.body
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let old_holds = "acting for an id an old release holds";
+    never_intercepting(&new, Duration::from_secs(6), old_holds).await;
     let body = get(new.metrics, "/readyz").await.body;
     assert!(body.contains("\"store\":\"no lease\""), "{body}");
     let _ = old.close(200, "".into()).await;
@@ -1078,7 +1085,7 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
     let _all_up = cluster().steady().await;
     let (q, id) = (unique("cluster-addresses"), unique("addresses"));
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let ours = nodes();
     let reversed: Vec<String> = ours.iter().rev().cloned().collect();
     let a = Process::start_listening(&config(dirs[0].path(), &id, &q, "10s", ""));
     common::ops::wait_intercepting(a.metrics).await;
@@ -1102,12 +1109,7 @@ async fn a_process_listing_other_addresses_refuses_the_lease_naming_both() {
     assert_eq!(scrape(b.metrics).await.get("nackd_replica_refused", &[]), 1.0);
     a.kill9();
     // A's registers are free within two heartbeats (2 s): B still refuses.
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(8) {
-        let r = get(b.metrics, "/readyz").await;
-        assert!(!common::ops::intercepting(&r), "B took the lease: {}", r.body);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    never_intercepting(&b, Duration::from_secs(8), "B took the lease").await;
     assert!(b.log.lock().unwrap().iter().all(|l| !l.contains("holding the lease")));
     drop(b);
     let previous = format!("previous_addresses = {}", toml_list(&ours));
@@ -1137,7 +1139,7 @@ async fn a_former_holder_refuses_the_lease_a_new_list_took_over() {
     let _all_up = cluster().steady().await;
     let (q, id) = (unique("cluster-relist"), unique("relist"));
     let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let ours = nodes();
     let reversed: Vec<String> = ours.iter().rev().cloned().collect();
     let a = Process::start_listening(&config(dirs[0].path(), &id, &q, "10s", ""));
     common::ops::wait_intercepting(a.metrics).await;
@@ -1160,12 +1162,7 @@ async fn a_former_holder_refuses_the_lease_a_new_list_took_over() {
         &format!("listed [{}]", reversed.join(", ")),
     ]);
     eprintln!("{line}");
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(8) {
-        let r = get(a.metrics, "/readyz").await;
-        assert!(!common::ops::intercepting(&r), "A took the lease: {}", r.body);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    never_intercepting(&a, Duration::from_secs(8), "A took the lease").await;
     let said = a
         .log
         .lock()
@@ -1189,7 +1186,7 @@ async fn an_adopter_listing_other_nodes_leaves_the_instance_alone() {
     let _all_up = cluster().steady().await;
     let dir = tempfile::tempdir().unwrap();
     let (q, gone, live) = (unique("cluster-noadopt"), unique("gone"), unique("live"));
-    let ours: Vec<String> = cluster().addrs().iter().map(|a| a.to_string()).collect();
+    let ours = nodes();
     let reversed: Vec<String> = ours.iter().rev().cloned().collect();
     publish(&q, 20).await;
     let b_config = config_listing(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, "", &reversed);
