@@ -185,13 +185,39 @@ pub(super) async fn consumer(
 }
 
 /// Nacks every message of `q` once through `nackd`, recording when; waits
-/// until nackd holds all `n`.
+/// until nackd holds all `n`, then until the broker applied nackd's acks.
 pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, Instant> {
+    let parking = nack_all(nackd, q, n).await;
+    // Closed only once the broker applied nackd's acks: a quorum queue
+    // applies settles behind other work, and a close right behind them can
+    // overtake them and requeue messages nackd holds too (guarantees,
+    // window 7; rabbitmq-server#10327): a CI run loaded by the rest of the
+    // suite closed at once and found 45 of 3 000 back in the queue. The
+    // count is the broker's metric (refreshed every few seconds); whether
+    // any message came twice, the tests check after.
+    acks_applied(q, 0).await;
+    let _ = parking.channel.close(200, "".into()).await;
+    let _ = parking.conn.close(200, "".into()).await;
+    parking.nacked
+}
+
+/// A consumer through nackd that nacked every message it was given; its
+/// channel stays open until the broker applied nackd's acks.
+struct Parking {
+    conn: Connection,
+    channel: Channel,
+    nacked: HashMap<u32, Instant>,
+}
+
+/// Nacks every message of `q` once through `nackd`, recording when; waits
+/// until nackd holds all `n` and counts them intercepted (each ack
+/// upstream is written in the turn that counts it).
+async fn nack_all(nackd: &Process, q: &str, n: u32) -> Parking {
     let before = scrape(nackd.metrics)
         .await
         .get("nackd_nacks_intercepted_total", &[]);
     let conn = connect(&format!("amqp://guest:guest@{}/%2f", nackd.addr)).await;
-    let (ch, mut c) = consumer(&conn, q, 500).await;
+    let (channel, mut c) = consumer(&conn, q, 500).await;
     let mut nacked = HashMap::new();
     while nacked.len() < n as usize {
         let d = next(&mut c, Duration::from_secs(20))
@@ -204,7 +230,8 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     // No more deliveries on this channel (retries due while it waits below
     // go to the queue), but the channel stays open: its nacked deliveries
     // are unacked until the broker applies nackd's acks.
-    ch.basic_cancel(c.tag(), BasicCancelOptions::default())
+    channel
+        .basic_cancel(c.tag(), BasicCancelOptions::default())
         .await
         .unwrap();
     let held = [("vhost", "/"), ("queue", q)];
@@ -213,40 +240,48 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
             && s.get("nackd_nacks_intercepted_total", &[]) == before + f64::from(n)
     })
     .await;
-    // Closed only once the broker applied nackd's acks: a quorum queue
-    // applies settles behind other work, and a close right behind them can
-    // overtake them and requeue messages nackd holds too (guarantees,
-    // window 7; rabbitmq-server#10327): a CI run loaded by the rest of the
-    // suite closed at once and found 45 of 3 000 back in the queue. The
-    // count is the broker's metric (refreshed every few seconds); whether
-    // any message came twice, the tests check after.
-    acks_applied(q, 0).await;
-    let _ = ch.close(200, "".into()).await;
-    let _ = conn.close(200, "".into()).await;
-    nacked
+    Parking {
+        conn,
+        channel,
+        nacked,
+    }
 }
 
-/// How long the adoption and takeover tests hold their messages, in config and as a
-/// `Duration`: long enough that parking them and waiting for the broker to
-/// apply nackd's acks ([`park_all`], which polls a metric the broker
-/// refreshes every 5 s) ends well before the first is due. With 8 s, a CI
-/// run's parking took longer than the delay and the instance to be killed
-/// fired every message itself.
+/// How long the adoption and takeover tests hold their messages, in config
+/// and as a `Duration`: long enough that nacking them all through the
+/// holder ([`park_then_kill`]) ends well before the first is due.
 const ADOPTED_DELAY: Duration = Duration::from_secs(20);
 const ADOPTED_DELAY_CONFIG: &str = "20s";
 
-/// SIGKILLs `holder` while every message of `nacked` is still held in it
-/// (none due for `delay`): a test of adoption or takeover proves nothing
-/// once the holder fired them itself, so it says so instead. Checked once
-/// the process is gone, so that a slow kill counts too.
-fn kill_before_due(holder: Process, nacked: &HashMap<u32, Instant>, delay: Duration) {
-    let first = *nacked.values().min().expect("messages parked");
-    holder.kill9();
-    let dead_after = first.elapsed();
+/// Parks `n` messages of `q` in `holder` and SIGKILLs it while it still
+/// holds every one: a test of adoption or takeover proves nothing once the
+/// holder fired them itself. The holder is frozen (SIGSTOP) as soon as it
+/// holds them all, before the first is due (asserted), so it fires none
+/// while the broker applies its acks ([`park_all`] says why that wait):
+/// with the kill only after that wait, a CI run loaded by the image's
+/// build took more than the 20 s delay from the first nack to the kill.
+/// Returns when each message was nacked, and when the holder stopped.
+async fn park_then_kill(
+    holder: Process,
+    q: &str,
+    n: u32,
+    delay: Duration,
+) -> (HashMap<u32, Instant>, Instant) {
+    let parking = nack_all(&holder, q, n).await;
+    signal(&holder, "STOP");
+    let stopped = Instant::now();
+    let first = *parking.nacked.values().min().expect("messages parked");
+    let frozen_after = stopped - first;
     assert!(
-        dead_after < delay,
-        "the holder died {dead_after:?} after the first nack, past the {delay:?} delay: it may have fired before it was killed"
+        frozen_after < delay,
+        "the holder stopped {frozen_after:?} after the first nack, past the {delay:?} delay: it may have fired before"
     );
+    acks_applied(q, 0).await;
+    holder.kill9();
+    // Its client connection ends with the holder; nothing to close.
+    drop(parking.channel);
+    drop(parking.conn);
+    (parking.nacked, stopped)
 }
 
 /// Consumes the retries of `q` through `addr` until every id of `nacked`
@@ -304,8 +339,7 @@ async fn a_host_lost_with_its_disk_loses_nothing() {
     let cfg = config(dir.path(), &id, &q, "20s", "");
     publish(&q, 2000).await;
     let nackd = Process::start(&cfg);
-    let nacked = park_all(&nackd, &q, 2000).await;
-    nackd.kill9();
+    let (nacked, _) = park_then_kill(nackd, &q, 2000, delay).await;
     std::fs::remove_dir_all(dir.path().join(format!("{id}.store"))).unwrap();
     let nackd = Process::start(&cfg);
     let s = scrape(nackd.metrics).await;
@@ -325,8 +359,7 @@ async fn an_instance_gone_for_good_is_adopted() {
     publish(&q, 300).await;
     let b = Process::start(&config(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, ""));
     let a = Process::start(&config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, ""));
-    let nacked = park_all(&a, &q, 300).await;
-    kill_before_due(a, &nacked, ADOPTED_DELAY);
+    let (nacked, _) = park_then_kill(a, &q, 300, ADOPTED_DELAY).await;
     // B adopts them 5 s after A's lease is free, and they still fall due
     // at their own time.
     all_back(b.addr, &q, &nacked, ADOPTED_DELAY, Duration::from_secs(60)).await;
@@ -348,8 +381,7 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
     let b = Process::start(&config(dir.path(), &live, &q, ADOPTED_DELAY_CONFIG, ""));
     let a_config = config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, "");
     let a = Process::start(&a_config);
-    let first = park_all(&a, &q, 50).await;
-    kill_before_due(a, &first, ADOPTED_DELAY);
+    let (first, _) = park_then_kill(a, &q, 50, ADOPTED_DELAY).await;
     all_back(b.addr, &q, &first, ADOPTED_DELAY, Duration::from_secs(60)).await;
     // Back on its old store, which was adopted: it starts empty.
     let a = Process::start(&a_config);
@@ -360,15 +392,15 @@ async fn an_instance_adopted_then_back_then_gone_is_adopted_again() {
         "its adopted copy is discarded"
     );
     publish_range(&q, 50..100).await;
-    let second = park_all(&a, &q, 50).await;
-    kill_before_due(a, &second, ADOPTED_DELAY);
+    let (second, _) = park_then_kill(a, &q, 50, ADOPTED_DELAY).await;
     all_back(b.addr, &q, &second, ADOPTED_DELAY, Duration::from_secs(60)).await;
     drop(b);
     delete(&q).await;
 }
 
 /// Issue 13: two processes with one id: only the lease holder intercepts
-/// and fires; the standby takes over within seconds of its death.
+/// and fires; the standby takes over within seconds of the holder's
+/// stopping (frozen, then killed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     let _all_up = cluster().steady().await;
@@ -405,11 +437,9 @@ async fn a_standby_with_the_same_id_takes_over_within_seconds() {
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
     // A second batch is held when the holder dies.
     publish_range(&q, 100..200).await;
-    let second = park_all(&a, &q, 100).await;
-    kill_before_due(a, &second, ADOPTED_DELAY);
-    let died = Instant::now();
+    let (second, stopped) = park_then_kill(a, &q, 100, ADOPTED_DELAY).await;
     common::ops::wait_intercepting(b.metrics).await;
-    let took = died.elapsed();
+    let took = stopped.elapsed();
     assert!(took < Duration::from_secs(15), "took over after {took:?}");
     all_back(
         b.addr,
@@ -1193,8 +1223,7 @@ async fn an_adopter_listing_other_nodes_leaves_the_instance_alone() {
     let b = Process::start(&b_config);
     let a_config = config(dir.path(), &gone, &q, ADOPTED_DELAY_CONFIG, "");
     let a = Process::start(&a_config);
-    let nacked = park_all(&a, &q, 20).await;
-    kill_before_due(a, &nacked, ADOPTED_DELAY);
+    let (nacked, _) = park_then_kill(a, &q, 20, ADOPTED_DELAY).await;
     common::ops::until(b.metrics, "B finding A unadoptable", |s| {
         s.get("nackd_replica_unadoptable", &[]) == 1.0
     })
