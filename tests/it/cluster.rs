@@ -196,23 +196,31 @@ pub(super) async fn park_all(nackd: &Process, q: &str, n: u32) -> HashMap<u32, I
     // count is the broker's metric (refreshed every few seconds); whether
     // any message came twice, the tests check after.
     acks_applied(q, 0).await;
-    let _ = parking.channel.close(200, "".into()).await;
-    let _ = parking.conn.close(200, "".into()).await;
-    parking.nacked
+    parking.close().await
 }
 
 /// A consumer through nackd that nacked every message it was given; its
 /// channel stays open until the broker applied nackd's acks.
-struct Parking {
+pub(super) struct Parking {
     conn: Connection,
     channel: Channel,
-    nacked: HashMap<u32, Instant>,
+    pub(super) nacked: HashMap<u32, Instant>,
+}
+
+impl Parking {
+    /// Closes the consumer: only once the broker applied nackd's acks
+    /// (see [`park_all`]).
+    pub(super) async fn close(self) -> HashMap<u32, Instant> {
+        let _ = self.channel.close(200, "".into()).await;
+        let _ = self.conn.close(200, "".into()).await;
+        self.nacked
+    }
 }
 
 /// Nacks every message of `q` once through `nackd`, recording when; waits
 /// until nackd holds all `n` and counts them intercepted (each ack
 /// upstream is written in the turn that counts it).
-async fn nack_all(nackd: &Process, q: &str, n: u32) -> Parking {
+pub(super) async fn nack_all(nackd: &Process, q: &str, n: u32) -> Parking {
     let before = scrape(nackd.metrics)
         .await
         .get("nackd_nacks_intercepted_total", &[]);

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::cluster::{config, consumer, delete, id_of, park_all, publish_range};
+use super::cluster::{acks_applied, config, consumer, delete, id_of, nack_all, publish_range};
 use common::cluster::cluster;
 use common::ops::scrape;
 use common::process::Process;
@@ -25,7 +25,7 @@ const ADOPTED: &str = "nackd_replica_adopted_messages_total";
 const N: u32 = 3000;
 const OWN: u32 = 100;
 /// Long enough that parking all of them ends before the first is due, on a
-/// machine loaded by other tests.
+/// machine loaded by other tests ([`a_killed_with_two_adopters`]).
 const DELAY: Duration = Duration::from_secs(60);
 
 /// A nackd process and its instance id.
@@ -33,6 +33,15 @@ type Named = (Process, String);
 
 /// A with `N` held messages, killed; B and C (its would-be adopters) with
 /// `OWN` each, alive. Returns B, C, A's id and when each message was nacked.
+///
+/// All three park before the broker is waited for once (for every ack of
+/// `q`): parking through each in turn, each followed by that wait
+/// (rabbitmqctl probes of a metric refreshed every 5 s), took more than
+/// `DELAY` on a loaded run, and A fired messages before it was killed.
+/// A is not frozen during the wait (as `park_then_kill` does): its lease
+/// would lapse, and B or C adopt it before the tests watch them. B's and
+/// C's consumers stay open until the acks are applied (a close right
+/// behind them could requeue held messages: see `park_all`).
 async fn a_killed_with_two_adopters(
     dir: &Path,
     q: &str,
@@ -40,14 +49,25 @@ async fn a_killed_with_two_adopters(
     let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
     let a = Process::start(&config(dir, &gone, q, "60s", ""));
     publish_range(q, 0..N).await;
-    let mut nacked = park_all(&a, q, N).await;
+    let of_a = nack_all(&a, q, N).await;
     let b = Process::start(&config(dir, &one, q, "60s", ""));
     publish_range(q, N..N + OWN).await;
-    nacked.extend(park_all(&b, q, OWN).await);
+    let of_b = nack_all(&b, q, OWN).await;
     let c = Process::start(&config(dir, &two, q, "60s", ""));
     publish_range(q, N + OWN..N + 2 * OWN).await;
-    nacked.extend(park_all(&c, q, OWN).await);
+    let of_c = nack_all(&c, q, OWN).await;
+    acks_applied(q, 0).await;
     a.kill9();
+    let first = *of_a.nacked.values().min().expect("A parked");
+    let dead_after = first.elapsed();
+    assert!(
+        dead_after < DELAY,
+        "A died {dead_after:?} after its first nack, past the {DELAY:?} delay: it may have fired before"
+    );
+    // A's consumer ended with A.
+    let mut nacked = of_a.nacked;
+    nacked.extend(of_b.close().await);
+    nacked.extend(of_c.close().await);
     ((b, one), (c, two), gone, nacked)
 }
 
