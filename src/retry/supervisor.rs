@@ -258,3 +258,61 @@ async fn drain(mut commands: mpsc::UnboundedReceiver<Command>, stop: Cancellatio
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use tokio::sync::oneshot;
+
+    use super::between_engines;
+    use crate::replica::{Adopt, Intent};
+    use crate::store::{Held, Route};
+
+    fn held() -> Held {
+        Held {
+            id: 7,
+            vhost: Arc::from("/"),
+            queue: Arc::from("q"),
+            due_ms: 1_000,
+            retry: 1,
+            route: Route::Queue,
+            on_return: None,
+            header: Bytes::from_static(b"h"),
+            body: Bytes::from_static(b"b"),
+        }
+    }
+
+    /// While no engine runs, an adoption's park is refused at once (the
+    /// adoption ends and is tried again, rather than holding the adopted
+    /// instance's lease until this one's comes back); a completion and a
+    /// release are kept for the next engine.
+    #[test]
+    fn between_engines_a_park_is_refused_and_the_rest_kept() {
+        let (reply, mut answer) = oneshot::channel();
+        let from = Intent {
+            from: "gone".into(),
+            epoch: 3,
+        };
+        let park = Adopt::Park {
+            held: held(),
+            from,
+            reply,
+        };
+        assert!(between_engines(park).is_none(), "a park is not kept");
+        let refused = answer.try_recv().expect("answered at once");
+        assert_eq!(
+            refused,
+            Err("the retry engine is restarting (its lease was lost)".to_owned())
+        );
+        assert!(matches!(
+            between_engines(Adopt::Complete(4)),
+            Some(Adopt::Complete(4))
+        ));
+        assert!(matches!(
+            between_engines(Adopt::Release(vec![5, 6])),
+            Some(Adopt::Release(ids)) if ids == [5, 6]
+        ));
+    }
+}
