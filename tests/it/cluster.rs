@@ -635,8 +635,20 @@ async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again()
     d.ack(BasicAckOptions::default()).await.unwrap();
     let _ = through_a.close(200, "".into()).await;
     publish(&q, n).await;
-    let nacked = park_all(&a, &q, n).await;
+    // Stopped as soon as it holds them all, before the first is due: a
+    // fresh-clone run that also waited for the broker to apply A's acks
+    // first (park_all) took past the 20 s, and A fired all 2 000. Its
+    // consumer stays open until A runs again, so that no close can
+    // overtake those acks (park_all says why that matters).
+    let parking = nack_all(&a, &q, n).await;
     signal(&a, "STOP");
+    let first = *parking.nacked.values().min().expect("parked");
+    assert!(
+        first.elapsed() < Duration::from_secs(20),
+        "A stopped {:?} after its first nack, past the 20 s delay",
+        first.elapsed()
+    );
+    let nacked = parking.nacked.clone();
     // A's lease is free after about two heartbeats (1 s), B adopts 5 s
     // later and fires what is due (20 s after the nacks). Adoption fires
     // nothing before its commit: on a loaded machine, when it still parked

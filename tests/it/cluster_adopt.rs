@@ -25,8 +25,9 @@ const ADOPTED: &str = "nackd_replica_adopted_messages_total";
 const N: u32 = 3000;
 const OWN: u32 = 100;
 /// Long enough that parking all of them ends before the first is due, on a
-/// machine loaded by other tests ([`a_killed_with_two_adopters`]).
-const DELAY: Duration = Duration::from_secs(60);
+/// machine loaded by other tests ([`a_killed_with_two_adopters`]): with
+/// 60 s, a fresh-clone run beside the image's build took 63 and 73 s.
+const DELAY: Duration = Duration::from_secs(120);
 
 /// A nackd process and its instance id.
 type Named = (Process, String);
@@ -47,13 +48,13 @@ async fn a_killed_with_two_adopters(
     q: &str,
 ) -> (Named, Named, String, HashMap<u32, Instant>) {
     let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
-    let a = Process::start(&config(dir, &gone, q, "60s", ""));
+    let a = Process::start(&config(dir, &gone, q, "120s", ""));
     publish_range(q, 0..N).await;
     let of_a = nack_all(&a, q, N).await;
-    let b = Process::start(&config(dir, &one, q, "60s", ""));
+    let b = Process::start(&config(dir, &one, q, "120s", ""));
     publish_range(q, N..N + OWN).await;
     let of_b = nack_all(&b, q, OWN).await;
-    let c = Process::start(&config(dir, &two, q, "60s", ""));
+    let c = Process::start(&config(dir, &two, q, "120s", ""));
     publish_range(q, N + OWN..N + 2 * OWN).await;
     let of_c = nack_all(&c, q, OWN).await;
     acks_applied(q, 0).await;
@@ -292,7 +293,7 @@ async fn an_adopter_killed_half_way_and_restarted_on_its_store_fires_nothing_twi
     adopter.kill9();
     let killed = Instant::now();
     eprintln!("adopter killed with {parked} of {N} parked, started again");
-    let adopter = Process::start(&config(dir.path(), &id, &q, "60s", ""));
+    let adopter = Process::start(&config(dir.path(), &id, &q, "120s", ""));
     adopter.wait_for_log(&["cut off half way: not held"]);
     let took = tokio::select! {
         t = committed(&adopter, &gone, killed) => { eprintln!("the restarted adopter adopted again"); t }
