@@ -277,13 +277,7 @@ async fn park_then_kill(
 ) -> (HashMap<u32, Instant>, Instant) {
     let parking = nack_all(&holder, q, n).await;
     signal(&holder, "STOP");
-    let stopped = Instant::now();
-    let first = *parking.nacked.values().min().expect("messages parked");
-    let frozen_after = stopped - first;
-    assert!(
-        frozen_after < delay,
-        "the holder stopped {frozen_after:?} after the first nack, past the {delay:?} delay: it may have fired before"
-    );
+    before_due(&parking.nacked, delay, "the holder stopped");
     acks_applied(q, 0).await;
     holder.kill9();
     let died = Instant::now();
@@ -291,6 +285,18 @@ async fn park_then_kill(
     drop(parking.channel);
     drop(parking.conn);
     (parking.nacked, died)
+}
+
+/// Asserts that what `happened` (just now) came before the first message of
+/// `nacked` was due, `delay` after its nack: else the process that held
+/// them may have fired some, and the test would prove nothing.
+pub(super) fn before_due(nacked: &HashMap<u32, Instant>, delay: Duration, happened: &str) {
+    let first = *nacked.values().min().expect("messages parked");
+    let after = first.elapsed();
+    assert!(
+        after < delay,
+        "{happened} {after:?} after the first nack, past the {delay:?} delay: it may have fired before"
+    );
 }
 
 /// Consumes the retries of `q` through `addr` until every id of `nacked`
@@ -642,12 +648,7 @@ async fn a_holder_frozen_past_adopt_after_publishes_nothing_when_it_runs_again()
     // overtake those acks (park_all says why that matters).
     let parking = nack_all(&a, &q, n).await;
     signal(&a, "STOP");
-    let first = *parking.nacked.values().min().expect("parked");
-    assert!(
-        first.elapsed() < Duration::from_secs(20),
-        "A stopped {:?} after its first nack, past the 20 s delay",
-        first.elapsed()
-    );
+    before_due(&parking.nacked, Duration::from_secs(20), "A stopped");
     let nacked = parking.nacked.clone();
     // A's lease is free after about two heartbeats (1 s), B adopts 5 s
     // later and fires what is due (20 s after the nacks). Adoption fires
