@@ -766,11 +766,18 @@ async fn replica_connection_closes_under_load_pass_no_nack_through() {
     };
     let mut retried: HashMap<u32, u32> = HashMap::new();
     let mut nacked_during_closes = 0u32;
-    let began = Instant::now();
+    // The bound is on silence, not on the whole: a lost message shows as
+    // retries that stop coming while some are missing. How long the whole
+    // takes depends on the machine (CI, with the image compiling beside,
+    // took 240 s to retry 17 919 of 18 000, still going).
+    let (mut last_retry, mut retried_before) = (Instant::now(), 0);
     while !(feeder.is_finished() && retried.len() == published.load(Ordering::SeqCst) as usize) {
+        if retried.len() > retried_before {
+            (last_retry, retried_before) = (Instant::now(), retried.len());
+        }
         assert!(
-            began.elapsed() < Duration::from_secs(240),
-            "{} of {} retried",
+            last_retry.elapsed() < Duration::from_secs(60),
+            "{} of {} retried, and no retry came in the last 60 s (the delay is 1 s)",
             retried.len(),
             published.load(Ordering::SeqCst)
         );
