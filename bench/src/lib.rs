@@ -8,6 +8,8 @@
 //!
 //! - this file: the command line and the targets (broker, nackd, HAProxy);
 //! - [`rounds`]: the sides of a comparison and the alternating rounds;
+//! - [`baseline`]: the baseline lane's nackd (`--baseline-nackd`,
+//!   `--baseline-rev`: another commit's build, cached);
 //! - [`launcher`]: runs the `nackd` binary as a separate process;
 //! - [`haproxy`]: installs and runs HAProxy in TCP mode (issue 24's baseline);
 //! - [`load`]: producer/consumer pairs that put messages through the broker;
@@ -23,6 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
 
+pub mod baseline;
 pub mod cpu;
 pub mod delayed;
 pub mod haproxy;
@@ -130,6 +133,8 @@ pub struct Targets {
     pub nackd_settings: Option<String>,
     /// The same for the baseline nackd.
     pub baseline_settings: Option<String>,
+    /// The rev and commit the baseline nackd was built from (`--baseline-rev`).
+    pub baseline_origin: Option<String>,
 }
 
 impl Targets {
@@ -167,6 +172,7 @@ impl Targets {
             broker_pid: cpu::broker_pid(&common.broker),
             nackd_settings,
             baseline_settings: None,
+            baseline_origin: None,
         })
     }
 
@@ -177,24 +183,29 @@ impl Targets {
         Ok(())
     }
 
-    /// Starts `binary`, another nackd build (or the same one with other
-    /// settings), in front of the broker: a side for [`rounds::alternate`]
-    /// that compares two builds or two configs in one run. It gets `extra`
-    /// (the scenario's own TOML) and `config`, or else `--nackd-config`.
+    /// Starts the baseline lane's nackd (another build, or the same one
+    /// with other settings) in front of the broker: a side for
+    /// [`rounds::alternate`] that compares two builds or two configs in one
+    /// run. It gets `extra` (the scenario's own TOML) and its
+    /// `--baseline-config`, or else `--nackd-config`.
     pub fn start_baseline(
         &mut self,
-        binary: &std::path::Path,
+        baseline: &baseline::Baseline,
         common: &Common,
         extra: &str,
-        config: Option<&std::path::Path>,
     ) -> BenchResult<()> {
         let mut toml = extra.to_string();
-        if let Some(path) = config.or(common.nackd_config.as_deref()) {
+        if let Some(path) = baseline
+            .config
+            .as_deref()
+            .or(common.nackd_config.as_deref())
+        {
             let (more, shown) = read_nackd_config(path)?;
             toml = format!("{more}\n{toml}");
             self.baseline_settings = Some(shown);
         }
-        self.baseline = Some(NackdProcess::start(binary, &self.broker, &toml)?);
+        self.baseline = Some(NackdProcess::start(&baseline.binary, &self.broker, &toml)?);
+        self.baseline_origin = baseline.origin.clone();
         Ok(())
     }
 
@@ -208,7 +219,7 @@ impl Targets {
         match (binary, common.proxy) {
             (Some(binary), _) => Ok(binary.to_owned()),
             (None, None) => Ok(NackdProcess::sibling_binary()?),
-            (None, Some(_)) => Err("--baseline-config with --proxy: the running nackd's binary is unknown; add --baseline-nackd BIN".into()),
+            (None, Some(_)) => Err("--baseline-config with --proxy: the running nackd's binary is unknown; add --baseline-nackd BIN or --baseline-rev REV".into()),
         }
     }
 
@@ -345,6 +356,9 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
             b.pid(),
             b.addr()
         );
+        if let Some(origin) = &targets.baseline_origin {
+            println!("baseline rv {origin}");
+        }
         if let Some(settings) = &targets.baseline_settings {
             println!("baseline cf {settings}");
         }

@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::task::JoinSet;
 
+use super::baseline::BaselineArgs;
 use super::cpu::{CpuSample, CpuUse};
 use super::haproxy::Splice;
 use super::load::{self, Mark, Pair, PairSpec, Sizes};
@@ -71,16 +72,10 @@ pub struct Args {
     /// How HAProxy moves bytes (if its binary has splice; else off).
     #[arg(long, value_enum, default_value_t = Splice::Always, requires = "haproxy")]
     haproxy_splice: Splice,
-    /// Also measure through this other nackd binary (e.g. a build of an
-    /// earlier commit), started like the measured one: before and after a
-    /// change, in the same alternating rounds.
-    #[arg(long, value_name = "BIN")]
-    baseline_nackd: Option<std::path::PathBuf>,
-    /// Start the baseline nackd with this TOML instead of `--nackd-config`
-    /// (the same binary as the measured one unless `--baseline-nackd`):
-    /// one setting on and off, side by side.
-    #[arg(long, value_name = "FILE")]
-    baseline_config: Option<std::path::PathBuf>,
+    // The lane `nackd-baseline`: another nackd build or config, measured
+    // in the same rounds.
+    #[command(flatten)]
+    pub(crate) baseline: BaselineArgs,
 }
 
 impl Args {
@@ -106,13 +101,13 @@ fn flat_out(sizes: Sizes) -> PairSpec {
 pub async fn run(args: Args) -> BenchResult<()> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
+    let baseline = args.baseline.resolve(common)?;
     let mut targets = Targets::start(common, "")?;
     if args.haproxy {
         targets.start_haproxy(args.haproxy_splice)?;
     }
-    if args.baseline_nackd.is_some() || args.baseline_config.is_some() {
-        let binary = Targets::baseline_binary(common, args.baseline_nackd.as_deref())?;
-        targets.start_baseline(&binary, common, "", args.baseline_config.as_deref())?;
+    if let Some(baseline) = &baseline {
+        targets.start_baseline(baseline, common, "")?;
     }
     print_header("passthrough", common, &machine, &targets);
     let result = tokio::select! {

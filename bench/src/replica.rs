@@ -222,8 +222,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         knee_ms: args.knee_ms,
         mechanisms: vec![retry::Mechanism::Nackd],
         quorum: false,
-        baseline_nackd: None,
-        baseline_config: None,
+        baseline: Default::default(),
     };
     let mut runs: HashMap<(Replica, u64), Vec<RateFigures>> = HashMap::new();
     let mut parks: HashMap<Replica, Vec<Park>> = HashMap::new();

@@ -32,6 +32,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
+use super::baseline::BaselineArgs;
 use super::load::{close, connect, consume_queue, durable, unique_queue};
 use super::machine::Machine;
 use super::stats::percentile;
@@ -61,18 +62,13 @@ pub struct Args {
     /// Declare the work queues as quorum queues (durable).
     #[arg(long)]
     pub quorum: bool,
-    /// Also measure nackd through this other binary (e.g. a build of an
-    /// earlier commit), as the lane `nackd-baseline`, in the same rounds.
-    #[arg(long, value_name = "BIN")]
-    pub baseline_nackd: Option<std::path::PathBuf>,
-    /// Start the `nackd-baseline` lane with this TOML instead of
-    /// `--nackd-config` (the same binary unless `--baseline-nackd`): one
-    /// setting on and off, side by side, e.g. `[runtime] coalesce = "0s"`.
-    #[arg(long, value_name = "FILE")]
-    pub baseline_config: Option<std::path::PathBuf>,
+    // The lane `nackd-baseline`: another nackd build or config, measured
+    // in the same rounds.
+    #[command(flatten)]
+    pub baseline: BaselineArgs,
 }
 
-/// The label of the lane `--baseline-nackd`/`--baseline-config` adds.
+/// The label of the lane `--baseline-nackd`/`--baseline-rev`/`--baseline-config` adds.
 const BASELINE: &str = "nackd-baseline";
 
 /// One column of the comparison: a mechanism, and for nackd which process.
@@ -180,10 +176,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         "[[policy]]\nqueues = [\"nackd-bench-retry-*\"]\ndelays = [{}]\n",
         delays.join(", ")
     );
+    let baseline = args.baseline.resolve(common)?;
     let mut targets = Targets::start(common, &policy)?;
-    if args.baseline_nackd.is_some() || args.baseline_config.is_some() {
-        let binary = Targets::baseline_binary(common, args.baseline_nackd.as_deref())?;
-        targets.start_baseline(&binary, common, &policy, args.baseline_config.as_deref())?;
+    if let Some(baseline) = &baseline {
+        targets.start_baseline(baseline, common, &policy)?;
     }
     print_header("retry", common, &machine, &targets);
     let mut lanes = Vec::new();
