@@ -4,6 +4,13 @@
 //! `nackd-bench restart` parks the same way, then SIGKILLs and restarts
 //! nackd several times.
 //!
+//! With a baseline lane (`--baseline-nackd`, `--baseline-rev`,
+//! `--baseline-config`), `hold` then does the same with the baseline nackd
+//! (the same count, delay and backlog, on a queue of its own) and prints
+//! nackd / baseline for the park rate, the RSS per held message, the store
+//! size and the time to serving after the restart. The scenario has no
+//! rounds: nackd goes first, the baseline second.
+//!
 //! Every message is published to RabbitMQ, delivered through nackd to a lapin
 //! consumer that nacks it, stored by nackd and acked upstream; "parked" is
 //! read back from the store with `nackd store stats`.
@@ -18,6 +25,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
+use super::baseline::{print_versus, Baseline, BaselineArgs};
 use super::launcher::NackdProcess;
 use super::load::{close, connect, consume_queue, unique_queue};
 use super::machine::{load_average, Machine};
@@ -44,6 +52,17 @@ pub struct Args {
     /// all are published first.
     #[arg(long)]
     pub backlog: Option<u64>,
+}
+
+/// Options of the hold scenario: parking, and the baseline lane.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HoldArgs {
+    #[command(flatten)]
+    pub park: Args,
+    // The lane `nackd-baseline`: another nackd build or config, parked and
+    // restarted the same way after nackd.
+    #[command(flatten)]
+    pub baseline: BaselineArgs,
 }
 
 /// Reads a process's resident set size in bytes.
@@ -105,11 +124,24 @@ pub struct RestartArgs {
 
 /// What parking left behind.
 struct Parking {
+    /// The headline figures of parking.
+    figures: Figures,
     queue: String,
     /// When each message (by id) was nacked.
     nacked_at: Vec<Option<Instant>>,
     admin: lapin::Connection,
     admin_ch: lapin::Channel,
+}
+
+/// The figures `hold` compares with the baseline's.
+#[derive(Clone, Copy, Debug, Default)]
+struct Figures {
+    /// Nacks made durable per second.
+    park_rate: f64,
+    /// RSS growth per held message, in bytes.
+    rss_per_held: f64,
+    /// The store on disk, in MiB.
+    store_mib: f64,
 }
 
 impl Parking {
@@ -122,12 +154,15 @@ impl Parking {
     }
 }
 
-/// Runs the hold scenario: park, one SIGKILL restart, optionally fire.
-pub async fn run(args: Args) -> BenchResult<()> {
-    let mut targets = start("hold", &args).await?;
+/// Runs the hold scenario: park, one SIGKILL restart, optionally fire;
+/// then park and restart the baseline nackd, if there is one.
+pub async fn run(args: HoldArgs) -> BenchResult<()> {
+    let baseline = args.baseline.resolve(&args.park.common)?;
+    let args = args.park;
+    let mut targets = start("hold", &args, baseline.as_ref()).await?;
     let nackd = started(&mut targets)?;
-    let parking = park(&args, nackd).await?;
-    restart_once(nackd, args.count).await?;
+    let parking = park(&args, nackd, "").await?;
+    let (served, _) = restart_once(nackd, args.count, "").await?;
     if args.fire {
         let delay = humantime::parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
         fire(
@@ -138,12 +173,28 @@ pub async fn run(args: Args) -> BenchResult<()> {
         )
         .await?;
     }
+    if let Some(b) = targets.baseline.as_mut() {
+        const WHO: &str = "nackd-baseline: ";
+        let theirs = park(&args, b, WHO).await?;
+        let (their_served, _) = restart_once(b, args.count, WHO).await?;
+        let (mine, others) = (parking.figures, theirs.figures);
+        print_versus("park rate", "nacks/s", mine.park_rate, others.park_rate);
+        print_versus("rss per held", "B", mine.rss_per_held, others.rss_per_held);
+        print_versus("store", "MiB", mine.store_mib, others.store_mib);
+        print_versus(
+            "restart, serving",
+            "s",
+            served.as_secs_f64(),
+            their_served.as_secs_f64(),
+        );
+        theirs.delete().await;
+    }
     finish(targets, parking).await
 }
 
 /// Runs the restart scenario: park, then `--restarts` SIGKILL restarts.
 pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
-    let mut targets = start("restart", &args.park).await?;
+    let mut targets = start("restart", &args.park, None).await?;
     let nackd = started(&mut targets)?;
     if args.prefill {
         nackd.stop();
@@ -157,11 +208,11 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
     }
     let parking = match args.prefill {
         true => None,
-        false => Some(park(&args.park, nackd).await?),
+        false => Some(park(&args.park, nackd, "").await?),
     };
     let (mut serving, mut intercepting) = (Vec::new(), Vec::new());
     for _ in 0..args.restarts {
-        let (served, recovered) = restart_once(nackd, args.park.count).await?;
+        let (served, recovered) = restart_once(nackd, args.park.count, "").await?;
         serving.push(served);
         intercepting.push(recovered);
     }
@@ -223,14 +274,17 @@ fn prefill(dir: &std::path::Path, n: u64) -> BenchResult<()> {
     Ok(())
 }
 
-async fn start(scenario: &str, args: &Args) -> BenchResult<Targets> {
+async fn start(scenario: &str, args: &Args, baseline: Option<&Baseline>) -> BenchResult<Targets> {
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
     let policy = format!(
         "[[policy]]\nqueues = [\"nackd-bench-hold-*\"]\ndelays = [\"{}\"]\n",
         args.delay
     );
-    let targets = Targets::start(common, &policy)?;
+    let mut targets = Targets::start(common, &policy)?;
+    if let Some(baseline) = baseline {
+        targets.start_baseline(baseline, common, &policy)?;
+    }
     print_header(scenario, common, &machine, &targets);
     Ok(targets)
 }
@@ -247,6 +301,9 @@ async fn finish(mut targets: Targets, parking: Parking) -> BenchResult<()> {
     println!("load        average {} at the end", load_average());
     if let Some(nackd) = targets.nackd.take() {
         nackd.kill();
+    }
+    if let Some(baseline) = targets.baseline.take() {
+        baseline.kill();
     }
     Ok(())
 }
@@ -313,8 +370,9 @@ pub(crate) async fn declare_hold_queue(
 }
 
 /// Parks `--count` messages through nackd and prints the park rate, RSS
-/// and store size.
-async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
+/// and store size, each line's figures after `who` (empty for the
+/// measured nackd).
+async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parking> {
     let (binary, store, pid) = (nackd.binary().to_owned(), nackd.store_dir(), nackd.pid());
     let rss_before = rss(pid);
     let queue = unique_queue("hold");
@@ -333,7 +391,7 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
         None => {
             let took = publishing.await.map_err(|e| e.to_string())??;
             println!(
-                "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s, before parking",
+                "publish     {who}{n} messages of 1 KiB to RabbitMQ in {:.1} s, before parking",
                 took.as_secs_f64()
             );
             None
@@ -367,7 +425,7 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
     if let (Some(publishing), Some(backlog)) = (publishing, args.backlog) {
         let took = publishing.await.map_err(|e| e.to_string())??;
         println!(
-            "publish     {n} messages of 1 KiB to RabbitMQ in {:.1} s, alongside parking, at most {backlog} ahead of it",
+            "publish     {who}{n} messages of 1 KiB to RabbitMQ in {:.1} s, alongside parking, at most {backlog} ahead of it",
             took.as_secs_f64()
         );
     }
@@ -383,26 +441,36 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
     }
     // `store stats` polls add a little to the end; the nacks bound it from below.
     let park = first.elapsed();
+    let figures = Figures {
+        park_rate: n as f64 / park.as_secs_f64(),
+        ..Figures::default()
+    };
     println!(
-        "park        {n} nacks in {:.1} s through nackd; all durable after {:.1} s: {:.0} nacks/s made durable",
+        "park        {who}{n} nacks in {:.1} s through nackd; all durable after {:.1} s: {:.0} nacks/s made durable",
         nacks_done.as_secs_f64(),
         park.as_secs_f64(),
-        n as f64 / park.as_secs_f64()
+        figures.park_rate
     );
     close(&consumer).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rss_after = rss(pid);
+    let figures = Figures {
+        rss_per_held: rss_after.saturating_sub(rss_before) as f64 / n as f64,
+        store_mib: mib(dir_size(&store)),
+        ..figures
+    };
     println!(
-        "rss         nackd {:.1} MiB with {n} held ({:.1} MiB before; {:.0} bytes per held message)",
+        "rss         {who}nackd {:.1} MiB with {n} held ({:.1} MiB before; {:.0} bytes per held message)",
         mib(rss_after),
         mib(rss_before),
-        rss_after.saturating_sub(rss_before) as f64 / n as f64
+        figures.rss_per_held
     );
     println!(
-        "store       {:.1} MiB on disk for {n} held (bodies on disk)",
-        mib(dir_size(&store))
+        "store       {who}{:.1} MiB on disk for {n} held (bodies on disk)",
+        figures.store_mib
     );
     Ok(Parking {
+        figures,
         queue,
         nacked_at,
         admin,
@@ -414,8 +482,13 @@ async fn park(args: &Args, nackd: &NackdProcess) -> BenchResult<Parking> {
 /// the time to listening, to a first AMQP connection through it, to
 /// interception (nacks are held again) and to every held message being
 /// scheduled again (the older store segments read), with what its
-/// recovery log line says. Returns the time to serving and to interception.
-async fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<(Duration, Duration)> {
+/// recovery log line says, after `who`. Returns the time to serving and to
+/// interception.
+async fn restart_once(
+    nackd: &mut NackdProcess,
+    n: u64,
+    who: &str,
+) -> BenchResult<(Duration, Duration)> {
     let to_listening = nackd.restart()?;
     let began = Instant::now();
     let conn = connect(&nackd.addr().to_string()).await?;
@@ -437,14 +510,14 @@ async fn restart_once(nackd: &mut NackdProcess, n: u64) -> BenchResult<(Duration
     let to_recovered = to_listening + began.elapsed();
     let to_intercepting = to_intercepting.unwrap_or(to_recovered);
     println!(
-        "restart     SIGKILL with {n} held: listening after {:.2} s, first AMQP connection through it after {:.2} s, intercepting after {:.2} s, every held message scheduled after {:.2} s",
+        "restart     {who}SIGKILL with {n} held: listening after {:.2} s, first AMQP connection through it after {:.2} s, intercepting after {:.2} s, every held message scheduled after {:.2} s",
         to_listening.as_secs_f64(),
         to_serving.as_secs_f64(),
         to_intercepting.as_secs_f64(),
         to_recovered.as_secs_f64()
     );
     println!(
-        "recovered   {rescheduled} held re-scheduled (nackd's \"store recovered\" log line), {} in the store; nackd RSS {:.1} MiB",
+        "recovered   {who}{rescheduled} held re-scheduled (nackd's \"store recovered\" log line), {} in the store; nackd RSS {:.1} MiB",
         held(nackd.binary(), &nackd.store_dir()),
         mib(rss(nackd.pid()))
     );

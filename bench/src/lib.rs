@@ -65,7 +65,7 @@ pub enum Scenario {
     /// Redelivery lateness of delayed retries: nackd vs the TTL recipes.
     Retry(retry::Args),
     /// Park many messages: park rate, RSS, store size, restart after SIGKILL.
-    Hold(hold::Args),
+    Hold(hold::HoldArgs),
     /// Park N, then SIGKILL and restart nackd several times: time to serving.
     Restart(hold::RestartArgs),
     /// Replica off vs on in one run: retry knee, park rate, p99 lateness.
