@@ -14,6 +14,12 @@
 //! 3. **RAM per held message**: `--held` delayed publishes (100 B
 //!    bodies, `x-delay` = 1 h) through nackd; nackd's RSS before and after,
 //!    divided by the count.
+//!
+//! With a baseline lane (`--baseline-nackd`, `--baseline-rev`,
+//! `--baseline-config`), the baseline nackd is a third side of part 1's
+//! rounds (the order rotating by round), and parts 2 and 3 run on it too,
+//! after nackd, with the same load; `versus` lines give nackd / baseline
+//! for the confirmed publish rate and the lateness p50 / p99.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -22,9 +28,11 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
+use super::baseline::{print_versus, BaselineArgs};
 use super::hold::rss;
 use super::load::{close, connect, consume_queue, declare_queue, unique_queue};
 use super::machine::Machine;
+use super::rounds::{round_order, Side};
 use super::stats::{median, percentile};
 use super::{print_footer, print_header, BenchResult, Common, Targets};
 
@@ -45,7 +53,14 @@ pub struct Args {
     /// Delayed messages held at once in the RAM part (0: skip it).
     #[arg(long, default_value_t = 1_000_000)]
     pub held: u64,
+    // The lane `nackd-baseline`: another nackd build or config, a third
+    // side of every part.
+    #[command(flatten)]
+    pub baseline: BaselineArgs,
 }
+
+/// The label of the baseline's lines.
+const BASELINE: &str = "nackd-baseline";
 
 /// What `[delayed]` nackd runs with here.
 const NACKD_TOML: &str = "[delayed]\nenabled = true\n";
@@ -176,9 +191,15 @@ async fn rate_round(addr: &str, delayed: bool, args: &Args) -> BenchResult<f64> 
     rate
 }
 
-/// Part 2: lateness of delayed publishes through nackd.
-async fn lateness(targets: &Targets, args: &Args) -> BenchResult<()> {
-    let proxy = connect(&targets.proxy.to_string()).await?;
+/// Part 2: lateness of delayed publishes through the nackd at `addr`
+/// (`who`: the lane, "" for the measured nackd); returns p50 and p99 in ms.
+async fn lateness(
+    targets: &Targets,
+    addr: &str,
+    who: &str,
+    args: &Args,
+) -> BenchResult<(u64, u64)> {
+    let proxy = connect(addr).await?;
     let ch = proxy.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let exchange = unique_queue("delayed-late-x");
@@ -241,7 +262,7 @@ async fn lateness(targets: &Targets, args: &Args) -> BenchResult<()> {
     late.sort_unstable();
     let p = |q| percentile(&late, q).unwrap_or(0);
     println!(
-        "lateness    {} delayed publishes at {:.0}/s (asked {}/s), x-delay {} ms: p50 {} ms, p99 {} ms, max {} ms, early {}",
+        "lateness    {who}{} delayed publishes at {:.0}/s (asked {}/s), x-delay {} ms: p50 {} ms, p99 {} ms, max {} ms, early {}",
         late.len() as u64 + early,
         achieved,
         args.rate,
@@ -257,18 +278,19 @@ async fn lateness(targets: &Targets, args: &Args) -> BenchResult<()> {
     close(&direct).await;
     close(&proxy).await;
     if early > 0 {
-        return Err(format!("{early} delayed messages came early").into());
+        return Err(format!("{who}{early} delayed messages came early").into());
     }
-    Ok(())
+    Ok((p(50.0), p(99.0)))
 }
 
-/// Part 3: nackd's RSS per held delayed message.
-async fn ram(targets: &Targets, args: &Args) -> BenchResult<()> {
-    let Some(pid) = targets.proxy_pid else {
-        println!("ram         skipped: nackd's pid is unknown");
+/// Part 3: RSS per held delayed message of the nackd of `side`.
+async fn ram(targets: &Targets, side: Side, who: &str, args: &Args) -> BenchResult<()> {
+    let target = targets.target(side);
+    let Some(pid) = target.processes.proxy else {
+        println!("ram         {who}skipped: nackd's pid is unknown");
         return Ok(());
     };
-    let conn = connect(&targets.proxy.to_string()).await?;
+    let conn = connect(&target.addr).await?;
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let exchange = unique_queue("delayed-ram-x");
@@ -306,7 +328,7 @@ async fn ram(targets: &Targets, args: &Args) -> BenchResult<()> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = rss(pid);
     println!(
-        "ram         {} held delayed messages (100 B bodies), stored at {:.0}/s: nackd RSS {:.1} MiB → {:.1} MiB, {:.0} B per held message",
+        "ram         {who}{} held delayed messages (100 B bodies), stored at {:.0}/s: nackd RSS {:.1} MiB → {:.1} MiB, {:.0} B per held message",
         args.held,
         args.held as f64 / took.as_secs_f64(),
         before as f64 / 1048576.0,
@@ -322,56 +344,99 @@ async fn ram(targets: &Targets, args: &Args) -> BenchResult<()> {
 
 /// Runs the delayed scenario.
 pub async fn run(args: Args) -> BenchResult<()> {
-    let targets = Targets::start(&args.common, NACKD_TOML)?;
+    let baseline = args.baseline.resolve(&args.common)?;
+    let mut targets = Targets::start(&args.common, NACKD_TOML)?;
+    if let Some(baseline) = &baseline {
+        targets.start_baseline(baseline, &args.common, NACKD_TOML)?;
+    }
     let machine = Machine::probe(&args.common.broker).await;
     print_header("delayed", &args.common, &machine, &targets);
-    let proxy = targets.proxy.to_string();
-    let mut direct = Vec::new();
-    let mut nackd = Vec::new();
-    for round in 0..args.common.rounds {
-        let order = if round % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
-        for through in order {
-            let rate = match through {
-                true => rate_round(&proxy, true, &args).await?,
-                false => rate_round(&targets.broker, false, &args).await?,
-            };
-            let side = if through {
-                "nackd, delayed exchange"
-            } else {
-                "direct, plain exchange"
-            };
-            println!(
-                "round {}     {side}: {rate:.0} confirmed publishes/s (window {}, 1 KiB)",
-                round + 1,
-                args.window
-            );
-            if through {
-                nackd.push(rate);
-            } else {
-                direct.push(rate);
-            }
+    let rates = rate_rounds(&targets, &args).await?;
+    let of = |side: Side| {
+        let rounds = rates.iter().find(|(s, _)| *s == side);
+        median(rounds.map_or(&[][..], |(_, r)| r.as_slice()))
+    };
+    let per_round = |side: Side| -> Vec<f64> {
+        let get = |side: Side| rates.iter().find(|(s, _)| *s == side).map(|(_, r)| r);
+        match (get(side), get(Side::Direct)) {
+            (Some(n), Some(d)) => n.iter().zip(d).map(|(n, d)| n / d).collect(),
+            _ => Vec::new(),
         }
-    }
-    let ratios: Vec<f64> = nackd.iter().zip(&direct).map(|(n, d)| n / d).collect();
+    };
+    let ratios = per_round(Side::Nackd);
     println!(
         "rate        median direct {:.0}/s, nackd (delayed, stored) {:.0}/s, ratio {:.3} (rounds {})",
-        median(&direct).unwrap_or(0.0),
-        median(&nackd).unwrap_or(0.0),
+        of(Side::Direct).unwrap_or(0.0),
+        of(Side::Nackd).unwrap_or(0.0),
         median(&ratios).unwrap_or(0.0),
-        ratios
-            .iter()
-            .map(|r| format!("{r:.3}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        joined(&ratios)
     );
-    lateness(&targets, &args).await?;
+    let lanes: Vec<(Side, &str)> = [(Side::Nackd, ""), (Side::Baseline, "nackd-baseline: ")]
+        .into_iter()
+        .filter(|(side, _)| targets.sides().contains(side))
+        .collect();
+    if lanes.len() > 1 {
+        let ratios = per_round(Side::Baseline);
+        println!(
+            "rate        median {BASELINE} (delayed, stored) {:.0}/s, ratio to direct {:.3} (rounds {})",
+            of(Side::Baseline).unwrap_or(0.0),
+            median(&ratios).unwrap_or(0.0),
+            joined(&ratios)
+        );
+    }
+    let mut late = Vec::new();
+    for &(side, who) in &lanes {
+        late.push(lateness(&targets, &targets.target(side).addr, who, &args).await?);
+    }
     if args.held > 0 {
-        ram(&targets, &args).await?;
+        for &(side, who) in &lanes {
+            ram(&targets, side, who, &args).await?;
+        }
+    }
+    if let [(p50, p99), (b50, b99)] = late[..] {
+        let (nackd, baseline) = (of(Side::Nackd), of(Side::Baseline));
+        let (nackd, baseline) = (nackd.unwrap_or(0.0), baseline.unwrap_or(0.0));
+        print_versus("confirmed rate", "publishes/s", nackd, baseline);
+        print_versus("lateness p50", "ms", p50 as f64, b50 as f64);
+        print_versus("lateness p99", "ms", p99 as f64, b99 as f64);
     }
     print_footer(targets);
     Ok(())
+}
+
+/// Part 1: `--rounds` rounds of every side (direct to a plain exchange,
+/// nackd and the baseline to a delayed one), the order rotating by round;
+/// the rates per side in round order.
+async fn rate_rounds(targets: &Targets, args: &Args) -> BenchResult<Vec<(Side, Vec<f64>)>> {
+    let sides = targets.sides();
+    let mut rates: Vec<(Side, Vec<f64>)> = sides.iter().map(|&s| (s, Vec::new())).collect();
+    for round in 0..args.common.rounds {
+        for side in round_order(&sides, round) {
+            let target = targets.target(side);
+            let delayed = side != Side::Direct;
+            let rate = rate_round(&target.addr, delayed, args).await?;
+            let lane = match side {
+                Side::Direct => "direct, plain exchange",
+                Side::Baseline => "nackd-baseline, delayed exchange",
+                _ => "nackd, delayed exchange",
+            };
+            println!(
+                "round {}     {lane}: {rate:.0} confirmed publishes/s (window {}, 1 KiB)",
+                round + 1,
+                args.window
+            );
+            if let Some((_, r)) = rates.iter_mut().find(|(s, _)| *s == side) {
+                r.push(rate);
+            }
+        }
+    }
+    Ok(rates)
+}
+
+fn joined(ratios: &[f64]) -> String {
+    ratios
+        .iter()
+        .map(|r| format!("{r:.3}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
