@@ -764,9 +764,11 @@ async fn replica_connection_closes_under_load_pass_no_nack_through() {
     };
     // The load lasts as long as the closes do, however slow rabbitmqctl
     // is on a busy machine: more messages are published until the fifth,
-    // 400 a second (2 000 a second made 20 000 messages on a loaded
-    // machine, more than the cluster then retried in the test's 240 s).
-    // At most 30 000 in all, should rabbitmqctl be slower still.
+    // 200 a second (2 000 a second made 20 000 messages on a loaded
+    // machine, more than the cluster then retried in the test's 240 s;
+    // 200 is what batches of 100 every 250 ms gave while each publish
+    // waited for its confirm). At most 30 000 in all, should rabbitmqctl
+    // be slower still.
     let published = Arc::new(AtomicU32::new(first));
     let feeder = {
         let (q, done, published) = (q.clone(), closes_done.clone(), published.clone());
@@ -775,7 +777,7 @@ async fn replica_connection_closes_under_load_pass_no_nack_through() {
                 let from = published.load(Ordering::SeqCst);
                 publish_range(&q, from..from + 100).await;
                 published.store(from + 100, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(250)).await;
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         })
     };
