@@ -87,13 +87,33 @@ impl BaselineArgs {
 /// Prints one headline figure of nackd beside the baseline's and their
 /// ratio nackd / baseline, e.g. `versus      park rate         nackd 950
 /// / nackd-baseline 1000 nacks/s: ratio 0.950`.
-pub fn print_versus(what: &str, unit: &str, nackd: f64, baseline: f64) {
+pub fn print_versus(what: &str, unit: &str, better: Better, nackd: f64, baseline: f64) {
     println!(
-        "versus      {what:<17} nackd {} / nackd-baseline {} {unit}: ratio {}",
+        "versus      {what:<17} nackd {} / nackd-baseline {} {unit}: ratio {} ({})",
         figure(nackd),
         figure(baseline),
-        ratio(nackd, baseline)
+        ratio(nackd, baseline),
+        better.said()
     );
+}
+
+/// Which way a figure of [`print_versus`] is better, printed beside its
+/// ratio: 0.8 is a loss for a rate and a gain for a latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Better {
+    /// A rate.
+    Higher,
+    /// A size, a duration, a lateness.
+    Lower,
+}
+
+impl Better {
+    fn said(self) -> &'static str {
+        match self {
+            Self::Higher => "higher is better",
+            Self::Lower => "lower is better",
+        }
+    }
 }
 
 /// A figure with the decimals its size needs.
@@ -164,6 +184,10 @@ impl Cache {
             Some(dir) => PathBuf::from(dir),
             None => repo.join("target").join("bench-baselines"),
         };
+        // Absolute: git (from the repository), cargo (from the worktree)
+        // and this process would each read a relative path from another
+        // directory.
+        let root = std::path::absolute(&root).unwrap_or(root);
         Self { root }
     }
 
@@ -278,22 +302,12 @@ fn build(repo: &Path, cache: &Cache, rev: &str, sha: &str) -> Result<(), Baselin
         .arg(&src)
         .arg(sha);
     run(worktree, &output).map_err(failed("git worktree add"))?;
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .current_dir(&src)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "-p",
-            "nackd",
-            "--bin",
-            "nackd",
-        ])
-        .env("CARGO_TARGET_DIR", cache.target_dir())
-        .env_remove("CARGO_BUILD_TARGET_DIR");
-    let built = run(build, &output).map_err(failed("cargo build"));
+    // Every baseline build shares one target directory: from the build to
+    // the rename, no other run may relink `release/nackd` under this one.
+    let lock = File::create(cache.root().join("build.lock"))
+        .and_then(|f| f.lock().map(|()| f))
+        .map_err(|e| failed("locking the cache's builds")(e.to_string()))?;
+    let built = run(cargo_build(&src, cache, sha), &output).map_err(failed("cargo build"));
     let placed = built.and_then(|()| {
         let staging = cache.staging(sha, pid);
         let from = cache.target_dir().join("release").join("nackd");
@@ -310,8 +324,52 @@ fn build(repo: &Path, cache: &Cache, rev: &str, sha: &str) -> Result<(), Baselin
         .arg(&src);
     let removed = run(remove, &output);
     let _ = git(repo, &["worktree", "prune"]);
+    drop(lock);
     placed?;
     removed.map_err(failed("git worktree remove"))
+}
+
+/// The release build of `sha`'s nackd in worktree `src`, as a user's
+/// `cargo build --release` would make it: none of the settings a test run
+/// or a shell may have exported (scripts/test's clippy-driver wrapper and
+/// its `-D warnings`, extra rustc flags, profile overrides) reach it, since
+/// the cache keeps one binary per commit, whoever built it.
+fn cargo_build(src: &Path, cache: &Cache, sha: &str) -> Command {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build
+        .current_dir(src)
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "nackd",
+            "--bin",
+            "nackd",
+        ])
+        .env("CARGO_TARGET_DIR", cache.target_dir())
+        .env("NACKD_COMMIT", &sha[..12]);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(stripped) {
+            build.env_remove(name);
+        }
+    }
+    build
+}
+
+/// The environment variables a baseline build does without.
+fn stripped(name: &str) -> bool {
+    const EXACT: [&str; 7] = [
+        "CARGO_BUILD_TARGET_DIR",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "CARGO_BUILD_RUSTC_WORKSPACE_WRAPPER",
+        "CLIPPY_ARGS",
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_BUILD_RUSTFLAGS",
+    ];
+    EXACT.contains(&name) || name.starts_with("CARGO_PROFILE_")
 }
 
 /// Runs `command` with its output appended to `log`.
@@ -379,6 +437,36 @@ mod tests {
         assert_eq!(Cache::locate(repo, Some("".into())), default);
         let moved = Cache::locate(repo, Some("/tmp/b".into()));
         assert_eq!(moved.root(), Path::new("/tmp/b"));
+    }
+
+    #[test]
+    fn a_relative_cache_is_made_absolute_once() {
+        let moved = Cache::locate(Path::new("/r"), Some("rel/cache".into()));
+        assert!(moved.root().is_absolute(), "{:?}", moved.root());
+        assert!(moved.root().ends_with("rel/cache"));
+    }
+
+    #[test]
+    fn a_baseline_build_does_without_the_suites_wrappers_and_flags() {
+        for name in [
+            "RUSTC_WORKSPACE_WRAPPER",
+            "CLIPPY_ARGS",
+            "RUSTFLAGS",
+            "CARGO_ENCODED_RUSTFLAGS",
+            "CARGO_PROFILE_RELEASE_LTO",
+            "CARGO_BUILD_TARGET_DIR",
+        ] {
+            assert!(stripped(name), "{name}");
+        }
+        for name in [
+            "PATH",
+            "HOME",
+            "CARGO_HOME",
+            "RUSTUP_TOOLCHAIN",
+            "RUSTC_WRAPPER",
+        ] {
+            assert!(!stripped(name), "{name}");
+        }
     }
 
     #[test]

@@ -28,7 +28,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
-use super::baseline::{print_versus, BaselineArgs};
+use super::baseline::{print_versus, BaselineArgs, Better};
 use super::hold::rss;
 use super::load::{close, connect, consume_queue, declare_queue, unique_queue};
 use super::machine::Machine;
@@ -396,9 +396,15 @@ pub async fn run(args: Args) -> BenchResult<()> {
     if let [(p50, p99), (b50, b99)] = late[..] {
         let (nackd, baseline) = (of(Side::Nackd), of(Side::Baseline));
         let (nackd, baseline) = (nackd.unwrap_or(0.0), baseline.unwrap_or(0.0));
-        print_versus("confirmed rate", "publishes/s", nackd, baseline);
-        print_versus("lateness p50", "ms", p50 as f64, b50 as f64);
-        print_versus("lateness p99", "ms", p99 as f64, b99 as f64);
+        print_versus(
+            "confirmed rate",
+            "publishes/s",
+            Better::Higher,
+            nackd,
+            baseline,
+        );
+        print_versus("lateness p50", "ms", Better::Lower, p50 as f64, b50 as f64);
+        print_versus("lateness p99", "ms", Better::Lower, p99 as f64, b99 as f64);
     }
     print_footer(targets);
     Ok(())

@@ -25,7 +25,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
-use super::baseline::{print_versus, Baseline, BaselineArgs};
+use super::baseline::{print_versus, Baseline, BaselineArgs, Better};
 use super::launcher::NackdProcess;
 use super::load::{close, connect, consume_queue, unique_queue};
 use super::machine::{load_average, Machine};
@@ -178,12 +178,31 @@ pub async fn run(args: HoldArgs) -> BenchResult<()> {
         let theirs = park(&args, b, WHO).await?;
         let (their_served, _) = restart_once(b, args.count, WHO).await?;
         let (mine, others) = (parking.figures, theirs.figures);
-        print_versus("park rate", "nacks/s", mine.park_rate, others.park_rate);
-        print_versus("rss per held", "B", mine.rss_per_held, others.rss_per_held);
-        print_versus("store", "MiB", mine.store_mib, others.store_mib);
+        print_versus(
+            "park rate",
+            "nacks/s",
+            Better::Higher,
+            mine.park_rate,
+            others.park_rate,
+        );
+        print_versus(
+            "rss per held",
+            "B",
+            Better::Lower,
+            mine.rss_per_held,
+            others.rss_per_held,
+        );
+        print_versus(
+            "store",
+            "MiB",
+            Better::Lower,
+            mine.store_mib,
+            others.store_mib,
+        );
         print_versus(
             "restart, serving",
             "s",
+            Better::Lower,
             served.as_secs_f64(),
             their_served.as_secs_f64(),
         );

@@ -72,7 +72,12 @@ fn texts(out: &Output) -> (String, String) {
 
 /// The number after `ratio ` on a line, if it is one.
 fn ratio(line: &str) -> Option<f64> {
-    line.rsplit_once("ratio ")?.1.trim().parse().ok()
+    line.rsplit_once("ratio ")?
+        .1
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 #[test]
@@ -95,6 +100,12 @@ fn a_cached_rev_is_the_baseline_lane_of_hold_without_a_build() {
         entry.join("nackd").display()
     );
     assert!(stdout.contains(&cached), "no {cached:?} in:\n{stdout}");
+    // The lane ran the cached binary, not the measured one beside it.
+    let started = format!("baseline    {} (pid ", entry.join("nackd").display());
+    assert!(
+        stdout.lines().any(|l| l.starts_with(&started)),
+        "no {started:?} in:\n{stdout}"
+    );
     assert!(
         stdout
             .lines()
@@ -107,6 +118,7 @@ fn a_cached_rev_is_the_baseline_lane_of_hold_without_a_build() {
             .find(|l| l.starts_with(&format!("versus      {figure} ")))
             .unwrap_or_else(|| panic!("no versus line for {figure} in:\n{stdout}"));
         assert!(line.contains("nackd-baseline "), "{line}");
+        assert!(line.ends_with(" is better)"), "{line}");
         if figure != "rss per held" {
             // RSS may not grow for a few hundred messages: no ratio then.
             assert!(ratio(line).is_some_and(|r| r > 0.0), "{line}");
