@@ -191,4 +191,18 @@ pub enum StoreError {
     /// An I/O error.
     #[error("store I/O error: {0}")]
     Io(String),
+    /// Stored here, but the replica (the instance's stream on the broker)
+    /// did not take it: not held, since a host loss would lose it.
+    #[error("replica: {0}")]
+    Replica(String),
+}
+
+impl StoreError {
+    /// Why a claim this error answered is deferred.
+    pub fn deferral(&self) -> crate::stats::PassReason {
+        match self {
+            Self::Replica(_) => crate::stats::PassReason::NoReplica,
+            Self::Full(_) | Self::Io(_) => crate::stats::PassReason::StoreUnavailable,
+        }
+    }
 }

@@ -568,7 +568,7 @@ impl Engine {
                 if let Some(link) = &self.link {
                     link.done(w.id);
                 }
-                let result = Err(StoreError::Io(format!("replica: {e}")));
+                let result = Err(StoreError::Replica(e));
                 Written { result, ..w }
             }
             (Err(e), _) => {

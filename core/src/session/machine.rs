@@ -1107,13 +1107,7 @@ impl Session {
             }
             (Some((delay, from)), Err(e)) => {
                 warn!(error = %e, "cannot hold the message: it stays unacked, nacked (requeue) later");
-                self.defer(
-                    key.channel,
-                    key.tag,
-                    PassReason::StoreUnavailable,
-                    delay,
-                    from,
-                );
+                self.defer(key.channel, key.tag, e.deferral(), delay, from);
             }
             (None, Ok(id)) => {
                 // The broker took the delivery back (channel or connection

@@ -991,6 +991,26 @@ fn refused(n: u64) -> Pair {
     p
 }
 
+/// A park the local store took but the replica did not (its stream was
+/// deleted, say) is deferred as `no_replica`, as the nacks are that come
+/// once the engine knows: the operator reads one reason for one cause.
+#[test]
+fn a_nack_the_replica_refuses_is_deferred_for_want_of_a_replica() {
+    let mut p = pair_with("delays = [\"2s\"]", 1 << 20);
+    p.consume(1);
+    p.deliver(1, 1);
+    p.client(&method::nack(1, 1, false, false));
+    let parks = p.take_parks();
+    assert_eq!(parks.len(), 1, "claimed while the engine said ready");
+    p.answer(&parks[0], Err(StoreError::Replica("stream gone".into())));
+    assert!(p.upstream().is_empty(), "not acked, not settled as sent");
+    p.time_passes(Duration::from_secs(2));
+    p.timer_fires();
+    assert_eq!(p.upstream(), ["nack 1"], "requeued after the delay");
+    assert_eq!(p.s.stats.deferred(PassReason::NoReplica), 1);
+    assert_eq!(p.s.stats.deferred(PassReason::StoreUnavailable), 0);
+}
+
 #[test]
 fn a_nack_the_store_refuses_is_requeued_after_the_policy_delay() {
     let mut p = refused(1);
