@@ -19,6 +19,8 @@ use std::sync::{Arc, OnceLock, Weak};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
+pub mod registry;
+
 use crate::config::Config;
 use nackd_core::delayed::{DelayedExchange, DelayedExchanges, Persist};
 

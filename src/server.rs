@@ -40,6 +40,12 @@ async fn interception(
         .password()
         .map_err(StartError::Credentials)?;
     let delayed = crate::delayed::open(config).map_err(StartError::Store)?;
+    if let Some(target) = registry_target(config, &password)? {
+        let pinned = config.delayed_exchanges.iter();
+        let pinned = pinned.map(|t| (t.vhost.clone(), t.name.clone())).collect();
+        let (set, stop) = (delayed.clone(), root.child_token());
+        crate::delayed::registry::spawn(target, set, pinned, metrics.clone(), stop);
+    }
     let retry_options =
         retry::Options::new(&config.republish, password.clone()).with_delayed(config);
     let check = BrokerCheck::new(
@@ -167,6 +173,27 @@ fn upstream(config: &Config) -> Result<Connector, StartError> {
         key: "upstream.tls",
         source,
     })
+}
+
+/// Where `[delayed] registry` is kept, if it is on: `[upstream]`'s nodes,
+/// as `[republish]`'s user.
+fn registry_target(
+    config: &Config,
+    password: &str,
+) -> Result<Option<crate::replica::Target>, StartError> {
+    let settings = config.delayed_settings();
+    if !config.delayed_enabled() || !settings.registry {
+        return Ok(None);
+    }
+    Ok(Some(crate::replica::Target {
+        nodes: config.upstream.nodes(),
+        vhost: settings.registry_vhost,
+        username: config.republish.username(),
+        password: password.to_string(),
+        heartbeat: config.republish.heartbeat,
+        cluster_size: config.replica.as_ref().and_then(|r| r.cluster_size),
+        tls: upstream_tls(config)?,
+    }))
 }
 
 /// `[replica]`, resolved against `[upstream]` and `[republish]`.
@@ -355,6 +382,12 @@ impl Proxy {
     /// Reloads `[[policy]]` tables into the running proxy (SIGHUP).
     pub fn reloader(&self) -> Reloader {
         self.reloader.clone()
+    }
+
+    /// The delayed exchanges this nackd knows (none without interception).
+    pub fn delayed_exchanges(&self) -> Option<Arc<nackd_core::delayed::DelayedExchanges>> {
+        let intercept = self.context.intercept.as_ref()?;
+        Some(intercept.shared.delayed.clone())
     }
 
     /// Accepts clients until `shutdown`, then stops in order: stop

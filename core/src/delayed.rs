@@ -11,6 +11,14 @@
 //! holds at most [`DelayedExchanges::limit`] of them. Every publish asks
 //! [`DelayedExchanges::is_delayed`]: one atomic load while no exchange is
 //! delayed.
+//!
+//! Instances that share a broker may share the set too (`[delayed]
+//! registry`): every change a session makes is also handed to the
+//! [`Share`] hook, which the `nackd` crate writes to a stream every
+//! instance reads, and the changes read there come back through
+//! [`DelayedExchanges::apply`]. Until it has read that stream to its end
+//! the set is not [`synced`](DelayedExchanges::synced): an exchange it
+//! does not list may be delayed all the same.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +51,25 @@ pub struct DelayedExchange {
 /// that saves [`DelayedExchanges::list`] as it is then.
 pub type Persist = Box<dyn Fn() + Send + Sync>;
 
+/// A change a session made (the broker accepted the declare or delete),
+/// or one another instance made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Declared delayed (or declared again with another real type).
+    Declared(DelayedExchange),
+    /// Deleted.
+    Deleted {
+        /// Virtual host.
+        vhost: String,
+        /// Exchange name.
+        name: String,
+    },
+}
+
+/// Told each change a session made, after it is made: like [`Persist`],
+/// it must not block.
+pub type Share = Box<dyn Fn(Change) + Send + Sync>;
+
 /// How many delayed exchanges one vhost may have, unless configured.
 pub const DEFAULT_LIMIT: usize = 10_000;
 
@@ -56,6 +83,9 @@ pub struct DelayedExchanges {
     /// Declares sent and not answered, each holding a place under `limit`.
     reserved: Mutex<BTreeMap<(String, String), usize>>,
     persist: Option<Persist>,
+    /// Whether the set is all there is to know (see the module).
+    synced: AtomicBool,
+    share: std::sync::OnceLock<Share>,
 }
 
 impl DelayedExchanges {
@@ -79,6 +109,8 @@ impl DelayedExchanges {
             limit,
             reserved: Mutex::default(),
             persist,
+            synced: AtomicBool::new(true),
+            share: std::sync::OnceLock::new(),
         })
     }
 
@@ -92,6 +124,8 @@ impl DelayedExchanges {
             limit: 0,
             reserved: Mutex::default(),
             persist: None,
+            synced: AtomicBool::new(true),
+            share: std::sync::OnceLock::new(),
         })
     }
 
@@ -144,9 +178,62 @@ impl DelayedExchanges {
         }
     }
 
-    /// No exchange is delayed (one atomic load: every publish asks).
+    /// No exchange is delayed, as far as anyone knows (two atomic loads:
+    /// every publish asks). While the set is not synced, any might be.
     pub fn none(&self) -> bool {
-        !self.any.load(Ordering::Acquire)
+        !self.any.load(Ordering::Acquire) && self.synced()
+    }
+
+    /// Whether the set is known to be whole: always, unless it is shared
+    /// and its registry was not read to its end since it was last lost.
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// The registry was read to its end (`true`) or lost (`false`).
+    pub fn set_synced(&self, synced: bool) {
+        self.synced.store(synced, Ordering::Release);
+    }
+
+    /// Shares the set: every change a session makes from now on goes to
+    /// `share` too (once: a second hook is ignored).
+    pub fn share_with(&self, share: Share) {
+        let _ = self.share.set(share);
+    }
+
+    /// A change read from the registry (another instance's, or this one's
+    /// own coming back): applied and saved, not shared again. A declare
+    /// that would take its vhost past the limit is not applied (`false`).
+    pub fn apply(&self, change: &Change) -> bool {
+        let changed = {
+            let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
+            let changed = match change {
+                Change::Declared(e) => {
+                    let key = (e.vhost.clone(), e.name.clone());
+                    let from = (e.vhost.clone(), String::new());
+                    let full = || {
+                        set.range(from..)
+                            .take_while(|((v, _), _)| *v == e.vhost)
+                            .take(self.limit)
+                            .count()
+                            >= self.limit
+                    };
+                    if !set.contains_key(&key) && full() {
+                        return false;
+                    }
+                    set.insert(key, e.kind.clone()).as_deref() != Some(e.kind.as_str())
+                }
+                Change::Deleted { vhost, name } => {
+                    set.remove(&(vhost.clone(), name.clone())).is_some()
+                }
+            };
+            self.any.store(!set.is_empty(), Ordering::Release);
+            changed
+        };
+        if changed {
+            self.save();
+        }
+        true
     }
 
     /// Whether nackd emulates the type at all.
@@ -191,6 +278,11 @@ impl DelayedExchanges {
         self.any.store(true, Ordering::Release);
         if changed {
             self.save();
+            self.tell(Change::Declared(DelayedExchange {
+                vhost: vhost.to_string(),
+                name: name.to_string(),
+                kind: kind.to_string(),
+            }));
         }
     }
 
@@ -204,6 +296,16 @@ impl DelayedExchanges {
         };
         if removed {
             self.save();
+            self.tell(Change::Deleted {
+                vhost: vhost.to_string(),
+                name: name.to_string(),
+            });
+        }
+    }
+
+    fn tell(&self, change: Change) {
+        if let Some(share) = self.share.get() {
+            share(change);
         }
     }
 
@@ -245,6 +347,49 @@ mod tests {
         assert_eq!(saved.len(), 2);
         assert_eq!(saved[0][0].kind, "direct");
         assert!(saved[1].is_empty());
+    }
+
+    #[test]
+    fn a_shared_set_tells_its_own_changes_and_applies_the_others() {
+        let told: Arc<Mutex<Vec<Change>>> = Arc::default();
+        let sink = told.clone();
+        let set = DelayedExchanges::new([], 2, None);
+        set.share_with(Box::new(move |c| sink.lock().unwrap().push(c)));
+        set.declare("/", "a", "direct");
+        set.declare("/", "a", "direct"); // no change: not told again
+        let theirs = |name: &str| {
+            Change::Declared(DelayedExchange {
+                vhost: "/".into(),
+                name: name.into(),
+                kind: "topic".into(),
+            })
+        };
+        assert!(set.apply(&theirs("b")));
+        assert_eq!(set.kind("/", "b").as_deref(), Some("topic"));
+        assert!(!set.apply(&theirs("c")), "the vhost is full");
+        assert!(!set.is_delayed("/", "c"));
+        assert!(set.apply(&Change::Deleted {
+            vhost: "/".into(),
+            name: "a".into()
+        }));
+        assert!(!set.is_delayed("/", "a"));
+        set.delete("/", "b");
+        let told = told.lock().unwrap();
+        assert_eq!(told.len(), 2, "only this set's own changes: {told:?}");
+        assert!(matches!(&told[0], Change::Declared(e) if e.name == "a"));
+        assert!(matches!(&told[1], Change::Deleted { name, .. } if name == "b"));
+        assert!(set.none());
+    }
+
+    #[test]
+    fn an_unsynced_set_cannot_say_that_none_is_delayed() {
+        let set = DelayedExchanges::new([], 2, None);
+        assert!(set.none() && set.synced());
+        set.set_synced(false);
+        assert!(!set.none(), "another instance may have declared one");
+        assert!(!set.is_delayed("/", "x"), "but it knows of none");
+        set.set_synced(true);
+        assert!(set.none());
     }
 
     #[test]

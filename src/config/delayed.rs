@@ -31,6 +31,19 @@ pub struct Delayed {
     #[serde(default = "default_max_exchanges")]
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max_exchanges: usize,
+    /// Share the delayed exchanges with every nackd in front of the same
+    /// broker, through the stream `nackd.delayed-exchanges` of
+    /// `registry_vhost` (written and read as `[republish]`'s user): a
+    /// declare or delete through any instance is known to all. Until an
+    /// instance has read it, an x-delay publish to an exchange it does
+    /// not know as delayed is refused (a nack, or a 506 close without
+    /// confirms), never routed at once. Needs streams (RabbitMQ 3.9+).
+    #[serde(default)]
+    pub registry: bool,
+    /// Virtual host of the registry stream.
+    #[serde(default = "default_vhost")]
+    #[schemars(length(min = 1, max = 255))]
+    pub registry_vhost: String,
 }
 
 fn default_max_exchanges() -> usize {
@@ -48,6 +61,8 @@ impl Default for Delayed {
             unroutable: Unroutable::default(),
             alternate_exchange: None,
             max_exchanges: default_max_exchanges(),
+            registry: false,
+            registry_vhost: default_vhost(),
         }
     }
 }

@@ -38,6 +38,14 @@ pub struct DelayedMetrics {
     /// Delayed messages returned at their due time (nothing bound for
     /// their routing key), by the action taken.
     pub unroutable: Family<UnroutableLabels, Counter>,
+    /// `[delayed] registry`: 1 while the shared registry was read to its
+    /// end and is followed; 0 while not (unknown exchanges refuse x-delay).
+    pub registry_synced: Gauge,
+    /// Changes read from the shared registry and applied (this instance's
+    /// own included).
+    pub registry_applied: Counter,
+    /// Records of the shared registry skipped: unreadable or invalid.
+    pub registry_skipped: Counter,
 }
 
 impl DelayedMetrics {
@@ -56,6 +64,21 @@ impl DelayedMetrics {
             "nackd_delayed_unroutable",
             "Delayed messages nothing was bound for at their due time, by delayed.unroutable action",
             self.unroutable.clone(),
+        );
+        r.register(
+            "nackd_delayed_registry_synced",
+            "With [delayed] registry: 1 while the registry of delayed exchanges shared by every instance is read to its end and followed; 0 while not, when x-delay publishes to exchanges this instance does not know as delayed are refused",
+            self.registry_synced.clone(),
+        );
+        r.register(
+            "nackd_delayed_registry_changes",
+            "Declares and deletes of delayed exchanges read from the shared registry and applied (this instance's own included)",
+            self.registry_applied.clone(),
+        );
+        r.register(
+            "nackd_delayed_registry_skipped",
+            "Records of the shared registry of delayed exchanges skipped because they could not be read or named no valid exchange",
+            self.registry_skipped.clone(),
         );
     }
 

@@ -401,6 +401,39 @@ impl Client {
         let nonce = fastrand::u128(..);
         self.append_confirmed(stream, &Record::Marker(nonce))
             .await?;
+        let (ch, consumer) = self.consume_from_first(stream).await?;
+        Ok(StreamReader {
+            stream: stream.to_string(),
+            nonce,
+            consumer,
+            ch,
+            count: 0,
+            queued: Default::default(),
+        })
+    }
+
+    /// Follows `stream` from its first record on: what [`Client::read`]
+    /// reads, then [`Followed::CaughtUp`], then each record as it comes,
+    /// for as long as the connection lives.
+    pub async fn follow(&self, stream: &str) -> Result<StreamFollower, ClientError> {
+        let nonce = fastrand::u128(..);
+        self.append_confirmed(stream, &Record::Marker(nonce))
+            .await?;
+        let (ch, consumer) = self.consume_from_first(stream).await?;
+        Ok(StreamFollower {
+            stream: stream.to_string(),
+            nonce,
+            consumer,
+            count: 0,
+            caught_up: false,
+            _ch: ch,
+        })
+    }
+
+    async fn consume_from_first(
+        &self,
+        stream: &str,
+    ) -> Result<(Channel, lapin::Consumer), ClientError> {
         let ch = self.conn.create_channel().await?;
         ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
             .await?;
@@ -417,14 +450,7 @@ impl Client {
                 args,
             )
             .await?;
-        Ok(StreamReader {
-            stream: stream.to_string(),
-            nonce,
-            consumer,
-            ch,
-            count: 0,
-            queued: Default::default(),
-        })
+        Ok((ch, consumer))
     }
 
     /// Every record of `stream` up to its current end.
@@ -588,6 +614,61 @@ impl StreamReader {
                 Ok(Record::Marker(_)) => {}
                 Ok(record) => self.queued.extend(record.flatten()),
                 Err(_) => return Err(ClientError::Malformed(self.stream.clone())),
+            }
+        }
+    }
+}
+
+/// What a [`StreamFollower`] read next.
+#[derive(Debug)]
+pub enum Followed {
+    /// A record.
+    Record(Record),
+    /// A message that is no record nackd writes (someone else's).
+    Unreadable,
+    /// Every record written before the follow began was read.
+    CaughtUp,
+}
+
+/// Follows a stream past its end ([`Client::follow`]).
+pub struct StreamFollower {
+    stream: String,
+    nonce: u128,
+    consumer: lapin::Consumer,
+    count: u64,
+    caught_up: bool,
+    /// Kept open for as long as the follow lasts.
+    _ch: Channel,
+}
+
+impl StreamFollower {
+    /// The next record, or the end of what was there when the follow
+    /// began (once). Until then a read that stalls fails as
+    /// [`StreamReader::next`]'s does; after, it waits for as long as the
+    /// connection lives (its heartbeat says when it is gone).
+    pub async fn next(&mut self) -> Result<Followed, ClientError> {
+        loop {
+            let next = match self.caught_up {
+                true => Ok(self.consumer.next().await),
+                false => tokio::time::timeout(READ_STALL, self.consumer.next()).await,
+            };
+            let delivery = match next {
+                Err(_) | Ok(None) => return Err(ClientError::Timeout(self.stream.clone())),
+                Ok(Some(delivery)) => delivery?,
+            };
+            self.count += 1;
+            if self.caught_up || self.count.is_multiple_of(u64::from(READ_PREFETCH / 2)) {
+                delivery.ack(BasicAckOptions { multiple: true }).await?;
+            }
+            match Record::decode(&delivery.data) {
+                Ok(Record::Marker(n)) if n == self.nonce => {
+                    self.caught_up = true;
+                    delivery.ack(BasicAckOptions { multiple: true }).await?;
+                    return Ok(Followed::CaughtUp);
+                }
+                Ok(Record::Marker(_)) => {}
+                Ok(record) => return Ok(Followed::Record(record)),
+                Err(_) => return Ok(Followed::Unreadable),
             }
         }
     }

@@ -19,6 +19,11 @@
 //! registry stream    nackd.instances
 //!   instance   = 32 name:str16           (an instance id that may hold messages)
 //!   marker     = 4 nonce:u128
+//! delayed exchanges  nackd.delayed-exchanges ([delayed] registry)
+//!   delayed    = 33 vhost:str16 name:str16 type:str16
+//!                                        (declared x-delayed-message)
+//!   undelayed  = 34 vhost:str16 name:str16 (deleted)
+//!   marker     = 4 nonce:u128
 //! ```
 //!
 //! Folding a generation is order-independent for completions: ids are
@@ -51,6 +56,8 @@ const EPOCH: u8 = 17;
 const ADOPTED: u8 = 18;
 const ADOPTING: u8 = 19;
 const INSTANCE: u8 = 32;
+const DELAYED: u8 = 33;
+const UNDELAYED: u8 = 34;
 
 /// Most ids in one done record.
 pub const DONE_MAX: usize = 8192;
@@ -112,6 +119,22 @@ pub enum Record {
     /// An instance id that may hold messages (registry).
     Instance {
         /// Its id.
+        name: String,
+    },
+    /// An exchange declared `x-delayed-message` through some instance.
+    Delayed {
+        /// Virtual host.
+        vhost: String,
+        /// Exchange.
+        name: String,
+        /// Its real type (`x-delayed-type`).
+        kind: String,
+    },
+    /// A delayed exchange deleted through some instance.
+    Undelayed {
+        /// Virtual host.
+        vhost: String,
+        /// Exchange.
         name: String,
     },
 }
@@ -225,12 +248,30 @@ impl Record {
                 put_str16(&mut out, by);
                 out.put_u64(*epoch);
             }
-            Self::Instance { name } => {
-                out.put_u8(INSTANCE);
-                put_str16(&mut out, name);
+            Self::Instance { .. } | Self::Delayed { .. } | Self::Undelayed { .. } => {
+                self.encode_registry(&mut out);
             }
         }
         out
+    }
+
+    /// The records of the registries (instances, delayed exchanges).
+    fn encode_registry(&self, out: &mut Vec<u8>) {
+        match self {
+            Self::Instance { name } => {
+                out.put_u8(INSTANCE);
+                put_str16(out, name);
+            }
+            Self::Delayed { vhost, name, kind } => {
+                out.put_u8(DELAYED);
+                [vhost, name, kind].iter().for_each(|s| put_str16(out, s));
+            }
+            Self::Undelayed { vhost, name } => {
+                out.put_u8(UNDELAYED);
+                [vhost, name].iter().for_each(|s| put_str16(out, s));
+            }
+            _ => unreachable!("encode writes the others"),
+        }
     }
 
     /// Reads a message body.
@@ -269,6 +310,15 @@ impl Record {
                 epoch: take_u64(&mut b)?,
             },
             INSTANCE => Self::Instance {
+                name: take_str16(&mut b)?,
+            },
+            DELAYED => Self::Delayed {
+                vhost: take_str16(&mut b)?,
+                name: take_str16(&mut b)?,
+                kind: take_str16(&mut b)?,
+            },
+            UNDELAYED => Self::Undelayed {
+                vhost: take_str16(&mut b)?,
                 name: take_str16(&mut b)?,
             },
             _ => return Err(Malformed),
@@ -588,6 +638,15 @@ mod tests {
             Record::moved(&held(4), intent("a", 2)),
             Record::Instance {
                 name: "host-a".into(),
+            },
+            Record::Delayed {
+                vhost: "/".into(),
+                name: "orders-later".into(),
+                kind: "topic".into(),
+            },
+            Record::Undelayed {
+                vhost: "v".into(),
+                name: "orders-later".into(),
             },
         ];
         for r in records {

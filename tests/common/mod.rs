@@ -82,6 +82,8 @@ pub struct Nackd {
     pub store: Option<tempfile::TempDir>,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<()>,
+    /// The delayed exchanges it knows, when it intercepts.
+    pub delayed: Option<std::sync::Arc<nackd_core::delayed::DelayedExchanges>>,
 }
 
 impl Nackd {
@@ -169,6 +171,7 @@ pub async fn start_with(mut config: Config) -> Nackd {
     config.metrics.address = "127.0.0.1:0".parse().unwrap();
     let proxy = Proxy::bind(&config).await.expect("bind");
     let (addr, metrics, reloader) = (proxy.local_addr(), proxy.metrics_addr(), proxy.reloader());
+    let delayed = proxy.delayed_exchanges();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(proxy.run(shutdown.clone()));
     // nackd listens at once; its store is recovered meanwhile.
@@ -180,6 +183,7 @@ pub async fn start_with(mut config: Config) -> Nackd {
         store: None,
         shutdown,
         task,
+        delayed,
     }
 }
 

@@ -20,7 +20,7 @@ use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 const DELAYED_TYPE: &str = "x-delayed-message";
 
 /// Declares `x` of type `x-delayed-message` with `x-delayed-type = kind`.
-async fn declare_delayed(ch: &Channel, x: &str, kind: &str) -> lapin::Result<()> {
+pub(super) async fn declare_delayed(ch: &Channel, x: &str, kind: &str) -> lapin::Result<()> {
     let mut args = FieldTable::default();
     args.insert("x-delayed-type".into(), AMQPValue::LongString(kind.into()));
     ch.exchange_declare(
@@ -36,7 +36,7 @@ async fn declare_delayed(ch: &Channel, x: &str, kind: &str) -> lapin::Result<()>
 }
 
 /// Declares durable queue `q` bound to `x` with `key`.
-async fn bind(ch: &Channel, x: &str, q: &str, key: &str) {
+pub(super) async fn bind(ch: &Channel, x: &str, q: &str, key: &str) {
     declare_durable(ch, q).await;
     ch.queue_bind(
         q.into(),
@@ -60,7 +60,7 @@ fn with_delay(props: BasicProperties, delay: Option<AMQPValue>) -> BasicProperti
 
 /// Publishes `body` to `x` with `key` and waits for its confirm (if the
 /// channel is in confirm mode).
-async fn publish_to(
+pub(super) async fn publish_to(
     ch: &Channel,
     x: &str,
     key: &str,
@@ -81,7 +81,7 @@ async fn publish_to(
 }
 
 /// The next delivery of `c`, acked, within `within`; panics with `what`.
-async fn arrival(
+pub(super) async fn arrival(
     c: &mut lapin::Consumer,
     within: Duration,
     what: &str,
@@ -94,7 +94,7 @@ async fn arrival(
 }
 
 /// Nothing arrives on `c` for `quiet`.
-async fn nothing_more(c: &mut lapin::Consumer, quiet: Duration, what: &str) {
+pub(super) async fn nothing_more(c: &mut lapin::Consumer, quiet: Duration, what: &str) {
     if let Some(d) = next(c, quiet).await {
         panic!(
             "{what}: {:?} arrived",
@@ -103,7 +103,7 @@ async fn nothing_more(c: &mut lapin::Consumer, quiet: Duration, what: &str) {
     }
 }
 
-fn is_code(err: &lapin::Error, code: u16, name: &str) -> bool {
+pub(super) fn is_code(err: &lapin::Error, code: u16, name: &str) -> bool {
     let text = err.to_string();
     text.contains(&code.to_string()) || text.contains(name)
 }

@@ -16,6 +16,7 @@ mod cluster_smoke;
 mod coalesce;
 mod deferral;
 mod delayed;
+mod delayed_registry;
 mod deploy;
 mod durability;
 mod hot_reload;

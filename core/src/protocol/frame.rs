@@ -148,6 +148,10 @@ pub enum FrameError {
     /// limit).
     #[error("refused by nackd: {0}")]
     NotAllowed(&'static str),
+    /// Something nackd cannot do now (a delayed publish while it does not
+    /// know which exchanges are delayed).
+    #[error("not possible now: {0}")]
+    Unavailable(&'static str),
 }
 
 impl FrameError {
@@ -163,6 +167,7 @@ impl FrameError {
             Self::Syntax(_) => ReplyCode::SyntaxError,
             Self::NotImplemented(_) => ReplyCode::NotImplemented,
             Self::NotAllowed(_) => ReplyCode::NotAllowed,
+            Self::Unavailable(_) => ReplyCode::ResourceError,
         }
     }
 }

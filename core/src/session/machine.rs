@@ -1480,12 +1480,17 @@ impl Session {
             Err(_) => (method::publish_exchange(payload), None),
         };
         // On a channel the broker closed, it discards what the client
-        // still sends: nackd must not deliver it later either.
+        // still sends: nackd must not deliver it later either. While the
+        // shared set is not synced, any named exchange may be delayed:
+        // its header says whether it asks for a delay.
         let publishes = &self.publishes;
+        let registry = &state.shared.delayed;
         let delayed = exchange.filter(|x| {
             !channel.closing()
                 && !channel.refused()
-                && (state.shared.delayed.is_delayed(state.vhost(), x) || publishes.declaring(x))
+                && (registry.is_delayed(state.vhost(), x)
+                    || publishes.declaring(x)
+                    || (!registry.synced() && !x.is_empty()))
         });
         let Some(exchange) = delayed else {
             channel.forward_publish();
@@ -1547,6 +1552,28 @@ impl Session {
             self.forward_publish(channel_id, *taking);
             return Ok(false);
         }
+        let exchange = taking.exchange().clone();
+        if !self.publishes_declaring(&exchange) {
+            // Taken only because the set was not synced (see hold_publish).
+            if self.delayed_synced() {
+                // It is now, and the exchange is not delayed: as sent.
+                let taking = self.channels.get(channel_id).take_taking();
+                self.forward_publish(channel_id, *taking.expect("checked above"));
+                return Ok(false);
+            }
+            if !confirm {
+                self.stats.delayed_refused.inc();
+                // No nack to give: refused with the connection, never
+                // routed at once (its delay would be lost).
+                warn!(%exchange, "a delayed publish (x-delay) to an exchange nackd does not know as delayed, while its registry of delayed exchanges is not read: the connection is closed (506)");
+                return Err(FrameError::Unavailable(
+                    "a delayed publish (x-delay) while nackd's registry of delayed exchanges is not read; publish again later",
+                ));
+            }
+            // Nacked once its content is here (park_publish).
+        }
+        let channel = self.channels.get(channel_id);
+        let taking = channel.taking_mut().expect("a publish is being taken");
         if tx {
             return Err(FrameError::NotImplemented(
                 "a delayed publish (x-delay) on a transactional channel",
@@ -1601,6 +1628,15 @@ impl Session {
         if taking.over_budget() {
             let tag = tag.expect("only a confirm channel's publish is refused");
             self.stats.delayed_refused.inc();
+            self.answer_taken(channel_id, epoch, tag, false);
+            self.flush_after_publish(channel_id);
+            return;
+        }
+        if !self.publishes_declaring(taking.exchange()) && !self.delayed_synced() {
+            // Refused at its header (see take_header): a confirm channel's.
+            let tag = tag.expect("refused at its header without confirms");
+            self.stats.delayed_refused.inc();
+            warn!(exchange = %taking.exchange(), "a delayed publish (x-delay) to an exchange nackd does not know as delayed, while its registry of delayed exchanges is not read: the publisher gets a nack");
             self.answer_taken(channel_id, epoch, tag, false);
             self.flush_after_publish(channel_id);
             return;
@@ -1835,6 +1871,14 @@ impl Session {
 
     /// Whether publishes to `exchange` are still delayed: it is, or a
     /// delayed declare of it waits for the broker.
+    /// Whether this nackd knows every delayed exchange (see
+    /// [`crate::delayed::DelayedExchanges::synced`]).
+    fn delayed_synced(&self) -> bool {
+        self.scope
+            .as_ref()
+            .is_none_or(|s| s.shared.delayed.synced())
+    }
+
     fn publishes_declaring(&self, exchange: &str) -> bool {
         self.publishes.declaring(exchange)
             || self

@@ -1121,3 +1121,67 @@ fn a_delayed_publish_without_confirms_is_never_withdrawn() {
 }
 
 mod trust_review;
+
+/// A pair whose shared set of delayed exchanges is not synced: another
+/// instance may have declared `X` delayed, this one cannot tell.
+fn unsynced(confirms: bool) -> Pair {
+    let mut p = pair();
+    p.open(1, confirms);
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    shared.delayed.set_synced(false);
+    p
+}
+
+#[test]
+fn while_unsynced_a_publish_without_a_delay_goes_as_sent() {
+    let mut p = unsynced(true);
+    p.publish(1, None);
+    assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    assert!(p.take_parks().is_empty());
+}
+
+#[test]
+fn while_unsynced_a_delayed_publish_to_an_exchange_not_known_delayed_is_nacked() {
+    let mut p = unsynced(true);
+    p.publish(1, ms(5000));
+    assert!(p.upstream().is_empty(), "not routed at once");
+    assert!(p.take_parks().is_empty(), "not held either");
+    assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
+    assert_eq!(p.s.stats.delayed_refused.get(), 1);
+    // Once synced, the exchange (still not delayed) takes it as sent.
+    p.s.scope.as_ref().unwrap().shared.delayed.set_synced(true);
+    p.publish(1, ms(5000));
+    assert_eq!(p.upstream(), ["publish 1", "header 1", "body 1"]);
+    assert!(p.take_parks().is_empty());
+}
+
+#[test]
+fn while_unsynced_a_delayed_publish_without_confirms_closes_the_connection_with_506() {
+    let mut p = unsynced(false);
+    p.publish(1, ms(5000));
+    assert!(p.take_parks().is_empty());
+    let ups = p.upstream();
+    assert!(!ups.iter().any(|f| f.starts_with("publish")), "{ups:?}");
+    let mut out = std::mem::take(p.s.transmit().0);
+    let frame = FrameDecoder::default().decode(&mut out).unwrap().unwrap();
+    match method::decode_any(frame.payload_slice()).unwrap() {
+        AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)) => {
+            assert_eq!(c.reply_code, 506);
+            assert!(
+                c.reply_text.as_str().contains("registry"),
+                "{}",
+                c.reply_text
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn while_unsynced_an_exchange_known_delayed_is_held_as_ever() {
+    let mut p = unsynced(true);
+    p.declared(1);
+    p.publish(1, ms(5000));
+    assert!(p.upstream().is_empty());
+    assert_eq!(p.take_parks().len(), 1);
+}
