@@ -324,7 +324,7 @@ impl Metrics {
             bytes: Directions::of(&f.bytes),
             held: Family::default(),
             held_bytes: Family::default(),
-            delayed: DelayedMetrics::default(),
+            delayed: DelayedMetrics::new(),
             published: Counter::default(),
             confirmed: Counter::default(),
             returned: Counter::default(),

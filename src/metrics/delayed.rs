@@ -38,8 +38,8 @@ pub struct DelayedMetrics {
     /// Delayed messages returned at their due time (nothing bound for
     /// their routing key), by the action taken.
     pub unroutable: Family<UnroutableLabels, Counter>,
-    /// `[delayed] registry`: 1 while the shared registry was read to its
-    /// end and is followed; 0 while not (unknown exchanges refuse x-delay).
+    /// 0 while `[delayed] registry` is on and the shared registry is not
+    /// read to its end (x-delay to unknown exchanges is refused), else 1.
     pub registry_synced: Gauge,
     /// Changes read from the shared registry and applied (this instance's
     /// own included).
@@ -49,6 +49,14 @@ pub struct DelayedMetrics {
 }
 
 impl DelayedMetrics {
+    /// The series, `registry_synced` at 1: an instance without a shared
+    /// registry knows every exchange it treats as delayed.
+    pub fn new() -> Self {
+        let metrics = Self::default();
+        metrics.registry_synced.set(1);
+        metrics
+    }
+
     pub(super) fn register(&self, r: &mut Registry) {
         r.register(
             "nackd_delayed_held_messages",
@@ -67,7 +75,7 @@ impl DelayedMetrics {
         );
         r.register(
             "nackd_delayed_registry_synced",
-            "With [delayed] registry: 1 while the registry of delayed exchanges shared by every instance is read to its end and followed; 0 while not, when x-delay publishes to exchanges this instance does not know as delayed are refused",
+            "0 while [delayed] registry is on and the registry of delayed exchanges shared by every instance is not read to its end (x-delay publishes to exchanges this instance does not know as delayed are refused meanwhile); 1 otherwise",
             self.registry_synced.clone(),
         );
         r.register(
