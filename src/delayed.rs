@@ -22,7 +22,7 @@ use tracing::warn;
 pub mod registry;
 
 use crate::config::Config;
-use nackd_core::delayed::{DelayedExchange, DelayedExchanges, Persist};
+use nackd_core::delayed::{Change, DelayedExchange, DelayedExchanges, Persist};
 
 /// The file's name in `store.path`.
 pub const FILE: &str = "delayed-exchanges.json";
@@ -34,6 +34,20 @@ const VERSION: u32 = 1;
 struct File {
     version: u32,
     exchanges: Vec<Entry>,
+    /// With `[delayed] registry`: the changes made through this nackd and
+    /// not written to the registry yet (see [`registry`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    unshared: Vec<Unshared>,
+}
+
+/// A change not in the registry yet: declared of `type`, or deleted.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Unshared {
+    vhost: String,
+    name: String,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    kind: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -53,10 +67,19 @@ pub fn path(dir: &Path) -> PathBuf {
 /// The list in `dir`'s file (empty when there is none). An error names the
 /// file and says what is wrong with it.
 pub fn load(dir: &Path) -> Result<Vec<DelayedExchange>, String> {
+    load_all(dir).map(|(list, _)| list)
+}
+
+/// The changes `dir`'s file says were not written to the registry yet.
+pub fn load_unshared(dir: &Path) -> Result<Vec<Change>, String> {
+    load_all(dir).map(|(_, unshared)| unshared)
+}
+
+fn load_all(dir: &Path) -> Result<(Vec<DelayedExchange>, Vec<Change>), String> {
     let path = path(dir);
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
         Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
     };
     let damaged = |why: String| {
@@ -72,7 +95,8 @@ pub fn load(dir: &Path) -> Result<Vec<DelayedExchange>, String> {
             file.version
         )));
     }
-    file.exchanges
+    let list = file
+        .exchanges
         .into_iter()
         .map(|e| match e.name.is_empty() || e.kind.is_empty() {
             true => Err(damaged("an exchange without a name or type".into())),
@@ -82,11 +106,27 @@ pub fn load(dir: &Path) -> Result<Vec<DelayedExchange>, String> {
                 kind: e.kind,
             }),
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let unshared = file
+        .unshared
+        .into_iter()
+        .map(
+            |u| match u.name.is_empty() || u.kind.as_deref() == Some("") {
+                true => Err(damaged("an unshared change without a name or type".into())),
+                false => Ok(Change::of((u.vhost, u.name), u.kind)),
+            },
+        )
+        .collect::<Result<_, _>>()?;
+    Ok((list, unshared))
 }
 
 /// Writes `list` as `dir`'s file, atomically and durably.
 pub fn save(dir: &Path, list: &[DelayedExchange]) -> std::io::Result<()> {
+    save_all(dir, list, &[])
+}
+
+/// Writes `list` and the `unshared` changes as `dir`'s file.
+fn save_all(dir: &Path, list: &[DelayedExchange], unshared: &[Change]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let file = File {
         version: VERSION,
@@ -96,6 +136,13 @@ pub fn save(dir: &Path, list: &[DelayedExchange]) -> std::io::Result<()> {
                 vhost: e.vhost.clone(),
                 name: e.name.clone(),
                 kind: e.kind.clone(),
+            })
+            .collect(),
+        unshared: unshared
+            .iter()
+            .map(|c| {
+                let ((vhost, name), kind) = c.clone().into_parts();
+                Unshared { vhost, name, kind }
             })
             .collect(),
     };
@@ -193,9 +240,9 @@ fn persist(
                 let Some(set) = registry.get().and_then(Weak::upgrade) else {
                     return;
                 };
-                let list = set.list();
+                let (list, unshared) = (set.list(), set.unshared());
                 drop(set);
-                failed = match save(&dir, &list) {
+                failed = match save_all(&dir, &list, &unshared) {
                     Ok(()) => false,
                     Err(e) => {
                         tracing::error!(error = %e, file = %path(&dir).display(), "cannot store the list of delayed exchanges: tried again every second, kept in memory meanwhile");

@@ -13,12 +13,15 @@
 //! delayed.
 //!
 //! Instances that share a broker may share the set too (`[delayed]
-//! registry`): every change a session makes is also handed to the
-//! [`Share`] hook, which the `nackd` crate writes to a stream every
-//! instance reads, and the changes read there come back through
-//! [`DelayedExchanges::apply`]. Until it has read that stream to its end
-//! the set is not [`synced`](DelayedExchanges::synced): an exchange it
-//! does not list may be delayed all the same.
+//! registry`): every change a session makes is then also kept as
+//! *unshared* ([`DelayedExchanges::unshared`]), saved with the set, until
+//! the `nackd` crate has written it to the stream every instance reads
+//! ([`DelayedExchanges::shared_done`]); the changes read there come back
+//! through [`DelayedExchanges::apply`]. Until it has read that stream to
+//! its end the set is not [`synced`](DelayedExchanges::synced): an
+//! exchange it does not list may be delayed all the same, and a delete
+//! the broker accepted is kept as unshared even for an exchange the set
+//! does not list.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,9 +69,31 @@ pub enum Change {
     },
 }
 
-/// Told each change a session made, after it is made: like [`Persist`],
-/// it must not block.
-pub type Share = Box<dyn Fn(Change) + Send + Sync>;
+impl Change {
+    /// The change of `key`: declared of real type `kind`, or deleted.
+    pub fn of(key: Key, kind: Option<String>) -> Self {
+        let (vhost, name) = key;
+        match kind {
+            Some(kind) => Self::Declared(DelayedExchange { vhost, name, kind }),
+            None => Self::Deleted { vhost, name },
+        }
+    }
+
+    /// Its exchange, and its real type (`None`: deleted).
+    pub fn into_parts(self) -> (Key, Option<String>) {
+        match self {
+            Self::Declared(e) => ((e.vhost, e.name), Some(e.kind)),
+            Self::Deleted { vhost, name } => ((vhost, name), None),
+        }
+    }
+}
+
+/// Told that an unshared change is waiting: like [`Persist`], it must not
+/// block.
+pub type Wake = Box<dyn Fn() + Send + Sync>;
+
+/// `(vhost, exchange)`.
+pub type Key = (String, String);
 
 /// How many delayed exchanges one vhost may have, unless configured.
 pub const DEFAULT_LIMIT: usize = 10_000;
@@ -85,7 +110,11 @@ pub struct DelayedExchanges {
     persist: Option<Persist>,
     /// Whether the set is all there is to know (see the module).
     synced: AtomicBool,
-    share: std::sync::OnceLock<Share>,
+    /// Set once the set is shared: wakes the writer of the registry.
+    wake: std::sync::OnceLock<Wake>,
+    /// The changes made here and not written to the registry yet: the
+    /// last of each exchange (`None`: deleted).
+    unshared: Mutex<BTreeMap<Key, Option<String>>>,
 }
 
 impl DelayedExchanges {
@@ -110,7 +139,8 @@ impl DelayedExchanges {
             reserved: Mutex::default(),
             persist,
             synced: AtomicBool::new(true),
-            share: std::sync::OnceLock::new(),
+            wake: std::sync::OnceLock::new(),
+            unshared: Mutex::default(),
         })
     }
 
@@ -125,7 +155,8 @@ impl DelayedExchanges {
             reserved: Mutex::default(),
             persist: None,
             synced: AtomicBool::new(true),
-            share: std::sync::OnceLock::new(),
+            wake: std::sync::OnceLock::new(),
+            unshared: Mutex::default(),
         })
     }
 
@@ -195,10 +226,73 @@ impl DelayedExchanges {
         self.synced.store(synced, Ordering::Release);
     }
 
-    /// Shares the set: every change a session makes from now on goes to
-    /// `share` too (once: a second hook is ignored).
-    pub fn share_with(&self, share: Share) {
-        let _ = self.share.set(share);
+    /// Shares the set: every change a session makes from now on is kept
+    /// as unshared (with `unshared`, those an earlier run saved), and
+    /// `wake` is told (once: a second hook is ignored).
+    pub fn share_with(&self, unshared: impl IntoIterator<Item = Change>, wake: Wake) {
+        {
+            let mut waiting = self.lock_unshared();
+            for change in unshared {
+                let (key, kind) = change.into_parts();
+                waiting.entry(key).or_insert(kind);
+            }
+        }
+        let _ = self.wake.set(wake);
+        self.tell();
+    }
+
+    /// Whether the set is shared.
+    pub fn is_shared(&self) -> bool {
+        self.wake.get().is_some()
+    }
+
+    /// The changes not written to the registry yet, in order of exchange.
+    pub fn unshared(&self) -> Vec<Change> {
+        let waiting = self.lock_unshared();
+        waiting
+            .iter()
+            .map(|(key, kind)| Change::of(key.clone(), kind.clone()))
+            .collect()
+    }
+
+    /// Whether a change of `key` waits to be written to the registry.
+    pub fn is_unshared(&self, key: &Key) -> bool {
+        self.lock_unshared().contains_key(key)
+    }
+
+    /// `change` is in the registry: it is no longer kept (unless the
+    /// exchange changed again since) and the file is saved without it.
+    pub fn shared_done(&self, change: &Change) {
+        let (key, kind) = change.clone().into_parts();
+        let removed = {
+            let mut waiting = self.lock_unshared();
+            let same = waiting.get(&key) == Some(&kind);
+            same && waiting.remove(&key).is_some()
+        };
+        if removed {
+            self.save();
+        }
+    }
+
+    /// Keeps `change` as unshared again (the registry does not name its
+    /// exchange at all: it was declared before the registry was on, or
+    /// the stream was deleted), saves and wakes the writer.
+    pub fn reshare(&self, change: Change) {
+        let (key, kind) = change.into_parts();
+        self.keep_unshared(key, kind);
+        self.save();
+        self.tell();
+    }
+
+    fn lock_unshared(&self) -> std::sync::MutexGuard<'_, BTreeMap<Key, Option<String>>> {
+        self.unshared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A change made here, kept until the registry has it (when shared).
+    fn keep_unshared(&self, key: Key, kind: Option<String>) {
+        if self.is_shared() {
+            self.lock_unshared().insert(key, kind);
+        }
     }
 
     /// A change read from the registry (another instance's, or this one's
@@ -277,12 +371,10 @@ impl DelayedExchanges {
         };
         self.any.store(true, Ordering::Release);
         if changed {
+            let key = (vhost.to_string(), name.to_string());
+            self.keep_unshared(key, Some(kind.to_string()));
             self.save();
-            self.tell(Change::Declared(DelayedExchange {
-                vhost: vhost.to_string(),
-                name: name.to_string(),
-                kind: kind.to_string(),
-            }));
+            self.tell();
         }
     }
 
@@ -294,18 +386,19 @@ impl DelayedExchanges {
             self.any.store(!set.is_empty(), Ordering::Release);
             removed
         };
-        if removed {
+        // Unsynced, the broker's delete-ok may be for an exchange another
+        // instance declared delayed: the registry is told all the same.
+        if removed || (self.is_shared() && !self.synced()) {
+            let key = (vhost.to_string(), name.to_string());
+            self.keep_unshared(key, None);
             self.save();
-            self.tell(Change::Deleted {
-                vhost: vhost.to_string(),
-                name: name.to_string(),
-            });
+            self.tell();
         }
     }
 
-    fn tell(&self, change: Change) {
-        if let Some(share) = self.share.get() {
-            share(change);
+    fn tell(&self) {
+        if let Some(wake) = self.wake.get() {
+            wake();
         }
     }
 
@@ -350,13 +443,26 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_set_tells_its_own_changes_and_applies_the_others() {
-        let told: Arc<Mutex<Vec<Change>>> = Arc::default();
-        let sink = told.clone();
-        let set = DelayedExchanges::new([], 2, None);
-        set.share_with(Box::new(move |c| sink.lock().unwrap().push(c)));
+    fn a_shared_set_keeps_its_own_changes_until_shared_and_applies_the_others() {
+        let woken: Arc<Mutex<usize>> = Arc::default();
+        let count = woken.clone();
+        let set = DelayedExchanges::new([], 3, None);
+        set.declare("/", "early", "direct"); // before sharing: not kept
+        let saved = Change::Deleted {
+            vhost: "/".into(),
+            name: "gone".into(),
+        };
+        set.share_with(
+            [saved.clone()],
+            Box::new(move || *count.lock().unwrap() += 1),
+        );
+        assert_eq!(
+            set.unshared(),
+            std::slice::from_ref(&saved),
+            "an earlier run's"
+        );
         set.declare("/", "a", "direct");
-        set.declare("/", "a", "direct"); // no change: not told again
+        set.declare("/", "a", "direct"); // no change: not kept again
         let theirs = |name: &str| {
             Change::Declared(DelayedExchange {
                 vhost: "/".into(),
@@ -364,21 +470,44 @@ mod tests {
                 kind: "topic".into(),
             })
         };
-        assert!(set.apply(&theirs("b")));
+        assert!(set.apply(&theirs("b")), "applied, not kept");
         assert_eq!(set.kind("/", "b").as_deref(), Some("topic"));
         assert!(!set.apply(&theirs("c")), "the vhost is full");
         assert!(!set.is_delayed("/", "c"));
-        assert!(set.apply(&Change::Deleted {
+        let mine = Change::Declared(DelayedExchange {
             vhost: "/".into(),
-            name: "a".into()
-        }));
-        assert!(!set.is_delayed("/", "a"));
-        set.delete("/", "b");
-        let told = told.lock().unwrap();
-        assert_eq!(told.len(), 2, "only this set's own changes: {told:?}");
-        assert!(matches!(&told[0], Change::Declared(e) if e.name == "a"));
-        assert!(matches!(&told[1], Change::Deleted { name, .. } if name == "b"));
-        assert!(set.none());
+            name: "a".into(),
+            kind: "direct".into(),
+        });
+        assert_eq!(set.unshared(), [mine.clone(), saved.clone()]);
+        assert!(set.is_unshared(&("/".into(), "a".into())));
+        // Written, then changed again before the answer: kept.
+        set.delete("/", "a");
+        set.shared_done(&mine);
+        assert!(set.is_unshared(&("/".into(), "a".into())));
+        set.shared_done(&Change::Deleted {
+            vhost: "/".into(),
+            name: "a".into(),
+        });
+        set.shared_done(&saved);
+        assert!(set.unshared().is_empty());
+        assert!(*woken.lock().unwrap() >= 3);
+    }
+
+    #[test]
+    fn an_unsynced_shared_set_keeps_deletes_of_exchanges_it_does_not_know() {
+        let set = DelayedExchanges::new([], 2, None);
+        set.delete("/", "x"); // not shared: nothing to tell
+        set.share_with([], Box::new(|| {}));
+        set.delete("/", "x"); // synced: the delete of an unknown exchange is no news
+        assert!(set.unshared().is_empty());
+        set.set_synced(false);
+        set.delete("/", "x");
+        let deleted = Change::Deleted {
+            vhost: "/".into(),
+            name: "x".into(),
+        };
+        assert_eq!(set.unshared(), [deleted]);
     }
 
     #[test]

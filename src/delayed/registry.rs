@@ -1,30 +1,35 @@
 //! `[delayed] registry`: the delayed exchanges every nackd in front of one
-//! broker shares, kept in the broker itself, in the stream
-//! [`STREAM`] of `[delayed] registry_vhost`.
+//! broker shares, kept in the broker itself, in the stream [`STREAM`] of
+//! `[delayed] registry_vhost`.
 //!
 //! Each instance follows the stream from its first record on. A `delayed`
 //! record says an exchange was declared `x-delayed-message` through some
 //! instance, an `undelayed` one that it was deleted; of one exchange's
-//! records the later wins. What this instance's sessions change (a declare
-//! or delete the broker accepted in the client's name) is appended, and
-//! comes back to it as anyone's does. A change not appended yet is newer
-//! than anything read for its exchange: records of that exchange are not
-//! applied meanwhile.
+//! records the later wins. What this instance's sessions change (a
+//! declare or delete the broker accepted in the client's name) is kept as
+//! *unshared* in the set, and saved with it, until the broker confirmed
+//! its record here ([`DelayedExchanges::shared_done`]): a restart or a
+//! lost connection meanwhile writes it then. Records of an exchange are
+//! not applied while a change of it is unshared, nor while a record this
+//! process wrote of it has not come back (each process signs its records
+//! with a random `origin`): what it wrote is newer than what it reads
+//! before its own.
 //!
-//! The set is synced ([`DelayedExchanges::synced`]) once the stream is read
-//! to the marker this instance appended when it began to read. Before, and
-//! from a lost connection until the next read reaches its marker, an
-//! x-delay publish to an exchange this instance does not know as delayed
-//! is refused, never routed at once (the session core does that). At the
-//! first read, what the local file lists and the stream has never named
-//! (exchanges declared before the registry was turned on) is appended;
-//! `[[delayed_exchange]]` tables stay this instance's own.
+//! The set is synced ([`DelayedExchanges::synced`]) once the stream is
+//! read to the marker this instance appended when it began to read.
+//! Before, and from a lost connection until the next read reaches its
+//! marker, an x-delay publish to an exchange this instance does not know
+//! as delayed is refused, never routed at once (the session core does
+//! that). At each read, what the set lists and the stream never named
+//! (exchanges declared before the registry was on, or a deleted stream)
+//! is written; `[[delayed_exchange]]` tables stay this instance's own:
+//! never written, never changed by a record.
 //!
 //! Written here, not taken from a crate: the records, the stream and the
 //! replica client ([`crate::replica::client`]) are nackd's own.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -34,7 +39,7 @@ use tracing::{info, warn};
 use crate::metrics::Metrics;
 use crate::replica::client::{Client, ClientError, Followed, StreamFollower};
 use crate::replica::{Record, Target};
-use nackd_core::delayed::{Change, DelayedExchange, DelayedExchanges, TYPE};
+use nackd_core::delayed::{Change, DelayedExchanges, Key, TYPE};
 
 /// The stream every instance reads and writes.
 pub const STREAM: &str = "nackd.delayed-exchanges";
@@ -42,58 +47,35 @@ pub const STREAM: &str = "nackd.delayed-exchanges";
 /// The first wait after a failure, doubled up to [`BACKOFF_MAX`].
 const BACKOFF: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(15);
-
-type Key = (String, String);
-
-/// Changes this instance made and did not append yet: the last of each
-/// exchange (`None`: deleted).
-#[derive(Default)]
-struct Pending {
-    changes: Mutex<BTreeMap<Key, Option<String>>>,
-    wake: Notify,
-}
-
-impl Pending {
-    fn push(&self, change: Change) {
-        let (key, kind) = match change {
-            Change::Declared(e) => ((e.vhost, e.name), Some(e.kind)),
-            Change::Deleted { vhost, name } => ((vhost, name), None),
-        };
-        self.lock().insert(key, kind);
-        self.wake.notify_one();
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Key, Option<String>>> {
-        self.changes.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn holds(&self, key: &Key) -> bool {
-        self.lock().contains_key(key)
-    }
-}
+/// A record the broker has not confirmed within this is written again
+/// on a new connection.
+const APPEND_WITHIN: Duration = Duration::from_secs(10);
 
 /// Shares `set` through the registry of `target`: from now on it is not
-/// synced until the stream is read, and the task follows the stream until
-/// `stop`. `pinned`: the `[[delayed_exchange]]` tables, never appended.
+/// synced until the stream is read, its changes (and `unshared`, those an
+/// earlier run did not write) go to the stream, and the task follows the
+/// stream until `stop`. `pinned`: the `[[delayed_exchange]]` tables.
 pub fn spawn(
     target: Target,
     set: Arc<DelayedExchanges>,
+    unshared: Vec<Change>,
     pinned: BTreeSet<Key>,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
     set.set_synced(false);
     metrics.delayed.registry_synced.set(0);
-    let pending = Arc::new(Pending::default());
-    let sink = pending.clone();
-    set.share_with(Box::new(move |change| sink.push(change)));
+    let wake = Arc::new(Notify::new());
+    let waker = wake.clone();
+    set.share_with(unshared, Box::new(move || waker.notify_one()));
     let registry = Registry {
         target,
         set,
         pinned,
         metrics,
-        pending,
-        first: true,
+        wake,
+        origin: fastrand::u64(..),
+        echoes: HashMap::new(),
     };
     tokio::spawn(registry.run(stop));
 }
@@ -103,9 +85,13 @@ struct Registry {
     set: Arc<DelayedExchanges>,
     pinned: BTreeSet<Key>,
     metrics: Arc<Metrics>,
-    pending: Arc<Pending>,
-    /// No read reached its marker yet (the local file is uploaded then).
-    first: bool,
+    /// Told when a change waits to be written.
+    wake: Arc<Notify>,
+    /// Signs this process's records.
+    origin: u64,
+    /// Records this process wrote on this connection and has not read
+    /// back, by exchange.
+    echoes: HashMap<Key, usize>,
 }
 
 impl Registry {
@@ -129,8 +115,10 @@ impl Registry {
         }
     }
 
-    /// One connection's life: read to the end, then follow and append.
+    /// One connection's life: write what waits, read to the end, then
+    /// follow and write.
     async fn follow(&mut self, backoff: &mut Duration) -> Result<(), ClientError> {
+        self.echoes.clear();
         let client = Client::connect(&self.target, 0, "nackd delayed-exchange registry").await?;
         let outcome = self.follow_on(&client, backoff).await;
         client.close().await;
@@ -143,6 +131,8 @@ impl Registry {
         backoff: &mut Duration,
     ) -> Result<(), ClientError> {
         client.declare_stream(STREAM).await?;
+        // Written before the marker: read back before it.
+        self.flush(client).await?;
         let mut follower = client.follow(STREAM).await?;
         let records = self.catch_up(client, &mut follower).await?;
         *backoff = BACKOFF;
@@ -156,22 +146,26 @@ impl Registry {
         self.follow_live(client, follower).await
     }
 
-    /// Reads to the marker, applies the last record of each exchange,
-    /// appends what waits, and says the set is synced. Returns how many
-    /// records it read.
+    /// Reads to the marker, applies what it says of each exchange, writes
+    /// what the stream never named, and says the set is synced. Returns
+    /// how many records it read.
     async fn catch_up(
         &mut self,
         client: &Client,
         follower: &mut StreamFollower,
     ) -> Result<u64, ClientError> {
-        // The last record of each exchange, as of the marker.
+        let mut named: BTreeSet<Key> = BTreeSet::new();
         let mut last: BTreeMap<Key, Option<String>> = BTreeMap::new();
         let mut records = 0u64;
         loop {
             match follower.next().await? {
                 Followed::Record(record) => {
-                    if let Some((key, kind)) = self.change_of(record) {
-                        records += 1;
+                    let Some((key, kind, origin)) = self.change_of(record) else {
+                        continue;
+                    };
+                    records += 1;
+                    named.insert(key.clone());
+                    if self.takes(&key, origin) {
                         last.insert(key, kind);
                     }
                 }
@@ -179,29 +173,25 @@ impl Registry {
                 Followed::CaughtUp => break,
             }
         }
-        for (key, kind) in &last {
-            self.apply(key.clone(), kind.clone());
+        for (key, kind) in last {
+            self.apply(key, kind);
         }
-        if self.first {
-            // Exchanges declared before the registry was turned on.
-            for e in self.set.list() {
-                let key = (e.vhost.clone(), e.name.clone());
-                if !last.contains_key(&key) && !self.pinned.contains(&key) {
-                    self.pending.push(Change::Declared(e));
-                }
+        for e in self.set.list() {
+            let key = (e.vhost.clone(), e.name.clone());
+            if !named.contains(&key) && !self.pinned.contains(&key) {
+                self.set.reshare(Change::Declared(e));
             }
         }
         self.flush(client).await?;
-        self.first = false;
         self.set.set_synced(true);
         self.metrics.delayed.registry_synced.set(1);
         Ok(records)
     }
 
-    /// Applies what others change and appends what this instance changes,
+    /// Applies what others change and writes what this instance changes,
     /// until the connection fails.
     async fn follow_live(
-        &self,
+        &mut self,
         client: &Client,
         mut follower: StreamFollower,
     ) -> Result<(), ClientError> {
@@ -218,12 +208,15 @@ impl Registry {
                 }
             }
         });
+        let wake = self.wake.clone();
         let outcome = loop {
             tokio::select! {
                 next = reads.recv() => match next {
                     Some(Ok(Followed::Record(record))) => {
-                        if let Some((key, kind)) = self.change_of(record) {
-                            self.apply(key, kind);
+                        if let Some((key, kind, origin)) = self.change_of(record) {
+                            if self.takes(&key, origin) {
+                                self.apply(key, kind);
+                            }
                         }
                     }
                     Some(Ok(Followed::Unreadable)) => {
@@ -233,7 +226,7 @@ impl Registry {
                     Some(Err(e)) => break Err(e),
                     None => break Err(ClientError::Timeout(STREAM.into())),
                 },
-                () = self.pending.wake.notified() => {
+                () = wake.notified() => {
                     if let Err(e) = self.flush(client).await {
                         break Err(e);
                     }
@@ -244,46 +237,60 @@ impl Registry {
         outcome
     }
 
-    /// Appends what this instance changed, each once the broker confirmed
-    /// it; what could not be appended waits for the next connection.
-    async fn flush(&self, client: &Client) -> Result<(), ClientError> {
-        let changes = std::mem::take(&mut *self.pending.lock());
-        let mut left = changes.iter();
-        while let Some((key, kind)) = left.next() {
+    /// Writes every unshared change, each confirmed by the broker before
+    /// it stops being kept.
+    async fn flush(&mut self, client: &Client) -> Result<(), ClientError> {
+        for change in self.set.unshared() {
+            let (key, kind) = change.clone().into_parts();
+            let (vhost, name) = key.clone();
+            let origin = self.origin;
             let record = match kind {
                 Some(kind) => Record::Delayed {
-                    vhost: key.0.clone(),
-                    name: key.1.clone(),
-                    kind: kind.clone(),
+                    origin,
+                    vhost,
+                    name,
+                    kind,
                 },
                 None => Record::Undelayed {
-                    vhost: key.0.clone(),
-                    name: key.1.clone(),
+                    origin,
+                    vhost,
+                    name,
                 },
             };
-            if let Err(e) = client.append_confirmed(STREAM, &record).await {
-                // Put back what did not go, unless changed again since.
-                let mut pending = self.pending.lock();
-                for (key, kind) in std::iter::once((key, kind)).chain(left) {
-                    pending.entry(key.clone()).or_insert_with(|| kind.clone());
+            match tokio::time::timeout(APPEND_WITHIN, client.append_confirmed(STREAM, &record))
+                .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(ClientError::Unreachable(format!(
+                        "a write to {STREAM} was not confirmed within {APPEND_WITHIN:?}"
+                    )))
                 }
-                return Err(e);
             }
+            *self.echoes.entry(key).or_default() += 1;
+            self.set.shared_done(&change);
         }
         Ok(())
     }
 
-    /// A change read from the stream, unless one of this instance's own
-    /// for the same exchange waits to be appended (it is newer).
-    fn apply(&self, key: Key, kind: Option<String>) {
-        if self.pending.holds(&key) {
-            return;
+    /// Whether a record of `key` written by `origin` counts: not while
+    /// this process has a newer change of it (unshared, or written and
+    /// not read back yet), nor for a `[[delayed_exchange]]` table.
+    fn takes(&mut self, key: &Key, origin: u64) -> bool {
+        if origin == self.origin {
+            if let Some(n) = self.echoes.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.echoes.remove(key);
+                }
+            }
         }
-        let (vhost, name) = key;
-        let change = match kind {
-            Some(kind) => Change::Declared(DelayedExchange { vhost, name, kind }),
-            None => Change::Deleted { vhost, name },
-        };
+        !self.echoes.contains_key(key) && !self.set.is_unshared(key) && !self.pinned.contains(key)
+    }
+
+    fn apply(&self, key: Key, kind: Option<String>) {
+        let change = Change::of(key, kind);
         if self.set.apply(&change) {
             self.metrics.delayed.registry_applied.inc();
         } else {
@@ -292,12 +299,21 @@ impl Registry {
         }
     }
 
-    /// What a record says of which exchange, if it is a valid registry
-    /// record (others are skipped, counted and logged).
-    fn change_of(&self, record: Record) -> Option<(Key, Option<String>)> {
-        let (vhost, name, kind) = match record {
-            Record::Delayed { vhost, name, kind } => (vhost, name, Some(kind)),
-            Record::Undelayed { vhost, name } => (vhost, name, None),
+    /// What a record says of which exchange, and who wrote it, if it is a
+    /// valid registry record (others are skipped, counted and logged).
+    fn change_of(&self, record: Record) -> Option<(Key, Option<String>, u64)> {
+        let (origin, vhost, name, kind) = match record {
+            Record::Delayed {
+                origin,
+                vhost,
+                name,
+                kind,
+            } => (origin, vhost, name, Some(kind)),
+            Record::Undelayed {
+                origin,
+                vhost,
+                name,
+            } => (origin, vhost, name, None),
             _ => {
                 self.skipped("a record of another stream");
                 return None;
@@ -311,7 +327,7 @@ impl Registry {
             self.skipped("a record naming no valid exchange");
             return None;
         }
-        Some(((vhost, name), kind))
+        Some(((vhost, name), kind, origin))
     }
 
     fn skipped(&self, what: &str) {
@@ -320,5 +336,87 @@ impl Registry {
             what, "delayed exchanges: skipped in the shared registry"
         );
         self.metrics.delayed.registry_skipped.inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nackd_core::delayed::DelayedExchange;
+
+    fn registry(pinned: &[&str]) -> Registry {
+        let target = Target {
+            nodes: vec!["127.0.0.1:1".into()],
+            vhost: "/".into(),
+            username: "u".into(),
+            password: "p".into(),
+            heartbeat: Duration::from_secs(1),
+            cluster_size: None,
+            tls: None,
+        };
+        let set = DelayedExchanges::new([], 10, None);
+        set.share_with([], Box::new(|| {}));
+        Registry {
+            target,
+            set,
+            pinned: pinned.iter().map(|n| ("/".into(), (*n).into())).collect(),
+            metrics: Metrics::new(),
+            wake: Arc::default(),
+            origin: 7,
+            echoes: HashMap::new(),
+        }
+    }
+
+    fn key(name: &str) -> Key {
+        ("/".into(), name.into())
+    }
+
+    #[test]
+    fn records_of_an_exchange_wait_for_this_processs_own_to_come_back() {
+        let mut r = registry(&[]);
+        assert!(r.takes(&key("x"), 1), "nothing of ours: another's counts");
+        // Two of ours written, not read back: what comes before them is older.
+        r.echoes.insert(key("x"), 2);
+        assert!(!r.takes(&key("x"), 1));
+        assert!(!r.takes(&key("x"), 7), "our first: the second is newer");
+        assert!(!r.takes(&key("x"), 1));
+        assert!(r.takes(&key("x"), 7), "our last counts");
+        assert!(r.takes(&key("x"), 1), "what comes after it counts");
+        assert!(r.takes(&key("y"), 1), "other exchanges are not held up");
+    }
+
+    #[test]
+    fn an_unshared_change_or_a_table_is_never_overridden_by_a_record() {
+        let mut r = registry(&["pinned"]);
+        assert!(!r.takes(&key("pinned"), 1));
+        r.set.declare("/", "mine", "direct");
+        assert!(!r.takes(&key("mine"), 1), "ours is newer, not written yet");
+        r.set.shared_done(&Change::Declared(DelayedExchange {
+            vhost: "/".into(),
+            name: "mine".into(),
+            kind: "direct".into(),
+        }));
+        assert!(r.takes(&key("mine"), 1));
+    }
+
+    #[test]
+    fn only_valid_registry_records_are_changes() {
+        let r = registry(&[]);
+        let delayed = |vhost: &str, name: &str, kind: &str| Record::Delayed {
+            origin: 1,
+            vhost: vhost.into(),
+            name: name.into(),
+            kind: kind.into(),
+        };
+        assert_eq!(
+            r.change_of(delayed("/", "x", "topic")),
+            Some((key("x"), Some("topic".into()), 1))
+        );
+        assert_eq!(r.change_of(delayed("/", "", "topic")), None);
+        assert_eq!(r.change_of(delayed("", "x", "topic")), None);
+        assert_eq!(r.change_of(delayed("/", "x", TYPE)), None);
+        assert_eq!(r.change_of(delayed("/", &"n".repeat(256), "topic")), None);
+        assert_eq!(r.change_of(Record::Generation(3)), None);
+        assert_eq!(r.metrics.delayed.registry_skipped.get(), 5);
     }
 }

@@ -39,6 +39,12 @@ use super::record::Record;
 
 /// Prefetch of a stream reader.
 const READ_PREFETCH: u16 = 1000;
+/// Prefetch of a stream follower ([`Client::follow`]): its records are
+/// small, and a message someone else wrote may be large.
+const FOLLOW_PREFETCH: u16 = 64;
+/// The largest message a follower decodes (three names of at most 255
+/// bytes make a record of under 800): a larger one is [`Followed::Unreadable`].
+const FOLLOW_MAX_BODY: usize = 4096;
 /// A stream read that gets nothing for this long has failed.
 const READ_STALL: Duration = Duration::from_secs(30);
 
@@ -401,7 +407,7 @@ impl Client {
         let nonce = fastrand::u128(..);
         self.append_confirmed(stream, &Record::Marker(nonce))
             .await?;
-        let (ch, consumer) = self.consume_from_first(stream).await?;
+        let (ch, consumer) = self.consume_from_first(stream, READ_PREFETCH).await?;
         Ok(StreamReader {
             stream: stream.to_string(),
             nonce,
@@ -419,7 +425,7 @@ impl Client {
         let nonce = fastrand::u128(..);
         self.append_confirmed(stream, &Record::Marker(nonce))
             .await?;
-        let (ch, consumer) = self.consume_from_first(stream).await?;
+        let (ch, consumer) = self.consume_from_first(stream, FOLLOW_PREFETCH).await?;
         Ok(StreamFollower {
             stream: stream.to_string(),
             nonce,
@@ -433,10 +439,10 @@ impl Client {
     async fn consume_from_first(
         &self,
         stream: &str,
+        prefetch: u16,
     ) -> Result<(Channel, lapin::Consumer), ClientError> {
         let ch = self.conn.create_channel().await?;
-        ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
-            .await?;
+        ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
         let mut args = FieldTable::default();
         args.insert(
             "x-stream-offset".into(),
@@ -657,8 +663,11 @@ impl StreamFollower {
                 Ok(Some(delivery)) => delivery?,
             };
             self.count += 1;
-            if self.caught_up || self.count.is_multiple_of(u64::from(READ_PREFETCH / 2)) {
+            if self.caught_up || self.count.is_multiple_of(u64::from(FOLLOW_PREFETCH / 2)) {
                 delivery.ack(BasicAckOptions { multiple: true }).await?;
+            }
+            if delivery.data.len() > FOLLOW_MAX_BODY {
+                return Ok(Followed::Unreadable);
             }
             match Record::decode(&delivery.data) {
                 Ok(Record::Marker(n)) if n == self.nonce => {

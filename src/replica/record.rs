@@ -20,9 +20,10 @@
 //!   instance   = 32 name:str16           (an instance id that may hold messages)
 //!   marker     = 4 nonce:u128
 //! delayed exchanges  nackd.delayed-exchanges ([delayed] registry)
-//!   delayed    = 33 vhost:str16 name:str16 type:str16
+//!   delayed    = 33 origin:u64 vhost:str16 name:str16 type:str16
 //!                                        (declared x-delayed-message)
-//!   undelayed  = 34 vhost:str16 name:str16 (deleted)
+//!   undelayed  = 34 origin:u64 vhost:str16 name:str16 (deleted)
+//!   (origin: a number each process draws at random, to know its own)
 //!   marker     = 4 nonce:u128
 //! ```
 //!
@@ -123,6 +124,8 @@ pub enum Record {
     },
     /// An exchange declared `x-delayed-message` through some instance.
     Delayed {
+        /// The writing process's number.
+        origin: u64,
         /// Virtual host.
         vhost: String,
         /// Exchange.
@@ -132,6 +135,8 @@ pub enum Record {
     },
     /// A delayed exchange deleted through some instance.
     Undelayed {
+        /// The writing process's number.
+        origin: u64,
         /// Virtual host.
         vhost: String,
         /// Exchange.
@@ -262,12 +267,23 @@ impl Record {
                 out.put_u8(INSTANCE);
                 put_str16(out, name);
             }
-            Self::Delayed { vhost, name, kind } => {
+            Self::Delayed {
+                origin,
+                vhost,
+                name,
+                kind,
+            } => {
                 out.put_u8(DELAYED);
+                out.put_u64(*origin);
                 [vhost, name, kind].iter().for_each(|s| put_str16(out, s));
             }
-            Self::Undelayed { vhost, name } => {
+            Self::Undelayed {
+                origin,
+                vhost,
+                name,
+            } => {
                 out.put_u8(UNDELAYED);
+                out.put_u64(*origin);
                 [vhost, name].iter().for_each(|s| put_str16(out, s));
             }
             _ => unreachable!("encode writes the others"),
@@ -313,11 +329,13 @@ impl Record {
                 name: take_str16(&mut b)?,
             },
             DELAYED => Self::Delayed {
+                origin: take_u64(&mut b)?,
                 vhost: take_str16(&mut b)?,
                 name: take_str16(&mut b)?,
                 kind: take_str16(&mut b)?,
             },
             UNDELAYED => Self::Undelayed {
+                origin: take_u64(&mut b)?,
                 vhost: take_str16(&mut b)?,
                 name: take_str16(&mut b)?,
             },
@@ -640,11 +658,13 @@ mod tests {
                 name: "host-a".into(),
             },
             Record::Delayed {
+                origin: u64::MAX - 1,
                 vhost: "/".into(),
                 name: "orders-later".into(),
                 kind: "topic".into(),
             },
             Record::Undelayed {
+                origin: 7,
                 vhost: "v".into(),
                 name: "orders-later".into(),
             },

@@ -107,7 +107,7 @@ async fn instances_agree_on_declares_and_deletes() {
     ch_b.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let delay = Some(AMQPValue::LongInt(1000));
+    let delay = AMQPValue::LongInt(1000);
     let refused = ch_b
         .basic_publish(
             x.as_str().into(),
@@ -116,7 +116,7 @@ async fn instances_agree_on_declares_and_deletes() {
             b"after the delete",
             lapin::BasicProperties::default().with_headers({
                 let mut h = lapin::types::FieldTable::default();
-                h.insert("x-delay".into(), delay.unwrap());
+                h.insert("x-delay".into(), delay);
                 h
             }),
         )
@@ -214,6 +214,58 @@ async fn an_instance_that_cannot_read_the_registry_routes_no_delay_at_once() {
         .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
         .await;
     nackd.stop().await;
+}
+
+/// A declare through an instance that cannot reach the registry is kept
+/// with its store, and written once it can, even after a restart: an
+/// instance that reads the registry then learns it.
+#[tokio::test]
+async fn a_declare_made_while_the_registry_is_unreachable_is_shared_after_a_restart() {
+    let vhost = unique("registry-vhost");
+    let config = format!("{SHARED}registry_vhost = \"{vhost}\"\n");
+    let (sa, sb) = (tempdir(), tempdir());
+    let a = start_delayed(sa.path(), &config).await;
+    let (x, q) = (unique("regrx"), unique("regrq"));
+    let conn = a.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    declare_delayed(&ch, &x, "direct").await.unwrap();
+    bind(&ch, &x, &q, "k").await;
+    assert!(a.delayed.as_ref().unwrap().is_delayed("/", &x));
+    let _ = conn.close(200, "".into()).await;
+    a.stop().await;
+    let file = std::fs::read_to_string(sa.path().join("delayed-exchanges.json")).unwrap();
+    assert!(file.contains("\"unshared\""), "kept as unshared: {file}");
+
+    // The registry's vhost comes to be: B reads it (X is not there yet),
+    // then A, restarted on its store, writes X.
+    let v = vhost.clone();
+    tokio::task::spawn_blocking(move || {
+        BROKER.ctl_ok(&["add_vhost", &v]);
+        BROKER.ctl_ok(&["set_permissions", "-p", &v, "guest", ".*", ".*", ".*"]);
+    })
+    .await
+    .unwrap();
+    let b = shared(sb.path()).await;
+    assert!(!b.delayed.as_ref().unwrap().is_delayed("/", &x));
+    let a = shared(sa.path()).await;
+    known(&b, &x, true).await;
+    let file = std::fs::read_to_string(sa.path().join("delayed-exchanges.json")).unwrap();
+    assert!(!file.contains("\"unshared\""), "written: {file}");
+    let broker = direct().await;
+    let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
+    delayed_through(&b, &x, &mut arrivals, "through B").await;
+
+    let ch = broker.create_channel().await.unwrap();
+    delete_queues(&ch, &[&q]).await;
+    let _ = ch
+        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    for n in [a, b] {
+        n.stop().await;
+    }
+    tokio::task::spawn_blocking(move || BROKER.ctl_ok(&["delete_vhost", &vhost]))
+        .await
+        .unwrap();
 }
 
 fn tempdir() -> tempfile::TempDir {

@@ -1370,7 +1370,8 @@ impl Session {
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
                 let name: Arc<str> = Arc::from(d.exchange.as_str());
-                let delayed = registry.is_delayed(&vhost, &name) || self.publishes.declaring(&name);
+                // Unsynced, another instance may have declared it delayed.
+                let delayed = !registry.synced() || self.publishes_declaring(&name);
                 let channel = self.channels.get(channel_id);
                 if !delayed {
                     if !d.nowait {
@@ -1570,7 +1571,13 @@ impl Session {
                     "a delayed publish (x-delay) while nackd's registry of delayed exchanges is not read; publish again later",
                 ));
             }
-            // Nacked once its content is here (park_publish).
+            // Nacked once its content is here, as a publish over the
+            // capture budget is (park_publish): its body is not kept.
+            warn!(%exchange, "a delayed publish (x-delay) to an exchange nackd does not know as delayed, while its registry of delayed exchanges is not read: the publisher gets a nack");
+            let channel = self.channels.get(channel_id);
+            let taking = channel.taking_mut().expect("a publish is being taken");
+            taking.on_header(payload, None);
+            return Ok(true);
         }
         let channel = self.channels.get(channel_id);
         let taking = channel.taking_mut().expect("a publish is being taken");
@@ -1628,15 +1635,6 @@ impl Session {
         if taking.over_budget() {
             let tag = tag.expect("only a confirm channel's publish is refused");
             self.stats.delayed_refused.inc();
-            self.answer_taken(channel_id, epoch, tag, false);
-            self.flush_after_publish(channel_id);
-            return;
-        }
-        if !self.publishes_declaring(taking.exchange()) && !self.delayed_synced() {
-            // Refused at its header (see take_header): a confirm channel's.
-            let tag = tag.expect("refused at its header without confirms");
-            self.stats.delayed_refused.inc();
-            warn!(exchange = %taking.exchange(), "a delayed publish (x-delay) to an exchange nackd does not know as delayed, while its registry of delayed exchanges is not read: the publisher gets a nack");
             self.answer_taken(channel_id, epoch, tag, false);
             self.flush_after_publish(channel_id);
             return;
@@ -1869,8 +1867,6 @@ impl Session {
         }
     }
 
-    /// Whether publishes to `exchange` are still delayed: it is, or a
-    /// delayed declare of it waits for the broker.
     /// Whether this nackd knows every delayed exchange (see
     /// [`crate::delayed::DelayedExchanges::synced`]).
     fn delayed_synced(&self) -> bool {
@@ -1879,6 +1875,8 @@ impl Session {
             .is_none_or(|s| s.shared.delayed.synced())
     }
 
+    /// Whether publishes to `exchange` are still delayed: it is, or a
+    /// delayed declare of it waits for the broker.
     fn publishes_declaring(&self, exchange: &str) -> bool {
         self.publishes.declaring(exchange)
             || self

@@ -91,6 +91,14 @@ impl Pair {
     /// A publish to `X` with `x-delay = delay` (none: no header).
     fn publish(&mut self, ch: u16, delay: Option<AMQPValue>) {
         let mut out = BytesMut::new();
+        self.publish_frames(&mut out, ch, delay);
+        self.client(&out);
+        // The broker would take it from this client (see `check`).
+        self.grant_checks();
+    }
+
+    /// The frames of [`Pair::publish`], its 3-byte body last.
+    fn publish_frames(&self, out: &mut BytesMut, ch: u16, delay: Option<AMQPValue>) {
         out.extend_from_slice(&frame_of(
             ch,
             AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
@@ -106,16 +114,8 @@ impl Pair {
             h.insert("x-delay".into(), d);
             props = props.with_headers(h);
         }
-        put_frame(
-            &mut out,
-            FrameType::Header,
-            ch,
-            &encode_header(60, 3, &props),
-        );
-        put_frame(&mut out, FrameType::Body, ch, b"abc");
-        self.client(&out);
-        // The broker would take it from this client (see `check`).
-        self.grant_checks();
+        put_frame(out, FrameType::Header, ch, &encode_header(60, 3, &props));
+        put_frame(out, FrameType::Body, ch, b"abc");
     }
 }
 
@@ -1143,11 +1143,27 @@ fn while_unsynced_a_publish_without_a_delay_goes_as_sent() {
 #[test]
 fn while_unsynced_a_delayed_publish_to_an_exchange_not_known_delayed_is_nacked() {
     let mut p = unsynced(true);
-    p.publish(1, ms(5000));
+    let budget = p.s.scope.as_ref().unwrap().shared.budget.clone();
+    // Its method and header: its body is not kept meanwhile.
+    let mut whole = BytesMut::new();
+    p.publish_frames(&mut whole, 1, ms(5000));
+    let body_at = whole.len() - (8 + 3);
+    p.client(&whole[..body_at]);
+    assert_eq!(budget.used(), 0, "no capture budget for a refused publish");
+    // The registry is read before its body comes: refused all the same,
+    // never held with a delay the broker would not apply.
+    p.s.scope.as_ref().unwrap().shared.delayed.set_synced(true);
+    p.client(&whole[body_at..]);
     assert!(p.upstream().is_empty(), "not routed at once");
     assert!(p.take_parks().is_empty(), "not held either");
     assert_eq!(p.client_got(), ["nack 1 no-requeue"]);
     assert_eq!(p.s.stats.delayed_refused.get(), 1);
+    p.s.scope.as_ref().unwrap().shared.delayed.set_synced(false);
+    p.publish(1, ms(5000));
+    assert!(p.upstream().is_empty(), "not routed at once");
+    assert!(p.take_parks().is_empty(), "not held either");
+    assert_eq!(p.client_got(), ["nack 2 no-requeue"]);
+    assert_eq!(p.s.stats.delayed_refused.get(), 2);
     // Once synced, the exchange (still not delayed) takes it as sent.
     p.s.scope.as_ref().unwrap().shared.delayed.set_synced(true);
     p.publish(1, ms(5000));
@@ -1184,4 +1200,36 @@ fn while_unsynced_an_exchange_known_delayed_is_held_as_ever() {
     p.publish(1, ms(5000));
     assert!(p.upstream().is_empty());
     assert_eq!(p.take_parks().len(), 1);
+}
+
+#[test]
+fn while_unsynced_a_delete_the_broker_accepts_goes_to_the_registry() {
+    let mut p = unsynced(false);
+    let shared = p.s.scope.as_ref().unwrap().shared.clone();
+    shared.delayed.share_with([], Box::new(|| {}));
+    // Another instance may have declared it delayed: the delete waits for
+    // the broker's answer (nowait as the waiting form), which counts.
+    p.client(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+            exchange: "other".into(),
+            if_unused: false,
+            nowait: true,
+        })),
+    ));
+    assert_eq!(p.upstream().len(), 1);
+    assert!(
+        shared.delayed.unshared().is_empty(),
+        "not before the answer"
+    );
+    p.broker(&frame_of(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
+    assert!(p.client_got().is_empty(), "nowait: the ok stays with nackd");
+    let deleted = crate::delayed::Change::Deleted {
+        vhost: "/".into(),
+        name: "other".into(),
+    };
+    assert_eq!(shared.delayed.unshared(), [deleted]);
 }
