@@ -22,7 +22,7 @@ use tracing::warn;
 pub mod registry;
 
 use crate::config::Config;
-use nackd_core::delayed::{Change, DelayedExchange, DelayedExchanges, Persist};
+use nackd_core::delayed::{Change, DelayedExchange, DelayedExchanges, Persist, Version};
 
 /// The file's name in `store.path`.
 pub const FILE: &str = "delayed-exchanges.json";
@@ -40,7 +40,8 @@ struct File {
     unshared: Vec<Unshared>,
 }
 
-/// A change not in the registry yet: declared of `type`, or deleted.
+/// A change not in the registry yet: declared of `type`, or deleted, at
+/// `at_ms` by process `origin` (its [`Version`]).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Unshared {
@@ -48,6 +49,8 @@ struct Unshared {
     name: String,
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
     kind: Option<String>,
+    at_ms: u64,
+    origin: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -70,12 +73,9 @@ pub fn load(dir: &Path) -> Result<Vec<DelayedExchange>, String> {
     load_all(dir).map(|(list, _)| list)
 }
 
-/// The changes `dir`'s file says were not written to the registry yet.
-pub fn load_unshared(dir: &Path) -> Result<Vec<Change>, String> {
-    load_all(dir).map(|(_, unshared)| unshared)
-}
+type Loaded = (Vec<DelayedExchange>, Vec<(Change, Version)>);
 
-fn load_all(dir: &Path) -> Result<(Vec<DelayedExchange>, Vec<Change>), String> {
+fn load_all(dir: &Path) -> Result<Loaded, String> {
     let path = path(dir);
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
@@ -113,7 +113,7 @@ fn load_all(dir: &Path) -> Result<(Vec<DelayedExchange>, Vec<Change>), String> {
         .map(
             |u| match u.name.is_empty() || u.kind.as_deref() == Some("") {
                 true => Err(damaged("an unshared change without a name or type".into())),
-                false => Ok(Change::of((u.vhost, u.name), u.kind)),
+                false => Ok((Change::of((u.vhost, u.name), u.kind), (u.at_ms, u.origin))),
             },
         )
         .collect::<Result<_, _>>()?;
@@ -126,7 +126,11 @@ pub fn save(dir: &Path, list: &[DelayedExchange]) -> std::io::Result<()> {
 }
 
 /// Writes `list` and the `unshared` changes as `dir`'s file.
-fn save_all(dir: &Path, list: &[DelayedExchange], unshared: &[Change]) -> std::io::Result<()> {
+fn save_all(
+    dir: &Path,
+    list: &[DelayedExchange],
+    unshared: &[(Change, Version)],
+) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let file = File {
         version: VERSION,
@@ -140,9 +144,15 @@ fn save_all(dir: &Path, list: &[DelayedExchange], unshared: &[Change]) -> std::i
             .collect(),
         unshared: unshared
             .iter()
-            .map(|c| {
+            .map(|(c, (at_ms, origin))| {
                 let ((vhost, name), kind) = c.clone().into_parts();
-                Unshared { vhost, name, kind }
+                Unshared {
+                    vhost,
+                    name,
+                    kind,
+                    at_ms: *at_ms,
+                    origin: *origin,
+                }
             })
             .collect(),
     };
@@ -195,7 +205,7 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
         return Ok(DelayedExchanges::disabled());
     }
     let dir = config.store.path.clone();
-    let saved = load(&dir)?;
+    let (saved, unshared) = load_all(&dir)?;
     let (from_file, from_config) = (saved.len(), config.delayed_exchanges.len());
     let initial = merged(config, saved);
     tracing::info!(
@@ -209,6 +219,8 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
     let limit = config.delayed_settings().max_exchanges;
     let set = DelayedExchanges::new(initial, limit, Some(persist(dir, registry.clone())?));
     let _ = registry.set(Arc::downgrade(&set));
+    // Kept through saves even with the registry off: written once it is on.
+    set.carry(unshared);
     Ok(set)
 }
 

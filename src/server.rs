@@ -43,10 +43,8 @@ async fn interception(
     if let Some(target) = registry_target(config, &password)? {
         let pinned = config.delayed_exchanges.iter();
         let pinned = pinned.map(|t| (t.vhost.clone(), t.name.clone())).collect();
-        let unshared =
-            crate::delayed::load_unshared(&config.store.path).map_err(StartError::Store)?;
         let (set, stop) = (delayed.clone(), root.child_token());
-        crate::delayed::registry::spawn(target, set, unshared, pinned, metrics.clone(), stop);
+        crate::delayed::registry::spawn(target, set, pinned, clock, metrics.clone(), stop);
     }
     let retry_options =
         retry::Options::new(&config.republish, password.clone()).with_delayed(config);

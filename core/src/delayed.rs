@@ -17,11 +17,13 @@
 //! *unshared* ([`DelayedExchanges::unshared`]), saved with the set, until
 //! the `nackd` crate has written it to the stream every instance reads
 //! ([`DelayedExchanges::shared_done`]); the changes read there come back
-//! through [`DelayedExchanges::apply`]. Until it has read that stream to
-//! its end the set is not [`synced`](DelayedExchanges::synced): an
-//! exchange it does not list may be delayed all the same, and a delete
-//! the broker accepted is kept as unshared even for an exchange the set
-//! does not list.
+//! through [`DelayedExchanges::apply_record`]. Each change carries a
+//! [`Version`], the time it was made and the process that made it: of an
+//! exchange's changes the newest wins, wherever and whenever it is read.
+//! Until it has read that stream to its end the set is not
+//! [`synced`](DelayedExchanges::synced): an exchange it does not list may
+//! be delayed all the same, so then every declare and every delete the
+//! broker accepts is kept as unshared, news or not.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,6 +94,22 @@ impl Change {
 /// block.
 pub type Wake = Box<dyn Fn() + Send + Sync>;
 
+/// When a change was made (ms since the epoch, on its maker's clock), and
+/// by which process (a random number each draws): the later wins, and of
+/// two made in one millisecond the higher process.
+pub type Version = (u64, u64);
+
+/// What the set needs to share: the clock its changes are dated by, this
+/// process's number, and the hook that wakes the writer.
+pub struct Sharing {
+    /// nackd's clock.
+    pub clock: crate::clock::Clock,
+    /// This process's number ([`Version`]).
+    pub origin: u64,
+    /// Told when a change waits.
+    pub wake: Wake,
+}
+
 /// `(vhost, exchange)`.
 pub type Key = (String, String);
 
@@ -110,11 +128,12 @@ pub struct DelayedExchanges {
     persist: Option<Persist>,
     /// Whether the set is all there is to know (see the module).
     synced: AtomicBool,
-    /// Set once the set is shared: wakes the writer of the registry.
-    wake: std::sync::OnceLock<Wake>,
+    /// Set once the set is shared.
+    sharing: std::sync::OnceLock<Sharing>,
     /// The changes made here and not written to the registry yet: the
-    /// last of each exchange (`None`: deleted).
-    unshared: Mutex<BTreeMap<Key, Option<String>>>,
+    /// last of each exchange (`None`: deleted). Taken before `set` when
+    /// both are.
+    unshared: Mutex<BTreeMap<Key, (Option<String>, Version)>>,
 }
 
 impl DelayedExchanges {
@@ -139,7 +158,7 @@ impl DelayedExchanges {
             reserved: Mutex::default(),
             persist,
             synced: AtomicBool::new(true),
-            wake: std::sync::OnceLock::new(),
+            sharing: std::sync::OnceLock::new(),
             unshared: Mutex::default(),
         })
     }
@@ -155,7 +174,7 @@ impl DelayedExchanges {
             reserved: Mutex::default(),
             persist: None,
             synced: AtomicBool::new(true),
-            wake: std::sync::OnceLock::new(),
+            sharing: std::sync::OnceLock::new(),
             unshared: Mutex::default(),
         })
     }
@@ -226,32 +245,38 @@ impl DelayedExchanges {
         self.synced.store(synced, Ordering::Release);
     }
 
-    /// Shares the set: every change a session makes from now on is kept
-    /// as unshared (with `unshared`, those an earlier run saved), and
-    /// `wake` is told (once: a second hook is ignored).
-    pub fn share_with(&self, unshared: impl IntoIterator<Item = Change>, wake: Wake) {
-        {
-            let mut waiting = self.lock_unshared();
-            for change in unshared {
-                let (key, kind) = change.into_parts();
-                waiting.entry(key).or_insert(kind);
+    /// Keeps `unshared` (what an earlier run saved and did not write) as
+    /// unshared, whether or not the set is shared now: saved with it.
+    pub fn carry(&self, unshared: impl IntoIterator<Item = (Change, Version)>) {
+        let mut waiting = self.lock_unshared();
+        for (change, version) in unshared {
+            let (key, kind) = change.into_parts();
+            let newer = waiting.get(&key).is_none_or(|(_, v)| *v < version);
+            if newer {
+                waiting.insert(key, (kind, version));
             }
         }
-        let _ = self.wake.set(wake);
+    }
+
+    /// Shares the set: every change a session makes from now on is kept
+    /// as unshared, dated by `sharing`'s clock, and its hook is told
+    /// (once: a second call is ignored).
+    pub fn share_with(&self, sharing: Sharing) {
+        let _ = self.sharing.set(sharing);
         self.tell();
     }
 
     /// Whether the set is shared.
     pub fn is_shared(&self) -> bool {
-        self.wake.get().is_some()
+        self.sharing.get().is_some()
     }
 
     /// The changes not written to the registry yet, in order of exchange.
-    pub fn unshared(&self) -> Vec<Change> {
+    pub fn unshared(&self) -> Vec<(Change, Version)> {
         let waiting = self.lock_unshared();
         waiting
             .iter()
-            .map(|(key, kind)| Change::of(key.clone(), kind.clone()))
+            .map(|(key, (kind, v))| (Change::of(key.clone(), kind.clone()), *v))
             .collect()
     }
 
@@ -260,13 +285,14 @@ impl DelayedExchanges {
         self.lock_unshared().contains_key(key)
     }
 
-    /// `change` is in the registry: it is no longer kept (unless the
-    /// exchange changed again since) and the file is saved without it.
-    pub fn shared_done(&self, change: &Change) {
+    /// `change` (of `version`) is in the registry: it is no longer kept,
+    /// unless the exchange changed again since, and the file is saved
+    /// without it.
+    pub fn shared_done(&self, change: &Change, version: Version) {
         let (key, kind) = change.clone().into_parts();
         let removed = {
             let mut waiting = self.lock_unshared();
-            let same = waiting.get(&key) == Some(&kind);
+            let same = waiting.get(&key) == Some(&(kind, version));
             same && waiting.remove(&key).is_some()
         };
         if removed {
@@ -274,56 +300,52 @@ impl DelayedExchanges {
         }
     }
 
-    /// Keeps `change` as unshared again (the registry does not name its
-    /// exchange at all: it was declared before the registry was on, or
-    /// the stream was deleted), saves and wakes the writer.
+    /// Keeps `change` as unshared, dated now (the registry does not name
+    /// its exchange at all: declared before the registry was on, or the
+    /// stream was deleted), saves and wakes the writer.
     pub fn reshare(&self, change: Change) {
         let (key, kind) = change.into_parts();
-        self.keep_unshared(key, kind);
-        self.save();
-        self.tell();
-    }
-
-    fn lock_unshared(&self) -> std::sync::MutexGuard<'_, BTreeMap<Key, Option<String>>> {
-        self.unshared.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A change made here, kept until the registry has it (when shared).
-    fn keep_unshared(&self, key: Key, kind: Option<String>) {
-        if self.is_shared() {
-            self.lock_unshared().insert(key, kind);
+        if let Some(version) = self.version_now() {
+            self.lock_unshared().insert(key, (kind, version));
+            self.save();
+            self.tell();
         }
     }
 
-    /// A change read from the registry (another instance's, or this one's
-    /// own coming back): applied and saved, not shared again. A declare
-    /// that would take its vhost past the limit is not applied (`false`).
-    pub fn apply(&self, change: &Change) -> bool {
+    fn version_now(&self) -> Option<Version> {
+        let sharing = self.sharing.get()?;
+        Some((sharing.clock.now_ms(), sharing.origin))
+    }
+
+    fn lock_unshared(&self) -> std::sync::MutexGuard<'_, BTreeMap<Key, (Option<String>, Version)>> {
+        self.unshared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A change read from the registry, of `version`: applied and saved
+    /// (not shared again), unless a change of its exchange made here is
+    /// newer and not written yet (an older one is dropped: this one
+    /// supersedes it). `false`: not applied. The vhost limit does not
+    /// apply: each instance holds its own declares to it, and a change
+    /// left out would make this one route what the others delay.
+    pub fn apply_record(&self, change: &Change, version: Version) -> bool {
+        let (key, kind) = change.clone().into_parts();
+        let mut waiting = self.lock_unshared();
+        if let Some((_, mine)) = waiting.get(&key) {
+            if *mine >= version {
+                return false;
+            }
+            waiting.remove(&key);
+        }
         let changed = {
             let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
-            let changed = match change {
-                Change::Declared(e) => {
-                    let key = (e.vhost.clone(), e.name.clone());
-                    let from = (e.vhost.clone(), String::new());
-                    let full = || {
-                        set.range(from..)
-                            .take_while(|((v, _), _)| *v == e.vhost)
-                            .take(self.limit)
-                            .count()
-                            >= self.limit
-                    };
-                    if !set.contains_key(&key) && full() {
-                        return false;
-                    }
-                    set.insert(key, e.kind.clone()).as_deref() != Some(e.kind.as_str())
-                }
-                Change::Deleted { vhost, name } => {
-                    set.remove(&(vhost.clone(), name.clone())).is_some()
-                }
+            let changed = match kind {
+                Some(kind) => set.insert(key, kind.clone()).as_deref() != Some(kind.as_str()),
+                None => set.remove(&key).is_some(),
             };
             self.any.store(!set.is_empty(), Ordering::Release);
             changed
         };
+        drop(waiting);
         if changed {
             self.save();
         }
@@ -364,41 +386,51 @@ impl DelayedExchanges {
 
     /// `name` of `vhost` is declared delayed, of real type `kind`.
     pub fn declare(&self, vhost: &str, name: &str, kind: &str) {
-        let key = (vhost.to_string(), name.to_string());
-        let changed = {
-            let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
-            set.insert(key, kind.to_string()).as_deref() != Some(kind)
-        };
-        self.any.store(true, Ordering::Release);
-        if changed {
-            let key = (vhost.to_string(), name.to_string());
-            self.keep_unshared(key, Some(kind.to_string()));
-            self.save();
-            self.tell();
-        }
+        self.change(vhost, name, Some(kind));
     }
 
     /// `name` of `vhost` is deleted.
     pub fn delete(&self, vhost: &str, name: &str) {
-        let removed = {
+        self.change(vhost, name, None);
+    }
+
+    /// A declare (`kind`) or delete the broker accepted through this
+    /// nackd. Shared, it is kept as unshared when it changes the set, and
+    /// while unsynced even when it does not: the set may not know what
+    /// the registry says of the exchange, and this change is newer.
+    fn change(&self, vhost: &str, name: &str, kind: Option<&str>) {
+        let key = (vhost.to_string(), name.to_string());
+        // Taken first, so that a record applied meanwhile cannot come
+        // between the set's change and its being kept.
+        let mut waiting = self.is_shared().then(|| self.lock_unshared());
+        let changed = {
             let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
-            let removed = set.remove(&(vhost.to_string(), name.to_string())).is_some();
+            let changed = match kind {
+                Some(kind) => set.insert(key.clone(), kind.to_string()).as_deref() != Some(kind),
+                None => set.remove(&key).is_some(),
+            };
             self.any.store(!set.is_empty(), Ordering::Release);
-            removed
+            changed
         };
-        // Unsynced, the broker's delete-ok may be for an exchange another
-        // instance declared delayed: the registry is told all the same.
-        if removed || (self.is_shared() && !self.synced()) {
-            let key = (vhost.to_string(), name.to_string());
-            self.keep_unshared(key, None);
+        let kept = match (waiting.as_mut(), self.version_now()) {
+            (Some(waiting), Some(version)) if changed || !self.synced() => {
+                waiting.insert(key, (kind.map(str::to_string), version));
+                true
+            }
+            _ => false,
+        };
+        drop(waiting);
+        if changed || kept {
             self.save();
+        }
+        if kept {
             self.tell();
         }
     }
 
     fn tell(&self) {
-        if let Some(wake) = self.wake.get() {
-            wake();
+        if let Some(sharing) = self.sharing.get() {
+            (sharing.wake)();
         }
     }
 
@@ -442,72 +474,96 @@ mod tests {
         assert!(saved[1].is_empty());
     }
 
-    #[test]
-    fn a_shared_set_keeps_its_own_changes_until_shared_and_applies_the_others() {
+    /// A set shared by process 7, on a manual clock at 1 000 ms.
+    fn shared(
+        limit: usize,
+    ) -> (
+        Arc<DelayedExchanges>,
+        crate::clock::Clock,
+        Arc<Mutex<usize>>,
+    ) {
         let woken: Arc<Mutex<usize>> = Arc::default();
         let count = woken.clone();
-        let set = DelayedExchanges::new([], 3, None);
-        set.declare("/", "early", "direct"); // before sharing: not kept
-        let saved = Change::Deleted {
+        let clock = crate::clock::Clock::manual(1_000);
+        let set = DelayedExchanges::new([], limit, None);
+        set.share_with(Sharing {
+            clock: clock.clone(),
+            origin: 7,
+            wake: Box::new(move || *count.lock().unwrap() += 1),
+        });
+        (set, clock, woken)
+    }
+
+    fn declared(name: &str, kind: &str) -> Change {
+        Change::Declared(DelayedExchange {
             vhost: "/".into(),
-            name: "gone".into(),
-        };
-        set.share_with(
-            [saved.clone()],
-            Box::new(move || *count.lock().unwrap() += 1),
-        );
+            name: name.into(),
+            kind: kind.into(),
+        })
+    }
+
+    fn deleted(name: &str) -> Change {
+        Change::Deleted {
+            vhost: "/".into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn a_shared_set_keeps_its_own_changes_until_shared_and_applies_newer_ones() {
+        let (set, clock, woken) = shared(2);
+        set.carry([(deleted("gone"), (500, 3))]);
         assert_eq!(
             set.unshared(),
-            std::slice::from_ref(&saved),
+            [(deleted("gone"), (500, 3))],
             "an earlier run's"
         );
         set.declare("/", "a", "direct");
-        set.declare("/", "a", "direct"); // no change: not kept again
-        let theirs = |name: &str| {
-            Change::Declared(DelayedExchange {
-                vhost: "/".into(),
-                name: name.into(),
-                kind: "topic".into(),
-            })
-        };
-        assert!(set.apply(&theirs("b")), "applied, not kept");
-        assert_eq!(set.kind("/", "b").as_deref(), Some("topic"));
-        assert!(!set.apply(&theirs("c")), "the vhost is full");
-        assert!(!set.is_delayed("/", "c"));
-        let mine = Change::Declared(DelayedExchange {
-            vhost: "/".into(),
-            name: "a".into(),
-            kind: "direct".into(),
-        });
-        assert_eq!(set.unshared(), [mine.clone(), saved.clone()]);
-        assert!(set.is_unshared(&("/".into(), "a".into())));
-        // Written, then changed again before the answer: kept.
+        set.declare("/", "a", "direct"); // synced, no change: not kept again
+        assert_eq!(set.unshared()[0], (declared("a", "direct"), (1_000, 7)));
+        // Another's older change of `a` does not override this newer one.
+        assert!(!set.apply_record(&deleted("a"), (999, 9)));
+        assert!(set.is_delayed("/", "a"));
+        // Applied, not kept; past the vhost limit too.
+        for name in ["b", "c"] {
+            assert!(set.apply_record(&declared(name, "topic"), (1_500, 9)));
+        }
+        assert!(set.is_delayed("/", "c") && !set.is_unshared(&("/".into(), "c".into())));
+        // Written, then changed again before the broker's answer: kept.
+        clock.advance(std::time::Duration::from_millis(10));
         set.delete("/", "a");
-        set.shared_done(&mine);
-        assert!(set.is_unshared(&("/".into(), "a".into())));
-        set.shared_done(&Change::Deleted {
-            vhost: "/".into(),
-            name: "a".into(),
-        });
-        set.shared_done(&saved);
+        set.shared_done(&declared("a", "direct"), (1_000, 7));
+        assert_eq!(set.unshared()[0], (deleted("a"), (1_010, 7)));
+        set.shared_done(&deleted("a"), (1_010, 7));
+        // A newer change elsewhere supersedes an unshared one.
+        assert!(set.apply_record(&declared("gone", "fanout"), (600, 1)));
         assert!(set.unshared().is_empty());
+        assert!(set.is_delayed("/", "gone"));
         assert!(*woken.lock().unwrap() >= 3);
     }
 
     #[test]
-    fn an_unsynced_shared_set_keeps_deletes_of_exchanges_it_does_not_know() {
-        let set = DelayedExchanges::new([], 2, None);
-        set.delete("/", "x"); // not shared: nothing to tell
-        set.share_with([], Box::new(|| {}));
-        set.delete("/", "x"); // synced: the delete of an unknown exchange is no news
+    fn an_unsynced_shared_set_keeps_every_declare_and_delete() {
+        let plain = DelayedExchanges::new([], 2, None);
+        plain.delete("/", "x"); // not shared: nothing kept
+        assert!(plain.unshared().is_empty());
+        let (set, _, _) = shared(2);
+        set.declare("/", "x", "direct");
+        set.shared_done(&declared("x", "direct"), (1_000, 7));
+        set.declare("/", "x", "direct"); // synced: no news
+        set.delete("/", "y"); // synced: no news either
         assert!(set.unshared().is_empty());
         set.set_synced(false);
-        set.delete("/", "x");
-        let deleted = Change::Deleted {
-            vhost: "/".into(),
-            name: "x".into(),
-        };
-        assert_eq!(set.unshared(), [deleted]);
+        // The registry may say otherwise of both: these are newer.
+        set.declare("/", "x", "direct");
+        set.delete("/", "y");
+        assert_eq!(
+            set.unshared(),
+            [
+                (declared("x", "direct"), (1_000, 7)),
+                (deleted("y"), (1_000, 7))
+            ]
+        );
     }
 
     #[test]

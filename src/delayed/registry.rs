@@ -4,22 +4,23 @@
 //!
 //! Each instance follows the stream from its first record on. A `delayed`
 //! record says an exchange was declared `x-delayed-message` through some
-//! instance, an `undelayed` one that it was deleted; of one exchange's
-//! records the later wins. What this instance's sessions change (a
-//! declare or delete the broker accepted in the client's name) is kept as
-//! *unshared* in the set, and saved with it, until the broker confirmed
-//! its record here ([`DelayedExchanges::shared_done`]): a restart or a
-//! lost connection meanwhile writes it then. Records of an exchange are
-//! not applied while a change of it is unshared, nor while a record this
-//! process wrote of it has not come back (each process signs its records
-//! with a random `origin`): what it wrote is newer than what it reads
-//! before its own.
+//! instance, an `undelayed` one that it was deleted. Each carries its
+//! [`Version`]: when it was made (on its maker's clock) and by which
+//! process; of one exchange's changes the newest wins, wherever it was
+//! made and whenever it is read, so a change written late (after an
+//! outage, a restart) does not undo a newer one made elsewhere. What this
+//! instance's sessions change (a declare or delete the broker accepted in
+//! the client's name) is kept as *unshared* in the set, and saved with
+//! it, until the broker confirmed its record here
+//! ([`DelayedExchanges::shared_done`]): a restart or a lost connection
+//! meanwhile writes it then.
 //!
 //! The set is synced ([`DelayedExchanges::synced`]) once the stream is
 //! read to the marker this instance appended when it began to read.
 //! Before, and from a lost connection until the next read reaches its
 //! marker, an x-delay publish to an exchange this instance does not know
-//! as delayed is refused, never routed at once (the session core does
+//! as delayed is refused, never routed at once, and every declare and
+//! delete is written, news or not (the session core and the set do
 //! that). At each read, what the set lists and the stream never named
 //! (exchanges declared before the registry was on, or a deleted stream)
 //! is written; `[[delayed_exchange]]` tables stay this instance's own:
@@ -39,7 +40,8 @@ use tracing::{info, warn};
 use crate::metrics::Metrics;
 use crate::replica::client::{Client, ClientError, Followed, StreamFollower};
 use crate::replica::{Record, Target};
-use nackd_core::delayed::{Change, DelayedExchanges, Key, TYPE};
+use nackd_core::clock::Clock;
+use nackd_core::delayed::{Change, DelayedExchanges, Key, Sharing, Version, TYPE};
 
 /// The stream every instance reads and writes.
 pub const STREAM: &str = "nackd.delayed-exchanges";
@@ -52,14 +54,14 @@ const BACKOFF_MAX: Duration = Duration::from_secs(15);
 const APPEND_WITHIN: Duration = Duration::from_secs(10);
 
 /// Shares `set` through the registry of `target`: from now on it is not
-/// synced until the stream is read, its changes (and `unshared`, those an
-/// earlier run did not write) go to the stream, and the task follows the
+/// synced until the stream is read, its changes (dated by `clock`) and
+/// those an earlier run kept go to the stream, and the task follows the
 /// stream until `stop`. `pinned`: the `[[delayed_exchange]]` tables.
 pub fn spawn(
     target: Target,
     set: Arc<DelayedExchanges>,
-    unshared: Vec<Change>,
     pinned: BTreeSet<Key>,
+    clock: &Clock,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
@@ -67,15 +69,18 @@ pub fn spawn(
     metrics.delayed.registry_synced.set(0);
     let wake = Arc::new(Notify::new());
     let waker = wake.clone();
-    set.share_with(unshared, Box::new(move || waker.notify_one()));
+    set.share_with(Sharing {
+        clock: clock.clone(),
+        origin: fastrand::u64(..),
+        wake: Box::new(move || waker.notify_one()),
+    });
     let registry = Registry {
         target,
         set,
         pinned,
         metrics,
         wake,
-        origin: fastrand::u64(..),
-        echoes: HashMap::new(),
+        newest: HashMap::new(),
     };
     tokio::spawn(registry.run(stop));
 }
@@ -87,11 +92,9 @@ struct Registry {
     metrics: Arc<Metrics>,
     /// Told when a change waits to be written.
     wake: Arc<Notify>,
-    /// Signs this process's records.
-    origin: u64,
-    /// Records this process wrote on this connection and has not read
-    /// back, by exchange.
-    echoes: HashMap<Key, usize>,
+    /// The newest version of each exchange read or written on this
+    /// connection.
+    newest: HashMap<Key, Version>,
 }
 
 impl Registry {
@@ -118,7 +121,7 @@ impl Registry {
     /// One connection's life: write what waits, read to the end, then
     /// follow and write.
     async fn follow(&mut self, backoff: &mut Duration) -> Result<(), ClientError> {
-        self.echoes.clear();
+        self.newest.clear();
         let client = Client::connect(&self.target, 0, "nackd delayed-exchange registry").await?;
         let outcome = self.follow_on(&client, backoff).await;
         client.close().await;
@@ -131,8 +134,6 @@ impl Registry {
         backoff: &mut Duration,
     ) -> Result<(), ClientError> {
         client.declare_stream(STREAM).await?;
-        // Written before the marker: read back before it.
-        self.flush(client).await?;
         let mut follower = client.follow(STREAM).await?;
         let records = self.catch_up(client, &mut follower).await?;
         *backoff = BACKOFF;
@@ -155,26 +156,26 @@ impl Registry {
         follower: &mut StreamFollower,
     ) -> Result<u64, ClientError> {
         let mut named: BTreeSet<Key> = BTreeSet::new();
-        let mut last: BTreeMap<Key, Option<String>> = BTreeMap::new();
+        let mut newest: BTreeMap<Key, (Option<String>, Version)> = BTreeMap::new();
         let mut records = 0u64;
         loop {
             match follower.next().await? {
                 Followed::Record(record) => {
-                    let Some((key, kind, origin)) = self.change_of(record) else {
+                    let Some((key, kind, version)) = self.change_of(record) else {
                         continue;
                     };
                     records += 1;
                     named.insert(key.clone());
-                    if self.takes(&key, origin) {
-                        last.insert(key, kind);
+                    if newest.get(&key).is_none_or(|(_, v)| *v <= version) {
+                        newest.insert(key, (kind, version));
                     }
                 }
                 Followed::Unreadable => self.skipped("a message that is no registry record"),
                 Followed::CaughtUp => break,
             }
         }
-        for (key, kind) in last {
-            self.apply(key, kind);
+        for (key, (kind, version)) in newest {
+            self.take(key, kind, version);
         }
         for e in self.set.list() {
             let key = (e.vhost.clone(), e.name.clone());
@@ -213,10 +214,8 @@ impl Registry {
             tokio::select! {
                 next = reads.recv() => match next {
                     Some(Ok(Followed::Record(record))) => {
-                        if let Some((key, kind, origin)) = self.change_of(record) {
-                            if self.takes(&key, origin) {
-                                self.apply(key, kind);
-                            }
+                        if let Some((key, kind, version)) = self.change_of(record) {
+                            self.take(key, kind, version);
                         }
                     }
                     Some(Ok(Followed::Unreadable)) => {
@@ -238,20 +237,26 @@ impl Registry {
     }
 
     /// Writes every unshared change, each confirmed by the broker before
-    /// it stops being kept.
+    /// it stops being kept; one older than what the stream has of its
+    /// exchange is dropped unwritten.
     async fn flush(&mut self, client: &Client) -> Result<(), ClientError> {
-        for change in self.set.unshared() {
+        for (change, version) in self.set.unshared() {
             let (key, kind) = change.clone().into_parts();
-            let (vhost, name) = key.clone();
-            let origin = self.origin;
+            if self.newest.get(&key).is_some_and(|v| *v > version) {
+                self.set.shared_done(&change, version);
+                continue;
+            }
+            let ((vhost, name), (at, origin)) = (key.clone(), version);
             let record = match kind {
                 Some(kind) => Record::Delayed {
+                    at,
                     origin,
                     vhost,
                     name,
                     kind,
                 },
                 None => Record::Undelayed {
+                    at,
                     origin,
                     vhost,
                     name,
@@ -268,52 +273,54 @@ impl Registry {
                     )))
                 }
             }
-            *self.echoes.entry(key).or_default() += 1;
-            self.set.shared_done(&change);
+            self.newer(&key, version);
+            self.set.shared_done(&change, version);
         }
         Ok(())
     }
 
-    /// Whether a record of `key` written by `origin` counts: not while
-    /// this process has a newer change of it (unshared, or written and
-    /// not read back yet), nor for a `[[delayed_exchange]]` table.
-    fn takes(&mut self, key: &Key, origin: u64) -> bool {
-        if origin == self.origin {
-            if let Some(n) = self.echoes.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.echoes.remove(key);
-                }
+    /// Whether `version` is the newest of `key` seen on this connection
+    /// (it then is).
+    fn newer(&mut self, key: &Key, version: Version) -> bool {
+        match self.newest.get(key) {
+            Some(v) if *v > version => false,
+            _ => {
+                self.newest.insert(key.clone(), version);
+                true
             }
         }
-        !self.echoes.contains_key(key) && !self.set.is_unshared(key) && !self.pinned.contains(key)
     }
 
-    fn apply(&self, key: Key, kind: Option<String>) {
+    /// A record read: applied if it is the newest change of its exchange
+    /// here (an unshared change made here may be newer: the set says), and
+    /// the exchange is not a `[[delayed_exchange]]` table.
+    fn take(&mut self, key: Key, kind: Option<String>, version: Version) {
+        if !self.newer(&key, version) || self.pinned.contains(&key) {
+            return;
+        }
         let change = Change::of(key, kind);
-        if self.set.apply(&change) {
+        if self.set.apply_record(&change, version) {
             self.metrics.delayed.registry_applied.inc();
-        } else {
-            warn!(?change, "delayed exchanges: a declare read from the shared registry is not applied: its vhost has [delayed] max_exchanges already");
-            self.metrics.delayed.registry_skipped.inc();
         }
     }
 
-    /// What a record says of which exchange, and who wrote it, if it is a
+    /// What a record says of which exchange, and its version, if it is a
     /// valid registry record (others are skipped, counted and logged).
-    fn change_of(&self, record: Record) -> Option<(Key, Option<String>, u64)> {
-        let (origin, vhost, name, kind) = match record {
+    fn change_of(&self, record: Record) -> Option<(Key, Option<String>, Version)> {
+        let (version, vhost, name, kind) = match record {
             Record::Delayed {
+                at,
                 origin,
                 vhost,
                 name,
                 kind,
-            } => (origin, vhost, name, Some(kind)),
+            } => ((at, origin), vhost, name, Some(kind)),
             Record::Undelayed {
+                at,
                 origin,
                 vhost,
                 name,
-            } => (origin, vhost, name, None),
+            } => ((at, origin), vhost, name, None),
             _ => {
                 self.skipped("a record of another stream");
                 return None;
@@ -327,7 +334,7 @@ impl Registry {
             self.skipped("a record naming no valid exchange");
             return None;
         }
-        Some(((vhost, name), kind, origin))
+        Some(((vhost, name), kind, version))
     }
 
     fn skipped(&self, what: &str) {
@@ -342,7 +349,6 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nackd_core::delayed::DelayedExchange;
 
     fn registry(pinned: &[&str]) -> Registry {
         let target = Target {
@@ -355,15 +361,18 @@ mod tests {
             tls: None,
         };
         let set = DelayedExchanges::new([], 10, None);
-        set.share_with([], Box::new(|| {}));
+        set.share_with(Sharing {
+            clock: Clock::manual(10_000),
+            origin: 7,
+            wake: Box::new(|| {}),
+        });
         Registry {
             target,
             set,
             pinned: pinned.iter().map(|n| ("/".into(), (*n).into())).collect(),
             metrics: Metrics::new(),
             wake: Arc::default(),
-            origin: 7,
-            echoes: HashMap::new(),
+            newest: HashMap::new(),
         }
     }
 
@@ -371,38 +380,52 @@ mod tests {
         ("/".into(), name.into())
     }
 
-    #[test]
-    fn records_of_an_exchange_wait_for_this_processs_own_to_come_back() {
-        let mut r = registry(&[]);
-        assert!(r.takes(&key("x"), 1), "nothing of ours: another's counts");
-        // Two of ours written, not read back: what comes before them is older.
-        r.echoes.insert(key("x"), 2);
-        assert!(!r.takes(&key("x"), 1));
-        assert!(!r.takes(&key("x"), 7), "our first: the second is newer");
-        assert!(!r.takes(&key("x"), 1));
-        assert!(r.takes(&key("x"), 7), "our last counts");
-        assert!(r.takes(&key("x"), 1), "what comes after it counts");
-        assert!(r.takes(&key("y"), 1), "other exchanges are not held up");
+    fn delayed(r: &Registry, name: &str) -> bool {
+        r.set.is_delayed("/", name)
     }
 
     #[test]
-    fn an_unshared_change_or_a_table_is_never_overridden_by_a_record() {
+    fn of_an_exchanges_records_the_newest_wins_in_any_order() {
+        let mut r = registry(&[]);
+        r.take(key("x"), Some("direct".into()), (100, 1));
+        assert!(delayed(&r, "x"));
+        r.take(key("x"), None, (50, 2)); // older, written late
+        assert!(
+            delayed(&r, "x"),
+            "a late write does not undo a newer change"
+        );
+        r.take(key("x"), None, (100, 3)); // same ms, higher process
+        assert!(!delayed(&r, "x"));
+        r.take(key("x"), Some("topic".into()), (100, 2));
+        assert!(!delayed(&r, "x"));
+    }
+
+    #[test]
+    fn a_change_made_here_and_not_written_beats_older_records() {
+        let mut r = registry(&[]);
+        r.set.declare("/", "mine", "direct"); // at 10 000, process 7
+        r.take(key("mine"), None, (9_000, 1));
+        assert!(delayed(&r, "mine"), "ours is newer");
+        assert!(r.set.is_unshared(&key("mine")), "and still to be written");
+        r.take(key("mine"), None, (11_000, 1));
+        assert!(!delayed(&r, "mine"), "a newer one elsewhere wins");
+        assert!(!r.set.is_unshared(&key("mine")), "ours is not written then");
+    }
+
+    #[test]
+    fn a_table_is_never_changed_by_a_record() {
         let mut r = registry(&["pinned"]);
-        assert!(!r.takes(&key("pinned"), 1));
-        r.set.declare("/", "mine", "direct");
-        assert!(!r.takes(&key("mine"), 1), "ours is newer, not written yet");
-        r.set.shared_done(&Change::Declared(DelayedExchange {
-            vhost: "/".into(),
-            name: "mine".into(),
-            kind: "direct".into(),
-        }));
-        assert!(r.takes(&key("mine"), 1));
+        r.set
+            .apply_record(&Change::of(key("pinned"), Some("direct".into())), (0, 0));
+        r.take(key("pinned"), None, (99_999, 1));
+        assert!(delayed(&r, "pinned"));
     }
 
     #[test]
     fn only_valid_registry_records_are_changes() {
         let r = registry(&[]);
         let delayed = |vhost: &str, name: &str, kind: &str| Record::Delayed {
+            at: 5,
             origin: 1,
             vhost: vhost.into(),
             name: name.into(),
@@ -410,7 +433,7 @@ mod tests {
         };
         assert_eq!(
             r.change_of(delayed("/", "x", "topic")),
-            Some((key("x"), Some("topic".into()), 1))
+            Some((key("x"), Some("topic".into()), (5, 1)))
         );
         assert_eq!(r.change_of(delayed("/", "", "topic")), None);
         assert_eq!(r.change_of(delayed("", "x", "topic")), None);

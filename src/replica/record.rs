@@ -20,10 +20,12 @@
 //!   instance   = 32 name:str16           (an instance id that may hold messages)
 //!   marker     = 4 nonce:u128
 //! delayed exchanges  nackd.delayed-exchanges ([delayed] registry)
-//!   delayed    = 33 origin:u64 vhost:str16 name:str16 type:str16
+//!   delayed    = 33 at:u64 origin:u64 vhost:str16 name:str16 type:str16
 //!                                        (declared x-delayed-message)
-//!   undelayed  = 34 origin:u64 vhost:str16 name:str16 (deleted)
-//!   (origin: a number each process draws at random, to know its own)
+//!   undelayed  = 34 at:u64 origin:u64 vhost:str16 name:str16 (deleted)
+//!   (at: ms since the epoch on the maker's clock; origin: a number each
+//!   process draws at random; of one exchange's records the highest
+//!   (at, origin) wins)
 //!   marker     = 4 nonce:u128
 //! ```
 //!
@@ -124,6 +126,8 @@ pub enum Record {
     },
     /// An exchange declared `x-delayed-message` through some instance.
     Delayed {
+        /// When it was made (ms since the epoch).
+        at: u64,
         /// The writing process's number.
         origin: u64,
         /// Virtual host.
@@ -135,6 +139,8 @@ pub enum Record {
     },
     /// A delayed exchange deleted through some instance.
     Undelayed {
+        /// When it was made (ms since the epoch).
+        at: u64,
         /// The writing process's number.
         origin: u64,
         /// Virtual host.
@@ -268,21 +274,25 @@ impl Record {
                 put_str16(out, name);
             }
             Self::Delayed {
+                at,
                 origin,
                 vhost,
                 name,
                 kind,
             } => {
                 out.put_u8(DELAYED);
+                out.put_u64(*at);
                 out.put_u64(*origin);
                 [vhost, name, kind].iter().for_each(|s| put_str16(out, s));
             }
             Self::Undelayed {
+                at,
                 origin,
                 vhost,
                 name,
             } => {
                 out.put_u8(UNDELAYED);
+                out.put_u64(*at);
                 out.put_u64(*origin);
                 [vhost, name].iter().for_each(|s| put_str16(out, s));
             }
@@ -329,12 +339,14 @@ impl Record {
                 name: take_str16(&mut b)?,
             },
             DELAYED => Self::Delayed {
+                at: take_u64(&mut b)?,
                 origin: take_u64(&mut b)?,
                 vhost: take_str16(&mut b)?,
                 name: take_str16(&mut b)?,
                 kind: take_str16(&mut b)?,
             },
             UNDELAYED => Self::Undelayed {
+                at: take_u64(&mut b)?,
                 origin: take_u64(&mut b)?,
                 vhost: take_str16(&mut b)?,
                 name: take_str16(&mut b)?,
@@ -657,17 +669,6 @@ mod tests {
             Record::Instance {
                 name: "host-a".into(),
             },
-            Record::Delayed {
-                origin: u64::MAX - 1,
-                vhost: "/".into(),
-                name: "orders-later".into(),
-                kind: "topic".into(),
-            },
-            Record::Undelayed {
-                origin: 7,
-                vhost: "v".into(),
-                name: "orders-later".into(),
-            },
         ];
         for r in records {
             let wire = r.encode();
@@ -681,6 +682,30 @@ mod tests {
         assert_eq!(Record::decode(b""), Err(Malformed));
         assert_eq!(Record::decode(b"\x04short"), Err(Malformed));
         assert_eq!(Record::decode(b"\x63junk"), Err(Malformed));
+    }
+
+    #[test]
+    fn delayed_exchange_records_round_trip() {
+        let records = [
+            Record::Delayed {
+                at: 1_700_000_000_000,
+                origin: u64::MAX - 1,
+                vhost: "/".into(),
+                name: "orders-later".into(),
+                kind: "topic".into(),
+            },
+            Record::Undelayed {
+                at: 3,
+                origin: 7,
+                vhost: "v".into(),
+                name: "orders-later".into(),
+            },
+        ];
+        for r in records {
+            let wire = r.encode();
+            assert_eq!(Record::decode(&wire), Ok(r.clone()));
+            assert_eq!(Record::decode(&wire[..wire.len() - 1]), Err(Malformed));
+        }
     }
 
     fn intent(from: &str, epoch: u64) -> Intent {

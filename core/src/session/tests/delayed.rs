@@ -1206,7 +1206,11 @@ fn while_unsynced_an_exchange_known_delayed_is_held_as_ever() {
 fn while_unsynced_a_delete_the_broker_accepts_goes_to_the_registry() {
     let mut p = unsynced(false);
     let shared = p.s.scope.as_ref().unwrap().shared.clone();
-    shared.delayed.share_with([], Box::new(|| {}));
+    shared.delayed.share_with(crate::delayed::Sharing {
+        clock: shared.clock.clone(),
+        origin: 1,
+        wake: Box::new(|| {}),
+    });
     // Another instance may have declared it delayed: the delete waits for
     // the broker's answer (nowait as the waiting form), which counts.
     p.client(&frame_of(
@@ -1231,5 +1235,7 @@ fn while_unsynced_a_delete_the_broker_accepts_goes_to_the_registry() {
         vhost: "/".into(),
         name: "other".into(),
     };
-    assert_eq!(shared.delayed.unshared(), [deleted]);
+    let unshared = shared.delayed.unshared();
+    assert_eq!(unshared.len(), 1);
+    assert_eq!(unshared[0].0, deleted);
 }
