@@ -40,12 +40,20 @@ fn broker_counts(q: &str) -> Option<(u64, u64)> {
         })
 }
 
-/// How long the 20 messages are held: they must not fall due before
-/// `rabbitmqctl stop_app` is done, however slow a loaded machine makes it
-/// (10 s was not enough for 4.3 at the end of a loaded fresh-clone run,
-/// 2026-11-29: all 20 had gone out before the broker stopped; nor was 20 s
-/// at load average 20, 2026-11-30).
-const DELAY: Duration = Duration::from_secs(60);
+/// How long the 20 messages would be held: longer than the test, which
+/// makes them due itself (the admin API's fire) once `rabbitmqctl
+/// stop_app` is done, however slow a loaded machine makes that. (A delay
+/// that fell due by itself had to outlast the stop: 10 s was not enough
+/// for 4.3 at the end of a loaded fresh-clone run, 2026-11-29, nor 20 s at
+/// load average 20, 2026-11-30; at 60 s the test took 83-88 s.)
+const DELAY: Duration = Duration::from_secs(3600);
+
+/// The admin API's token of the nackd under test.
+const TOKEN: &str = "test-admin-token-0123456789";
+
+/// How long the broker stays down after the messages fell due: the
+/// republisher tries and fails meanwhile.
+const DOWN: Duration = Duration::from_secs(3);
 
 async fn count(q: &str) -> Option<u32> {
     let conn = lapin::Connection::connect(
@@ -78,7 +86,7 @@ async fn held_messages_survive_a_broker_restart() {
     let _alone = common::alone();
     let (warm, q) = (unique("restart-warm-up"), unique("restart"));
     let nackd = start(&format!(
-        "[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"{}s\"]\n",
+        "[metrics]\nadmin_token = \"{TOKEN}\"\n[[policy]]\nqueues = [\"{warm}\"]\ndelays = [\"100ms\"]\n[[policy]]\nqueues = [\"{q}\"]\ndelays = [\"{}s\"]\n",
         DELAY.as_secs()
     ))
     .await;
@@ -158,8 +166,6 @@ async fn held_messages_survive_a_broker_restart() {
         },
     )
     .await;
-    // Every one is due by DELAY from now on (they are all parked already).
-    let all_due = Instant::now() + DELAY;
     // No more deliveries to this consumer: a retry delivered to it would
     // count as unacked below (a run whose broker was slow to show the acks
     // saw the 20 retries there instead, and waited for 0 in vain). The
@@ -185,7 +191,22 @@ async fn held_messages_survive_a_broker_restart() {
         1.0,
         "only the warm-up was republished before the broker stopped: {s:?}"
     );
-    tokio::time::sleep_until((all_due + Duration::from_secs(1)).into()).await;
+    // They fall due now, while the broker is down.
+    let fired = common::ops::json(
+        nackd.metrics,
+        "POST",
+        &format!("/api/fire{}", common::ops::query(&q)),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(fired, serde_json::json!({ "fired": 20 }));
+    tokio::time::sleep(DOWN).await;
+    let s = scrape(nackd.metrics).await;
+    assert_eq!(
+        s.get("nackd_retries_confirmed_total", &[]),
+        1.0,
+        "due, and none confirmed by the stopped broker: {s:?}"
+    );
     BROKER.ctl_ok(&["start_app"]);
     BROKER.ctl_ok(&["await_startup"]);
     std::mem::forget(stopped);
@@ -197,7 +218,8 @@ async fn held_messages_survive_a_broker_restart() {
         }
         // The republisher tries again with a backoff that doubles up to
         // 30 s (src/retry/republish/task.rs, BACKOFF_MAX): with the broker
-        // down for most of DELAY, its next try may be 30 s after the start.
+        // down for as long as a loaded machine takes to stop and start it,
+        // its next try may be 30 s after the start.
         assert!(
             began.elapsed() < Duration::from_secs(90),
             "held messages not republished after the restart"
