@@ -233,8 +233,8 @@ async fn a_declare_made_while_the_registry_is_unreachable_is_shared_after_a_rest
     assert!(a.delayed.as_ref().unwrap().is_delayed("/", &x));
     let _ = conn.close(200, "".into()).await;
     a.stop().await;
-    let file = std::fs::read_to_string(sa.path().join("delayed-exchanges.json")).unwrap();
-    assert!(file.contains("\"unshared\""), "kept as unshared: {file}");
+    // The file is written by a thread of its own, soon after the change.
+    saved(sa.path(), "kept as unshared", |f| f.contains("\"unshared\"")).await;
 
     // The registry's vhost comes to be: B reads it (X is not there yet),
     // then A, restarted on its store, writes X.
@@ -249,8 +249,7 @@ async fn a_declare_made_while_the_registry_is_unreachable_is_shared_after_a_rest
     assert!(!b.delayed.as_ref().unwrap().is_delayed("/", &x));
     let a = shared(sa.path()).await;
     known(&b, &x, true).await;
-    let file = std::fs::read_to_string(sa.path().join("delayed-exchanges.json")).unwrap();
-    assert!(!file.contains("\"unshared\""), "written: {file}");
+    saved(sa.path(), "written", |f| !f.contains("\"unshared\"")).await;
     let broker = direct().await;
     let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
     delayed_through(&b, &x, &mut arrivals, "through B").await;
@@ -266,6 +265,21 @@ async fn a_declare_made_while_the_registry_is_unreachable_is_shared_after_a_rest
     tokio::task::spawn_blocking(move || BROKER.ctl_ok(&["delete_vhost", &vhost]))
         .await
         .unwrap();
+}
+
+/// Waits until the store's delayed-exchanges.json in `store` passes `ok`;
+/// panics with `what` and the file after 10 s.
+async fn saved(store: &Path, what: &str, ok: impl Fn(&str) -> bool) {
+    let path = store.join("delayed-exchanges.json");
+    let began = Instant::now();
+    loop {
+        let file = std::fs::read_to_string(&path).unwrap_or_default();
+        if ok(&file) {
+            return;
+        }
+        assert!(began.elapsed() < Duration::from_secs(10), "{what}: {file}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn tempdir() -> tempfile::TempDir {
