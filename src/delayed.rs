@@ -120,12 +120,8 @@ fn load_all(dir: &Path) -> Result<Loaded, String> {
     Ok((list, unshared))
 }
 
-/// Writes `list` as `dir`'s file, atomically and durably.
-pub fn save(dir: &Path, list: &[DelayedExchange]) -> std::io::Result<()> {
-    save_all(dir, list, &[])
-}
-
-/// Writes `list` and the `unshared` changes as `dir`'s file.
+/// Writes `list` and the `unshared` changes as `dir`'s file, atomically
+/// and durably.
 fn save_all(
     dir: &Path,
     list: &[DelayedExchange],
@@ -295,9 +291,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(load(dir.path()).unwrap(), vec![], "no file: none");
         let list = vec![exchange("/", "d", "direct"), exchange("v", "t", "topic")];
-        save(dir.path(), &list).unwrap();
+        save_all(dir.path(), &list, &[]).unwrap();
         assert_eq!(load(dir.path()).unwrap(), list);
-        save(dir.path(), &[]).unwrap();
+        save_all(dir.path(), &[], &[]).unwrap();
         assert_eq!(load(dir.path()).unwrap(), vec![]);
         assert!(!dir.path().join(format!("{FILE}.tmp")).exists());
     }
@@ -344,12 +340,13 @@ mod tests {
     #[test]
     fn the_registry_merges_the_tables_and_saves_every_change() {
         let dir = tempfile::tempdir().unwrap();
-        save(
+        save_all(
             dir.path(),
             &[
                 exchange("/", "saved", "direct"),
                 exchange("/", "both", "direct"),
             ],
+            &[],
         )
         .unwrap();
         let tables = "[[delayed_exchange]]\nname = \"both\"\ntype = \"topic\"\n\n[[delayed_exchange]]\nvhost = \"v\"\nname = \"table\"\n";

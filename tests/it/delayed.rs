@@ -50,7 +50,7 @@ pub(super) async fn bind(ch: &Channel, x: &str, q: &str, key: &str) {
 }
 
 /// Properties with `x-delay = delay` among the headers (none: no header).
-fn with_delay(props: BasicProperties, delay: Option<AMQPValue>) -> BasicProperties {
+pub(super) fn with_delay(props: BasicProperties, delay: Option<AMQPValue>) -> BasicProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     if let Some(delay) = delay {
         headers.insert("x-delay".into(), delay);

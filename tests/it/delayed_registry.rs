@@ -13,7 +13,9 @@ use common::*;
 use lapin::options::*;
 use lapin::types::AMQPValue;
 
-use super::delayed::{arrival, bind, declare_delayed, is_code, nothing_more, publish_to};
+use super::delayed::{
+    arrival, bind, declare_delayed, is_code, nothing_more, publish_to, with_delay,
+};
 
 /// `[delayed] registry = true` (follows common::DELAYED's `[delayed]`).
 const SHARED: &str = "registry = true\n";
@@ -35,15 +37,11 @@ async fn shared(store: &Path) -> Nackd {
 /// `delayed`; panics after 15 s.
 async fn known(nackd: &Nackd, x: &str, delayed: bool) {
     let set = nackd.delayed.clone().expect("it intercepts");
-    let began = Instant::now();
-    while set.is_delayed("/", x) != delayed {
-        assert!(
-            began.elapsed() < Duration::from_secs(15),
-            "{x} still {}delayed after 15 s",
-            if delayed { "not " } else { "" }
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let what = format!("{x} to be {}delayed", if delayed { "" } else { "not " });
+    eventually(Duration::from_secs(15), &what, || {
+        set.is_delayed("/", x) == delayed
+    })
+    .await;
 }
 
 /// An x-delay publish through `nackd` to `x`, confirmed, arrives on
@@ -114,11 +112,7 @@ async fn instances_agree_on_declares_and_deletes() {
             "k".into(),
             BasicPublishOptions::default(),
             b"after the delete",
-            lapin::BasicProperties::default().with_headers({
-                let mut h = lapin::types::FieldTable::default();
-                h.insert("x-delay".into(), delay);
-                h
-            }),
+            with_delay(lapin::BasicProperties::default(), Some(delay)),
         )
         .await;
     let outcome = match refused {
@@ -193,11 +187,10 @@ async fn an_instance_that_cannot_read_the_registry_routes_no_delay_at_once() {
             "k".into(),
             BasicPublishOptions::default(),
             b"later, unconfirmed",
-            lapin::BasicProperties::default().with_headers({
-                let mut h = lapin::types::FieldTable::default();
-                h.insert("x-delay".into(), AMQPValue::LongInt(60_000));
-                h
-            }),
+            with_delay(
+                lapin::BasicProperties::default(),
+                Some(AMQPValue::LongInt(60_000)),
+            ),
         )
         .await;
     let closed = Instant::now();
