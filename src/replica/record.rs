@@ -54,6 +54,7 @@ const DONE: u8 = 2;
 const PUTS: u8 = 3;
 const MARKER: u8 = 4;
 const MOVED: u8 = 5;
+const MOVED_PUTS: u8 = 6;
 const GENERATION: u8 = 16;
 const EPOCH: u8 = 17;
 const ADOPTED: u8 = 18;
@@ -86,6 +87,14 @@ pub enum Record {
         from: Intent,
         /// The hold-log put record, prefix included.
         record: Bytes,
+    },
+    /// Several held messages parked by one adoption, in one stream
+    /// message: readers see them as one `Moved` each, in order.
+    MovedPuts {
+        /// The adoption they came with.
+        from: Intent,
+        /// Their hold-log put records, prefix included.
+        records: Vec<Bytes>,
     },
     /// Completed messages.
     Done(Vec<u64>),
@@ -222,11 +231,13 @@ impl Record {
             }
             Self::Puts(records) => {
                 out.put_u8(PUTS);
-                out.put_u32(records.len() as u32);
-                for record in records {
-                    out.put_u32(record.len() as u32);
-                    out.put_slice(record);
-                }
+                put_records(&mut out, records);
+            }
+            Self::MovedPuts { from, records } => {
+                out.put_u8(MOVED_PUTS);
+                put_str16(&mut out, &from.from);
+                out.put_u64(from.epoch);
+                put_records(&mut out, records);
             }
             Self::Done(ids) => {
                 out.put_u8(DONE);
@@ -306,7 +317,8 @@ impl Record {
         let kind = take_u8(&mut b)?;
         let record = match kind {
             PUT => take_put(&mut b)?,
-            PUTS => take_puts(&mut b)?,
+            PUTS => Self::Puts(take_records(&mut b)?),
+            MOVED_PUTS => take_moved_puts(&mut b)?,
             DONE => take_done(&mut b)?,
             MARKER if b.remaining() == 16 => Self::Marker(b.get_u128()),
             GENERATION if b.remaining() == 8 => Self::Generation(b.get_u64()),
@@ -360,13 +372,21 @@ impl Record {
     }
 
     /// The records a stream message stands for, one by one (a batch of
-    /// puts is several `Put`s).
+    /// puts is several `Put`s, a batch of moved puts several `Moved`s).
     pub fn flatten(self) -> Vec<Record> {
         match self {
             Self::Puts(records) => records
                 .into_iter()
                 .map(|record| Self::Put {
                     copy: false,
+                    record,
+                })
+                .collect(),
+            Self::MovedPuts { from, records } => records
+                .into_iter()
+                .map(|record| Self::Moved {
+                    copy: false,
+                    from: from.clone(),
                     record,
                 })
                 .collect(),
@@ -410,7 +430,7 @@ impl Fold {
     /// The steps `record` calls for.
     pub fn apply(&mut self, record: Record) -> Vec<Step> {
         match record {
-            Record::Puts(_) => record
+            Record::Puts(_) | Record::MovedPuts { .. } => record
                 .flatten()
                 .into_iter()
                 .flat_map(|one| self.apply(one))
@@ -503,6 +523,17 @@ fn take_moved(b: &mut &[u8]) -> Result<Record, Malformed> {
     })
 }
 
+/// The rest of a batch of moved puts: their intent, then the puts as in
+/// a batch of puts.
+fn take_moved_puts(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let from = take_str16(b)?;
+    let epoch = take_u64(b)?;
+    Ok(Record::MovedPuts {
+        from: Intent { from, epoch },
+        records: take_records(b)?,
+    })
+}
+
 /// One whole hold-log put record: the rest of the body.
 fn take_record(b: &mut &[u8]) -> Result<Bytes, Malformed> {
     let (view, len) = store_record::at(b).map_err(|_| Malformed)?;
@@ -514,9 +545,18 @@ fn take_record(b: &mut &[u8]) -> Result<Bytes, Malformed> {
     Ok(record)
 }
 
+/// A count, then each hold-log put record after its length.
+fn put_records(out: &mut Vec<u8>, records: &[Bytes]) {
+    out.put_u32(records.len() as u32);
+    for record in records {
+        out.put_u32(record.len() as u32);
+        out.put_slice(record);
+    }
+}
+
 /// The rest of a batch of puts: a count, then each hold-log put record
 /// after its length.
-fn take_puts(b: &mut &[u8]) -> Result<Record, Malformed> {
+fn take_records(b: &mut &[u8]) -> Result<Vec<Bytes>, Malformed> {
     let n = take_u32(b)? as usize;
     let mut records = Vec::with_capacity(n.min(4096));
     for _ in 0..n {
@@ -532,7 +572,7 @@ fn take_puts(b: &mut &[u8]) -> Result<Record, Malformed> {
         records.push(Bytes::copy_from_slice(one));
         *b = rest;
     }
-    Ok(Record::Puts(records))
+    Ok(records)
 }
 
 /// The rest of a done record: a count, then exactly that many ids.
@@ -576,12 +616,13 @@ fn take_str16(b: &mut &[u8]) -> Result<String, Malformed> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::store::Route;
     use std::sync::Arc;
 
-    fn held(id: u64) -> Held {
+    /// A held message for the tests (of the task too).
+    pub(in crate::replica) fn held(id: u64) -> Held {
         Held {
             id,
             vhost: Arc::from("/"),
@@ -827,5 +868,39 @@ mod tests {
         assert_eq!(steps.len(), 3);
         assert_eq!(fold.held(), 2);
         assert_eq!(fold.next_id(), 3);
+    }
+
+    #[test]
+    fn a_batch_of_moved_puts_is_its_moved_puts_in_order_each_with_the_intent() {
+        let bytes = |r: Record| match r {
+            Record::Put { record, .. } => record,
+            _ => unreachable!(),
+        };
+        let from = intent("a", 7);
+        let batch = Record::MovedPuts {
+            from: from.clone(),
+            records: vec![bytes(put(4, 1, false)), bytes(put(5, 3, false))],
+        };
+        let wire = batch.encode();
+        assert_eq!(Record::decode(&wire), Ok(batch.clone()));
+        for cut in 1..wire.len() {
+            assert_eq!(Record::decode(&wire[..cut]), Err(Malformed), "cut at {cut}");
+        }
+        let moved = |id, retry| {
+            Record::moved(
+                &{
+                    let mut h = held(id);
+                    h.retry = retry;
+                    h
+                },
+                from.clone(),
+            )
+        };
+        assert_eq!(batch.clone().flatten(), vec![moved(4, 1), moved(5, 3)]);
+        let mut fold = Fold::default();
+        assert_eq!(fold.apply(batch).len(), 2);
+        assert_eq!(fold.intent(4), Some(&from));
+        assert_eq!(fold.intent(5), Some(&from));
+        assert_eq!(fold.held(), 2);
     }
 }

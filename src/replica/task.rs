@@ -18,7 +18,7 @@ use super::completions::Completions;
 use super::fence::Fence;
 use super::lease::{nodes_agree, Keeper, Kept, Lease};
 use super::local::{self, Synced};
-use super::record::Record;
+use super::record::{Intent, Record};
 use super::{Config, ReplicaError, Reseeded, State};
 use crate::metrics::Metrics;
 use crate::store::{Log, Recovered};
@@ -213,33 +213,64 @@ type Reply = oneshot::Sender<Result<(), ReplicaError>>;
 const BATCH_MAX: usize = 256;
 const BATCH_BYTES: usize = 1 << 20;
 
-/// The puts waiting behind `first` (up to a batch), and the first other
-/// command met, to run after them.
+/// A new put, or a put an adoption moved (which adoption): those of one
+/// kind that come together go in one stream message.
+fn new_put(record: &Record) -> Option<(Option<&Intent>, &Bytes)> {
+    match record {
+        Record::Put {
+            copy: false,
+            record,
+        } => Some((None, record)),
+        Record::Moved {
+            copy: false,
+            from,
+            record,
+        } => Some((Some(from), record)),
+        _ => None,
+    }
+}
+
+/// The puts of `first`'s kind waiting behind it (up to a batch), and the
+/// first other command met, to run after them.
 fn gather_puts(
-    first: Bytes,
+    first: Record,
     reply: Reply,
     commands: &mut mpsc::UnboundedReceiver<Command>,
-) -> (Vec<(Bytes, Reply)>, Option<Command>) {
-    let mut bytes = first.len();
-    let mut batch = vec![(first, reply)];
-    while batch.len() < BATCH_MAX && bytes < BATCH_BYTES {
+) -> (Record, Vec<Reply>, Option<Command>) {
+    let Some((from, record)) = new_put(&first) else {
+        return (first, vec![reply], None);
+    };
+    let from = from.cloned();
+    let mut bytes = record.len();
+    let mut records = vec![record.clone()];
+    let mut replies = vec![reply];
+    let mut next = None;
+    while records.len() < BATCH_MAX && bytes < BATCH_BYTES {
         match commands.try_recv() {
-            Ok(Command::Append {
-                record:
-                    Record::Put {
-                        copy: false,
-                        record,
-                    },
-                reply,
-            }) => {
-                bytes += record.len();
-                batch.push((record, reply));
+            Ok(Command::Append { record, reply }) => match new_put(&record) {
+                Some((f, one)) if f == from.as_ref() => {
+                    bytes += one.len();
+                    records.push(one.clone());
+                    replies.push(reply);
+                }
+                _ => {
+                    next = Some(Command::Append { record, reply });
+                    break;
+                }
+            },
+            Ok(other) => {
+                next = Some(other);
+                break;
             }
-            Ok(other) => return (batch, Some(other)),
             Err(_) => break,
         }
     }
-    (batch, None)
+    let record = match (records.len(), from) {
+        (1, _) => first,
+        (_, None) => Record::Puts(records),
+        (_, Some(from)) => Record::MovedPuts { from, records },
+    };
+    (record, replies, next)
 }
 
 impl Task {
@@ -339,16 +370,9 @@ impl Task {
         commands: &mut mpsc::UnboundedReceiver<Command>,
     ) {
         match command {
-            Command::Append {
-                record:
-                    Record::Put {
-                        copy: false,
-                        record,
-                    },
-                reply,
-            } => {
-                let (batch, next) = gather_puts(record, reply, commands);
-                self.append_puts(batch).await;
+            Command::Append { record, reply } if new_put(&record).is_some() => {
+                let (record, replies, next) = gather_puts(record, reply, commands);
+                self.append_for(record, replies).await;
                 if let Some(command) = next {
                     self.on_command(command, commands).await;
                 }
@@ -537,19 +561,6 @@ impl Task {
     /// confirmed it.
     async fn append(&mut self, record: Record, reply: oneshot::Sender<Result<(), ReplicaError>>) {
         self.append_for(record, vec![reply]).await
-    }
-
-    /// Appends a batch of new puts as one message.
-    async fn append_puts(&mut self, batch: Vec<(Bytes, Reply)>) {
-        let (records, replies): (Vec<Bytes>, Vec<Reply>) = batch.into_iter().unzip();
-        let record = match records.len() {
-            1 => Record::Put {
-                copy: false,
-                record: records.into_iter().next().expect("one"),
-            },
-            _ => Record::Puts(records),
-        };
-        self.append_for(record, replies).await
     }
 
     /// Appends `record` to every target; each of `replies` gets the
@@ -1243,5 +1254,88 @@ mod directory_tests {
         let old = nodes(&["n1:1", "n2:1"]);
         assert!(nodes_agree(&old, &ours, &old));
         assert!(!nodes_agree(&nodes(&["n9:1"]), &ours, &old));
+    }
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+    use crate::replica::record::tests::held;
+
+    fn intent(from: &str, epoch: u64) -> Intent {
+        Intent {
+            from: from.into(),
+            epoch,
+        }
+    }
+
+    fn append(record: Record, tx: &mpsc::UnboundedSender<Command>) {
+        let (reply, _) = oneshot::channel();
+        tx.send(Command::Append { record, reply }).unwrap();
+    }
+
+    /// What a stream message holds: a kind and its ids.
+    fn ids(record: &Record) -> (&'static str, Vec<u64>) {
+        let kind = match record {
+            Record::Put { .. } => "put",
+            Record::Puts(_) => "puts",
+            Record::Moved { .. } => "moved",
+            Record::MovedPuts { .. } => "moved puts",
+            _ => "other",
+        };
+        let ids = record
+            .clone()
+            .flatten()
+            .iter()
+            .filter_map(|r| r.as_put().and_then(|(_, b)| Record::held(b)).map(|h| h.id))
+            .collect();
+        (kind, ids)
+    }
+
+    /// Issue 36: an adoption's moved puts that come together go in one
+    /// stream message, as new puts do; a batch holds one kind (new, or
+    /// moved by one intent), in order, and ends at the first other.
+    #[test]
+    fn puts_that_come_together_go_in_one_message_of_one_kind() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (a1, a2) = (intent("a", 1), intent("a", 2));
+        for id in 2..=4 {
+            append(Record::moved(&held(id), a1.clone()), &tx);
+        }
+        append(Record::moved(&held(5), a2.clone()), &tx);
+        append(Record::put(&held(6), false), &tx);
+        append(Record::put(&held(7), false), &tx);
+        tx.send(Command::Done(7)).unwrap();
+        append(Record::put(&held(8), true), &tx);
+
+        let mut messages = Vec::new();
+        let first = Record::moved(&held(1), a1.clone());
+        let (reply, _) = oneshot::channel();
+        let (mut record, mut replies, mut next) = gather_puts(first, reply, &mut rx);
+        loop {
+            messages.push((ids(&record), replies.len()));
+            match next {
+                Some(Command::Append { record: r, reply }) if new_put(&r).is_some() => {
+                    (record, replies, next) = gather_puts(r, reply, &mut rx);
+                }
+                _ => break,
+            }
+        }
+        assert_eq!(
+            messages,
+            vec![
+                (("moved puts", vec![1, 2, 3, 4]), 4),
+                (("moved", vec![5]), 1),
+                (("puts", vec![6, 7]), 2),
+            ]
+        );
+        assert!(
+            matches!(next, Some(Command::Done(7))),
+            "the completion is kept, in order"
+        );
+        match rx.try_recv() {
+            Ok(Command::Append { record, .. }) => assert_eq!(ids(&record), ("put", vec![8])),
+            _ => panic!("the compaction copy is left for the next command"),
+        }
     }
 }
