@@ -513,13 +513,14 @@ mod tests {
             Scenario::Passthrough(a) => a.baseline,
             Scenario::Hold(a) => a.baseline,
             Scenario::Delayed(a) => a.baseline,
+            Scenario::Adopt(a) => a.baseline,
             other => panic!("no baseline lane: {other:?}"),
         }
     }
 
     #[test]
     fn every_scenario_with_a_baseline_lane_takes_a_rev() {
-        for scenario in ["retry", "passthrough", "hold", "delayed"] {
+        for scenario in ["retry", "passthrough", "hold", "delayed", "adopt"] {
             let cli = parse(&[scenario, "--baseline-rev", "HEAD~1"]).expect(scenario);
             let baseline = baseline_of(cli);
             assert_eq!(baseline.baseline_rev.as_deref(), Some("HEAD~1"));
@@ -529,7 +530,7 @@ mod tests {
 
     #[test]
     fn a_rev_and_a_binary_exclude_each_other_a_rev_and_a_config_do_not() {
-        for scenario in ["retry", "passthrough", "hold", "delayed"] {
+        for scenario in ["retry", "passthrough", "hold", "delayed", "adopt"] {
             let both = [scenario, "--baseline-rev", "v1", "--baseline-nackd", "/x"];
             let e = parse(&both).expect_err(scenario);
             assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);

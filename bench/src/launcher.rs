@@ -204,6 +204,13 @@ impl NackdProcess {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// When the first log line whose message is `message` was written
+    /// (its timestamp), if there is one.
+    pub fn logged_at(&self, message: &str) -> Option<std::time::SystemTime> {
+        let line = log_line(&self.log_path(), message)?;
+        humantime::parse_rfc3339(line.get("timestamp")?.as_str()?).ok()
+    }
+
     /// Log lines at WARN or ERROR level so far.
     pub fn warnings(&self) -> Vec<String> {
         File::open(self.log_path())
@@ -302,13 +309,19 @@ fn listening_address(log: &Path) -> Option<SocketAddr> {
 
 /// The fields of the first JSON log line whose message is `message`.
 fn log_fields(log: &Path, message: &str) -> Option<serde_json::Value> {
+    log_line(log, message)?
+        .get_mut("fields")
+        .map(serde_json::Value::take)
+}
+
+/// The first JSON log line whose message is `message`.
+fn log_line(log: &Path, message: &str) -> Option<serde_json::Value> {
     let file = File::open(log).ok()?;
     BufReader::new(file)
         .lines()
         .map_while(Result::ok)
         .find_map(|line| {
-            let mut value: serde_json::Value = serde_json::from_str(&line).ok()?;
-            let fields = value.get_mut("fields")?.take();
-            (fields.get("message")?.as_str()? == message).then_some(fields)
+            let value: serde_json::Value = serde_json::from_str(&line).ok()?;
+            (value.get("fields")?.get("message")?.as_str()? == message).then_some(value)
         })
 }

@@ -17,7 +17,7 @@
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
 //! - one file per scenario: [`passthrough`], [`retry`], [`hold`],
-//!   [`replica`], [`delayed`].
+//!   [`replica`], [`delayed`], [`adopt`].
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -25,6 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
 
+pub mod adopt;
 pub mod baseline;
 pub mod cpu;
 pub mod delayed;
@@ -70,6 +71,9 @@ pub enum Scenario {
     Restart(hold::RestartArgs),
     /// Replica off vs on in one run: retry knee, park rate, p99 lateness.
     Replica(replica::Args),
+    /// Failover: A holds N and is SIGKILLed, B adopts them: seconds to
+    /// adopt and to fire, lateness of the messages due meanwhile.
+    Adopt(adopt::Args),
     /// Delayed publishes (x-delayed-message emulation): confirmed publish
     /// rate vs a plain exchange direct, lateness, RAM per held message.
     Delayed(delayed::Args),
@@ -413,5 +417,6 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
         Scenario::Restart(args) => hold::run_restart(args).await,
         Scenario::Replica(args) => replica::run(args).await,
         Scenario::Delayed(args) => delayed::run(args).await,
+        Scenario::Adopt(args) => adopt::run(args).await,
     }
 }

@@ -100,8 +100,7 @@ struct Instance {
 
 impl Instance {
     async fn counter(&self, name: &str) -> BenchResult<u64> {
-        let (_, text) = http_get(self.metrics, "/metrics").await?;
-        Ok(metric_sum(&text, name))
+        counter(self.metrics, name).await
     }
 
     async fn passed(&self) -> BenchResult<u64> {
@@ -109,11 +108,17 @@ impl Instance {
     }
 }
 
+/// The sum of counter `name` on the metrics page at `metrics`.
+pub(crate) async fn counter(metrics: SocketAddr, name: &str) -> BenchResult<u64> {
+    let (_, text) = http_get(metrics, "/metrics").await?;
+    Ok(metric_sum(&text, name))
+}
+
 /// What one park came to.
-struct Park {
-    nacks_s: f64,
-    held_s: f64,
-    rate: f64,
+pub(crate) struct Park {
+    pub(crate) nacks_s: f64,
+    pub(crate) held_s: f64,
+    pub(crate) rate: f64,
 }
 
 /// Runs the scenario.
@@ -177,7 +182,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
     let mut ready_after = Vec::new();
     for i in &instances {
-        ready_after.push(wait_ready(i).await?);
+        let what = format!("replica {}", i.side.label());
+        ready_after.push(wait_ready(&i.nackd, i.metrics, &what).await?);
     }
 
     super::print_first_lines("replica", &machine);
@@ -261,7 +267,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         }
         for i in &order {
             let before = i.passed().await?;
-            let park = park(i, &common.broker, args.count)
+            let park = park(&i.nackd, i.metrics, &common.broker, args.count)
                 .await
                 .map_err(|e| format!("park, replica {}: {e}", i.side.label()))?;
             let p = i.passed().await?.saturating_sub(before);
@@ -418,11 +424,16 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     Ok(())
 }
 
-/// Polls `/readyz` until it answers 200; returns how long that took.
-async fn wait_ready(i: &Instance) -> BenchResult<Duration> {
+/// Polls `/readyz` of `nackd` (`what`, for the error) until it answers
+/// 200; returns how long that took.
+pub(crate) async fn wait_ready(
+    nackd: &NackdProcess,
+    metrics: SocketAddr,
+    what: &str,
+) -> BenchResult<Duration> {
     let began = Instant::now();
     loop {
-        let answer = http_get(i.metrics, "/readyz").await;
+        let answer = http_get(metrics, "/readyz").await;
         if let Ok((200, _)) = answer {
             return Ok(began.elapsed());
         }
@@ -432,9 +443,8 @@ async fn wait_ready(i: &Instance) -> BenchResult<Duration> {
                 Err(e) => e.to_string(),
             };
             return Err(format!(
-                "replica {}: nackd not ready after 90 s ({why}); log {}",
-                i.side.label(),
-                i.nackd.log_path().display()
+                "{what}: nackd not ready after 90 s ({why}); log {}",
+                nackd.log_path().display()
             )
             .into());
         }
@@ -442,9 +452,15 @@ async fn wait_ready(i: &Instance) -> BenchResult<Duration> {
     }
 }
 
-/// Parks `count` messages through `i` (all published first) and times
-/// them until nackd counts them held and acked upstream.
-async fn park(i: &Instance, broker: &str, count: u64) -> BenchResult<Park> {
+/// Parks `count` messages through `nackd` (metrics at `metrics`; all
+/// published first, to a queue of the `nackd-bench-hold-*` policy) and
+/// times them until nackd counts them held and acked upstream.
+pub(crate) async fn park(
+    nackd: &NackdProcess,
+    metrics: SocketAddr,
+    broker: &str,
+    count: u64,
+) -> BenchResult<Park> {
     let queue = unique_queue("hold");
     let (admin, admin_ch) = super::hold::declare_hold_queue(broker, &queue, 600_000).await?;
     super::hold::publish(
@@ -455,8 +471,8 @@ async fn park(i: &Instance, broker: &str, count: u64) -> BenchResult<Park> {
         None,
     )
     .await?;
-    let base = i.counter("nackd_nacks_intercepted_total").await?;
-    let consumer = connect(&i.nackd.addr().to_string()).await?;
+    let base = counter(metrics, "nackd_nacks_intercepted_total").await?;
+    let consumer = connect(&nackd.addr().to_string()).await?;
     let (_cch, mut deliveries) = consume_queue(&consumer, &queue).await?;
     let mut first = None;
     for _ in 0..count {
@@ -473,18 +489,33 @@ async fn park(i: &Instance, broker: &str, count: u64) -> BenchResult<Park> {
     }
     let first = first.unwrap_or_else(Instant::now);
     let nacks = first.elapsed();
+    let mut again = 0u64;
     loop {
-        let held = i
-            .counter("nackd_nacks_intercepted_total")
+        let held = counter(metrics, "nackd_nacks_intercepted_total")
             .await?
             .saturating_sub(base);
         if held >= count {
             break;
         }
         if first.elapsed() > nacks + Duration::from_secs(120) {
-            return Err(format!("only {held} of {count} held 120 s after the last nack").into());
+            return Err(format!(
+                "only {held} of {count} held 120 s after the last nack ({again} delivered again and nacked again)"
+            )
+            .into());
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A nack nackd could not hold (its replica not writable for a
+        // moment, on a loaded machine) went back to the queue: it comes
+        // again, and is nacked again.
+        if let Ok(Some(d)) =
+            tokio::time::timeout(Duration::from_millis(20), deliveries.next()).await
+        {
+            d?.nack(BasicNackOptions {
+                requeue: false,
+                multiple: false,
+            })
+            .await?;
+            again += 1;
+        }
     }
     let held = first.elapsed();
     close(&consumer).await;
@@ -502,7 +533,7 @@ async fn park(i: &Instance, broker: &str, count: u64) -> BenchResult<Park> {
 /// Deletes the streams the replica-on nackd left in the cluster (its
 /// directory, its generations, the group's registry): the run's held
 /// messages must not stay in the broker. Best effort, one channel each.
-async fn remove_streams(broker: &str, instance: &str, group: &str, compactions: u64) {
+pub(crate) async fn remove_streams(broker: &str, instance: &str, group: &str, compactions: u64) {
     let Ok(conn) = connect(broker).await else {
         println!("cleanup     cannot connect to {broker}: replica streams of {instance} left in the broker");
         return;
@@ -533,7 +564,7 @@ async fn remove_streams(broker: &str, instance: &str, group: &str, compactions: 
 }
 
 /// A plain HTTP/1.0 GET (nackd's operations listener); status and body.
-async fn http_get(addr: SocketAddr, path: &str) -> BenchResult<(u16, String)> {
+pub(crate) async fn http_get(addr: SocketAddr, path: &str) -> BenchResult<(u16, String)> {
     let exchange = async {
         let mut tcp = TcpStream::connect(addr).await?;
         tcp.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
