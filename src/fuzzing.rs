@@ -73,9 +73,18 @@ mod tests {
         };
         let put = record::encode_put(&held);
         let stream = Record::Puts(vec![Bytes::from(put.clone())]).encode();
+        let moved = Record::MovedPuts {
+            from: crate::replica::Intent {
+                from: "gone".into(),
+                epoch: 3,
+            },
+            records: vec![Bytes::from(put.clone()), Bytes::from(put.clone())],
+        }
+        .encode();
         store_record(&put);
         stream_record(&stream);
-        for data in [put, stream] {
+        stream_record(&moved);
+        for data in [put, stream, moved] {
             for at in 0..data.len().min(4096) {
                 let mut bad = data.clone();
                 bad[at] ^= 0x5a;

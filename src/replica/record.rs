@@ -4,9 +4,14 @@
 //! generation stream  nackd.<instance>.g<N>
 //!   put    = 1 copy:u8 record            (a hold-log put record, checksummed)
 //!   done   = 2 n:u32 id:u64 * n          (completed ids)
+//!   puts   = 3 n:u32 (len:u32 record) * n
+//!                                        (new puts that came together)
 //!   marker = 4 nonce:u128                (read-to-end marker)
 //!   moved  = 5 copy:u8 from:str16 epoch:u64 record
 //!                                        (a put parked by an adoption of `from`)
+//!   moved puts = 6 from:str16 epoch:u64 n:u32 (len:u32 record) * n
+//!                                        (moved puts of one intent that
+//!                                         came together)
 //! directory stream   nackd.<instance>
 //!   generation = 16 n:u64                (the generation to read)
 //!   epoch      = 17 n:u64 holder:str16 [count:u16 node:str16 * count]

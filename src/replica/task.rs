@@ -209,7 +209,8 @@ pub(super) async fn run(
 
 type Reply = oneshot::Sender<Result<(), ReplicaError>>;
 
-/// Most puts in one stream message, and about their most bytes.
+/// Most puts in one stream message, and their most bytes (but for one
+/// put alone, whatever its size: the broker took it from the client).
 const BATCH_MAX: usize = 256;
 const BATCH_BYTES: usize = 1 << 20;
 
@@ -248,7 +249,9 @@ fn gather_puts(
     while records.len() < BATCH_MAX && bytes < BATCH_BYTES {
         match commands.try_recv() {
             Ok(Command::Append { record, reply }) => match new_put(&record) {
-                Some((f, one)) if f == from.as_ref() => {
+                // Not past the bytes: a batch may not grow past what the
+                // broker takes in one message (a large put goes alone).
+                Some((f, one)) if f == from.as_ref() && bytes + one.len() <= BATCH_BYTES => {
                     bytes += one.len();
                     records.push(one.clone());
                     replies.push(reply);
@@ -369,15 +372,20 @@ impl Task {
         command: Command,
         commands: &mut mpsc::UnboundedReceiver<Command>,
     ) {
-        match command {
-            Command::Append { record, reply } if new_put(&record).is_some() => {
-                let (record, replies, next) = gather_puts(record, reply, commands);
-                self.append_for(record, replies).await;
-                if let Some(command) = next {
-                    self.on_command(command, commands).await;
+        let mut command = command;
+        loop {
+            match command {
+                Command::Append { record, reply } if new_put(&record).is_some() => {
+                    let (record, replies, next) = gather_puts(record, reply, commands);
+                    self.append_for(record, replies).await;
+                    match next {
+                        // Of another kind: a batch of its own, in order.
+                        Some(next) => command = next,
+                        None => return,
+                    }
                 }
+                command => return self.on_command(command, commands).await,
             }
-            command => self.on_command(command, commands).await,
         }
     }
 
@@ -1294,7 +1302,8 @@ mod batch_tests {
 
     /// Issue 36: an adoption's moved puts that come together go in one
     /// stream message, as new puts do; a batch holds one kind (new, or
-    /// moved by one intent), in order, and ends at the first other.
+    /// moved by one intent), in order, and ends at the first other, which
+    /// starts the next (as `on_received` runs them).
     #[test]
     fn puts_that_come_together_go_in_one_message_of_one_kind() {
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -1336,6 +1345,40 @@ mod batch_tests {
         match rx.try_recv() {
             Ok(Command::Append { record, .. }) => assert_eq!(ids(&record), ("put", vec![8])),
             _ => panic!("the compaction copy is left for the next command"),
+        }
+    }
+
+    /// Review of issue 36: a batch never grows past `BATCH_BYTES` (what
+    /// the broker takes in one message); a put that would take it past
+    /// starts the next one, and a put larger than that goes alone.
+    #[test]
+    fn a_batch_stops_before_the_put_that_would_make_it_too_large() {
+        let sized = |id, bytes: usize| {
+            let mut h = held(id);
+            h.body = Bytes::from(vec![7u8; bytes]);
+            Record::put(&h, false)
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        append(sized(2, BATCH_BYTES / 2), &tx);
+        append(sized(3, BATCH_BYTES), &tx);
+        append(sized(4, 10), &tx);
+        let (reply, _) = oneshot::channel();
+        let (record, replies, next) = gather_puts(sized(1, BATCH_BYTES / 3), reply, &mut rx);
+        assert_eq!((ids(&record), replies.len()), (("puts", vec![1, 2]), 2));
+        assert!(
+            record.encode().len() <= BATCH_BYTES + 64,
+            "{}",
+            record.encode().len()
+        );
+        let Some(Command::Append { record, reply }) = next else {
+            panic!("the large put is next");
+        };
+        let (record, replies, next) = gather_puts(record, reply, &mut rx);
+        assert_eq!((ids(&record), replies.len()), (("put", vec![3]), 1));
+        assert!(next.is_none(), "a full batch takes nothing more");
+        match rx.try_recv() {
+            Ok(Command::Append { record, .. }) => assert_eq!(ids(&record), ("put", vec![4])),
+            _ => panic!("the small put waits for the next batch"),
         }
     }
 }
