@@ -204,6 +204,16 @@ impl NackdProcess {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// Field `field` (as text) of the first log line whose message is
+    /// `message`, if there is one.
+    pub fn logged_field(&self, message: &str, field: &str) -> Option<String> {
+        let fields = log_fields(&self.log_path(), message)?;
+        Some(match fields.get(field)? {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+    }
+
     /// When the first log line whose message is `message` was written
     /// (its timestamp), if there is one.
     pub fn logged_at(&self, message: &str) -> Option<std::time::SystemTime> {

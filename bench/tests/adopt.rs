@@ -49,6 +49,8 @@ fn a_hundred_thousand_held_are_adopted_and_the_due_ones_fire_once_none_early() {
     let parked = figure(&stdout, "adoption    ", "parked by B after");
     let committed = figure(&stdout, "adoption    ", "committed after");
     assert!(parked > 0.0 && parked <= committed, "{stdout}");
+    let took = figure(&stdout, "adoption    ", "B's parks took");
+    assert!(took > 0.0 && took < committed, "{stdout}");
     let first = figure(&stdout, "due         ", "the first back");
     assert!(
         first >= committed,
