@@ -206,7 +206,10 @@ async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
     // Older segments still being read after a start: nacks are held as
     // usual, what those segments hold fires once they are read.
     let recovering = ops.metrics.store_recovering.get() == 1;
-    let warnings = clock_warnings(ops.metrics.clock_offset.get(), ops.max_clock_offset);
+    let mut warnings = clock_warnings(ops.metrics.clock_offset.get(), ops.max_clock_offset);
+    if ops.metrics.delayed.registry_synced.get() == 0 {
+        warnings.push(REGISTRY_UNREAD.to_string());
+    }
     let mut body = json!({ "ready": ready, "upstream": upstream, "store": store,
         "store_recovering": recovering, "republish": republish, "draining": draining,
         "reasons": reasons, "warnings": warnings });
@@ -242,6 +245,11 @@ fn unready_reasons(
     }
     reasons
 }
+
+/// What `/readyz` warns about while `[delayed] registry` is on and the
+/// shared registry is not read to its end (ready all the same: publishes
+/// without `x-delay`, and to exchanges this instance knows, go on).
+const REGISTRY_UNREAD: &str = "delayed registry: the registry of delayed exchanges shared by every instance is not read to its end; x-delay publishes to exchanges this instance does not know as delayed are refused meanwhile";
 
 /// What `/readyz` warns about without being unready: nackd's clock off
 /// the broker's by more than `max` (`offset`: NaN until measured).

@@ -23,14 +23,29 @@ const SHARED: &str = "registry = true\n";
 /// The delay of the publishes below.
 const DELAY: Duration = Duration::from_millis(2000);
 
-/// A nackd sharing its delayed exchanges, once it has read the registry.
+/// A nackd sharing its delayed exchanges, once it has read the registry
+/// (and `/readyz` no longer warns that it has not).
 async fn shared(store: &Path) -> Nackd {
     let nackd = start_delayed(store, SHARED).await;
     common::ops::until(nackd.metrics, "the registry read", |s| {
         s.get("nackd_delayed_registry_synced", &[]) == 1.0
     })
     .await;
+    assert_eq!(registry_warnings(&nackd).await, 0);
     nackd
+}
+
+/// How many of `/readyz`'s warnings are about the registry.
+async fn registry_warnings(nackd: &Nackd) -> usize {
+    let r = common::ops::get(nackd.metrics, "/readyz").await;
+    let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(r.status, 200, "ready all the same: {body}");
+    body["warnings"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{body}"))
+        .iter()
+        .filter(|w| w.as_str().is_some_and(|w| w.starts_with("delayed registry: ")))
+        .count()
 }
 
 /// Waits until `nackd` says whether `x` (of vhost `/`) is delayed as
@@ -165,6 +180,9 @@ async fn an_instance_that_cannot_read_the_registry_routes_no_delay_at_once() {
     let mut arrivals = consume(&broker.create_channel().await.unwrap(), &q, None).await;
     let s = scrape(nackd.metrics).await;
     assert_eq!(s.get("nackd_delayed_registry_synced", &[]), 0.0);
+    // Ready all the same, with a warning that says why x-delay publishes
+    // may be refused.
+    assert_eq!(registry_warnings(&nackd).await, 1);
 
     let conn = nackd.connect().await;
     let ch = conn.create_channel().await.unwrap();
