@@ -30,13 +30,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures_lite::StreamExt;
 use lapin::options::*;
-use lapin::BasicProperties;
 
 use super::baseline::{print_versus, BaselineArgs, Better};
+use super::hold::body_id;
 use super::launcher::NackdProcess;
 use super::load::{close, connect, consume_queue, unique_queue};
 use super::machine::{load_average, Machine};
-use super::replica::{counter, park, remove_streams, wait_ready};
+use super::replica::{counter, park, remove_streams, wait_ready, Nodes};
 use super::stats::percentile;
 use super::{BenchResult, Common};
 
@@ -45,10 +45,8 @@ use super::{BenchResult, Common};
 pub struct Args {
     #[command(flatten)]
     pub common: Common,
-    /// Broker nodes both nackds are put in front of (`[upstream]
-    /// addresses`); default: `--broker` alone.
-    #[arg(long, value_delimiter = ',', value_name = "ADDRS")]
-    pub nodes: Vec<String>,
+    #[command(flatten)]
+    pub upstream: Nodes,
     /// Messages A holds when it is killed (the due ones included).
     #[arg(long, default_value_t = 100_000)]
     pub count: u64,
@@ -63,10 +61,6 @@ pub struct Args {
     /// `replica.adopt_after`, in seconds (the heartbeat is 2 s).
     #[arg(long, default_value_t = 6)]
     pub adopt_after: u64,
-    /// `replica.cluster_size` (replicas of each stream); the broker's
-    /// default when absent.
-    #[arg(long)]
-    pub cluster_size: Option<u32>,
     /// The run fails if the adoption has not committed this many seconds
     /// after the kill.
     #[arg(long, default_value_t = 900)]
@@ -125,9 +119,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     if args.adopt_after < 6 {
         return Err("--adopt-after is at least 6 s (three heartbeats of 2 s)".into());
     }
-    if args.nodes.is_empty() {
-        args.nodes = vec![args.common.broker.clone()];
-    }
+    args.upstream.or_broker(&args.common.broker);
     let baseline = args.baseline.resolve(&args.common)?;
     let machine = Machine::probe(&args.common.broker).await;
     super::print_first_lines("adopt", &machine);
@@ -172,13 +164,7 @@ async fn lane(
     label: &str,
     config: Option<&Path>,
 ) -> BenchResult<Figures> {
-    let run_id = format!(
-        "{}-{}",
-        std::process::id(),
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros())
-    );
+    let run_id = crate::run_id();
     let group = format!("nackd-bench-adopt-{run_id}");
     let (a, b) = start_both(args, binary, config, &group, &run_id).await?;
     println!(
@@ -188,17 +174,19 @@ async fn lane(
         b.nackd.pid(),
         a.id,
         b.id,
-        args.nodes.join(",")
+        args.upstream.nodes.join(",")
     );
-    let result = failover(args, &a, b).await;
+    let mut a = a;
+    let result = failover(args, &mut a, b).await;
     println!("load        average {} at the end", load_average());
     let (b, outcome) = match result {
         Ok((b, figures)) => (Some(b), Ok(figures)),
         Err(e) => (None, Err(e)),
     };
-    for (name, i) in [("A", Some(&a)), ("B", b.as_ref())] {
+    for (name, i) in [("A:", Some(&a)), ("B:", b.as_ref())] {
         if let Some(i) = i {
-            report_warnings(name, &i.nackd);
+            let label = format!("nackd log   {name}");
+            crate::print_warnings(&label, "warnings/errors", &i.nackd.warnings());
         }
     }
     drop(b);
@@ -233,14 +221,13 @@ async fn start_both(
     let mut both = Vec::new();
     for side in ["a", "b"] {
         let id = format!("nackd-bench-{side}-{run_id}");
-        let mut replica = format!(
-            "[replica]\ninstance = \"{id}\"\ngroup = \"{group}\"\nheartbeat = \"2s\"\nadopt_after = \"{}s\"\n",
-            args.adopt_after
+        let replica = format!(
+            "[replica]\ninstance = \"{id}\"\ngroup = \"{group}\"\nheartbeat = \"2s\"\nadopt_after = \"{}s\"\n{}",
+            args.adopt_after,
+            args.upstream.cluster_size_toml()
         );
-        if let Some(n) = args.cluster_size {
-            replica.push_str(&format!("cluster_size = {n}\n"));
-        }
-        let nackd = NackdProcess::start_nodes(binary, &args.nodes, &format!("{base}{replica}"))?;
+        let nackd =
+            NackdProcess::start_nodes(binary, &args.upstream.nodes, &format!("{base}{replica}"))?;
         let metrics = nackd
             .metrics_addr()
             .ok_or("no metrics address in nackd's \"listening\" log line")?;
@@ -254,7 +241,7 @@ async fn start_both(
 
 /// Parks through A, kills it, and watches B adopt; returns B and the
 /// run's verdict.
-async fn failover(args: &Args, a: &Instance, b: Instance) -> BenchResult<(Instance, Figures)> {
+async fn failover(args: &Args, a: &mut Instance, b: Instance) -> BenchResult<(Instance, Figures)> {
     let later = args.count - args.due;
     if later > 0 {
         let p = park(&a.nackd, a.metrics, &args.common.broker, later).await?;
@@ -267,7 +254,8 @@ async fn failover(args: &Args, a: &Instance, b: Instance) -> BenchResult<(Instan
     let (admin, admin_ch) = declare_due_queue(&args.common.broker, &due_queue, args.due).await?;
     let nacked = park_due(a, &due_queue, args.due).await?;
     let a_held = counter(a.metrics, "nackd_held_messages").await?;
-    kill(&a.nackd);
+    // SIGKILL; its directory (its log) stays until A is dropped.
+    a.nackd.stop();
     let (killed, killed_at) = (Instant::now(), SystemTime::now());
     let due_in = Duration::from_millis(args.due_in_ms);
     let first_due = nacked.values().min().map_or(killed, |t| *t + due_in);
@@ -318,14 +306,6 @@ async fn settled_held(b: &Instance, expected: u64) -> BenchResult<u64> {
     }
 }
 
-/// SIGKILLs a process without taking it (its directory stays until A is
-/// dropped at the end).
-fn kill(nackd: &NackdProcess) {
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", &nackd.pid().to_string()])
-        .status();
-}
-
 /// A durable queue of the due policy holding `due` messages (their ids in
 /// their first 8 bytes), and the confirming channel that published them.
 async fn declare_due_queue(
@@ -334,25 +314,8 @@ async fn declare_due_queue(
     due: u64,
 ) -> BenchResult<(lapin::Connection, lapin::Channel)> {
     let (admin, ch) = super::hold::declare_hold_queue(broker, queue, 3_600_000).await?;
-    let body = vec![7u8; 1024];
-    let mut confirms = Vec::new();
-    for id in 0..due {
-        let mut body = body.clone();
-        body[..8].copy_from_slice(&id.to_be_bytes());
-        confirms.push(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &body,
-                BasicProperties::default(),
-            )
-            .await?,
-        );
-    }
-    for c in confirms {
-        c.await?;
-    }
+    let none_nacked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    super::hold::publish(ch.clone(), queue.to_string(), due, none_nacked, None).await?;
     Ok((admin, ch))
 }
 
@@ -368,7 +331,7 @@ async fn park_due(a: &Instance, queue: &str, due: u64) -> BenchResult<HashMap<u6
             .await
             .map_err(|_| "no delivery through A for 30 s")?
             .ok_or("A's consumer closed")??;
-        nacked.insert(id_of(&d.data), Instant::now());
+        nacked.insert(body_id(&d.data)?, Instant::now());
         d.nack(BasicNackOptions::default()).await?;
     }
     let began = Instant::now();
@@ -385,19 +348,13 @@ async fn park_due(a: &Instance, queue: &str, due: u64) -> BenchResult<HashMap<u6
         if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(5), deliveries.next()).await
         {
             let d = d?;
-            nacked.insert(id_of(&d.data), Instant::now());
+            nacked.insert(body_id(&d.data)?, Instant::now());
             d.nack(BasicNackOptions::default()).await?;
         }
     }
     // Every delivery was nacked and acked upstream: closing requeues none.
     close(&conn).await;
     Ok(nacked)
-}
-
-fn id_of(body: &[u8]) -> u64 {
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&body[..8]);
-    u64::from_be_bytes(id)
 }
 
 /// Consumes the due messages as they come back, and for 2 s after the
@@ -426,7 +383,7 @@ async fn collect_due(
                 .into())
             }
         };
-        let id = id_of(&d.data);
+        let id = body_id(&d.data)?;
         if back.insert(id, Instant::now()).is_some() {
             return Err(format!("due message {id} came back twice").into());
         }
@@ -565,15 +522,6 @@ fn report(
         rate,
         p99_ms: ms(99.0),
     })
-}
-
-/// Prints the warnings and errors of a nackd's log.
-fn report_warnings(name: &str, nackd: &NackdProcess) {
-    let warnings = nackd.warnings();
-    println!("nackd log   {name}: {} warnings/errors", warnings.len());
-    for line in warnings.iter().take(5) {
-        println!("            {line}");
-    }
 }
 
 #[cfg(test)]

@@ -388,6 +388,15 @@ pub(crate) async fn declare_hold_queue(
     Ok((admin, admin_ch))
 }
 
+/// The id [`publish`] wrote in the first 8 bytes of a body.
+pub(crate) fn body_id(body: &[u8]) -> BenchResult<u64> {
+    Ok(u64::from_be_bytes(
+        body.get(..8)
+            .and_then(|b| b.try_into().ok())
+            .ok_or("short body")?,
+    ))
+}
+
 /// Parks `--count` messages through nackd and prints the park rate, RSS
 /// and store size, each line's figures after `who` (empty for the
 /// measured nackd).
@@ -429,7 +438,7 @@ async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parki
             .map_err(|_| "no delivery for 30 s")?
             .ok_or("consumer closed")??;
         first.get_or_insert_with(Instant::now);
-        let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
+        let id = body_id(&d.data)?;
         if let Some(slot) = nacked_at.get_mut(id as usize) {
             *slot = Some(Instant::now());
         }
@@ -570,7 +579,7 @@ async fn fire(
             .ok_or("consumer closed")??;
         let now = Instant::now();
         first.get_or_insert(now);
-        let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
+        let id = body_id(&d.data)?;
         if let Some(Some(at)) = nacked_at.get(id as usize) {
             let due = *at + delay;
             lateness_us.push(if now >= due {

@@ -401,11 +401,21 @@ pub fn print_footer(targets: Targets) {
 }
 
 /// "nackd log   2 warnings/errors" and the first five of them.
-fn print_warnings(label: &str, what: &str, warnings: &[String]) {
+pub(crate) fn print_warnings(label: &str, what: &str, warnings: &[String]) {
     println!("{label} {} {what}", warnings.len());
     for line in warnings.iter().take(5) {
         println!("            {line}");
     }
+}
+
+/// A name part no other run uses (this process and the time, in µs): for
+/// the instance ids and groups of the scenarios that start nackds with
+/// `[replica]`, so that no run adopts another's messages.
+pub(crate) fn run_id() -> String {
+    let micros = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    format!("{}-{micros}", std::process::id())
 }
 
 /// Runs the scenario the command line names.

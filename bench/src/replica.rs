@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -45,11 +45,8 @@ use super::{BenchResult, Common};
 pub struct Args {
     #[command(flatten)]
     pub common: Common,
-    /// Broker nodes both nackds are put in front of (`[upstream]
-    /// addresses`); default: `--broker` alone. Messages are published to
-    /// `--broker`.
-    #[arg(long, value_delimiter = ',', value_name = "ADDRS")]
-    pub nodes: Vec<String>,
+    #[command(flatten)]
+    pub upstream: Nodes,
     /// Retry rates to try, in retries per second (messages/s × delays).
     #[arg(
         long,
@@ -66,13 +63,43 @@ pub struct Args {
     /// Messages parked per round and side.
     #[arg(long, default_value_t = 20_000)]
     pub count: u64,
+    /// The most the replica may cost, in percent of the knee without it.
+    #[arg(long, default_value_t = 30)]
+    pub max_cost_pct: u64,
+}
+
+/// The broker nodes a scenario's nackds with `[replica]` are put in
+/// front of, and the size of their streams (`replica` and `adopt`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct Nodes {
+    /// Broker nodes both nackds are put in front of (`[upstream]
+    /// addresses`); default: `--broker` alone. Messages are published to
+    /// `--broker`.
+    #[arg(long, value_delimiter = ',', value_name = "ADDRS")]
+    pub nodes: Vec<String>,
     /// `replica.cluster_size` (replicas of each stream); the broker's
     /// default when absent.
     #[arg(long)]
     pub cluster_size: Option<u32>,
-    /// The most the replica may cost, in percent of the knee without it.
-    #[arg(long, default_value_t = 30)]
-    pub max_cost_pct: u64,
+}
+
+impl Nodes {
+    /// `--nodes`, or `broker` alone.
+    pub(crate) fn or_broker(&mut self, broker: &str) {
+        if self.nodes.is_empty() {
+            self.nodes = vec![broker.to_string()];
+        }
+    }
+
+    /// The `[replica]` line of `--cluster-size`, if given.
+    pub(crate) fn cluster_size_toml(&self) -> String {
+        self.cluster_size.map_or(String::new(), |n| {
+            format!(
+                "cluster_size = {n}
+"
+            )
+        })
+    }
 }
 
 /// With or without `[replica]`.
@@ -131,18 +158,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     if args.rates.is_empty() || args.delays.is_empty() {
         return Err("--rates and --delays need a value each".into());
     }
-    if args.nodes.is_empty() {
-        args.nodes = vec![args.common.broker.clone()];
-    }
+    args.upstream.or_broker(&args.common.broker);
     let common = &args.common;
     let machine = Machine::probe(&common.broker).await;
-    let run_id = format!(
-        "{}-{}",
-        std::process::id(),
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-    );
+    let run_id = crate::run_id();
     let instance = format!("nackd-bench-{run_id}");
     let group = format!("nackd-bench-{run_id}");
 
@@ -158,10 +177,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         settings = Some(shown);
         base = format!("{more}\n{base}");
     }
-    let mut replica = format!("[replica]\ninstance = \"{instance}\"\ngroup = \"{group}\"\n");
-    if let Some(n) = args.cluster_size {
-        replica.push_str(&format!("cluster_size = {n}\n"));
-    }
+    let replica = format!(
+        "[replica]\ninstance = \"{instance}\"\ngroup = \"{group}\"\n{}",
+        args.upstream.cluster_size_toml()
+    );
 
     let binary = NackdProcess::sibling_binary()?;
     let mut instances = Vec::new();
@@ -170,7 +189,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
             Replica::Off => base.clone(),
             Replica::On => format!("{base}{replica}"),
         };
-        let nackd = NackdProcess::start_nodes(&binary, &args.nodes, &extra)?;
+        let nackd = NackdProcess::start_nodes(&binary, &args.upstream.nodes, &extra)?;
         let metrics = nackd
             .metrics_addr()
             .ok_or("no metrics address in nackd's \"listening\" log line")?;
@@ -191,7 +210,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         "broker      {} at {} (messages published there); both nackds upstream of {}",
         machine.broker,
         common.broker,
-        args.nodes.join(",")
+        args.upstream.nodes.join(",")
     );
     for (i, took) in instances.iter().zip(&ready_after) {
         println!(
@@ -205,7 +224,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
     println!(
         "replica     instance {instance}, group {group}, cluster_size {}",
-        args.cluster_size
+        args.upstream
+            .cluster_size
             .map_or("(broker default)".to_string(), |n| n.to_string())
     );
     if let Some(settings) = &settings {
@@ -409,15 +429,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 .await
                 .unwrap_or(0);
         }
-        let warnings = i.nackd.warnings();
-        println!(
-            "nackd log   replica {}: {} warnings/errors",
-            i.side.label(),
-            warnings.len()
-        );
-        for line in warnings.iter().take(5) {
-            println!("            {line}");
-        }
+        let label = format!("nackd log   replica {}:", i.side.label());
+        crate::print_warnings(&label, "warnings/errors", &i.nackd.warnings());
         i.nackd.kill();
     }
     remove_streams(&common.broker, &instance, &group, compactions).await;
