@@ -249,8 +249,8 @@ fn unready_reasons(
 /// What `/readyz` warns about while `[delayed] registry` is on and the
 /// shared registry is not read to its end, or this instance's changes
 /// not written to it (`nackd_delayed_registry_synced` 0; ready all the
-/// same: publishes
-/// without `x-delay`, and to exchanges this instance knows, go on).
+/// same: publishes without `x-delay`, and to exchanges this instance
+/// knows, go on).
 const REGISTRY_UNREAD: &str = "delayed registry: the registry of delayed exchanges shared by every instance is not read to its end, or changes made through this instance are not written to it yet; x-delay publishes to exchanges this instance does not know as delayed are refused meanwhile";
 
 /// What `/readyz` warns about without being unready: nackd's clock off

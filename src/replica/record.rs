@@ -754,7 +754,8 @@ pub(super) mod tests {
         }
     }
 
-    fn intent(from: &str, epoch: u64) -> Intent {
+    /// An intent for the tests (of the task too).
+    pub(in crate::replica) fn intent(from: &str, epoch: u64) -> Intent {
         Intent {
             from: from.into(),
             epoch,

@@ -232,7 +232,8 @@ fn new_put(record: &Record) -> Option<(Option<&Intent>, &Bytes)> {
 }
 
 /// The puts of `first`'s kind waiting behind it (up to a batch), and the
-/// first other command met, to run after them.
+/// first other command met, to run after them; `first` alone if it is
+/// not a new or moved put.
 fn gather_puts(
     first: Record,
     reply: Reply,
@@ -373,20 +374,17 @@ impl Task {
         commands: &mut mpsc::UnboundedReceiver<Command>,
     ) {
         let mut command = command;
-        loop {
-            match command {
-                Command::Append { record, reply } if new_put(&record).is_some() => {
-                    let (record, replies, next) = gather_puts(record, reply, commands);
-                    self.append_for(record, replies).await;
-                    match next {
-                        // Of another kind: a batch of its own, in order.
-                        Some(next) => command = next,
-                        None => return,
-                    }
-                }
-                command => return self.on_command(command, commands).await,
+        // An append that ends a batch (a put of another kind) starts the
+        // next one, in order; anything else runs after the batch.
+        while let Command::Append { record, reply } = command {
+            let (record, replies, next) = gather_puts(record, reply, commands);
+            self.append_for(record, replies).await;
+            match next {
+                Some(next) => command = next,
+                None => return,
             }
         }
+        self.on_command(command, commands).await
     }
 
     fn set(&self, state: State) {
@@ -1268,14 +1266,7 @@ mod directory_tests {
 #[cfg(test)]
 mod batch_tests {
     use super::*;
-    use crate::replica::record::tests::held;
-
-    fn intent(from: &str, epoch: u64) -> Intent {
-        Intent {
-            from: from.into(),
-            epoch,
-        }
-    }
+    use crate::replica::record::tests::{held, intent};
 
     fn append(record: Record, tx: &mpsc::UnboundedSender<Command>) {
         let (reply, _) = oneshot::channel();
