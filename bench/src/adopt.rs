@@ -123,7 +123,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     let baseline = args.baseline.resolve(&args.common)?;
     let machine = Machine::probe(&args.common.broker).await;
     super::print_first_lines("adopt", &machine);
-    println!(
+    crate::out!(
         "method      A parks {} (1 KiB bodies): {} held 1 h, then {} held {} ms; A is SIGKILLed once the last is held; B adopts after adopt_after = {} s (heartbeat 2 s); the due ones are consumed from {} directly{}",
         args.count,
         args.count - args.due,
@@ -138,7 +138,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         return Ok(());
     };
     if let Some(origin) = &baseline.origin {
-        println!("baseline rv {origin}");
+        crate::out!("baseline rv {origin}");
     }
     let theirs = lane(
         &args,
@@ -167,7 +167,7 @@ async fn lane(
     let run_id = crate::run_id();
     let group = format!("nackd-bench-adopt-{run_id}");
     let (a, b) = start_both(args, binary, config, &group, &run_id).await?;
-    println!(
+    crate::out!(
         "{label:<11} A {} (pid {}) and B (pid {}), instances {} and {} of group {group}, upstream of {}",
         a.nackd.binary().display(),
         a.nackd.pid(),
@@ -178,7 +178,7 @@ async fn lane(
     );
     let mut a = a;
     let result = failover(args, &mut a, b).await;
-    println!("load        average {} at the end", load_average());
+    crate::out!("load        average {} at the end", load_average());
     let (b, outcome) = match result {
         Ok((b, figures)) => (Some(b), Ok(figures)),
         Err(e) => (None, Err(e)),
@@ -215,7 +215,7 @@ async fn start_both(
     );
     if let Some(path) = config.or(args.common.nackd_config.as_deref()) {
         let (more, shown) = crate::read_nackd_config(path)?;
-        println!("nackd conf  {shown} (A and B)");
+        crate::out!("nackd conf  {shown} (A and B)");
         base = format!("{more}\n{base}");
     }
     let mut both = Vec::new();
@@ -245,7 +245,7 @@ async fn failover(args: &Args, a: &mut Instance, b: Instance) -> BenchResult<(In
     let later = args.count - args.due;
     if later > 0 {
         let p = park(&a.nackd, a.metrics, &args.common.broker, later).await?;
-        println!(
+        crate::out!(
             "park        A: {later} held 1 h: {later} nacks in {:.1} s, all held and acked upstream after {:.1} s: {:.0} nacks/s",
             p.nacks_s, p.held_s, p.rate
         );
@@ -259,7 +259,7 @@ async fn failover(args: &Args, a: &mut Instance, b: Instance) -> BenchResult<(In
     let (killed, killed_at) = (Instant::now(), SystemTime::now());
     let due_in = Duration::from_millis(args.due_in_ms);
     let first_due = nacked.values().min().map_or(killed, |t| *t + due_in);
-    println!(
+    crate::out!(
         "kill        A SIGKILLed holding {a_held}; the first due message is due {:.1} s after the kill",
         first_due.saturating_duration_since(killed).as_secs_f64()
     );
@@ -425,7 +425,7 @@ async fn watch(
             seen.parked = Some(seen.parked.map_or(since, |p| p.min(since)));
         }
         if shown.elapsed() >= Duration::from_secs(5) {
-            println!(
+            crate::out!(
                 "progress    {:>6.1} s after the kill: B parked {adopted} of {count}",
                 killed.elapsed().as_secs_f64()
             );
@@ -472,7 +472,7 @@ fn report(
     let committed = secs(seen.committed);
     let took = secs(seen.parks_took);
     let rate = args.count as f64 / took;
-    println!(
+    crate::out!(
         "adoption    from the kill: every message parked by B after {:.2} s, committed after {committed:.2} s ({:.1} s after adopt_after, B's next look included); B's parks took {took:.2} s: {rate:.0} messages/s",
         secs(seen.parked),
         committed - adopt_after,
@@ -494,7 +494,7 @@ fn report(
         since_kill(back.values().min()),
         since_kill(back.values().max()),
     );
-    println!(
+    crate::out!(
         "due         {} of {} back, {early} early; lateness p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; the first back {:.2} s after the kill, the last {:.2} s ({:.1} s after adopt_after)",
         back.len(),
         args.due,
@@ -507,7 +507,7 @@ fn report(
     );
     // B held A's messages; the due ones have fired since.
     let expected = args.count - args.due;
-    println!("held        B holds {b_held} after the commit and the due ones' return ({expected} expected)");
+    crate::out!("held        B holds {b_held} after the commit and the due ones' return ({expected} expected)");
     if early > 0 {
         return Err(format!("{early} due messages came back early").into());
     }

@@ -88,7 +88,7 @@ impl BaselineArgs {
 /// ratio nackd / baseline, e.g. `versus      park rate         nackd 950
 /// / nackd-baseline 1000 nacks/s: ratio 0.950`.
 pub fn print_versus(what: &str, unit: &str, better: Better, nackd: f64, baseline: f64) {
-    println!(
+    crate::out!(
         "versus      {what:<17} nackd {} / nackd-baseline {} {unit}: ratio {} ({})",
         figure(nackd),
         figure(baseline),
@@ -390,7 +390,7 @@ fn run(mut command: Command, log: &File) -> Result<(), String> {
 
 /// The top of the git repository of the current directory, else of the
 /// directory of this executable.
-fn repository() -> Result<PathBuf, String> {
+pub(crate) fn repository() -> Result<PathBuf, String> {
     let here = std::env::current_dir().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut reason = String::new();
@@ -404,7 +404,7 @@ fn repository() -> Result<PathBuf, String> {
 }
 
 /// `git -C dir args`: its stdout trimmed, or its stderr as the error.
-fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+pub(crate) fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let output = Command::new("git")
         .arg("-C")
         .arg(dir)

@@ -34,6 +34,8 @@ pub struct CpuSample {
 /// CPU use between two samples.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuUse {
+    /// The seconds between the two samples.
+    pub seconds: f64,
     /// Fraction of all CPUs that was busy (0–1).
     pub machine_busy: f64,
     /// CPU seconds per second (1.0 = one core) of the client.
@@ -68,6 +70,7 @@ impl CpuSample {
         };
         let total = later.total.saturating_sub(self.total);
         CpuUse {
+            seconds,
             machine_busy: match total {
                 0 => f64::NAN,
                 t => later.busy.saturating_sub(self.busy) as f64 / t as f64,

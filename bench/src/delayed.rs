@@ -261,7 +261,7 @@ async fn lateness(
         .map_err(|_| "delayed messages did not all arrive within delay + 30 s")??;
     late.sort_unstable();
     let p = |q| percentile(&late, q).unwrap_or(0);
-    println!(
+    crate::out!(
         "lateness    {who}{} delayed publishes at {:.0}/s (asked {}/s), x-delay {} ms: p50 {} ms, p99 {} ms, max {} ms, early {}",
         late.len() as u64 + early,
         achieved,
@@ -287,7 +287,7 @@ async fn lateness(
 async fn ram(targets: &Targets, side: Side, who: &str, args: &Args) -> BenchResult<()> {
     let target = targets.target(side);
     let Some(pid) = target.processes.proxy else {
-        println!("ram         {who}skipped: nackd's pid is unknown");
+        crate::out!("ram         {who}skipped: nackd's pid is unknown");
         return Ok(());
     };
     let conn = connect(&target.addr).await?;
@@ -327,7 +327,7 @@ async fn ram(targets: &Targets, side: Side, who: &str, args: &Args) -> BenchResu
     let took = start.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = rss(pid);
-    println!(
+    crate::out!(
         "ram         {who}{} held delayed messages (100 B bodies), stored at {:.0}/s: nackd RSS {:.1} MiB → {:.1} MiB, {:.0} B per held message",
         args.held,
         args.held as f64 / took.as_secs_f64(),
@@ -364,7 +364,7 @@ pub async fn run(args: Args) -> BenchResult<()> {
         }
     };
     let ratios = per_round(Side::Nackd);
-    println!(
+    crate::out!(
         "rate        median direct {:.0}/s, nackd (delayed, stored) {:.0}/s, ratio {:.3} (rounds {})",
         of(Side::Direct).unwrap_or(0.0),
         of(Side::Nackd).unwrap_or(0.0),
@@ -377,7 +377,7 @@ pub async fn run(args: Args) -> BenchResult<()> {
         .collect();
     if lanes.len() > 1 {
         let ratios = per_round(Side::Baseline);
-        println!(
+        crate::out!(
             "rate        median {BASELINE} (delayed, stored) {:.0}/s, ratio to direct {:.3} (rounds {})",
             of(Side::Baseline).unwrap_or(0.0),
             median(&ratios).unwrap_or(0.0),
@@ -426,7 +426,7 @@ async fn rate_rounds(targets: &Targets, args: &Args) -> BenchResult<Vec<(Side, V
                 Side::Baseline => "nackd-baseline, delayed exchange",
                 _ => "nackd, delayed exchange",
             };
-            println!(
+            crate::out!(
                 "round {}     {lane}: {rate:.0} confirmed publishes/s (window {}, 1 KiB)",
                 round + 1,
                 args.window

@@ -220,7 +220,7 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
         let began = Instant::now();
         let (store, n) = (nackd.store_dir(), args.park.count);
         tokio::task::spawn_blocking(move || prefill(&store, n)).await??;
-        println!(
+        crate::out!(
             "prefill     {n} held messages (100 B bodies) written to the store in {:.1} s",
             began.elapsed().as_secs_f64()
         );
@@ -241,7 +241,7 @@ pub async fn run_restart(args: RestartArgs) -> BenchResult<()> {
         serving.get(serving.len() / 2),
         intercepting.get(intercepting.len() / 2),
     ) {
-        println!(
+        crate::out!(
             "restart     median of {} SIGKILL restarts with {} held: clients served after {:.2} s, intercepting after {:.2} s",
             serving.len(),
             args.park.count,
@@ -317,7 +317,7 @@ fn started(targets: &mut Targets) -> BenchResult<&mut NackdProcess> {
 
 async fn finish(mut targets: Targets, parking: Parking) -> BenchResult<()> {
     parking.delete().await;
-    println!("load        average {} at the end", load_average());
+    crate::out!("load        average {} at the end", load_average());
     if let Some(nackd) = targets.nackd.take() {
         nackd.kill();
     }
@@ -418,7 +418,7 @@ async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parki
     let publishing = match args.backlog {
         None => {
             let took = publishing.await.map_err(|e| e.to_string())??;
-            println!(
+            crate::out!(
                 "publish     {who}{n} messages of 1 KiB to RabbitMQ in {:.1} s, before parking",
                 took.as_secs_f64()
             );
@@ -452,7 +452,7 @@ async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parki
     }
     if let (Some(publishing), Some(backlog)) = (publishing, args.backlog) {
         let took = publishing.await.map_err(|e| e.to_string())??;
-        println!(
+        crate::out!(
             "publish     {who}{n} messages of 1 KiB to RabbitMQ in {:.1} s, alongside parking, at most {backlog} ahead of it",
             took.as_secs_f64()
         );
@@ -473,7 +473,7 @@ async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parki
         park_rate: n as f64 / park.as_secs_f64(),
         ..Figures::default()
     };
-    println!(
+    crate::out!(
         "park        {who}{n} nacks in {:.1} s through nackd; all durable after {:.1} s: {:.0} nacks/s made durable",
         nacks_done.as_secs_f64(),
         park.as_secs_f64(),
@@ -487,13 +487,13 @@ async fn park(args: &Args, nackd: &NackdProcess, who: &str) -> BenchResult<Parki
         store_mib: mib(dir_size(&store)),
         ..figures
     };
-    println!(
+    crate::out!(
         "rss         {who}nackd {:.1} MiB with {n} held ({:.1} MiB before; {:.0} bytes per held message)",
         mib(rss_after),
         mib(rss_before),
         figures.rss_per_held
     );
-    println!(
+    crate::out!(
         "store       {who}{:.1} MiB on disk for {n} held (bodies on disk)",
         figures.store_mib
     );
@@ -537,14 +537,14 @@ async fn restart_once(
     };
     let to_recovered = to_listening + began.elapsed();
     let to_intercepting = to_intercepting.unwrap_or(to_recovered);
-    println!(
+    crate::out!(
         "restart     {who}SIGKILL with {n} held: listening after {:.2} s, first AMQP connection through it after {:.2} s, intercepting after {:.2} s, every held message scheduled after {:.2} s",
         to_listening.as_secs_f64(),
         to_serving.as_secs_f64(),
         to_intercepting.as_secs_f64(),
         to_recovered.as_secs_f64()
     );
-    println!(
+    crate::out!(
         "recovered   {who}{rescheduled} held re-scheduled (nackd's \"store recovered\" log line), {} in the store; nackd RSS {:.1} MiB",
         held(nackd.binary(), &nackd.store_dir()),
         mib(rss(nackd.pid()))
@@ -595,7 +595,7 @@ async fn fire(
     sorted.sort_unstable();
     let ms = |p: f64| super::stats::percentile(&sorted, p).unwrap_or(0) as f64 / 1000.0;
     let spread = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
-    println!(
+    crate::out!(
         "fire        {} redelivered after the restart over {spread:.1} s: lateness p50 {:.1} ms p99 {:.1} ms max {:.1} ms, {early} early",
         lateness_us.len(),
         ms(50.0),

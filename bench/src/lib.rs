@@ -16,6 +16,7 @@
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
+//! - [`report`]: the printed report and the results file (`--record`);
 //! - one file per scenario: [`passthrough`], [`retry`], [`hold`],
 //!   [`replica`], [`delayed`], [`adopt`].
 #![forbid(unsafe_code)]
@@ -36,6 +37,7 @@ pub mod load;
 pub mod machine;
 pub mod passthrough;
 pub mod replica;
+pub mod report;
 pub mod retry;
 pub mod rounds;
 pub mod stats;
@@ -56,6 +58,16 @@ pub struct Cli {
     /// What to measure.
     #[command(subcommand)]
     pub scenario: Scenario,
+    /// Write this run's report into the results file as the entry NAME
+    /// (replacing an older one of that name), with the command line, the
+    /// commit, the date and the kernel: the figures the docs quote
+    /// (lowercase letters, digits and '-').
+    #[arg(long, global = true, value_name = "NAME")]
+    pub record: Option<String>,
+    /// The results file `--record` writes to (default:
+    /// docs/src/results.md of the repository).
+    #[arg(long, global = true, value_name = "FILE", requires = "record")]
+    pub results: Option<std::path::PathBuf>,
 }
 
 /// The scenarios.
@@ -310,14 +322,16 @@ fn warn_if_stale(nackd: &std::path::Path) {
 /// Prints the scenario, the date and the machine: the first lines of
 /// every report.
 pub fn print_first_lines(scenario: &str, machine: &Machine) {
-    println!("nackd-bench {scenario}");
-    println!(
+    crate::out!("nackd-bench {scenario}");
+    crate::out!(
         "date        {}",
         humantime::format_rfc3339_seconds(SystemTime::now())
     );
-    println!(
+    crate::out!(
         "machine     {} CPUs, {}, load average {}",
-        machine.cpus, machine.cpu_model, machine.load
+        machine.cpus,
+        machine.cpu_model,
+        machine.load
     );
 }
 
@@ -329,18 +343,19 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
         .map_or("pid unknown: its CPU is not counted".into(), |(p, how)| {
             format!("pid {p}, {how}")
         });
-    println!(
+    crate::out!(
         "broker      {} at {} ({pid})",
-        machine.broker, targets.broker
+        machine.broker,
+        targets.broker
     );
     match &targets.nackd {
-        Some(n) => println!(
+        Some(n) => crate::out!(
             "nackd       {} (pid {}) at {}",
             n.binary().display(),
             n.pid(),
             n.addr()
         ),
-        None => println!(
+        None => crate::out!(
             "nackd       already running at {} ({})",
             targets.proxy,
             targets
@@ -351,28 +366,28 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
         ),
     }
     if let Some(settings) = &targets.nackd_settings {
-        println!("nackd conf  {settings}");
+        crate::out!("nackd conf  {settings}");
     }
     if let Some(b) = &targets.baseline {
-        println!(
+        crate::out!(
             "baseline    {} (pid {}) at {}",
             b.binary().display(),
             b.pid(),
             b.addr()
         );
         if let Some(origin) = &targets.baseline_origin {
-            println!("baseline rv {origin}");
+            crate::out!("baseline rv {origin}");
         }
         if let Some(settings) = &targets.baseline_settings {
-            println!("baseline cf {settings}");
+            crate::out!("baseline cf {settings}");
         }
     }
     if let Some(haproxy) = &targets.haproxy {
-        println!("haproxy     {}", haproxy.describe());
+        crate::out!("haproxy     {}", haproxy.describe());
     }
     if scenario == "passthrough" {
         let sides: Vec<&str> = targets.sides().iter().map(|s| s.label()).collect();
-        println!(
+        crate::out!(
             "method      {} rounds per side, alternating {} (the first side rotates by round); {} s measured after {} s warm-up; median per side",
             common.rounds,
             sides.join("/"),
@@ -385,7 +400,7 @@ pub fn print_header(scenario: &str, common: &Common, machine: &Machine, targets:
 /// Prints the lines every report ends with, and stops the nackd and the
 /// HAProxy this run started.
 pub fn print_footer(targets: Targets) {
-    println!("load        average {} at the end", machine::load_average());
+    crate::out!("load        average {} at the end", machine::load_average());
     if let Some(haproxy) = targets.haproxy {
         print_warnings("haproxy out", "warnings/alerts", &haproxy.warnings());
         haproxy.kill();
@@ -402,9 +417,9 @@ pub fn print_footer(targets: Targets) {
 
 /// "nackd log   2 warnings/errors" and the first five of them.
 pub(crate) fn print_warnings(label: &str, what: &str, warnings: &[String]) {
-    println!("{label} {} {what}", warnings.len());
+    crate::out!("{label} {} {what}", warnings.len());
     for line in warnings.iter().take(5) {
-        println!("            {line}");
+        crate::out!("            {line}");
     }
 }
 
@@ -420,7 +435,21 @@ pub(crate) fn run_id() -> String {
 
 /// Runs the scenario the command line names.
 pub async fn run(cli: Cli) -> BenchResult<()> {
-    match cli.scenario {
+    if let Some(name) = &cli.record {
+        report::check_name(name)?;
+        // Before the run, so that a missing repository ends it first.
+        report::results_file(cli.results.as_deref())?;
+    }
+    run_scenario(cli.scenario).await?;
+    if let Some(name) = &cli.record {
+        let file = report::record(name, cli.results.as_deref())?;
+        eprintln!("recorded as {name} in {}", file.display());
+    }
+    Ok(())
+}
+
+async fn run_scenario(scenario: Scenario) -> BenchResult<()> {
+    match scenario {
         Scenario::Passthrough(args) => passthrough::run(args).await,
         Scenario::Retry(args) => retry::run(args).await,
         Scenario::Hold(args) => hold::run(args).await,

@@ -206,14 +206,14 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
 
     super::print_first_lines("replica", &machine);
-    println!(
+    crate::out!(
         "broker      {} at {} (messages published there); both nackds upstream of {}",
         machine.broker,
         common.broker,
         args.upstream.nodes.join(",")
     );
     for (i, took) in instances.iter().zip(&ready_after) {
-        println!(
+        crate::out!(
             "nackd       replica {:<3} {} (pid {}) at {}, ready after {:.1} s",
             i.side.label(),
             i.nackd.binary().display(),
@@ -222,21 +222,21 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
             took.as_secs_f64()
         );
     }
-    println!(
+    crate::out!(
         "replica     instance {instance}, group {group}, cluster_size {}",
         args.upstream
             .cluster_size
             .map_or("(broker default)".to_string(), |n| n.to_string())
     );
     if let Some(settings) = &settings {
-        println!("nackd conf  {settings} (both)");
+        crate::out!("nackd conf  {settings} (both)");
     }
     let rounds = common.rounds.max(1);
-    println!(
+    crate::out!(
         "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; knee = highest rate with median p99 <= {} ms",
         args.delays, common.seconds, args.knee_ms
     );
-    println!(
+    crate::out!(
         "method      {rounds} rounds; each round: every rate on off and on in turn, then a park of {} on each; the side going first alternates by round",
         args.count
     );
@@ -248,12 +248,13 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         knee_ms: args.knee_ms,
         mechanisms: vec![retry::Mechanism::Nackd],
         quorum: false,
+        consumer_trace: None,
         baseline: Default::default(),
     };
     let mut runs: HashMap<(Replica, u64), Vec<RateFigures>> = HashMap::new();
     let mut parks: HashMap<Replica, Vec<Park>> = HashMap::new();
     let mut passed: HashMap<Replica, u64> = HashMap::new();
-    println!("retry       replica  round  retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished  passed");
+    crate::out!("retry       replica  round  retries/s  p50 ms   p99 ms   max ms  early  deliveries/s  finished  passed");
     for round in 1..=rounds {
         let order: Vec<&Instance> = match round % 2 {
             1 => instances.iter().collect(),
@@ -268,7 +269,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                     .map_err(|e| format!("replica {} at {rate}/s: {e}", i.side.label()))?;
                 let p = i.passed().await?.saturating_sub(before);
                 *passed.entry(i.side).or_default() += p;
-                println!(
+                crate::out!(
                     "retry       {:<7}  {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>12.0}  {}/{}  {p}",
                     i.side.label(),
                     round,
@@ -292,7 +293,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 .map_err(|e| format!("park, replica {}: {e}", i.side.label()))?;
             let p = i.passed().await?.saturating_sub(before);
             *passed.entry(i.side).or_default() += p;
-            println!(
+            crate::out!(
                 "park        replica {:<3} round {round}: {} nacks in {:.1} s; all held and acked upstream after {:.1} s: {:.0} nacks/s; {p} passed",
                 i.side.label(),
                 args.count,
@@ -310,7 +311,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         p99 <= args.knee_ms as f64 && f.iter().all(|r| r.early == 0 && r.complete())
     };
     let med = |v: Vec<f64>| median(&v).unwrap_or(f64::NAN);
-    println!("median      retries/s  off p50  off p99  on p50   on p99   added p99 ms  within target (off, on)");
+    crate::out!("median      retries/s  off p50  off p99  on p50   on p99   added p99 ms  within target (off, on)");
     let mut knee: HashMap<Replica, Option<u64>> = HashMap::new();
     let mut both_within = Vec::new();
     for &rate in &args.rates {
@@ -328,7 +329,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
             row.push((p50, p99, ok));
         }
         let yes = |b: bool| if b { "yes" } else { "no" };
-        println!(
+        crate::out!(
             "median      {:>9}  {:>7.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>+12.1}  {}, {}",
             rate,
             row[0].0,
@@ -350,8 +351,8 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         None => format!("< {} retries/s (no rate tried)", args.rates[0]),
     };
     let (off, on) = (knee[&Replica::Off], knee[&Replica::On]);
-    println!("knee        replica off  {}", describe(off));
-    println!("knee        replica on   {}", describe(on));
+    crate::out!("knee        replica off  {}", describe(off));
+    crate::out!("knee        replica on   {}", describe(on));
     let floor = 1.0 - args.max_cost_pct as f64 / 100.0;
     match (off, on) {
         (Some(off), Some(on)) => {
@@ -363,7 +364,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 }
                 _ => "",
             };
-            println!(
+            crate::out!(
                 "ratio       knee on/off {ratio:.2} (target >= {floor:.2}, the replica costing at most {} %): {}{caveat}",
                 args.max_cost_pct,
                 if ratio >= floor { "met" } else { "missed" }
@@ -375,11 +376,11 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 true => "missed",
                 false => "not decided: try lower rates",
             };
-            println!(
+            crate::out!(
                 "ratio       knee on/off < {bound:.2} (the knee with the replica is below the lowest rate tried; target >= {floor:.2}): {verdict}"
             );
         }
-        (None, _) => println!(
+        (None, _) => crate::out!(
             "ratio       knee on/off not measurable: no knee without the replica among the rates tried"
         ),
     }
@@ -392,7 +393,7 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    println!(
+    crate::out!(
         "park        replica off {park_off:.0} nacks/s (rounds {}); replica on {park_on:.0} nacks/s (rounds {}); ratio on/off {:.2}",
         rounds_of(Replica::Off),
         rounds_of(Replica::On),
@@ -401,26 +402,28 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     match both_within.last() {
         Some((rate, p99_off, p99_on)) => {
             let added: Vec<f64> = both_within.iter().map(|(_, a, b)| b - a).collect();
-            println!(
+            crate::out!(
                 "lateness    added p99 at {rate} retries/s (highest rate within target on both sides): {:+.1} ms ({p99_off:.1} -> {p99_on:.1} ms); median over the {} rates within target on both: {:+.1} ms",
                 p99_on - p99_off,
                 added.len(),
                 med(added.clone())
             );
         }
-        None => println!("lateness    no rate within target on both sides: added p99 not measured"),
+        None => {
+            crate::out!("lateness    no rate within target on both sides: added p99 not measured")
+        }
     }
     for side in [Replica::Off, Replica::On] {
         let p = passed.get(&side).copied().unwrap_or(0);
         if p > 0 {
-            println!(
+            crate::out!(
                 "WARNING     replica {}: {p} nacks passed to the broker instead of being held",
                 side.label()
             );
         }
     }
 
-    println!("load        average {} at the end", load_average());
+    crate::out!("load        average {} at the end", load_average());
     let mut compactions = 0;
     for i in instances {
         if i.side == Replica::On {
@@ -548,7 +551,7 @@ pub(crate) async fn park(
 /// messages must not stay in the broker. Best effort, one channel each.
 pub(crate) async fn remove_streams(broker: &str, instance: &str, group: &str, compactions: u64) {
     let Ok(conn) = connect(broker).await else {
-        println!("cleanup     cannot connect to {broker}: replica streams of {instance} left in the broker");
+        crate::out!("cleanup     cannot connect to {broker}: replica streams of {instance} left in the broker");
         return;
     };
     let mut names = vec![
@@ -572,7 +575,7 @@ pub(crate) async fn remove_streams(broker: &str, instance: &str, group: &str, co
         }
         let _ = ch.close(200, "done".into()).await;
     }
-    println!("cleanup     deleted (where present) {}", deleted.join(", "));
+    crate::out!("cleanup     deleted (where present) {}", deleted.join(", "));
     close(&conn).await;
 }
 

@@ -33,6 +33,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 use super::baseline::BaselineArgs;
+use super::cpu::{CpuSample, Processes};
 use super::load::{close, connect, consume_queue, durable, unique_queue};
 use super::machine::Machine;
 use super::stats::percentile;
@@ -62,6 +63,12 @@ pub struct Args {
     /// Declare the work queues as quorum queues (durable).
     #[arg(long)]
     pub quorum: bool,
+    /// Append what the consumer saw, one line per delivery (queue, id,
+    /// attempt, wall-clock µs when the consumer read the delivery, before
+    /// and after its nack/republish was handed to its client), to FILE:
+    /// for bench/profile/retry_trace.py, which sets it beside a capture.
+    #[arg(long, value_name = "FILE")]
+    pub consumer_trace: Option<std::path::PathBuf>,
     // The lane `nackd-baseline`: another nackd build or config, measured
     // in the same rounds.
     #[command(flatten)]
@@ -76,6 +83,8 @@ struct Lane {
     label: &'static str,
     mechanism: Mechanism,
     addr: String,
+    /// The nackd in the path, whose CPU is counted.
+    pid: Option<u32>,
 }
 
 /// The ways of retrying later.
@@ -140,6 +149,10 @@ struct Run {
     max: f64,
     early: usize,
     complete: bool,
+    /// CPU µs per retry of the lane's nackd (0 for a recipe) and of the
+    /// broker, over the whole round (NaN where unknown).
+    nackd_us: f64,
+    broker_us: f64,
 }
 
 /// What one mechanism did at one rate.
@@ -184,24 +197,26 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     print_header("retry", common, &machine, &targets);
     let mut lanes = Vec::new();
     for &mechanism in &args.mechanisms {
-        let (label, addr) = match mechanism {
-            Mechanism::Nackd => ("nackd", targets.proxy.to_string()),
-            _ => (mechanism.label(), targets.broker.clone()),
+        let (label, addr, pid) = match mechanism {
+            Mechanism::Nackd => ("nackd", targets.proxy.to_string(), targets.proxy_pid),
+            _ => (mechanism.label(), targets.broker.clone(), None),
         };
         lanes.push(Lane {
             label,
             mechanism,
             addr,
+            pid,
         });
         if let (Mechanism::Nackd, Some(b)) = (mechanism, &targets.baseline) {
             lanes.push(Lane {
                 label: BASELINE,
                 mechanism,
                 addr: b.addr().to_string(),
+                pid: Some(b.pid()),
             });
         }
     }
-    println!(
+    crate::out!(
         "schedule    {:?} ms per message; {} s of publishing per rate; 1 KiB bodies; {} work queues; knee = highest rate with p99 <= {} ms",
         args.delays,
         common.seconds,
@@ -209,10 +224,10 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         args.knee_ms
     );
     let rounds = common.rounds.max(1);
-    println!(
+    crate::out!(
         "method      {rounds} rounds; each round runs every rate with the mechanisms in turn (the first one alternates by round); per mechanism and rate the median of the rounds' p50/p99 counts"
     );
-    println!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  earliest ms  deliveries/s  finished");
+    crate::out!("retry       mechanism             round  retries/s  p50 ms   p99 ms   max ms  early  earliest ms  deliveries/s  finished  nackd µs/retry  broker µs/retry");
     let mut runs: HashMap<(usize, u64), Vec<Run>> = HashMap::new();
     for round in 1..=rounds {
         for &rate in &args.rates {
@@ -223,18 +238,35 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 order.reverse();
             }
             for (m, lane) in order {
+                let processes = Processes {
+                    client: None,
+                    broker: targets.broker_pid.map(|(pid, _)| pid),
+                    proxy: lane.pid,
+                };
+                let before = CpuSample::now(&processes);
                 let o = one_rate(lane.mechanism, rate, &args, &targets.broker, &lane.addr).await?;
+                let cpu = before.until(&CpuSample::now(&processes));
+                let per_retry = |cores: Option<f64>| {
+                    cores.map_or(f64::NAN, |c| {
+                        c * cpu.seconds * 1e6 / o.lateness_us.len().max(1) as f64
+                    })
+                };
                 let run = Run {
                     p50: o.p(50.0),
                     p99: o.p(99.0),
                     max: o.lateness_us.iter().max().copied().unwrap_or(0) as f64 / 1000.0,
                     early: o.early,
                     complete: o.finished == o.published,
+                    nackd_us: match lane.mechanism {
+                        Mechanism::Nackd => per_retry(cpu.proxy),
+                        _ => 0.0,
+                    },
+                    broker_us: per_retry(cpu.broker),
                 };
                 // How early the earliest redelivery came (0: none early).
                 let earliest = o.lateness_us.iter().min().copied().unwrap_or(0).min(0);
-                println!(
-                    "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>11.1}  {:>12.0}  {}/{}",
+                crate::out!(
+                    "retry       {:<21} {:>5}  {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:>11.1}  {:>12.0}  {}/{}  {:>14.0}  {:>15.0}",
                     lane.label,
                     round,
                     rate,
@@ -245,16 +277,18 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                     earliest as f64 / 1000.0,
                     o.deliveries as f64 / o.seconds,
                     o.finished,
-                    o.published
+                    o.published,
+                    run.nackd_us,
+                    run.broker_us
                 );
                 runs.entry((m, rate)).or_default().push(run);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }
-    println!("median      mechanism             retries/s  p50 ms   p99 ms   max ms  early  all finished");
+    crate::out!("median      mechanism             retries/s  p50 ms   p99 ms   max ms  early  all finished  nackd µs/retry  broker µs/retry");
     let mut knees = Vec::new();
-    let mut medians: HashMap<(usize, u64), (f64, f64)> = HashMap::new();
+    let mut medians: HashMap<(usize, u64), [f64; 4]> = HashMap::new();
     for (m, lane) in lanes.iter().enumerate() {
         let mut knee = None;
         for &rate in &args.rates {
@@ -265,19 +299,22 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 v[v.len() / 2]
             };
             let (p50, p99) = (median(|r| r.p50), median(|r| r.p99));
-            medians.insert((m, rate), (p50, p99));
+            let (nackd_us, broker_us) = (median(|r| r.nackd_us), median(|r| r.broker_us));
+            medians.insert((m, rate), [p50, p99, nackd_us, broker_us]);
             let max = runs.iter().map(|r| r.max).fold(0.0, f64::max);
             let early: usize = runs.iter().map(|r| r.early).sum();
             let complete = runs.iter().all(|r| r.complete);
-            println!(
-                "median      {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {}",
+            crate::out!(
+                "median      {:<21} {:>9}  {:>6.1}  {:>7.1}  {:>7.1}  {:>5}  {:<12}  {:>14.0}  {:>15.0}",
                 lane.label,
                 rate,
                 p50,
                 p99,
                 max,
                 early,
-                if complete { "yes" } else { "no" }
+                if complete { "yes" } else { "no" },
+                nackd_us,
+                broker_us
             );
             if p99 <= args.knee_ms as f64 && early == 0 && complete {
                 knee = Some(rate);
@@ -287,14 +324,21 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
     }
     if let Some(b) = lanes.iter().position(|l| l.label == BASELINE) {
         for &rate in &args.rates {
-            let ((p50, p99), (b50, b99)) = (medians[&(0, rate)], medians[&(b, rate)]);
-            println!(
-                "versus      nackd / nackd-baseline at {rate:>5}/s: p50 {:.3} / {:.3} ms, p99 {:.3} / {:.3} ms, p99 ratio {:.2}",
+            let ([p50, p99, n_us, k_us], [b50, b99, bn_us, bk_us]) =
+                (medians[&(0, rate)], medians[&(b, rate)]);
+            crate::out!(
+                "versus      nackd / nackd-baseline at {rate:>5}/s: p50 {:.3} / {:.3} ms, p99 {:.3} / {:.3} ms, p99 ratio {:.2}; CPU per retry nackd {:.0} / {:.0} µs, ratio {}, broker {:.0} / {:.0} µs, ratio {}",
                 p50,
                 b50,
                 p99,
                 b99,
-                p99 / b99.max(0.001)
+                p99 / b99.max(0.001),
+                n_us,
+                bn_us,
+                super::baseline::ratio(n_us, bn_us),
+                k_us,
+                bk_us,
+                super::baseline::ratio(k_us, bk_us)
             );
         }
     }
@@ -304,17 +348,17 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
         None => format!("< {} retries/s (no rate tried)", args.rates[0]),
     };
     for (m, k) in &knees {
-        println!("knee        {:<21} {}", m, describe(*k));
+        crate::out!("knee        {:<21} {}", m, describe(*k));
     }
     if let Some(nackd) = knees[0].1 {
         for (m, k) in &knees[1..] {
             match k {
-                Some(k) => println!(
+                Some(k) => crate::out!(
                     "ratio       knee nackd / {:<21} {:.2}",
                     m,
                     nackd as f64 / *k as f64
                 ),
-                None => println!(
+                None => crate::out!(
                     "ratio       knee nackd / {:<21} above (the recipe has no knee in range)",
                     m
                 ),
@@ -489,6 +533,7 @@ async fn one_rate(
     };
     let total_delay: u64 = delays.iter().sum();
     let mut published: Option<u64> = None;
+    let mut trace: Vec<String> = Vec::new();
     loop {
         if publisher.as_ref().is_some_and(|p| p.is_finished()) {
             let done = publisher
@@ -514,6 +559,7 @@ async fn one_rate(
         let Some(delivery) = next else { break };
         let d = delivery?;
         let now = Instant::now();
+        let seen_us = wall_us();
         o.deliveries += 1;
         let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
         let n = match mechanism {
@@ -534,7 +580,14 @@ async fn one_rate(
             if mechanism == Mechanism::BrokerDelayedRetry {
                 rejects.insert(id, n + 1);
             }
+            let before_us = wall_us();
             retry_later(&cch, &d, mechanism, &queue, &waits, n, delays[n]).await?;
+            if args.consumer_trace.is_some() {
+                trace.push(format!(
+                    "{queue} {id} {n} {seen_us} {before_us} {}\n",
+                    wall_us()
+                ));
+            }
         } else {
             d.ack(BasicAckOptions::default()).await?;
             rejects.remove(&id);
@@ -543,6 +596,14 @@ async fn one_rate(
     }
     o.seconds = began.elapsed().as_secs_f64();
     o.published = published.unwrap_or(0);
+    if let Some(file) = &args.consumer_trace {
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(file)?;
+        f.write_all(trace.concat().as_bytes())?;
+    }
     close(&consumer_conn).await;
     for q in waits.iter().chain(std::iter::once(&queue)) {
         let _ = ach
@@ -551,6 +612,13 @@ async fn one_rate(
     }
     close(&admin).await;
     Ok(o)
+}
+
+/// Microseconds since the epoch: the clock a packet capture stamps with.
+fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 async fn retry_later(

@@ -293,6 +293,7 @@ mod tests {
             bytes: msgs * 1024.0,
             published: msgs,
             cpu: CpuUse {
+                seconds: 1.0,
                 machine_busy: 0.9,
                 client: Some(0.5),
                 broker: Some(0.6),
