@@ -699,7 +699,8 @@ impl Engine {
         self.firing.next_wake(self.clock.now_us())
     }
 
-    /// Fires what is due, as far as each republisher has room.
+    /// Fires what was due by the last grid point (`fire::WAKE_GRID_US`),
+    /// as far as each republisher has room.
     fn fire(&mut self) {
         let now_us = self.clock.now_us();
         self.ledger.tick(now_us / 1000);

@@ -35,13 +35,22 @@ use nackd_core::wheel::Wheel;
 /// served in between.
 pub(super) const PASS: usize = 4096;
 
-/// The engine wakes for due messages on this grid (µs): those due within
-/// the same 250 µs go together, at most 250 µs late. Waking for each
-/// message at its exact microsecond cost more wake-ups and writes than it
-/// saved, on a machine shared with the broker: nackd-bench at 3 000
-/// retries/s measured p99 lateness 1.3–1.4 ms with this grid, 2.0–3.4 ms
-/// exact, 1.8–1.9 ms with a 1 ms grid (bench/RESULTS.md, issue 19).
-const WAKE_GRID_US: u64 = 250;
+/// Due messages fire on this grid (µs): those due within the same
+/// millisecond go together, at most 1 ms late. The engine wakes at a grid
+/// point (a timerfd, so not later), and a pass fires only what was due by
+/// the last point ([`Firing::grid_floor`]): a pass run for another reason
+/// (a park, a store write, a confirm: thousands a second under load) fires
+/// nothing new between two points. Firing each message at its own
+/// microsecond (every pass fired what had just fallen due, so the 250 µs
+/// wake grid before this batched nothing) put one publish in each write
+/// to the broker and cost, at 3 000 retries/s, 14 % more CPU per retry in
+/// nackd and 18 % more in the broker than the millisecond wheel before it;
+/// on a machine shared with the broker the consumers' tail grew with it
+/// (issue 37: the bisect, and the side by side runs of `nackd-bench
+/// retry`, in docs/src/results.md). A 250 µs grid with the floor saved
+/// nothing measurable; 1 ms took back half of that CPU and most of the
+/// tail, for 0.3 ms more median lateness.
+const WAKE_GRID_US: u64 = 1000;
 
 /// How long the republishers get to end at shutdown.
 const REPUBLISHERS_STOP: Duration = Duration::from_secs(2);
@@ -173,6 +182,12 @@ impl Firing {
         self.vhost(names, v).wheel.insert(at_us, id)
     }
 
+    /// The last grid point at or before `now_us`: a pass fires what was
+    /// due by then.
+    fn grid_floor(now_us: u64) -> u64 {
+        now_us - now_us % WAKE_GRID_US
+    }
+
     /// A new pass over the vhosts begins.
     pub(super) fn begin_pass(&mut self) {
         self.more = false;
@@ -183,10 +198,11 @@ impl Firing {
         self.vhosts.len() as u32
     }
 
-    /// The next slot of vhost `v` due by `now_us`, while its republisher
-    /// has room and `budget` lasts (when it runs out, the engine is to
-    /// look again at once).
+    /// The next slot of vhost `v` due by the last grid point at or before
+    /// `now_us`, while its republisher has room and `budget` lasts (when
+    /// it runs out, the engine is to look again at once).
     pub(super) fn next_due(&mut self, v: u32, now_us: u64, budget: &mut usize) -> Option<Slot> {
+        let now_us = Self::grid_floor(now_us);
         loop {
             let vh = &mut self.vhosts[v as usize];
             if vh.next == vh.ready.len() {
@@ -371,7 +387,9 @@ impl Firing {
             self.vhosts.push(Vhost {
                 pending_gauge: metrics.republish_pending_bytes.get_or_create_owned(&labels),
                 name,
-                wheel: Wheel::new(self.spawn.clock.now_us()),
+                // On the grid: a message armed when already due is armed
+                // at the wheel's time, which a pass then has reached.
+                wheel: Wheel::new(Self::grid_floor(self.spawn.clock.now_us())),
                 ready: Vec::new(),
                 next: 0,
                 republisher: None,

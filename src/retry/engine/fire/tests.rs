@@ -87,6 +87,37 @@ fn slots_come_out_in_due_order_once_due() {
 }
 
 #[test]
+fn what_falls_due_between_two_grid_points_goes_together_at_the_second() {
+    // A pass runs whenever the engine wakes (a park, a store write, a
+    // confirm): one between two grid points fires nothing new, so the
+    // messages due within one grid period leave in one batch.
+    let (mut f, _, _) = firing(u64::MAX);
+    assert_eq!(T_US % WAKE_GRID_US, 0, "T is a grid point");
+    let a = f.arm(&names(), 0, T_US + 1, 1);
+    let b = f.arm(&names(), 0, T_US + WAKE_GRID_US / 2, 2);
+    let c = f.arm(&names(), 0, T_US + WAKE_GRID_US, 3);
+    let d = f.arm(&names(), 0, T_US + WAKE_GRID_US + 1, 4);
+    for now in [T_US + 1, T_US + WAKE_GRID_US / 2, T_US + WAKE_GRID_US - 1] {
+        assert!(due(&mut f, now).is_empty(), "a pass at {now} fired early");
+    }
+    assert_eq!(due(&mut f, T_US + WAKE_GRID_US), [(a, 1), (b, 2), (c, 3)]);
+    assert!(due(&mut f, 2 * WAKE_GRID_US + T_US - 1).is_empty());
+    assert_eq!(due(&mut f, T_US + 2 * WAKE_GRID_US), [(d, 4)]);
+    assert_eq!(f.next_wake(T_US + 2 * WAKE_GRID_US), None);
+}
+
+#[test]
+fn a_message_armed_when_already_due_fires_at_the_next_pass() {
+    // Overdue (a recovered message, a "fire now"): armed at the wheel's
+    // time, which is on the grid, so the very next pass takes it.
+    let (mut f, clock, _) = firing(u64::MAX);
+    clock.advance(Duration::from_micros(WAKE_GRID_US / 3));
+    let armed = f.arm(&names(), 0, 0, 1);
+    assert!(armed <= T_US + WAKE_GRID_US / 3, "{armed}");
+    assert_eq!(due(&mut f, T_US + WAKE_GRID_US / 3), [(armed, 1)]);
+}
+
+#[test]
 fn the_next_wake_is_the_next_deadline_on_the_grid() {
     let (mut f, _, _) = firing(u64::MAX);
     assert_eq!(f.next_wake(T_US), None, "nothing armed");
