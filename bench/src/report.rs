@@ -19,6 +19,20 @@ use std::time::SystemTime;
 use super::BenchResult;
 
 static KEPT: Mutex<String> = Mutex::new(String::new());
+/// Why this run's figures must not be recorded, if they must not.
+static SPOILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// The run failed one of its own checks (a message lost or early through
+/// nackd): it still prints its report, but `--record` refuses it rather
+/// than replace a good entry.
+pub fn spoil(why: String) {
+    SPOILED.lock().unwrap_or_else(|e| e.into_inner()).push(why);
+}
+
+/// Why the run must not be recorded (empty: it may).
+pub fn spoiled() -> Vec<String> {
+    SPOILED.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
 
 /// Prints one line of the report (`println!`'s arguments) and keeps it
 /// for `--record`.
@@ -175,6 +189,14 @@ pub fn results_file(results: Option<&Path>) -> BenchResult<(PathBuf, PathBuf)> {
 
 /// Writes the report printed so far as the entry `name` of the results file.
 pub fn record(name: &str, results: Option<&Path>) -> BenchResult<PathBuf> {
+    let spoiled = spoiled();
+    if !spoiled.is_empty() {
+        return Err(format!(
+            "--record {name}: not recorded, the run failed its own checks: {}",
+            spoiled.join("; ")
+        )
+        .into());
+    }
     let (repo, file) = results_file(results)?;
     let old = match std::fs::read_to_string(&file) {
         Ok(text) => text,
@@ -259,6 +281,51 @@ mod tests {
         for bad in ["", "Retry", "3000", "retry 3000", "retry_3000", "ré"] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// Every report line goes through `out!`, or `--record` would leave
+    /// it out of the entry (passthrough's figures once were).
+    #[test]
+    fn no_scenario_prints_around_the_report() {
+        fn walk(dir: &Path, found: &mut Vec<String>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let path = e.unwrap().path();
+                if path.is_dir() {
+                    walk(&path, found);
+                } else if path.extension().is_some_and(|x| x == "rs")
+                    && !path.ends_with("src/report.rs")
+                {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    for (n, line) in text.lines().enumerate() {
+                        if line.contains(concat!("print", "ln!("))
+                            && !line.contains(concat!("e", "print", "ln!("))
+                        {
+                            found.push(format!("{}:{}: {line}", path.display(), n + 1));
+                        }
+                    }
+                }
+            }
+        }
+        let mut found = Vec::new();
+        walk(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut found,
+        );
+        assert!(
+            found.is_empty(),
+            "use crate::out! instead:\n{}",
+            found.join("\n")
+        );
+    }
+
+    #[test]
+    fn a_run_that_failed_its_checks_is_not_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("results.md");
+        spoil("nackd delivered 2 early at 3000/s".into());
+        let e = record("retry-tail", Some(&file)).unwrap_err().to_string();
+        assert!(e.contains("nackd delivered 2 early at 3000/s"), "{e}");
+        assert!(!file.exists());
     }
 
     #[test]

@@ -316,6 +316,18 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 nackd_us,
                 broker_us
             );
+            if !complete {
+                crate::report::spoil(format!(
+                    "{} did not get every message back at {rate}/s",
+                    lane.label
+                ));
+            }
+            if early > 0 && lane.mechanism == Mechanism::Nackd {
+                crate::report::spoil(format!(
+                    "{} delivered {early} early at {rate}/s",
+                    lane.label
+                ));
+            }
             if p99 <= args.knee_ms as f64 && early == 0 && complete {
                 knee = Some(rate);
             }

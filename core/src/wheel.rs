@@ -1,6 +1,7 @@
 //! A hierarchical timing wheel with one-tick resolution (the engine's tick
-//! is a microsecond: a message parked for 100 ms fires 100 ms after its
-//! nack, not up to a millisecond later as a millisecond wheel would).
+//! is a microsecond; the engine itself fires on a 1 ms grid, see
+//! `WAKE_GRID_US` in the retry engine, so that messages due within one
+//! millisecond leave together).
 //!
 //! Nine levels of 64 slots; level `n` slots are `64^n` ticks wide, so the
 //! wheel spans 64^9 µs (about 570 years); an entry due later waits in the

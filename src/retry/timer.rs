@@ -1,5 +1,6 @@
-//! The engine's alarm: wakes it when the next held message falls due,
-//! within tens of microseconds.
+//! The engine's alarm: wakes it at the next grid point at which a held
+//! message is due (the engine fires on a 1 ms grid), within tens of
+//! microseconds of that point.
 //!
 //! tokio's timers tick in whole milliseconds: a sleep until `t` rounds `t`
 //! up to the driver's next tick, and the driver's `epoll_wait` rounds its

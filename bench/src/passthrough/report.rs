@@ -108,7 +108,7 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
             ),
             false => String::new(),
         };
-        println!(
+        crate::out!(
             "{what}  {:<7}  {:.0} msg/s{volume}  min–max {lo:.0}–{hi:.0}  rounds {}  ({}){}",
             side.label(),
             median_of(rounds, |r| r.msgs),
@@ -134,17 +134,17 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
         ),
         None => "no target".into(),
     };
-    println!("{what}  ratio    nackd/direct {text}  {target}");
+    crate::out!("{what}  ratio    nackd/direct {text}  {target}");
     if let Some(baseline) = msgs(Side::Baseline) {
         let (_, text) = ratio_text(&nackd, &baseline);
-        println!("{what}  ratio    nackd/baseline {text}");
+        crate::out!("{what}  ratio    nackd/baseline {text}");
         print_proxy_cpu(what, sides, Side::Baseline, None);
     }
     let Some(haproxy) = msgs(Side::Haproxy) else {
         return;
     };
     let (_, text) = ratio_text(&haproxy, &direct);
-    println!("{what}  ratio    haproxy/direct {text}");
+    crate::out!("{what}  ratio    haproxy/direct {text}");
     let (ratio, text) = ratio_text(&nackd, &haproxy);
     let target = goals.map_or(String::new(), |g| {
         format!(
@@ -153,7 +153,7 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
             verdict(ratio >= g.nackd_vs_haproxy)
         )
     });
-    println!("{what}  ratio    nackd/haproxy {text}{target}");
+    crate::out!("{what}  ratio    nackd/haproxy {text}{target}");
     let target = goals.map(|g| g.cpu_vs_haproxy);
     print_proxy_cpu(what, sides, Side::Haproxy, target);
 }
@@ -163,7 +163,9 @@ pub(super) fn print_rates(what: &str, sides: &Sides<Rate>, goals: Option<Goals>,
 fn print_proxy_cpu(what: &str, sides: &Sides<Rate>, other: Side, target: Option<f64>) {
     let cpu = |side| sides.of(side).and_then(proxy_cpu);
     let (Some(nackd), Some(theirs)) = (cpu(Side::Nackd), cpu(other)) else {
-        println!("{what}  proxy CPU not known for both proxies (a proxy this run did not start)");
+        crate::out!(
+            "{what}  proxy CPU not known for both proxies (a proxy this run did not start)"
+        );
         return;
     };
     let us = |v: &[f64]| {
@@ -178,7 +180,7 @@ fn print_proxy_cpu(what: &str, sides: &Sides<Rate>, other: Side, target: Option<
         format!("  issue 24 target <= {t:.2}: {}", verdict(ratio <= t))
     });
     let name = other.label();
-    println!(
+    crate::out!(
         "{what}  proxy CPU  nackd {}  {name} {}  nackd/{name} {text}{target}",
         us(&nackd),
         us(&theirs)
@@ -233,7 +235,7 @@ pub(super) fn print_latency(what: &str, sides: &Sides<Latency>) {
             .max()
             .unwrap_or_default();
         let rates: Vec<Rate> = rounds.iter().map(|l| l.rate).collect();
-        println!(
+        crate::out!(
             "{what}  {:<7}  p50 {}  p99 {}  ({count} samples, max {})  rounds p50 {}  p99 {}  ({})",
             side.label(),
             ms(Duration::from_secs_f64(p50)),
@@ -254,7 +256,7 @@ pub(super) fn print_latency(what: &str, sides: &Sides<Latency>) {
 }
 
 fn print_added(what: &str, side: Side, a50: f64, a99: f64) {
-    println!(
+    crate::out!(
         "{what}  added    {} p50 {a50:+.3} ms (target <= {}: {})  p99 {a99:+.3} ms (target <= {}: {})",
         side.label(),
         ms(ADDED_P50_MAX),

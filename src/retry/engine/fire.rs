@@ -37,7 +37,8 @@ pub(super) const PASS: usize = 4096;
 
 /// Due messages fire on this grid (µs): those due within the same
 /// millisecond go together, at most 1 ms late. The engine wakes at a grid
-/// point (a timerfd, so not later), and a pass fires only what was due by
+/// point (a timerfd: never before it, tens of µs after it on an idle
+/// machine), and a pass fires only what was due by
 /// the last point ([`Firing::grid_floor`]): a pass run for another reason
 /// (a park, a store write, a confirm: thousands a second under load) fires
 /// nothing new between two points. Firing each message at its own
@@ -387,8 +388,11 @@ impl Firing {
             self.vhosts.push(Vhost {
                 pending_gauge: metrics.republish_pending_bytes.get_or_create_owned(&labels),
                 name,
-                // On the grid: a message armed when already due is armed
-                // at the wheel's time, which a pass then has reached.
+                // On the grid: a message armed for a time the wheel has
+                // passed (recovered overdue, "fire now") is armed at the
+                // wheel's time, which the next pass has reached. One due
+                // since the last grid point waits for the next one, like
+                // any other.
                 wheel: Wheel::new(Self::grid_floor(self.spawn.clock.now_us())),
                 ready: Vec::new(),
                 next: 0,

@@ -107,14 +107,18 @@ fn what_falls_due_between_two_grid_points_goes_together_at_the_second() {
 }
 
 #[test]
-fn a_message_armed_when_already_due_fires_at_the_next_pass() {
+fn a_message_armed_for_a_time_the_wheel_passed_fires_at_the_next_pass() {
     // Overdue (a recovered message, a "fire now"): armed at the wheel's
     // time, which is on the grid, so the very next pass takes it.
     let (mut f, clock, _) = firing(u64::MAX);
     clock.advance(Duration::from_micros(WAKE_GRID_US / 3));
     let armed = f.arm(&names(), 0, 0, 1);
-    assert!(armed <= T_US + WAKE_GRID_US / 3, "{armed}");
+    assert_eq!(armed, T_US, "the wheel started on the grid point before");
     assert_eq!(due(&mut f, T_US + WAKE_GRID_US / 3), [(armed, 1)]);
+    // One due after the last grid point waits for the next, never early.
+    let soon = f.arm(&names(), 0, T_US + WAKE_GRID_US / 4, 2);
+    assert!(due(&mut f, T_US + WAKE_GRID_US / 3).is_empty());
+    assert_eq!(due(&mut f, T_US + WAKE_GRID_US), [(soon, 2)]);
 }
 
 #[test]
