@@ -73,12 +73,31 @@ pub struct NackdProcess {
     dir: tempfile::TempDir,
 }
 
+/// `--nackd BIN`, set once by [`measure`] before a scenario starts.
+static MEASURED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Measures `binary` instead of the `nackd` beside this executable (the
+/// command line's `--nackd`; e.g. another commit's build in a bisect).
+pub fn measure(binary: PathBuf) {
+    let _ = MEASURED.set(binary);
+}
+
+/// Whether `--nackd` named the measured binary.
+pub fn measured_given() -> bool {
+    MEASURED.get().is_some()
+}
+
 impl NackdProcess {
-    /// The `nackd` binary next to the running executable
-    /// (`target/release/nackd` beside `target/release/nackd-bench`).
+    /// The measured nackd: `--nackd BIN` if given, else the `nackd`
+    /// binary next to the running executable (`target/release/nackd`
+    /// beside `target/release/nackd-bench`).
     pub fn sibling_binary() -> Result<PathBuf, LaunchError> {
-        let exe = std::env::current_exe().map_err(io("locating the running executable"))?;
-        let binary = exe.with_file_name("nackd");
+        let binary = match MEASURED.get() {
+            Some(binary) => binary.clone(),
+            None => std::env::current_exe()
+                .map_err(io("locating the running executable"))?
+                .with_file_name("nackd"),
+        };
         if !binary.is_file() {
             return Err(LaunchError::Missing(binary));
         }

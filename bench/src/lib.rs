@@ -68,6 +68,11 @@ pub struct Cli {
     /// docs/src/results.md of the repository).
     #[arg(long, global = true, value_name = "FILE", requires = "record")]
     pub results: Option<std::path::PathBuf>,
+    /// Measure this nackd binary instead of the `nackd` beside
+    /// nackd-bench (e.g. a cached `target/bench-baselines/<sha>/nackd`
+    /// while bisecting, against `--baseline-rev` of the commit before).
+    #[arg(long, global = true, value_name = "BIN")]
+    pub nackd: Option<std::path::PathBuf>,
 }
 
 /// The scenarios.
@@ -161,7 +166,9 @@ impl Targets {
             Some(_) => None,
             None => {
                 let binary = NackdProcess::sibling_binary()?;
-                warn_if_stale(&binary);
+                if !launcher::measured_given() {
+                    warn_if_stale(&binary);
+                }
                 let mut extra = extra.to_string();
                 if let Some(path) = &common.nackd_config {
                     let (more, settings) = read_nackd_config(path)?;
@@ -435,6 +442,9 @@ pub(crate) fn run_id() -> String {
 
 /// Runs the scenario the command line names.
 pub async fn run(cli: Cli) -> BenchResult<()> {
+    if let Some(binary) = cli.nackd {
+        launcher::measure(std::path::absolute(&binary).unwrap_or(binary));
+    }
     if let Some(name) = &cli.record {
         report::check_name(name)?;
         // Before the run, so that a missing repository ends it first.

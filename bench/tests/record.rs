@@ -1,6 +1,7 @@
 //! `--record NAME`: a run that succeeds writes its whole report into the
 //! results file as the entry NAME, with the command, the commit, the date
-//! and the kernel; a second run of the same name replaces it; a name that
+//! and the kernel; a second run of the same name replaces it (that one
+//! measures another nackd binary, named with `--nackd`); a name that
 //! cannot be an anchor ends the run before anything is measured. A short
 //! `retry` run through a real nackd in front of the broker on
 //! 127.0.0.1:5672.
@@ -12,8 +13,9 @@ mod common;
 
 use common::{nackd, BENCH};
 
-fn record(results: &Path, name: &str) -> Output {
-    Command::new(BENCH)
+fn record(results: &Path, name: &str, nackd: Option<&Path>) -> Output {
+    let mut bench = Command::new(BENCH);
+    bench
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("NACKD_BENCH_LOG", "warn,lapin=off")
         .args([
@@ -34,15 +36,19 @@ fn record(results: &Path, name: &str) -> Output {
             name,
             "--results",
         ])
-        .arg(results)
-        .output()
-        .expect("running nackd-bench")
+        .arg(results);
+    if let Some(nackd) = nackd {
+        bench.arg("--nackd").arg(nackd);
+    }
+    bench.output().expect("running nackd-bench")
 }
 
 #[test]
 fn a_recorded_run_is_one_entry_with_its_command_commit_date_and_report() {
-    nackd();
     let dir = tempfile::tempdir().unwrap();
+    // The second run measures a copy of nackd named with --nackd.
+    let copy = dir.path().join("nackd-copy");
+    std::fs::copy(nackd(), &copy).unwrap();
     let results = dir.path().join("results.md");
     std::fs::write(
         &results,
@@ -50,8 +56,14 @@ fn a_recorded_run_is_one_entry_with_its_command_commit_date_and_report() {
     )
     .unwrap();
     for run in 1..=2 {
-        let out = record(&results, "retry-short");
+        let out = record(
+            &results,
+            "retry-short",
+            (run == 2).then_some(copy.as_path()),
+        );
         let stdout = String::from_utf8_lossy(&out.stdout);
+        let measured = format!("nackd       {} (pid", copy.display());
+        assert_eq!(stdout.contains(&measured), run == 2, "run {run}: {stdout}");
         assert!(
             out.status.success(),
             "run {run}:\n{stdout}\n{}",
@@ -97,7 +109,7 @@ fn a_recorded_run_is_one_entry_with_its_command_commit_date_and_report() {
 fn a_name_that_is_not_an_anchor_ends_the_run_before_it_starts() {
     let dir = tempfile::tempdir().unwrap();
     let results = dir.path().join("results.md");
-    let out = record(&results, "Retry Short");
+    let out = record(&results, "Retry Short", None);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--record \"Retry Short\""), "{stderr}");
