@@ -21,7 +21,7 @@
 //! after nackd, with the same load; `versus` lines give nackd / baseline
 //! for the confirmed publish rate and the lateness p50 / p99.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -66,9 +66,7 @@ const BASELINE: &str = "nackd-baseline";
 const NACKD_TOML: &str = "[delayed]\nenabled = true\n";
 
 fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    crate::wall_us() / 1000
 }
 
 /// Declares `name` through `ch`: delayed (`x-delayed-message` of real

@@ -434,10 +434,15 @@ pub(crate) fn print_warnings(label: &str, what: &str, warnings: &[String]) {
 /// the instance ids and groups of the scenarios that start nackds with
 /// `[replica]`, so that no run adopts another's messages.
 pub(crate) fn run_id() -> String {
-    let micros = SystemTime::now()
+    format!("{}-{}", std::process::id(), wall_us())
+}
+
+/// Microseconds since the epoch (0 before it): the clock packet captures
+/// and other hosts stamp with.
+pub(crate) fn wall_us() -> u64 {
+    SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros());
-    format!("{}-{micros}", std::process::id())
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Runs the scenario the command line names.
@@ -445,14 +450,18 @@ pub async fn run(cli: Cli) -> BenchResult<()> {
     if let Some(binary) = cli.nackd {
         launcher::measure(std::path::absolute(&binary).unwrap_or(binary));
     }
-    if let Some(name) = &cli.record {
-        report::check_name(name)?;
-        // Before the run, so that a missing repository ends it first.
-        report::results_file(cli.results.as_deref())?;
-    }
+    // Before the run, so that a bad name or a missing repository ends it
+    // before anything is measured.
+    let record = match &cli.record {
+        Some(name) => {
+            report::check_name(name)?;
+            Some((name, report::results_file(cli.results.as_deref())?))
+        }
+        None => None,
+    };
     run_scenario(cli.scenario).await?;
-    if let Some(name) = &cli.record {
-        let file = report::record(name, cli.results.as_deref())?;
+    if let Some((name, (repo, file))) = record {
+        report::record(name, &repo, &file)?;
         eprintln!("recorded as {name} in {}", file.display());
     }
     Ok(())

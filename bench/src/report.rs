@@ -187,8 +187,9 @@ pub fn results_file(results: Option<&Path>) -> BenchResult<(PathBuf, PathBuf)> {
     Ok((repo, file))
 }
 
-/// Writes the report printed so far as the entry `name` of the results file.
-pub fn record(name: &str, results: Option<&Path>) -> BenchResult<PathBuf> {
+/// Writes the report printed so far as the entry `name` of `file`,
+/// recording the commit of `repo` ([`results_file`] finds both).
+pub fn record(name: &str, repo: &Path, file: &Path) -> BenchResult<()> {
     let spoiled = spoiled();
     if !spoiled.is_empty() {
         return Err(format!(
@@ -197,8 +198,7 @@ pub fn record(name: &str, results: Option<&Path>) -> BenchResult<PathBuf> {
         )
         .into());
     }
-    let (repo, file) = results_file(results)?;
-    let old = match std::fs::read_to_string(&file) {
+    let old = match std::fs::read_to_string(file) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(format!("reading {}: {e}", file.display()).into()),
@@ -206,12 +206,12 @@ pub fn record(name: &str, results: Option<&Path>) -> BenchResult<PathBuf> {
     let new = with_entry(
         &old,
         name,
-        &entry(name, &Provenance::here(&repo), &printed()),
+        &entry(name, &Provenance::here(repo), &printed()),
     );
     let tmp = file.with_extension("md.tmp");
     std::fs::write(&tmp, new).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &file).map_err(|e| format!("renaming to {}: {e}", file.display()))?;
-    Ok(file)
+    std::fs::rename(&tmp, file).map_err(|e| format!("renaming to {}: {e}", file.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -323,7 +323,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("results.md");
         spoil("nackd delivered 2 early at 3000/s".into());
-        let e = record("retry-tail", Some(&file)).unwrap_err().to_string();
+        let e = record("retry-tail", dir.path(), &file)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("nackd delivered 2 early at 3000/s"), "{e}");
         assert!(!file.exists());
     }

@@ -33,7 +33,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 use super::baseline::BaselineArgs;
-use super::cpu::{CpuSample, Processes};
+use super::cpu::{us_per_message, CpuSample, Processes};
 use super::load::{close, connect, consume_queue, durable, unique_queue};
 use super::machine::Machine;
 use super::stats::percentile;
@@ -246,10 +246,9 @@ pub async fn run(mut args: Args) -> BenchResult<()> {
                 let before = CpuSample::now(&processes);
                 let o = one_rate(lane.mechanism, rate, &args, &targets.broker, &lane.addr).await?;
                 let cpu = before.until(&CpuSample::now(&processes));
+                let retries_per_sec = o.lateness_us.len().max(1) as f64 / cpu.seconds;
                 let per_retry = |cores: Option<f64>| {
-                    cores.map_or(f64::NAN, |c| {
-                        c * cpu.seconds * 1e6 / o.lateness_us.len().max(1) as f64
-                    })
+                    cores.map_or(f64::NAN, |c| us_per_message(c, retries_per_sec))
                 };
                 let run = Run {
                     p50: o.p(50.0),
@@ -571,7 +570,7 @@ async fn one_rate(
         let Some(delivery) = next else { break };
         let d = delivery?;
         let now = Instant::now();
-        let seen_us = wall_us();
+        let seen_us = crate::wall_us();
         o.deliveries += 1;
         let id = u64::from_be_bytes(d.data[..8].try_into().map_err(|_| "short body")?);
         let n = match mechanism {
@@ -592,12 +591,12 @@ async fn one_rate(
             if mechanism == Mechanism::BrokerDelayedRetry {
                 rejects.insert(id, n + 1);
             }
-            let before_us = wall_us();
+            let before_us = crate::wall_us();
             retry_later(&cch, &d, mechanism, &queue, &waits, n, delays[n]).await?;
             if args.consumer_trace.is_some() {
                 trace.push(format!(
                     "{queue} {id} {n} {seen_us} {before_us} {}\n",
-                    wall_us()
+                    crate::wall_us()
                 ));
             }
         } else {
@@ -624,13 +623,6 @@ async fn one_rate(
     }
     close(&admin).await;
     Ok(o)
-}
-
-/// Microseconds since the epoch: the clock a packet capture stamps with.
-fn wall_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 async fn retry_later(
