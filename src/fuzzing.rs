@@ -81,10 +81,17 @@ mod tests {
             records: vec![Bytes::from(put.clone()), Bytes::from(put.clone())],
         }
         .encode();
+        let part = Record::AdoptedPart {
+            by: "b".into(),
+            epoch: 3,
+            moved: vec![(7, 1), (8, 2)],
+        }
+        .encode();
         store_record(&put);
         stream_record(&stream);
         stream_record(&moved);
-        for data in [put, stream, moved] {
+        stream_record(&part);
+        for data in [put, stream, moved, part] {
             for at in 0..data.len().min(4096) {
                 let mut bad = data.clone();
                 bad[at] ^= 0x5a;

@@ -50,7 +50,7 @@ mod task;
 pub use adopt::Adopt;
 pub use client::{ClientError, Target};
 pub use local::Synced;
-pub use record::{Fold, Intent, Record, Step};
+pub use record::{Fold, Intent, Record, Step, PART_MAX};
 #[cfg(test)]
 pub(crate) use task::Command;
 pub use task::SyncOutcome;
@@ -70,6 +70,8 @@ pub struct Config {
     pub done_every: Duration,
     /// An id whose lease stays free this long is adopted.
     pub adopt_after: Duration,
+    /// An adoption commits what it took in parts of this many messages.
+    pub adopt_part: usize,
     /// A generation is replaced once it holds more than twice the live
     /// bytes plus this much.
     pub generation_slack: u64,

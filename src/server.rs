@@ -220,6 +220,7 @@ fn replica_config(
         store_dir: config.store.path.clone(),
         done_every: r.completions_every,
         adopt_after: r.adopt_after,
+        adopt_part: r.adopt_part,
         generation_slack: r.generation_slack,
         previous_nodes: r.previous_addresses.clone(),
     }))

@@ -94,6 +94,9 @@ struct Watched {
     /// B logged its commit ("adoption committed", before any of them is
     /// scheduled).
     committed: Option<Duration>,
+    /// B logged the commit of its first part (the soonest due: issue 36);
+    /// none from a build that commits in one step, or a part-less one.
+    first_part: Option<Duration>,
 }
 
 /// The figures a lane's failover came to, compared with the baseline's.
@@ -423,6 +426,9 @@ async fn watch(
                 .and_then(|took| debug_duration(&took));
             // Seen on the metric after the commit: it was parked by then.
             seen.parked = Some(seen.parked.map_or(since, |p| p.min(since)));
+            seen.first_part = (b.nackd)
+                .logged_at("committed a part of an adoption: its messages are scheduled")
+                .map(|at| at.duration_since(killed_at).unwrap_or_default());
         }
         if shown.elapsed() >= Duration::from_secs(5) {
             crate::out!(
@@ -472,8 +478,16 @@ fn report(
     let committed = secs(seen.committed);
     let took = secs(seen.parks_took);
     let rate = args.count as f64 / took;
+    let first_part = match seen.first_part {
+        Some(at) => format!(
+            "its first part (the soonest due) after {:.2} s ({:.1} s after adopt_after)",
+            at.as_secs_f64(),
+            at.as_secs_f64() - adopt_after
+        ),
+        None => "no part committed before it".into(),
+    };
     crate::out!(
-        "adoption    from the kill: every message parked by B after {:.2} s, committed after {committed:.2} s ({:.1} s after adopt_after, B's next look included); B's parks took {took:.2} s: {rate:.0} messages/s",
+        "adoption    from the kill: every message parked by B after {:.2} s, committed after {committed:.2} s ({:.1} s after adopt_after, B's next look included), {first_part}; B's parks took {took:.2} s: {rate:.0} messages/s",
         secs(seen.parked),
         committed - adopt_after,
     );

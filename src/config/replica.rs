@@ -29,6 +29,16 @@ pub struct Replica {
     #[serde(default = "default_adopt_after", with = "humantime_serde")]
     #[schemars(with = "DurationText")]
     pub adopt_after: Duration,
+    /// An adoption commits the messages it took in parts of this many
+    /// (up to 32768), the soonest due first: each part fires once
+    /// committed, while the rest is still being taken. Smaller parts fire
+    /// sooner and write more records to the adopted instance's directory
+    /// (16 bytes a message). 0: in one step, all at the end (as 0.1.0
+    /// did; for a group that still runs 0.1.0, which cannot read the
+    /// parts' records).
+    #[serde(default = "default_adopt_part")]
+    #[schemars(range(min = 0, max = 32768))]
+    pub adopt_part: usize,
     /// Heartbeat of the replica connection: a holder that loses the broker
     /// stops acting after about one interval, the broker frees its lease
     /// after about two. At least 1s.
@@ -78,6 +88,10 @@ fn default_adopt_after() -> Duration {
     Duration::from_secs(60)
 }
 
+fn default_adopt_part() -> usize {
+    20_000
+}
+
 fn default_heartbeat() -> Duration {
     Duration::from_secs(5)
 }
@@ -116,6 +130,12 @@ impl Replica {
             return Err((
                 "replica.adopt_after".into(),
                 "must be at least three heartbeats".into(),
+            ));
+        }
+        if self.adopt_part > crate::replica::PART_MAX {
+            return Err((
+                "replica.adopt_part".into(),
+                format!("{}: use 0 to {}", self.adopt_part, crate::replica::PART_MAX),
             ));
         }
         if self.cluster_size == Some(0) {

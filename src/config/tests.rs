@@ -304,6 +304,14 @@ fn replica_keys_have_defaults_and_are_checked_by_name() {
     assert!(e.contains("replica.instance"), "{e}");
     let e = err("[replica]\ninstance = \"a\"\nheartbeat = \"5s\"\nadopt_after = \"10s\"\n");
     assert!(e.contains("replica.adopt_after"), "{e}");
+    assert_eq!(replica.adopt_part, 20_000);
+    let e = err("[replica]\ninstance = \"a\"\nadopt_part = 32769\n");
+    assert!(e.contains("replica.adopt_part"), "{e}");
+    let one_step = Config::parse(
+        "[replica]\ninstance = \"a\"\nadopt_part = 0\n",
+        Path::new("x"),
+    );
+    assert_eq!(one_step.unwrap().replica.unwrap().adopt_part, 0);
 }
 
 /// Issue 20, item 5: RabbitMQ 4.1+ resets a connection that tunes a

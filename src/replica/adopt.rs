@@ -11,15 +11,20 @@
 //! lease like any standby, then finds the directory adopted and discards
 //! its local copy.
 //!
-//! An adoption is one step (see [`super::record`]): the adopter writes its
-//! intent (`Adopting`, a new epoch) to the adopted directory before it
-//! parks anything; each park is a moved put naming the intent; the
-//! adopted messages are held but do not fire; `Adopted` with the same
-//! epoch commits them all at once, and only then are they scheduled. An
-//! adopter killed half way has fired none of them, and its parks never
+//! An adoption is one intent (see [`super::record`]): the adopter writes
+//! it (`Adopting`, a new epoch) to the adopted directory before it parks
+//! anything; each park is a moved put naming the intent; the adopted
+//! messages are held but do not fire until a commit names them. The
+//! adopter reads the adopted stream once to learn what it holds, parks
+//! the soonest due first, and commits every `replica.adopt_part` parks as
+//! a part (`AdoptedPart`: their ids there and ours), which fire at once;
+//! `Adopted` with the same epoch commits the rest. An adopter killed half
+//! way has fired only what its parts committed, and its other parks never
 //! count (a rebuild or an adoption of its stream drops them): the next
-//! adopter takes every message from the adopted stream again. An intent
-//! whose adopter is alive is left to it (it resumes where it stopped).
+//! adopter takes every message from the adopted stream again, but those
+//! the parts gave away, which count in the killed adopter's stream. An
+//! intent whose adopter is alive is left to it (it resumes where it
+//! stopped).
 //!
 //! The steps of one attempt are the states of [`phase::Attempt`]: a
 //! transition function without I/O (each transition is unit-tested), and
@@ -39,7 +44,7 @@ use tracing::{error, info, warn};
 
 use super::client::{Client, ClientError};
 use super::lease::{self, Lease};
-use super::record::{Fold, Intent, Record, Step};
+use super::record::{Fold, Intent, Record, Step, PART_MAX};
 use super::{local, Config, State};
 use crate::metrics::Metrics;
 use crate::store::Held;
@@ -150,11 +155,17 @@ pub(super) struct Watch {
 }
 
 /// An adoption's parks, until committed: the epoch of its intent, and the
-/// messages parked so far (their id there → ours).
+/// messages parked and not committed yet (their id there → ours).
 #[derive(Debug, Default)]
 struct Progress {
     epoch: Option<u64>,
     ours: HashMap<u64, u64>,
+    /// Our ids that the directory, when last read, showed in committed
+    /// parts of this intent: those of `ours` among them are committed
+    /// (a part whose answer was lost), whatever becomes of the intent.
+    landed: HashSet<u64>,
+    /// Messages of this intent committed in parts so far.
+    released: usize,
 }
 
 impl Watch {
@@ -402,6 +413,12 @@ pub(super) struct Directory {
     last_intent: u64,
     /// The epochs of committed intents.
     committed: HashSet<u64>,
+    /// Its messages a committed part gave away (their id there): every
+    /// reader of its stream leaves them out.
+    given: HashSet<u64>,
+    /// The adopter's ids (of its moved puts) each intent's committed
+    /// parts name: those count whatever becomes of the intent.
+    parts: HashMap<u64, HashSet<u64>>,
     /// The highest lease epoch of the instance itself.
     holder_epoch: u64,
     /// The `upstream.addresses` its holder listed (none from older
@@ -445,6 +462,22 @@ impl Directory {
                     dir.adopted = true;
                     dir.open = None;
                     dir.committed.extend(epoch);
+                    // All of it is adopted: nothing is left to give (the
+                    // instance starts a new generation, wiped), and the
+                    // parts of this intent count whole.
+                    dir.given.clear();
+                    epoch.map(|e| dir.parts.remove(&e));
+                }
+                Record::AdoptedPart { epoch, moved, .. } => {
+                    dir.last_intent = dir.last_intent.max(epoch);
+                    if dir.committed.contains(&epoch) {
+                        continue;
+                    }
+                    let ours = dir.parts.entry(epoch).or_default();
+                    for (theirs, id) in moved {
+                        dir.given.insert(theirs);
+                        ours.insert(id);
+                    }
                 }
                 _ => {}
             }
@@ -453,51 +486,76 @@ impl Directory {
     }
 }
 
-/// Whether moved puts count: their adoption committed, as the adopted
-/// instance's directory says (read once per intent).
+/// Whether moved puts count: their adoption committed, or a committed
+/// part of it names them, as the adopted instance's directory says (read
+/// once per intent).
 #[derive(Default)]
 pub(super) struct Commits {
-    known: HashMap<Intent, bool>,
+    known: HashMap<Intent, Verdict>,
+}
+
+/// What the adopted instance's directory says of one intent.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Committed,
+    /// Not committed: only the moved puts of these ids count.
+    Parts(HashSet<u64>),
+}
+
+impl Verdict {
+    /// Of the intent `epoch`, by the adopted instance's directory (none:
+    /// gone, so nobody can adopt that instance any more, and this is the
+    /// one copy left).
+    fn of(dir: Option<Directory>, epoch: u64) -> Self {
+        match dir {
+            None => Verdict::Committed,
+            Some(d) if d.committed.contains(&epoch) => Verdict::Committed,
+            Some(mut d) => Verdict::Parts(d.parts.remove(&epoch).unwrap_or_default()),
+        }
+    }
 }
 
 impl Commits {
-    /// Whether a put moved by `from` counts. A directory that is gone
-    /// counts as committed: nobody can adopt that instance any more, so
-    /// this is the one copy left.
+    /// Whether the put of `id` moved by `from` counts. A directory that is
+    /// gone counts as committed: nobody can adopt that instance any more,
+    /// so this is the one copy left.
     pub(super) async fn counts(
         &mut self,
         client: &Client,
         from: &Intent,
+        id: u64,
     ) -> Result<bool, ClientError> {
-        if let Some(known) = self.known.get(from) {
-            return Ok(*known);
+        if !self.known.contains_key(from) {
+            let verdict = Verdict::of(Directory::read(client, &from.from).await?, from.epoch);
+            if let Verdict::Parts(parts) = &verdict {
+                info!(
+                    from = from.from,
+                    epoch = from.epoch,
+                    committed_in_parts = parts.len(),
+                    "moved messages of an adoption that was never committed: only those of its committed parts are held"
+                );
+            }
+            self.known.insert(from.clone(), verdict);
         }
-        let counts = Directory::read(client, &from.from)
-            .await?
-            .is_none_or(|d| d.committed.contains(&from.epoch));
-        if !counts {
-            info!(
-                from = from.from,
-                epoch = from.epoch,
-                "moved messages of an adoption that was never committed: not held"
-            );
-        }
-        self.known.insert(from.clone(), counts);
-        Ok(counts)
+        Ok(match &self.known[from] {
+            Verdict::Committed => true,
+            Verdict::Parts(ids) => ids.contains(&id),
+        })
     }
 }
 
 /// An adoption cut off whose commit may or may not have landed (its
 /// answer lost): the adopted directory says. Committed: its parks are
-/// scheduled. Not: they are completed. Unreadable: kept (returned), for
-/// the next round; never completed on a guess, since a commit that landed
-/// leaves the adopted stream unread by anyone else.
+/// scheduled. Not: they are completed, but those a committed part names,
+/// which are scheduled. Unreadable: kept (returned), for the next round;
+/// never completed on a guess, since a commit that landed leaves the
+/// adopted stream unread by anyone else.
 async fn settle(
     client: &Client,
     engine: &mpsc::Sender<Adopt>,
     config: &Config,
     from: &str,
-    progress: Progress,
+    mut progress: Progress,
 ) -> Option<Progress> {
     let Some(epoch) = progress.epoch else {
         abandon(engine, config, from, progress).await;
@@ -509,7 +567,9 @@ async fn settle(
             schedule(engine, config, from, epoch, progress).await;
             None
         }
-        Ok(_) => {
+        Ok(dir) => {
+            let mut dir = dir.expect("read");
+            progress.landed = dir.parts.remove(&epoch).unwrap_or_default();
             abandon(engine, config, from, progress).await;
             None
         }
@@ -533,10 +593,17 @@ async fn schedule(
         from,
         epoch,
         messages = ids.len(),
+        in_parts_before = progress.released,
         "adoption committed: its messages are scheduled"
     );
     let _ = engine.send(Adopt::Release(ids)).await;
     local::end_adoption(&config.store_dir, from);
+}
+
+/// Parks (their id → ours) split into those a committed part names
+/// (`landed`, by our id), and the others.
+fn split_landed(ours: HashMap<u64, u64>, landed: &HashSet<u64>) -> (Vec<u64>, Vec<u64>) {
+    ours.into_values().partition(|id| landed.contains(id))
 }
 
 /// Gives the adopted instance's lease back, if it is held.
@@ -546,25 +613,33 @@ async fn give_back(lease: &mut Option<Lease>) {
     }
 }
 
-/// Completes what an adoption that can no longer be committed parked.
+/// Completes what an adoption that can no longer be committed parked,
+/// but for the parks a committed part names (`landed`): those are ours,
+/// and fire.
 async fn abandon(engine: &mpsc::Sender<Adopt>, config: &Config, from: &str, progress: Progress) {
     local::end_adoption(&config.store_dir, from);
     if progress.ours.is_empty() {
         return;
     }
+    let (landed, dropped) = split_landed(progress.ours, &progress.landed);
     warn!(
         from,
         epoch = progress.epoch,
-        parked = progress.ours.len(),
-        "an adoption cut off half way cannot be committed: its parks are dropped (the adopted stream still has them)"
+        parked = dropped.len() + landed.len(),
+        committed_in_a_part = landed.len(),
+        "an adoption cut off half way cannot be committed: its parks are dropped (the adopted stream still has them), but those of a part that was committed"
     );
-    for id in progress.ours.into_values() {
+    if !landed.is_empty() {
+        let _ = engine.send(Adopt::Release(landed)).await;
+    }
+    for id in dropped {
         let _ = engine.send(Adopt::Complete(id)).await;
     }
 }
 
 impl Adopter<'_> {
-    /// Adopts `name`'s held messages, in one step: intent, parks, commit.
+    /// Adopts `name`'s held messages under one intent: intent, parks
+    /// committed in parts, commit.
     /// `overdue`: the epoch of a live adopter's intent left open too long.
     /// The steps and their order are [`Attempt`]'s; this does their I/O.
     async fn adopt(
@@ -576,9 +651,11 @@ impl Adopter<'_> {
         let mut attempt = Attempt::new(name, &self.config.instance, progress.epoch, overdue);
         // Dropped on an error exit: given back all the same.
         let mut lease: Option<Lease> = None;
+        // Its messages committed parts gave away: never parked again.
+        let mut given = HashSet::new();
         loop {
             let outcome = self
-                .perform(attempt.phase(), name, progress, &mut lease)
+                .perform(attempt.phase(), name, progress, &mut lease, &mut given)
                 .await
                 .unwrap_or_else(Outcome::Failed);
             for effect in attempt.on(outcome) {
@@ -597,6 +674,7 @@ impl Adopter<'_> {
         name: &str,
         progress: &mut Progress,
         lease: &mut Option<Lease>,
+        given: &mut HashSet<u64>,
     ) -> Result<Outcome, ClientError> {
         let (client, target) = (self.client, &self.config.target);
         Ok(match phase {
@@ -605,13 +683,7 @@ impl Adopter<'_> {
                 *lease = Lease::take(target, &Config::lease(name), &connection).await?;
                 Outcome::Lease(lease.is_some())
             }
-            Phase::Reading => {
-                let mut dir = Directory::read(client, name).await?.unwrap_or_default();
-                dir.other_nodes = dir.nodes.clone().filter(|recorded| {
-                    !lease::nodes_agree(recorded, &target.nodes, &self.config.previous_nodes)
-                });
-                Outcome::Directory(dir)
-            }
+            Phase::Reading => Outcome::Directory(self.read_directory(name, progress, given).await?),
             Phase::AskingAdopter { by, .. } => {
                 let nodes = target.nodes.len();
                 Outcome::AdopterAlive(Lease::is_held(client, &Config::lease(by), nodes).await?)
@@ -623,19 +695,18 @@ impl Adopter<'_> {
                 self.intend(name, *epoch, *new, progress).await?;
                 Outcome::IntentWritten
             }
-            Phase::Parking { g, epoch } => self.park(name, *g, *epoch, progress).await?,
-            Phase::Confirming { .. } => Outcome::Active(
-                // Changed at all: the lease was lost meanwhile, and the
-                // store may have been rebuilt without these parks.
-                !self.state.has_changed().unwrap_or(true) && *self.state.borrow() == State::Active,
-            ),
-            Phase::Probing { .. } => {
-                let held = match lease.as_mut() {
-                    Some(lease) => lease.probe(|| {}).await,
-                    None => 0,
+            Phase::Parking { g, epoch } => {
+                let mut parts = Parts {
+                    name,
+                    epoch: *epoch,
+                    progress,
+                    given,
+                    lease,
                 };
-                Outcome::Majority(held >= lease::majority(target.nodes.len()))
+                self.park(*g, &mut parts).await?
             }
+            Phase::Confirming { .. } => Outcome::Active(self.still_active()),
+            Phase::Probing { .. } => Outcome::Majority(self.majority(lease).await),
             Phase::Committing { epoch, .. } => {
                 let commit = Record::Adopted {
                     by: self.config.instance.clone(),
@@ -707,23 +778,51 @@ impl Adopter<'_> {
         }
     }
 
-    /// Parks generation `g` under intent `epoch`, skipping what was parked.
-    async fn park(
+    /// The adopted instance's directory, read under its lease: what its
+    /// committed parts gave away, and which of our parks they name.
+    async fn read_directory(
         &self,
         name: &str,
-        g: u64,
-        epoch: u64,
         progress: &mut Progress,
-    ) -> Result<Outcome, ClientError> {
-        let from = Intent {
-            from: name.to_owned(),
-            epoch,
+        given: &mut HashSet<u64>,
+    ) -> Result<Directory, ClientError> {
+        let mut dir = Directory::read(self.client, name)
+            .await?
+            .unwrap_or_default();
+        let (nodes, previous) = (&self.config.target.nodes, &self.config.previous_nodes);
+        dir.other_nodes =
+            (dir.nodes.clone()).filter(|recorded| !lease::nodes_agree(recorded, nodes, previous));
+        given.clone_from(&dir.given);
+        progress.landed = (progress.epoch)
+            .and_then(|epoch| dir.parts.get(&epoch).cloned())
+            .unwrap_or_default();
+        Ok(dir)
+    }
+
+    /// Whether this instance is still active, and has been all along:
+    /// changed at all, the lease was lost meanwhile, and the store may
+    /// have been rebuilt without the parks.
+    fn still_active(&self) -> bool {
+        !self.state.has_changed().unwrap_or(true) && *self.state.borrow() == State::Active
+    }
+
+    /// Whether a majority of the adopted id's lease registers answered.
+    async fn majority(&self, lease: &mut Option<Lease>) -> bool {
+        let held = match lease.as_mut() {
+            Some(lease) => lease.probe(|| {}).await,
+            None => 0,
         };
+        held >= lease::majority(self.config.target.nodes.len())
+    }
+
+    /// Parks generation `g` under the intent, skipping what was parked or
+    /// given, and commits it in parts.
+    async fn park(&self, g: u64, parts: &mut Parts<'_>) -> Result<Outcome, ClientError> {
         let began = self.clock.now();
-        match self.take_over(g, from, &mut progress.ours).await {
+        match self.take_over(g, parts).await {
             Ok(count) => {
                 let took = self.clock.now().saturating_duration_since(began);
-                info!(from = name, epoch, messages = count, took = ?took, "parked the held messages of an adoption");
+                info!(from = parts.name, epoch = parts.epoch, messages = count, committed_in_parts = parts.progress.released, took = ?took, "parked the held messages of an adoption");
                 Ok(Outcome::Parked(count))
             }
             Err(ClientError::Returned(stream)) => Ok(Outcome::StreamReturned(stream)),
@@ -732,60 +831,281 @@ impl Adopter<'_> {
     }
 
     /// Parks every message of the adopted generation `g` under our own
-    /// ids, as moved by `from`, skipping those `ours` has already.
+    /// ids, as moved by the intent, but those `parts` has parked or were
+    /// given. The stream is read twice: first to learn which messages it
+    /// holds at its end (a completion comes after its put), keeping the
+    /// soonest due of them in memory; then again for the others. The
+    /// soonest due are parked first, and every `adopt_part` parks are
+    /// committed as a part, so that they fire while the rest is taken.
     ///
     /// The parks are pipelined: up to [`PARKS_IN_FLIGHT`] messages (and
     /// [`BYTES_IN_FLIGHT`]) wait for their answers at once, so that the
     /// engine writes them to the store in batches and the stream's
     /// confirms come back together (one at a time, 3 000 took 3 to 12 s).
-    /// The answers are taken in order, so `ours` ends as it would one by
-    /// one; and every park sent is answered before this returns, on an
-    /// error too: a park left out of `ours` could never be completed, and
-    /// would count once this intent is committed.
-    async fn take_over(
-        &self,
-        g: u64,
-        from: Intent,
-        ours: &mut HashMap<u64, u64>,
-    ) -> Result<usize, ClientError> {
-        let mut parks = InFlight::new(ours, &from.from, self.metrics);
-        let read = self.read_and_park(g, &from, &mut parks).await;
+    /// Every park sent is answered before this returns, on an error too,
+    /// and ends in the progress: a park left out could never be completed,
+    /// and would count once this intent is committed.
+    async fn take_over(&self, g: u64, parts: &mut Parts<'_>) -> Result<usize, ClientError> {
+        let from = Intent {
+            from: parts.name.to_owned(),
+            epoch: parts.epoch,
+        };
+        let ours = std::mem::take(&mut parts.progress.ours);
+        let mut parks = InFlight::new(ours, parts.name, self.metrics);
+        let taken = self.take_in_parts(g, &from, &mut parks, parts).await;
         let answered = parks.drain(self.engine).await;
-        read.and(answered)?;
-        Ok(ours.len())
+        parts.progress.ours = std::mem::take(&mut parks.ours);
+        taken.and(answered)?;
+        Ok(parts.progress.released + parts.progress.ours.len())
     }
 
-    /// [`Adopter::take_over`]'s reading: each put is sent to the engine,
-    /// each completion applied, the answers taken as they come.
-    async fn read_and_park(
+    /// [`Adopter::take_over`]'s reads and parks.
+    async fn take_in_parts(
         &self,
         g: u64,
         from: &Intent,
         parks: &mut InFlight<'_>,
+        parts: &mut Parts<'_>,
     ) -> Result<(), ClientError> {
-        let mut reader = self.client.read(&Config::generation(&from.from, g)).await?;
-        let mut fold = Fold::default();
-        let mut commits = Commits::default();
-        let already: HashSet<u64> = parks.ours.keys().copied().collect();
-        let engine = self.engine;
+        let stream = Config::generation(&from.from, g);
+        let skip: HashSet<u64> = (parks.ours.keys().chain(parts.given.iter()))
+            .copied()
+            .collect();
+        let survey = self.survey(&stream, &skip).await?;
+        // Parked by an earlier try, and not held by the stream any more
+        // (completed since): not ours to hold either. (What a part gave
+        // away stays: it is ours whatever the stream says.)
+        let stale: Vec<u64> = (parks.ours.keys())
+            .filter(|theirs| !survey.live.contains_key(theirs) && !parts.given.contains(theirs))
+            .copied()
+            .collect();
+        for theirs in stale {
+            if let Some(id) = parks.ours.remove(&theirs) {
+                let _ = self.engine.send(Adopt::Complete(id)).await;
+            }
+        }
+        let soonest: HashSet<u64> = survey.first_due.keys().copied().collect();
+        let rest = (survey.live.keys())
+            .filter(|id| !skip.contains(id) && !soonest.contains(id))
+            .count();
+        let (steps, held) = (survey.steps, survey.held);
+        for one in survey.first.into_values() {
+            parks.send(self.engine, one, from).await?;
+            self.part_if_full(parks, parts).await?;
+        }
+        if rest == 0 {
+            return Ok(()); // the commit of the intent takes what is left
+        }
+        if self.config.adopt_part > 0 {
+            // The soonest due fire while the rest is read again.
+            self.commit_part(parks, parts).await?;
+        }
+        let mut reader = self.client.read(&stream).await?;
+        let (mut fold, mut step, mut parked) = (Fold::default(), 0u64, 0usize);
         while let Some(record) = reader.next().await? {
-            for step in fold.apply(record) {
-                match step {
-                    Step::Put(held) if already.contains(&held.id) => {}
-                    Step::Put(held) => {
-                        if let Some(theirs) = fold.intent(held.id) {
-                            // Parked by an adoption of its own: only if committed.
-                            if !commits.counts(self.client, theirs).await? {
-                                continue;
-                            }
-                        }
-                        parks.send(engine, held, from).await?;
-                    }
-                    Step::Drop(theirs) => parks.drop(engine, theirs).await,
+            for one in fold.apply(record) {
+                let Step::Put(put) = one else { continue };
+                step += 1;
+                let last = survey.live.get(&put.id) == Some(&step);
+                if last && !skip.contains(&put.id) && !soonest.contains(&put.id) {
+                    parks.send(self.engine, put, from).await?;
+                    parked += 1;
+                    self.part_if_full(parks, parts).await?;
                 }
             }
         }
+        if (step, fold.held(), parked) != (steps, held, rest) {
+            return Err(ClientError::Unreachable(format!(
+                "the adopted stream {stream} changed between two reads ({parked} of {rest} found again): adopting again"
+            )));
+        }
         Ok(())
+    }
+
+    /// The first read: the messages `stream` holds at its end (but those
+    /// moved by an adoption of its own that does not count), and the
+    /// soonest due of them, but those of `skip`, in full.
+    async fn survey(&self, stream: &str, skip: &HashSet<u64>) -> Result<Survey, ClientError> {
+        let mut reader = self.client.read(stream).await?;
+        let (mut fold, mut commits) = (Fold::default(), Commits::default());
+        let mut survey = Survey::new(self.config.adopt_part);
+        while let Some(record) = reader.next().await? {
+            for one in fold.apply(record) {
+                match one {
+                    Step::Put(held) => {
+                        survey.steps += 1;
+                        survey.forget(held.id); // an earlier version
+                        if let Some(theirs) = fold.intent(held.id) {
+                            // Parked by an adoption of its own: only if committed.
+                            if !commits.counts(self.client, theirs, held.id).await? {
+                                continue;
+                            }
+                        }
+                        survey.live.insert(held.id, survey.steps);
+                        if !skip.contains(&held.id) {
+                            survey.keep(held);
+                        }
+                    }
+                    Step::Drop(theirs) => survey.forget(theirs),
+                }
+            }
+        }
+        survey.held = fold.held();
+        Ok(survey)
+    }
+
+    /// Commits a part once `adopt_part` parks are sent.
+    async fn part_if_full(
+        &self,
+        parks: &mut InFlight<'_>,
+        parts: &mut Parts<'_>,
+    ) -> Result<(), ClientError> {
+        let part = self.config.adopt_part;
+        if part > 0 && parks.ours.len() + parks.waiting.len() >= part {
+            self.commit_part(parks, parts).await?;
+        }
+        Ok(())
+    }
+
+    /// Commits what is parked as parts of the intent (each at most
+    /// [`PART_MAX`]), each under the checks of the intent's own commit:
+    /// this instance still active, the adopted id's lease still a
+    /// majority. Each part that lands is scheduled, and its messages are
+    /// given.
+    async fn commit_part(
+        &self,
+        parks: &mut InFlight<'_>,
+        parts: &mut Parts<'_>,
+    ) -> Result<(), ClientError> {
+        parks.drain(self.engine).await?;
+        let moved: Vec<(u64, u64)> = parks.ours.iter().map(|(t, o)| (*t, *o)).collect();
+        for chunk in moved.chunks(PART_MAX) {
+            // Checked right before each append: what is left between the
+            // check and the append is one round trip (Limits, cluster.md).
+            if !self.still_active() {
+                let why = "this instance's lease was lost during the adoption: not committing";
+                return Err(ClientError::Unreachable(why.into()));
+            }
+            if !self.majority(parts.lease).await {
+                let why =
+                    "the adopted instance's lease was lost during the adoption: not committing";
+                return Err(ClientError::Unreachable(why.into()));
+            }
+            let part = Record::AdoptedPart {
+                by: self.config.instance.clone(),
+                epoch: parts.epoch,
+                moved: chunk.to_vec(),
+            };
+            self.client
+                .append_confirmed(&Config::directory(parts.name), &part)
+                .await?;
+            let mut ids = Vec::with_capacity(chunk.len());
+            for (theirs, ours) in chunk {
+                parks.ours.remove(theirs);
+                parts.given.insert(*theirs);
+                ids.push(*ours);
+            }
+            parts.progress.released += ids.len();
+            info!(
+                from = parts.name,
+                epoch = parts.epoch,
+                messages = ids.len(),
+                so_far = parts.progress.released,
+                "committed a part of an adoption: its messages are scheduled"
+            );
+            let _ = self.engine.send(Adopt::Release(ids)).await;
+        }
+        Ok(())
+    }
+}
+
+/// What a parking attempt works on: the adopted instance, our intent,
+/// what it has parked, what was given, and the adopted id's lease.
+struct Parts<'a> {
+    name: &'a str,
+    epoch: u64,
+    progress: &'a mut Progress,
+    given: &'a mut HashSet<u64>,
+    lease: &'a mut Option<Lease>,
+}
+
+/// Messages of the adopted stream kept in memory by its first read (the
+/// soonest due), at most, in bytes (with [`ENTRY_BYTES`] each): they are
+/// parked without a second read.
+const FIRST_BYTES: usize = 64 << 20;
+/// What one message kept costs beside its header and body (the message's
+/// own fields, its names, the two maps' entries), for [`FIRST_BYTES`].
+const ENTRY_BYTES: usize = 256;
+
+/// What the first read of an adopted stream found.
+struct Survey {
+    /// The messages it holds at its end: their id → the number of the
+    /// put (among the fold's) that holds their last version.
+    live: HashMap<u64, u64>,
+    /// The soonest due of those to park, at most `most` of them within
+    /// [`FIRST_BYTES`]: (due, id) → it.
+    first: std::collections::BTreeMap<(u64, u64), Held>,
+    /// Their ids, and due times.
+    first_due: HashMap<u64, u64>,
+    first_bytes: usize,
+    most: usize,
+    /// Puts the fold gave, and ids it held at the end: the second read
+    /// must find the same, or the stream changed in between.
+    steps: u64,
+    held: usize,
+    /// The soonest due that had to go for lack of room: none due at or
+    /// after it is kept from then on, so that what is kept is all the
+    /// soonest due.
+    cutoff: Option<(u64, u64)>,
+}
+
+impl Survey {
+    /// A survey that keeps the `most` soonest due in memory.
+    fn new(most: usize) -> Self {
+        Self {
+            live: HashMap::new(),
+            first: Default::default(),
+            first_due: HashMap::new(),
+            first_bytes: 0,
+            most,
+            steps: 0,
+            held: 0,
+            cutoff: None,
+        }
+    }
+
+    fn size(held: &Held) -> usize {
+        held.header.len() + held.body.len() + held.queue.len() + held.vhost.len() + ENTRY_BYTES
+    }
+
+    /// Keeps `held` in memory if it is among the soonest due that fit.
+    fn keep(&mut self, held: Held) {
+        let key = (held.due_ms, held.id);
+        let size = Self::size(&held);
+        if size > FIRST_BYTES || self.most == 0 || self.cutoff.is_some_and(|c| key >= c) {
+            return;
+        }
+        self.first_bytes += size;
+        self.first_due.insert(held.id, held.due_ms);
+        self.first.insert(key, held);
+        while self.first_bytes > FIRST_BYTES || self.first.len() > self.most {
+            let Some((latest, dropped)) = self.first.pop_last() else {
+                break;
+            };
+            self.first_bytes -= Self::size(&dropped);
+            self.first_due.remove(&latest.1);
+            self.cutoff = Some(self.cutoff.map_or(latest, |c| c.min(latest)));
+        }
+    }
+
+    /// `id` is not held (completed, or an earlier version of it).
+    fn forget(&mut self, id: u64) {
+        self.live.remove(&id);
+        if let Some(due) = self.first_due.remove(&id) {
+            if let Some(held) = self.first.remove(&(due, id)) {
+                self.first_bytes -= Self::size(&held);
+            }
+        }
     }
 }
 
@@ -805,8 +1125,6 @@ fn engine_gone() -> ClientError {
 
 /// A park sent and not answered yet.
 struct Waiting {
-    /// Its number among the parks sent.
-    n: u64,
     theirs: u64,
     bytes: usize,
     answer: Answer,
@@ -815,36 +1133,26 @@ struct Waiting {
 /// The parks an adoption has sent and not seen answered, in order, and
 /// what the answers go into (see [`Adopter::take_over`]).
 struct InFlight<'a> {
-    /// Their id → ours, for every park answered.
-    ours: &'a mut HashMap<u64, u64>,
+    /// Their id → ours, for every park answered and not committed.
+    ours: HashMap<u64, u64>,
     /// The adopted instance, for the logs.
     from: &'a str,
     metrics: &'a Metrics,
     waiting: std::collections::VecDeque<Waiting>,
-    /// Parks sent so far (numbers them).
-    sent: u64,
     /// Bytes of the waiting parks.
     bytes: usize,
-    /// Parks waiting, by their id.
-    by_id: HashMap<u64, usize>,
-    /// Their ids completed in the stream while parks of them waited: the
-    /// parks up to this number are completed when answered.
-    dropped: HashMap<u64, u64>,
     /// Parks that failed: the first is logged, and ends the reading.
     failed: usize,
 }
 
 impl<'a> InFlight<'a> {
-    fn new(ours: &'a mut HashMap<u64, u64>, from: &'a str, metrics: &'a Metrics) -> Self {
+    fn new(ours: HashMap<u64, u64>, from: &'a str, metrics: &'a Metrics) -> Self {
         Self {
             ours,
             from,
             metrics,
             waiting: Default::default(),
-            sent: 0,
             bytes: 0,
-            by_id: HashMap::new(),
-            dropped: HashMap::new(),
             failed: 0,
         }
     }
@@ -873,27 +1181,13 @@ impl<'a> InFlight<'a> {
             reply,
         };
         engine.send(park).await.map_err(|_| engine_gone())?;
-        self.sent += 1;
         self.bytes += bytes;
-        *self.by_id.entry(theirs).or_default() += 1;
         self.waiting.push_back(Waiting {
-            n: self.sent,
             theirs,
             bytes,
             answer,
         });
         Ok(())
-    }
-
-    /// Their message `theirs` was completed in the stream after its put:
-    /// our copy goes, now if answered, else once it is.
-    async fn drop(&mut self, engine: &mpsc::Sender<Adopt>, theirs: u64) {
-        if let Some(id) = self.ours.remove(&theirs) {
-            let _ = engine.send(Adopt::Complete(id)).await;
-        }
-        if self.by_id.contains_key(&theirs) {
-            self.dropped.insert(theirs, self.sent);
-        }
     }
 
     /// Takes the answers at the head that have come, without waiting.
@@ -926,17 +1220,6 @@ impl<'a> InFlight<'a> {
     ) -> Result<(), ClientError> {
         let head = self.waiting.pop_front().expect("a park waits");
         self.bytes -= head.bytes;
-        let dropped = self
-            .dropped
-            .get(&head.theirs)
-            .is_some_and(|upto| head.n <= *upto);
-        if let Some(left) = self.by_id.get_mut(&head.theirs) {
-            *left -= 1;
-            if *left == 0 {
-                self.by_id.remove(&head.theirs);
-                self.dropped.remove(&head.theirs);
-            }
-        }
         let id = match answer {
             None => return Err(engine_gone()),
             Some(Ok(id)) => id,
@@ -953,11 +1236,9 @@ impl<'a> InFlight<'a> {
             }
         };
         self.metrics.replica_adopted.inc();
-        if dropped {
-            // Completed in the stream after this put: not held.
-            let _ = engine.send(Adopt::Complete(id)).await;
-        } else if let Some(older) = self.ours.insert(head.theirs, id) {
-            // A later put of the same message: the newer copy wins.
+        if let Some(older) = self.ours.insert(head.theirs, id) {
+            // Parked twice (it cannot be: each is parked once, at its
+            // last version): the newer copy wins.
             let _ = engine.send(Adopt::Complete(older)).await;
         }
         Ok(())
@@ -1068,26 +1349,13 @@ mod tests {
     async fn pipelined_parks_end_as_one_at_a_time_would_within_the_window() {
         let metrics = Metrics::new();
         let (engine, task) = engine(vec![]);
-        let mut ours = HashMap::new();
-        let mut parks = InFlight::new(&mut ours, "a", &metrics);
+        let mut parks = InFlight::new(HashMap::new(), "a", &metrics);
         let n = 3 * PARKS_IN_FLIGHT as u64;
         for id in 1..=n {
             parks.send(&engine, held(id, 10), &intent()).await.unwrap();
-            if id % 7 == 0 {
-                // Completed in the stream right after its put, most
-                // likely while its park waits for its answer.
-                parks.drop(&engine, id).await;
-            }
         }
-        // Message 1 put again and again (re-routed) while the last copy
-        // waits, then message 2 again and completed with both copies
-        // (one answered, one waiting) out.
-        for _ in 0..3 {
-            parks.send(&engine, held(1, 10), &intent()).await.unwrap();
-        }
-        parks.send(&engine, held(2, 10), &intent()).await.unwrap();
-        parks.drop(&engine, 2).await;
         parks.drain(&engine).await.unwrap();
+        let ours = std::mem::take(&mut parks.ours);
         drop(engine);
         let seen = task.await.unwrap();
         assert!(
@@ -1096,35 +1364,20 @@ mod tests {
             seen.most
         );
         assert!(seen.most > 1, "the parks were not pipelined");
-        // What one at a time gives: the last copy of each put, but those
-        // completed; every other copy completed.
-        let mut last: HashMap<u64, u64> = HashMap::new();
-        for (k, theirs) in seen.parks.iter().enumerate() {
-            last.insert(*theirs, 1000 + k as u64);
-        }
-        let kept: HashMap<u64, u64> = last
-            .iter()
-            .filter(|(theirs, _)| **theirs % 7 != 0 && **theirs != 2)
-            .map(|(t, o)| (*t, *o))
+        // Answered out of order, taken in order: each their id → ours.
+        let made: HashMap<u64, u64> = (seen.parks.iter().enumerate())
+            .map(|(k, theirs)| (*theirs, 1000 + k as u64))
             .collect();
-        assert_eq!(ours, kept);
-        let mut completed = seen.completed.clone();
-        completed.sort_unstable();
-        let mut expected: Vec<u64> = (0..seen.parks.len() as u64)
-            .map(|k| 1000 + k)
-            .filter(|id| !kept.values().any(|o| o == id))
-            .collect();
-        expected.sort_unstable();
-        assert_eq!(completed, expected, "each other copy completed once");
-        assert_eq!(metrics.replica_adopted.get(), seen.parks.len() as u64);
+        assert_eq!(ours, made);
+        assert!(seen.completed.is_empty());
+        assert_eq!(metrics.replica_adopted.get(), n);
     }
 
     #[tokio::test]
     async fn large_messages_wait_for_room_in_the_bytes_in_flight() {
         let metrics = Metrics::new();
         let (engine, task) = engine(vec![]);
-        let mut ours = HashMap::new();
-        let mut parks = InFlight::new(&mut ours, "a", &metrics);
+        let mut parks = InFlight::new(HashMap::new(), "a", &metrics);
         let size = 3 << 20;
         for id in 1..=40 {
             parks
@@ -1138,9 +1391,9 @@ mod tests {
             .await
             .unwrap();
         parks.drain(&engine).await.unwrap();
+        assert_eq!(parks.ours.len(), 41);
         drop(engine);
         let seen = task.await.unwrap();
-        assert_eq!(ours.len(), 41);
         assert!(seen.most > 1, "the parks were not pipelined");
         assert!(
             seen.most_bytes <= BYTES_IN_FLIGHT + 1,
@@ -1154,19 +1407,19 @@ mod tests {
         for failing in [500, 1990] {
             let metrics = Metrics::new();
             let (engine, task) = engine(vec![failing]);
-            let mut ours = HashMap::new();
-            let mut parks = InFlight::new(&mut ours, "a", &metrics);
-            let mut failed = false;
+            let mut parks = InFlight::new(HashMap::new(), "a", &metrics);
+            let (mut failed, mut sent) = (false, 0u64);
             for id in 1..=2000 {
                 if parks.send(&engine, held(id, 10), &intent()).await.is_err() {
                     failed = true;
                     break;
                 }
+                sent += 1;
             }
             let drained = parks.drain(&engine).await;
             assert!(failed || drained.is_err(), "the failure is reported");
             assert!(parks.waiting.is_empty());
-            let sent = parks.sent;
+            let ours = std::mem::take(&mut parks.ours);
             if failing == 500 {
                 assert!(failed && sent < 2000, "the sending stopped");
             }
@@ -1182,6 +1435,154 @@ mod tests {
                 .collect();
             assert_eq!(ours, made, "failing {failing}");
         }
+    }
+
+    /// Issue 36: the first read keeps the soonest due of what the stream
+    /// holds at its end, at most `most` of them within FIRST_BYTES: a
+    /// later version replaces an earlier one, a completion drops it, past
+    /// a bound the latest due go, and none due after one that went comes
+    /// in (it waits for the second read with it).
+    #[test]
+    fn the_first_read_keeps_the_soonest_due_within_its_bounds() {
+        let size = 4 << 20;
+        let at = |id: u64, due_ms: u64| Held {
+            due_ms,
+            ..held(id, size)
+        };
+        let kept = |s: &Survey| s.first.values().map(|h| h.id).collect::<Vec<u64>>();
+        let consistent = |s: &Survey| {
+            assert_eq!(s.first.len(), s.first_due.len());
+            let bytes: usize = s.first.values().map(Survey::size).sum();
+            assert_eq!(bytes, s.first_bytes);
+            assert!(s.first_bytes <= FIRST_BYTES && s.first.len() <= s.most);
+        };
+        // 40 of 4 MiB, due from the latest to the soonest: 15 fit.
+        let mut survey = Survey::new(100);
+        for id in 1..=40u64 {
+            survey.keep(at(id, 1000 - id));
+        }
+        consistent(&survey);
+        assert_eq!(kept(&survey), (26..=40).rev().collect::<Vec<_>>());
+        // A completion makes room, but only for one due before the cutoff.
+        survey.forget(30);
+        survey.keep(at(25, 975));
+        assert!(
+            !survey.first_due.contains_key(&25),
+            "due after one that went"
+        );
+        survey.keep(at(41, 1));
+        assert_eq!(kept(&survey)[0], 41);
+        // A later version of 40, due later: forgotten, then kept again.
+        survey.forget(40);
+        survey.keep(at(40, 970));
+        assert!(survey.first_due.contains_key(&40));
+        consistent(&survey);
+        // One larger than the bound is never kept, and evicts nothing.
+        let before = kept(&survey);
+        let mut huge = at(100, 0);
+        huge.body = bytes::Bytes::from(vec![0u8; FIRST_BYTES + 1]);
+        survey.keep(huge);
+        assert_eq!(kept(&survey), before);
+        // The count bound (adopt_part), and none kept for 0.
+        let mut small = Survey::new(3);
+        for id in 1..=10u64 {
+            small.keep(held(id, 10));
+        }
+        consistent(&small);
+        assert_eq!(small.first.len(), 3);
+        let mut none = Survey::new(0);
+        none.keep(held(1, 10));
+        assert!(none.first.is_empty());
+    }
+
+    fn part(by: &str, epoch: u64, moved: &[(u64, u64)]) -> Record {
+        Record::AdoptedPart {
+            by: by.into(),
+            epoch,
+            moved: moved.to_vec(),
+        }
+    }
+
+    /// Issue 36: committed parts give their messages away (every reader
+    /// of the adopted stream leaves them out) and name the adopter's ids
+    /// that count whatever becomes of the intent; `Adopted` makes the
+    /// parts of its intent count whole and leaves nothing to give.
+    #[test]
+    fn parts_give_messages_away_and_name_the_adopters_ids_until_the_commit() {
+        let dir = Directory::fold(vec![
+            Record::Generation(1),
+            adopting("b", 1),
+            part("b", 1, &[(10, 100), (11, 101)]),
+            // B killed; C takes over with a new intent.
+            adopting("c", 2),
+            part("c", 2, &[(12, 200)]),
+        ]);
+        assert_eq!(dir.given, HashSet::from([10, 11, 12]));
+        assert_eq!(dir.parts[&1], HashSet::from([100, 101]));
+        assert_eq!(
+            dir.open,
+            Some(("c".into(), 2)),
+            "a part leaves the intent open"
+        );
+        assert_eq!(dir.last_intent, 2);
+        assert!(!dir.adopted);
+        assert_eq!(
+            Verdict::of(Some(dir), 1),
+            Verdict::Parts(HashSet::from([100, 101]))
+        );
+        let dir = Directory::fold(vec![
+            Record::Generation(1),
+            adopting("b", 1),
+            part("b", 1, &[(10, 100)]),
+            adopting("c", 2),
+            part("c", 2, &[(12, 200)]),
+            Record::Adopted {
+                by: "c".into(),
+                epoch: Some(2),
+            },
+            // A part written late (by a process that lost the lease) of
+            // a committed intent changes nothing.
+            part("c", 2, &[(13, 201)]),
+        ]);
+        assert!(dir.adopted && dir.given.is_empty());
+        assert!(!dir.parts.contains_key(&2));
+        assert_eq!(dir.parts[&1], HashSet::from([100]), "B's part still counts");
+        assert_eq!(Verdict::of(Some(dir), 2), Verdict::Committed);
+        assert_eq!(
+            Verdict::of(None, 7),
+            Verdict::Committed,
+            "no directory: the one copy left"
+        );
+        // An epoch of its own closes the intent; what was given stays given.
+        let back = Directory::fold(vec![
+            Record::Generation(1),
+            adopting("b", 1),
+            part("b", 1, &[(10, 100)]),
+            Record::Epoch {
+                n: 2,
+                holder: "pid 1".into(),
+                nodes: None,
+            },
+        ]);
+        assert_eq!(
+            (back.open.clone(), back.given.clone()),
+            (None, HashSet::from([10]))
+        );
+        assert_eq!(
+            Verdict::of(Some(back), 1),
+            Verdict::Parts(HashSet::from([100]))
+        );
+    }
+
+    /// Issue 36: an adoption cut off after a part whose answer was lost
+    /// keeps (releases) the parks that part names, and drops the others.
+    #[test]
+    fn parks_a_committed_part_names_are_kept_when_an_adoption_is_cut_off() {
+        let ours = HashMap::from([(10, 100), (11, 101), (12, 102)]);
+        let (mut landed, mut dropped) = split_landed(ours, &HashSet::from([100, 102, 999]));
+        landed.sort_unstable();
+        dropped.sort_unstable();
+        assert_eq!((landed, dropped), (vec![100, 102], vec![101]));
     }
 
     fn adopting(by: &str, epoch: u64) -> Record {

@@ -20,6 +20,10 @@
 //!   adopted    = 18 by:str16 [epoch:u64] (another instance took everything;
 //!                                         with the epoch of its intent)
 //!   adopting   = 19 by:str16 epoch:u64   (another instance's intent to adopt)
+//!   adopted part = 20 by:str16 epoch:u64 n:u32 (theirs:u64 ours:u64) * n
+//!                                        (part of an intent committed: these
+//!                                         messages of the instance are the
+//!                                         adopter's, under its ids)
 //!   marker     = 4 nonce:u128
 //! registry stream    nackd.instances
 //!   instance   = 32 name:str16           (an instance id that may hold messages)
@@ -40,7 +44,7 @@
 //! new records keep coming). Among puts of one id, a put that is not a
 //! copy beats a copy, else the later one wins.
 //!
-//! An adoption is one step: the adopter writes its intent (`adopting`, a
+//! An adoption is one intent: the adopter writes it (`adopting`, a
 //! new epoch) to the adopted directory before it parks anything, parks
 //! each message as a `moved` put naming that intent, and commits with an
 //! `adopted` record carrying the same epoch. A `moved` put counts only
@@ -48,6 +52,14 @@
 //! came with ([`Fold::intent`]), and the reader asks the adopted
 //! instance's directory. An adopter killed half way leaves puts that
 //! never count, and the adopted instance's stream still holds them all.
+//!
+//! An adoption commits in parts: an `adopted part` record of the intent
+//! names messages of the adopted instance (their id there, and the
+//! adopter's id for its moved put) that are the adopter's from then on,
+//! whatever happens to the intent. A moved put counts once its intent is
+//! committed, or once a part of it names its id; every reader of the
+//! adopted instance's stream (an adopter after it, the instance itself
+//! come back) leaves out the messages a part names.
 
 use bytes::{Buf, BufMut, Bytes};
 
@@ -64,12 +76,16 @@ const GENERATION: u8 = 16;
 const EPOCH: u8 = 17;
 const ADOPTED: u8 = 18;
 const ADOPTING: u8 = 19;
+const ADOPTED_PART: u8 = 20;
 const INSTANCE: u8 = 32;
 const DELAYED: u8 = 33;
 const UNDELAYED: u8 = 34;
 
 /// Most ids in one done record.
 pub const DONE_MAX: usize = 8192;
+
+/// Most messages in one adopted part record (16 bytes each: 512 KiB).
+pub const PART_MAX: usize = 32_768;
 
 /// A record of a generation stream or of the directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -132,6 +148,17 @@ pub enum Record {
         by: String,
         /// Unique among the directory's intents.
         epoch: u64,
+    },
+    /// Part of an intent committed: these messages of the adopted
+    /// instance are the adopter's from now on (see the module's text).
+    AdoptedPart {
+        /// The adopting instance.
+        by: String,
+        /// The epoch of its [`Record::Adopting`].
+        epoch: u64,
+        /// Each message: its id in the adopted instance, and the id of
+        /// the adopter's moved put of it. At most [`PART_MAX`].
+        moved: Vec<(u64, u64)>,
     },
     /// An instance id that may hold messages (registry).
     Instance {
@@ -253,6 +280,21 @@ impl Record {
                 out.put_u8(MARKER);
                 out.put_u128(*nonce);
             }
+            Self::Generation(_)
+            | Self::Epoch { .. }
+            | Self::Adopted { .. }
+            | Self::Adopting { .. }
+            | Self::AdoptedPart { .. } => self.encode_directory(&mut out),
+            Self::Instance { .. } | Self::Delayed { .. } | Self::Undelayed { .. } => {
+                self.encode_registry(&mut out);
+            }
+        }
+        out
+    }
+
+    /// The records of a directory.
+    fn encode_directory(&self, out: &mut Vec<u8>) {
+        match self {
             Self::Generation(n) => {
                 out.put_u8(GENERATION);
                 out.put_u64(*n);
@@ -260,26 +302,33 @@ impl Record {
             Self::Epoch { n, holder, nodes } => {
                 out.put_u8(EPOCH);
                 out.put_u64(*n);
-                put_str16(&mut out, holder);
-                nodes.iter().for_each(|nodes| put_list16(&mut out, nodes));
+                put_str16(out, holder);
+                nodes.iter().for_each(|nodes| put_list16(out, nodes));
             }
             Self::Adopted { by, epoch } => {
                 out.put_u8(ADOPTED);
-                put_str16(&mut out, by);
+                put_str16(out, by);
                 if let Some(epoch) = epoch {
                     out.put_u64(*epoch);
                 }
             }
             Self::Adopting { by, epoch } => {
                 out.put_u8(ADOPTING);
-                put_str16(&mut out, by);
+                put_str16(out, by);
                 out.put_u64(*epoch);
             }
-            Self::Instance { .. } | Self::Delayed { .. } | Self::Undelayed { .. } => {
-                self.encode_registry(&mut out);
+            Self::AdoptedPart { by, epoch, moved } => {
+                out.put_u8(ADOPTED_PART);
+                put_str16(out, by);
+                out.put_u64(*epoch);
+                out.put_u32(moved.len() as u32);
+                for (theirs, ours) in moved {
+                    out.put_u64(*theirs);
+                    out.put_u64(*ours);
+                }
             }
+            _ => unreachable!("encode writes the others"),
         }
-        out
     }
 
     /// The records of the registries (instances, delayed exchanges).
@@ -352,6 +401,7 @@ impl Record {
                 by: take_str16(&mut b)?,
                 epoch: take_u64(&mut b)?,
             },
+            ADOPTED_PART => take_adopted_part(&mut b)?,
             INSTANCE => Self::Instance {
                 name: take_str16(&mut b)?,
             },
@@ -580,6 +630,19 @@ fn take_records(b: &mut &[u8]) -> Result<Vec<Bytes>, Malformed> {
     Ok(records)
 }
 
+/// The rest of an adopted part: its adopter, its epoch, then the pairs
+/// (no more than [`PART_MAX`], and exactly as many as it says).
+fn take_adopted_part(b: &mut &[u8]) -> Result<Record, Malformed> {
+    let by = take_str16(b)?;
+    let epoch = take_u64(b)?;
+    let n = take_u32(b)? as usize;
+    if n > PART_MAX || b.remaining() != n * 16 {
+        return Err(Malformed);
+    }
+    let moved = (0..n).map(|_| (b.get_u64(), b.get_u64())).collect();
+    Ok(Record::AdoptedPart { by, epoch, moved })
+}
+
 /// The rest of a done record: a count, then exactly that many ids.
 fn take_done(b: &mut &[u8]) -> Result<Record, Malformed> {
     let n = take_u32(b)? as usize;
@@ -715,6 +778,16 @@ pub(super) mod tests {
             Record::Instance {
                 name: "host-a".into(),
             },
+            Record::AdoptedPart {
+                by: "b".into(),
+                epoch: 3,
+                moved: vec![(7, 70), (u64::MAX, 1)],
+            },
+            Record::AdoptedPart {
+                by: "b".into(),
+                epoch: 4,
+                moved: vec![],
+            },
         ];
         for r in records {
             let wire = r.encode();
@@ -775,6 +848,34 @@ pub(super) mod tests {
         );
         old.push(0);
         assert_eq!(Record::decode(&old), Err(Malformed), "a torn epoch");
+    }
+
+    /// Issue 36: a part names at most PART_MAX messages, exactly as many
+    /// as it says: a longer one, or one with a pair torn or too many, is
+    /// refused before anything is allocated for it.
+    #[test]
+    fn an_adopted_part_says_how_many_and_stays_within_its_bound() {
+        let part = |n: u32, pairs: usize| {
+            let mut wire = vec![ADOPTED_PART];
+            put_str16(&mut wire, "b");
+            wire.put_u64(1);
+            wire.put_u32(n);
+            (0..pairs).for_each(|k| {
+                wire.put_u64(k as u64);
+                wire.put_u64(k as u64 + 100);
+            });
+            wire
+        };
+        let full = Record::decode(&part(PART_MAX as u32, PART_MAX)).unwrap();
+        assert!(matches!(full, Record::AdoptedPart { moved, .. } if moved.len() == PART_MAX));
+        let over = PART_MAX as u32 + 1;
+        assert_eq!(Record::decode(&part(over, over as usize)), Err(Malformed));
+        assert_eq!(Record::decode(&part(u32::MAX, 1)), Err(Malformed));
+        assert_eq!(Record::decode(&part(2, 1)), Err(Malformed));
+        assert_eq!(Record::decode(&part(1, 2)), Err(Malformed));
+        let mut torn = part(1, 1);
+        torn.pop();
+        assert_eq!(Record::decode(&torn), Err(Malformed));
     }
 
     #[test]

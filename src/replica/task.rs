@@ -3,6 +3,7 @@
 //! store up with the stream, then append held messages and completions
 //! until the connection is lost, and start over.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,8 +94,17 @@ impl Directory {
                 }
                 Record::Epoch { n, holder, nodes } if n > dir.epoch => {
                     (dir.epoch, dir.holder, dir.nodes) = (n, Some(holder), nodes);
+                    dir.given_since_epoch = false;
                 }
-                Record::Adopted { by, .. } => dir.adopted_by = Some(by),
+                Record::Adopted { by, .. } => {
+                    // All of it: the store is wiped, nothing to leave out.
+                    dir.adopted_by = Some(by);
+                    (dir.given, dir.given_since_epoch) = (HashSet::new(), false);
+                }
+                Record::AdoptedPart { moved, .. } => {
+                    dir.given.extend(moved.iter().map(|(theirs, _)| *theirs));
+                    dir.given_since_epoch = true;
+                }
                 _ => {}
             }
         }
@@ -125,6 +135,12 @@ struct Directory {
     /// version's record, or no holder yet).
     nodes: Option<Vec<String>>,
     adopted_by: Option<String>,
+    /// Held messages that parts of adoptions committed: another
+    /// instance's now, never this one's again.
+    given: HashSet<u64>,
+    /// A part was committed since the highest epoch: the local store may
+    /// hold messages given away.
+    given_since_epoch: bool,
 }
 
 struct Task {
@@ -154,6 +170,9 @@ struct Task {
     /// A sync has ended in this process (markers of adoptions under way
     /// are cleared only at the first).
     synced_once: bool,
+    /// What the directory said at the sync's start: messages parts of an
+    /// adoption gave away, which no store of this id holds again.
+    given: HashSet<u64>,
     /// Bytes appended to the current generation since it began.
     appended: u64,
     /// A switch to a new generation in progress.
@@ -306,6 +325,7 @@ impl Task {
             epoch: 0,
             holder: None,
             synced_once: false,
+            given: HashSet::new(),
             appended: 0,
             compaction: None,
             refused_at: None,
@@ -1066,6 +1086,7 @@ impl Task {
         let dir = self.directory().await?;
         let local = local::load(&self.config.store_dir);
         let current = dir.adopted_by.is_none()
+            && !dir.given_since_epoch
             && dir.generation.is_some()
             && local.as_ref().is_some_and(|l| {
                 l.instance == self.config.instance
@@ -1196,6 +1217,40 @@ mod directory_tests {
             holder: holder.into(),
             nodes: None,
         }
+    }
+
+    /// Issue 36: what parts of adoptions gave away stays given (a rebuild
+    /// leaves it out whenever it comes); a new epoch of this id's own
+    /// says its store was made without it since.
+    #[test]
+    fn parts_given_away_stay_given_and_a_new_epoch_clears_the_flag() {
+        let part = |epoch: u64, moved: Vec<(u64, u64)>| Record::AdoptedPart {
+            by: "b".into(),
+            epoch,
+            moved,
+        };
+        let dir = Directory::fold([
+            Record::Generation(1),
+            epoch(1, "pid 1"),
+            Record::Adopting {
+                by: "b".into(),
+                epoch: 1,
+            },
+            part(1, vec![(10, 100), (11, 101)]),
+        ]);
+        assert!(dir.given_since_epoch);
+        assert_eq!(dir.given, HashSet::from([10, 11]));
+        assert_eq!(dir.adopted_by, None, "a part is not the whole adoption");
+        let dir = Directory::fold([
+            Record::Generation(1),
+            epoch(1, "pid 1"),
+            part(1, vec![(10, 100)]),
+            epoch(2, "pid 2"),
+            epoch(1, "late"),
+            Record::Generation(2),
+        ]);
+        assert!(!dir.given_since_epoch);
+        assert_eq!(dir.given, HashSet::from([10]));
     }
 
     /// Review of issue 21, item 3: H lost the lease during a long sync, S

@@ -532,9 +532,10 @@ impl Engine {
                 });
             }
             (PutCtx::Adopt { reply, meta }, Ok(loc)) => {
-                // Held, not scheduled: it fires once its adoption is
-                // committed ([`crate::replica::Adopt::Release`]), so that
-                // an adopter killed half way has fired none of them.
+                // Held, not scheduled: it fires once its adoption, or a
+                // part of it naming it, is committed
+                // ([`crate::replica::Adopt::Release`]), so that an
+                // adopter killed half way has fired none of the others.
                 self.ledger.tick(self.clock.now_ms());
                 self.ledger.insert(w.id, Entry::new(loc, w.due_ms, meta));
                 let _ = reply.send(Ok(w.id));

@@ -2,8 +2,11 @@
 //! through an adoption leaves parks that never count; the next adopter
 //! takes every message from the adopted stream again, and the killed
 //! adopter's own messages with it. An adopter that only lost its adoption
-//! connection resumes under the same intent. Real nackd processes on the
-//! 3-node cluster, a real lapin consumer counting every message.
+//! connection resumes under the same intent. Adoptions commit in parts
+//! here (issue 36): each test cuts the adopter off after a part of A's
+//! messages was committed and scheduled, and those count in the
+//! adopter's stream, not A's. Real nackd processes on the 3-node
+//! cluster, a real lapin consumer counting every message.
 
 use crate::common;
 
@@ -34,6 +37,9 @@ const OWN: u32 = 100;
 const DELAY: Duration = Duration::from_secs(60);
 /// [`DELAY`] as the configs write it.
 const DELAY_CONFIG: &str = "60s";
+/// Adoptions commit in parts of 500 (issue 36): a quarter of `N` parked
+/// is one part committed, and scheduled, before the adopter is cut off.
+const PART: &str = "adopt_part = 500";
 
 /// A nackd process and its instance id.
 type Named = (Process, String);
@@ -54,13 +60,13 @@ async fn a_killed_with_two_adopters(
     q: &str,
 ) -> (Named, Named, String, HashMap<u32, Instant>) {
     let (gone, one, two) = (unique("gone"), unique("one"), unique("two"));
-    let a = Process::start(&config(dir, &gone, q, DELAY_CONFIG, ""));
+    let a = Process::start(&config(dir, &gone, q, DELAY_CONFIG, PART));
     publish_range(q, 0..N).await;
     let of_a = nack_all(&a, q, N).await;
-    let b = Process::start(&config(dir, &one, q, DELAY_CONFIG, ""));
+    let b = Process::start(&config(dir, &one, q, DELAY_CONFIG, PART));
     publish_range(q, N..N + OWN).await;
     let of_b = nack_all(&b, q, OWN).await;
-    let c = Process::start(&config(dir, &two, q, DELAY_CONFIG, ""));
+    let c = Process::start(&config(dir, &two, q, DELAY_CONFIG, PART));
     publish_range(q, N + OWN..N + 2 * OWN).await;
     let of_c = nack_all(&c, q, OWN).await;
     acks_applied(q, 0).await;
@@ -75,8 +81,9 @@ async fn a_killed_with_two_adopters(
     ((b, one), (c, two), gone, nacked)
 }
 
-/// Polls B and C until one of them has parked a quarter of A's messages;
-/// returns that one (the adopter), the other, and what it had parked then.
+/// Polls B and C until one of them has parked a quarter of A's messages
+/// and committed a part of them (issue 36); returns that one (the
+/// adopter), the other, and what it had parked then.
 async fn adopting_a_quarter(b: Named, c: Named) -> (Named, Named, f64) {
     let began = Instant::now();
     loop {
@@ -91,7 +98,11 @@ async fn adopting_a_quarter(b: Named, c: Named) -> (Named, Named, f64) {
             scrape(c.0.metrics).await.sum("nackd_held_messages") - own,
         );
         let from = f64::from(N / 4);
-        match (pb >= from, pc >= from) {
+        let part = |p: &Process| {
+            let log = p.log.lock().unwrap();
+            log.iter().any(|l| l.contains("committed a part of an adoption"))
+        };
+        match (pb >= from && part(&b.0), pc >= from && part(&c.0)) {
             (true, _) => return (b, c, pb),
             (_, true) => return (c, b, pc),
             _ => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -216,9 +227,14 @@ async fn an_adopter_killed_half_way_loses_nothing_and_fires_nothing_twice() {
     eprintln!("the survivor parked {adopted} for adoptions");
     assert!(adopted >= f64::from(N + OWN), "{adopted} parked");
     assert_eq!(s.sum("nackd_held_messages"), 0.0);
-    // It saw the intent left open, and dropped the killed adopter's parks.
+    // It saw the intent left open, and dropped the killed adopter's parks
+    // but those of the part it had committed (issue 36), which it
+    // adopted from the killed adopter's stream instead of A's.
     survivor.wait_for_log(&["cut off half way (its adopter is gone", &gone]);
-    survivor.wait_for_log(&["never committed", &gone]);
+    let parts = survivor.wait_for_log(&["only those of its committed parts are held", &gone]);
+    let line: serde_json::Value = serde_json::from_str(&parts).unwrap();
+    let in_parts = line["fields"]["committed_in_parts"].as_u64();
+    assert!(in_parts.is_some_and(|n| n >= 500), "{parts}");
     drop(survivor);
     delete(&q).await;
 }
@@ -297,9 +313,15 @@ async fn an_adopter_killed_half_way_and_restarted_on_its_store_fires_nothing_twi
     let ((adopter, id), (other, _), parked) = adopting_a_quarter(b, c).await;
     adopter.kill9();
     let killed = Instant::now();
+    assert!(
+        parked < f64::from(N),
+        "the adoption ended before the kill: nothing was cut off"
+    );
     eprintln!("adopter killed with {parked} of {N} parked, started again");
-    let adopter = Process::start(&config(dir.path(), &id, &q, DELAY_CONFIG, ""));
-    adopter.wait_for_log(&["cut off half way: not held"]);
+    let adopter = Process::start(&config(dir.path(), &id, &q, DELAY_CONFIG, PART));
+    // Left mid-adoption: rebuilt from its stream, where its committed
+    // parts count (and what it parked after them does not).
+    adopter.wait_for_log(&["local store rebuilt from the stream"]);
     let took = tokio::select! {
         t = committed(&adopter, &gone, killed) => { eprintln!("the restarted adopter adopted again"); t }
         t = committed(&other, &gone, killed) => { eprintln!("the other instance took over"); t }
@@ -311,5 +333,55 @@ async fn an_adopter_killed_half_way_and_restarted_on_its_store_fires_nothing_twi
     }
     drop(adopter);
     drop(other);
+    delete(&q).await;
+}
+
+/// Issue 36: the adopted instance comes back after its adopter committed
+/// a part and died. A's store is rebuilt without what the part gave
+/// away; A adopts its dead adopter, whose stream holds that part (and
+/// parks after it that never count); every message comes back once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_back_after_a_part_of_its_adoption_fires_every_message_once() {
+    let _all_up = cluster().steady().await;
+    let dir = tempfile::tempdir().unwrap();
+    let q = unique("cluster-adopt-back");
+    let (gone, one) = (unique("gone"), unique("one"));
+    let a_config = config(dir.path(), &gone, &q, DELAY_CONFIG, PART);
+    let a = Process::start(&a_config);
+    publish_range(&q, 0..N).await;
+    let of_a = nack_all(&a, &q, N).await;
+    let b = Process::start(&config(dir.path(), &one, &q, DELAY_CONFIG, PART));
+    publish_range(&q, N..N + OWN).await;
+    let of_b = nack_all(&b, &q, OWN).await;
+    acks_applied(&q, 0).await;
+    a.kill9();
+    before_due(&of_a.nacked, DELAY, "A died");
+    let mut nacked = of_a.nacked;
+    nacked.extend(of_b.close().await);
+    // B adopts A, and is killed once it committed a part, before the end.
+    let began = Instant::now();
+    let parked = loop {
+        assert!(began.elapsed() < Duration::from_secs(180), "B did not adopt A");
+        let parked = scrape(b.metrics).await.sum("nackd_held_messages") - f64::from(OWN);
+        let part = {
+            let log = b.log.lock().unwrap();
+            log.iter().any(|l| l.contains("committed a part of an adoption"))
+        };
+        if part && parked >= f64::from(N / 4) {
+            break parked;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    b.kill9();
+    let killed = Instant::now();
+    assert!(parked < f64::from(N), "B's adoption ended before the kill");
+    eprintln!("B killed with {parked} of {N} parked; A started again on its store");
+    let a = Process::start(&a_config);
+    a.wait_for_log(&["given to another instance by a committed part"]);
+    let took = committed(&a, &one, killed).await;
+    eprintln!("A adopted B {took:?} after B's kill");
+    every_one_once(a.addr, &q, &nacked).await;
+    assert_eq!(scrape(a.metrics).await.sum("nackd_held_messages"), 0.0);
+    drop(a);
     delete(&q).await;
 }

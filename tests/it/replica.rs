@@ -40,6 +40,7 @@ fn config_with_slack(instance: &str, dir: &std::path::Path, slack: u64) -> Confi
         store_dir: dir.to_owned(),
         done_every: Duration::from_millis(50),
         adopt_after: Duration::from_secs(3600),
+        adopt_part: 20_000,
         generation_slack: slack,
         previous_nodes: Vec::new(),
     }

@@ -6,10 +6,12 @@
 //!
 //! The guarantees live in the transitions: one intent per adoption (a
 //! resumed attempt keeps its epoch, a new one takes the next), parks
-//! that are never scheduled before `Adopted` of their epoch is written
-//! (only [`Effect::Schedule`] releases them, and only after a commit
-//! that the directory shows), and no commit unless this instance is
-//! still active and the adopted id's lease still has a majority.
+//! that are never scheduled before a commit naming them is written
+//! ([`Effect::Schedule`] after `Adopted` of their epoch, which the
+//! directory shows; or a part of the intent, which the driver commits
+//! while [`Phase::Parking`], under the same two checks as `Adopted`),
+//! and no commit unless this instance is still active and the adopted
+//! id's lease still has a majority.
 //!
 //! ```text
 //! Leasing ─taken→ Reading ─┬─ adopted, or no generation ─→ Finishing ─→ Ended (Done)
@@ -19,7 +21,8 @@
 //! CheckingStream ─ gone → Ended (Missing)
 //!    └─ there → Intending → Parking → Confirming → Probing → Committing → Finishing → Ended (Done)
 //! Parking: stream returned → Ended (Missing); Confirming: not active, Probing: no
-//! majority, any phase: an I/O error → Ended (the error; parks kept, not fired)
+//! majority, any phase: an I/O error → Ended (the error; parks kept, not fired
+//! but those of the parts committed while Parking)
 //! ```
 
 use tracing::{info, warn};
@@ -47,7 +50,9 @@ pub(super) enum Phase {
     /// Marking the adoption in the local store, and writing the intent
     /// `epoch` to the directory when `new` (a resumed one is written).
     Intending { g: u64, epoch: u64, new: bool },
-    /// Parking every message of generation `g` under the intent.
+    /// Parking every message of generation `g` under the intent, and
+    /// committing them in parts (`replica.adopt_part`) as they are parked:
+    /// what is left is committed by `Adopted`.
     Parking { g: u64, epoch: u64 },
     /// Parked `count`: is this instance still active (its own lease)?
     Confirming { g: u64, epoch: u64, count: usize },
@@ -78,7 +83,8 @@ pub(super) enum Outcome {
     StreamExists(bool),
     /// [`Phase::Intending`]: marked, and written if new.
     IntentWritten,
-    /// [`Phase::Parking`]: this many are parked under the intent.
+    /// [`Phase::Parking`]: this many are parked under the intent (those
+    /// committed in parts included).
     Parked(usize),
     /// [`Phase::Parking`]: the broker returned a read: the stream is gone.
     StreamReturned(String),
@@ -371,6 +377,7 @@ mod tests {
             holder_epoch: 0,
             nodes: None,
             other_nodes: None,
+            ..Directory::default()
         }
     }
 

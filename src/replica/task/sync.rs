@@ -4,7 +4,7 @@
 //! gone. The steps of one attempt are the states of [`phase::Sync`], a
 //! transition function without I/O; `Task::try_sync` does their I/O.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -132,11 +132,14 @@ impl Task {
         let broker = Outcome::Broker;
         match *phase {
             Phase::Reading => match self.directory().await {
-                Ok(dir) => Outcome::Read {
-                    dir,
-                    local: local::load(&self.config.store_dir),
-                    adopting: local::adoption_under_way(&self.config.store_dir),
-                },
+                Ok(dir) => {
+                    self.given.clone_from(&dir.given);
+                    Outcome::Read {
+                        dir,
+                        local: local::load(&self.config.store_dir),
+                        adopting: local::adoption_under_way(&self.config.store_dir),
+                    }
+                }
                 Err(e) => broker(e),
             },
             Phase::Checking { g, .. } => {
@@ -221,7 +224,7 @@ impl Task {
                 forget_synced(&self.config.store_dir);
                 wipe_log(log)?
             }
-            false => log,
+            false => drop_given(log, &recovered, &self.given)?,
         };
         // A switch that did not finish may have left a stream of that name.
         let fresh = async {
@@ -233,7 +236,7 @@ impl Task {
         }
         let mut seeded = 0;
         if !wipe {
-            seeded = match seed(client, &stream, &log, &recovered).await {
+            seeded = match seed(client, &stream, &log, &recovered, &self.given).await {
                 Ok(seeded) => seeded,
                 Err(e) => return Err(Failed::Broker(log, e)),
             };
@@ -272,14 +275,15 @@ impl Task {
         // Moved by an adoption that was never committed: not held, and
         // completed, so that the stream stops carrying them.
         let mut void = Vec::new();
-        let held = match replay(client, &mut reader, &mut log, &mut void).await {
+        let replayed = replay(client, &mut reader, &mut log, &self.given, &mut void).await;
+        let held = match replayed {
             Ok(held) => held,
             Err(failure) => return Err(Failed::with_log(failure, Some(log))),
         };
         if !void.is_empty() {
             warn!(
                 messages = void.len(),
-                "moved by an adoption of this id that was cut off half way: not held (the adopted stream still has them)"
+                "not held: moved by an adoption of this id that was cut off half way (the adopted stream still has them), or given to another instance by a committed part of an adoption"
             );
         }
         void.into_iter().for_each(|id| self.completions.add(id));
@@ -290,11 +294,14 @@ impl Task {
 }
 
 /// Replays a generation stream into `log`; how many messages it holds
-/// then. Moved puts of an adoption never committed go to `void` instead.
+/// then. Moved puts of an adoption never committed (but for those a
+/// committed part of it names), and messages a part of an adoption of
+/// this id gave away (`given`), go to `void` instead.
 async fn replay(
     client: &Client,
     reader: &mut StreamReader,
     log: &mut Log,
+    given: &HashSet<u64>,
     void: &mut Vec<u64>,
 ) -> Result<usize, Failure> {
     fn store(e: impl ToString) -> Failure {
@@ -310,12 +317,15 @@ async fn replay(
                 Step::Put(held) => fold.intent(held.id),
                 Step::Drop(_) => None,
             };
-            if let (Step::Put(held), Some(from)) = (&step, from) {
-                if !commits
-                    .counts(client, from)
-                    .await
-                    .map_err(Failure::Broker)?
-                {
+            if let Step::Put(held) = &step {
+                let counts = match from {
+                    _ if given.contains(&held.id) => false,
+                    Some(from) => {
+                        (commits.counts(client, from, held.id).await).map_err(Failure::Broker)?
+                    }
+                    None => true,
+                };
+                if !counts {
                     void.push(held.id);
                     continue;
                 }
@@ -340,11 +350,12 @@ async fn seed(
     stream: &str,
     log: &Log,
     recovered: &Recovered,
+    given: &HashSet<u64>,
 ) -> Result<u64, ClientError> {
     let reader = log.reader();
     let mut window = std::collections::VecDeque::new();
     let mut seeded = 0;
-    for (_, _, loc) in &recovered.held {
+    for (_, _, loc) in recovered.held.iter().filter(|(id, ..)| !given.contains(id)) {
         let Ok(held) = reader.read(*loc) else {
             continue;
         };
@@ -440,6 +451,27 @@ fn reopen(log: Log) -> Result<(Log, Recovered), Failed> {
     let (dir, options) = (log.dir().to_owned(), log.options());
     drop(log);
     Log::open(&dir, options).map_err(|e| Failed::Store(e.to_string()))
+}
+
+/// Deletes from `log` what parts of an adoption of this id gave away
+/// (they are another instance's: this store never fires them again).
+#[allow(clippy::result_large_err)] // the error gives the log back to its owner
+fn drop_given(mut log: Log, recovered: &Recovered, given: &HashSet<u64>) -> Result<Log, Failed> {
+    let mut dropped = 0;
+    for (id, _, loc) in recovered.held.iter().filter(|(id, ..)| given.contains(id)) {
+        log.del(*id, *loc);
+        dropped += 1;
+    }
+    if dropped > 0 {
+        warn!(
+            dropped,
+            "held messages given to another instance by a committed part of an adoption: dropped from the local store"
+        );
+        if let Err(e) = log.commit() {
+            return Err(Failed::Store(e.to_string()));
+        }
+    }
+    Ok(log)
 }
 
 /// Deletes every segment of `log` and opens it empty.

@@ -198,8 +198,11 @@ impl Sync {
         }
         // A store left by an adoption under way holds parks that may never
         // count: rebuilt from the stream, where they count once committed.
+        // One that a part of an adoption of this id took from since its
+        // epoch holds messages given away: rebuilt without them.
         let current = |g: u64| {
             !adopting
+                && !dir.given_since_epoch
                 && local.is_some_and(|l| {
                     l.instance == self.instance
                         && l.generation == g
@@ -241,6 +244,7 @@ mod tests {
             holder: Some("pid 1 on h".into()),
             nodes: None,
             adopted_by: adopted_by.map(str::to_owned),
+            ..Directory::default()
         }
     }
 
@@ -334,6 +338,25 @@ mod tests {
             assert!(s.on(Outcome::Rebuilt).is_empty());
             assert_eq!(s.phase(), &sealing(5, 2, true));
         }
+    }
+
+    /// Issue 36: a part of an adoption of this id committed since its
+    /// epoch took messages the local store still holds: it is rebuilt
+    /// (without them), not kept.
+    #[test]
+    fn a_store_a_part_of_an_adoption_took_from_is_rebuilt() {
+        let given = Directory {
+            given_since_epoch: true,
+            ..dir(Some(2), 5, None)
+        };
+        let (mut s, _) = read(false, given, Some(synced(2, 5)), false);
+        let stale = Phase::Checking {
+            g: 2,
+            current: false,
+        };
+        assert_eq!(s.phase(), &stale);
+        assert!(s.on(Outcome::Exists(true)).is_empty());
+        assert_eq!(s.phase(), &Phase::Rebuilding { g: 2 });
     }
 
     #[test]
