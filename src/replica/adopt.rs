@@ -954,13 +954,17 @@ impl Adopter<'_> {
         Ok(survey)
     }
 
-    /// Commits a part once `adopt_part` parks are sent.
+    /// Commits a part once `adopt_part` parks are sent ([`FIRST_PART`]
+    /// for the first: the soonest due fire as soon as they can).
     async fn part_if_full(
         &self,
         parks: &mut InFlight<'_>,
         parts: &mut Parts<'_>,
     ) -> Result<(), ClientError> {
-        let part = self.config.adopt_part;
+        let part = match parts.progress.released {
+            0 => self.config.adopt_part.min(FIRST_PART),
+            _ => self.config.adopt_part,
+        };
         if part > 0 && parks.ours.len() + parks.waiting.len() >= part {
             self.commit_part(parks, parts).await?;
         }
@@ -1028,6 +1032,10 @@ struct Parts<'a> {
     given: &'a mut HashSet<u64>,
     lease: &'a mut Option<Lease>,
 }
+
+/// The first part of an adoption, at most: the soonest due are committed
+/// (and fire) once this many are parked, not `adopt_part`.
+const FIRST_PART: usize = 1024;
 
 /// Messages of the adopted stream kept in memory by its first read (the
 /// soonest due), at most, in bytes (with [`ENTRY_BYTES`] each): they are
