@@ -34,8 +34,8 @@ pub struct Replica {
     /// committed, while the rest is still being taken. Smaller parts fire
     /// sooner and write more records to the adopted instance's directory
     /// (16 bytes a message). 0: in one step, all at the end (as 0.1.0
-    /// did; for a group that still runs 0.1.0, which cannot read the
-    /// parts' records).
+    /// did, but with two reads of the adopted stream; for a group that
+    /// still runs 0.1.0, which cannot read the parts' records).
     #[serde(default = "default_adopt_part")]
     #[schemars(range(min = 0, max = 32768))]
     pub adopt_part: usize,

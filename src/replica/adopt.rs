@@ -622,13 +622,15 @@ async fn abandon(engine: &mpsc::Sender<Adopt>, config: &Config, from: &str, prog
         return;
     }
     let (landed, dropped) = split_landed(progress.ours, &progress.landed);
-    warn!(
-        from,
-        epoch = progress.epoch,
-        parked = dropped.len() + landed.len(),
-        committed_in_a_part = landed.len(),
-        "an adoption cut off half way cannot be committed: its parks are dropped (the adopted stream still has them), but those of a part that was committed"
-    );
+    if !dropped.is_empty() {
+        warn!(
+            from,
+            epoch = progress.epoch,
+            dropped = dropped.len(),
+            committed_in_a_part = landed.len(),
+            "an adoption cut off half way cannot be committed: its parks are dropped (the adopted stream still has them), but those of a part that was committed"
+        );
+    }
     if !landed.is_empty() {
         let _ = engine.send(Adopt::Release(landed)).await;
     }
@@ -702,6 +704,7 @@ impl Adopter<'_> {
                     progress,
                     given,
                     lease,
+                    first_done: false,
                 };
                 self.park(*g, &mut parts).await?
             }
@@ -961,9 +964,9 @@ impl Adopter<'_> {
         parks: &mut InFlight<'_>,
         parts: &mut Parts<'_>,
     ) -> Result<(), ClientError> {
-        let part = match parts.progress.released {
-            0 => self.config.adopt_part.min(FIRST_PART),
-            _ => self.config.adopt_part,
+        let part = match parts.first_done {
+            false => self.config.adopt_part.min(FIRST_PART),
+            true => self.config.adopt_part,
         };
         if part > 0 && parks.ours.len() + parks.waiting.len() >= part {
             self.commit_part(parks, parts).await?;
@@ -1010,6 +1013,7 @@ impl Adopter<'_> {
                 ids.push(*ours);
             }
             parts.progress.released += ids.len();
+            parts.first_done = true;
             info!(
                 from = parts.name,
                 epoch = parts.epoch,
@@ -1031,6 +1035,8 @@ struct Parts<'a> {
     progress: &'a mut Progress,
     given: &'a mut HashSet<u64>,
     lease: &'a mut Option<Lease>,
+    /// This attempt committed its first part.
+    first_done: bool,
 }
 
 /// The first part of an adoption, at most: the soonest due are committed
@@ -1051,7 +1057,8 @@ struct Survey {
     /// put (among the fold's) that holds their last version.
     live: HashMap<u64, u64>,
     /// The soonest due of those to park, at most `most` of them within
-    /// [`FIRST_BYTES`]: (due, id) → it.
+    /// [`FIRST_BYTES`]: (due, id) → it. Every one of them is due before
+    /// every message of `later`.
     first: std::collections::BTreeMap<(u64, u64), Held>,
     /// Their ids, and due times.
     first_due: HashMap<u64, u64>,
@@ -1061,10 +1068,11 @@ struct Survey {
     /// must find the same, or the stream changed in between.
     steps: u64,
     held: usize,
-    /// The soonest due that had to go for lack of room: none due at or
-    /// after it is kept from then on, so that what is kept is all the
-    /// soonest due.
-    cutoff: Option<(u64, u64)>,
+    /// The others to park, by (due, id), and their ids' due times: none
+    /// due at or after the soonest of them is kept, so that what is kept
+    /// is all the soonest due (a completion lifts that bound again).
+    later: std::collections::BTreeSet<(u64, u64)>,
+    later_due: HashMap<u64, u64>,
 }
 
 impl Survey {
@@ -1078,7 +1086,8 @@ impl Survey {
             most,
             steps: 0,
             held: 0,
-            cutoff: None,
+            later: Default::default(),
+            later_due: HashMap::new(),
         }
     }
 
@@ -1086,11 +1095,17 @@ impl Survey {
         held.header.len() + held.body.len() + held.queue.len() + held.vhost.len() + ENTRY_BYTES
     }
 
-    /// Keeps `held` in memory if it is among the soonest due that fit.
+    /// Keeps `held` (a message to park) in memory if it is among the
+    /// soonest due that fit, else notes it for the second read.
     fn keep(&mut self, held: Held) {
         let key = (held.due_ms, held.id);
         let size = Self::size(&held);
-        if size > FIRST_BYTES || self.most == 0 || self.cutoff.is_some_and(|c| key >= c) {
+        if size > FIRST_BYTES {
+            return; // never kept, and no bound on the others
+        }
+        if self.most == 0 || self.later.first().is_some_and(|soonest| key >= *soonest) {
+            self.later.insert(key);
+            self.later_due.insert(held.id, held.due_ms);
             return;
         }
         self.first_bytes += size;
@@ -1102,7 +1117,8 @@ impl Survey {
             };
             self.first_bytes -= Self::size(&dropped);
             self.first_due.remove(&latest.1);
-            self.cutoff = Some(self.cutoff.map_or(latest, |c| c.min(latest)));
+            self.later.insert(latest);
+            self.later_due.insert(latest.1, latest.0);
         }
     }
 
@@ -1113,6 +1129,9 @@ impl Survey {
             if let Some(held) = self.first.remove(&(due, id)) {
                 self.first_bytes -= Self::size(&held);
             }
+        }
+        if let Some(due) = self.later_due.remove(&id) {
+            self.later.remove(&(due, id));
         }
     }
 }
@@ -1449,7 +1468,7 @@ mod tests {
     /// holds at its end, at most `most` of them within FIRST_BYTES: a
     /// later version replaces an earlier one, a completion drops it, past
     /// a bound the latest due go, and none due after one that went comes
-    /// in (it waits for the second read with it).
+    /// in while that one is held (it waits for the second read with it).
     #[test]
     fn the_first_read_keeps_the_soonest_due_within_its_bounds() {
         let size = 4 << 20;
@@ -1460,30 +1479,38 @@ mod tests {
         let kept = |s: &Survey| s.first.values().map(|h| h.id).collect::<Vec<u64>>();
         let consistent = |s: &Survey| {
             assert_eq!(s.first.len(), s.first_due.len());
+            assert_eq!(s.later.len(), s.later_due.len());
             let bytes: usize = s.first.values().map(Survey::size).sum();
             assert_eq!(bytes, s.first_bytes);
             assert!(s.first_bytes <= FIRST_BYTES && s.first.len() <= s.most);
+            if let (Some((last, _)), Some(soonest)) = (s.first.last_key_value(), s.later.first()) {
+                assert!(last < soonest, "all kept are due before all left");
+            }
         };
         // 40 of 4 MiB, due from the latest to the soonest: 15 fit.
         let mut survey = Survey::new(100);
         for id in 1..=40u64 {
             survey.keep(at(id, 1000 - id));
+            consistent(&survey);
         }
-        consistent(&survey);
         assert_eq!(kept(&survey), (26..=40).rev().collect::<Vec<_>>());
-        // A completion makes room, but only for one due before the cutoff.
+        assert_eq!(survey.later.len(), 25);
+        // A completion makes room, but only for one due before the
+        // soonest left (25, due at 975).
         survey.forget(30);
-        survey.keep(at(25, 975));
-        assert!(
-            !survey.first_due.contains_key(&25),
-            "due after one that went"
-        );
-        survey.keep(at(41, 1));
-        assert_eq!(kept(&survey)[0], 41);
-        // A later version of 40, due later: forgotten, then kept again.
+        survey.keep(at(41, 980));
+        assert!(survey.later_due.contains_key(&41), "due after one left");
+        survey.keep(at(42, 1));
+        assert_eq!(kept(&survey)[0], 42);
+        consistent(&survey);
+        // Those left are completed (fired): the bound goes with them.
+        for id in 1..=25 {
+            survey.forget(id);
+        }
+        survey.forget(41);
         survey.forget(40);
-        survey.keep(at(40, 970));
-        assert!(survey.first_due.contains_key(&40));
+        survey.keep(at(43, 990));
+        assert!(survey.first_due.contains_key(&43));
         consistent(&survey);
         // One larger than the bound is never kept, and evicts nothing.
         let before = kept(&survey);
@@ -1497,7 +1524,7 @@ mod tests {
             small.keep(held(id, 10));
         }
         consistent(&small);
-        assert_eq!(small.first.len(), 3);
+        assert_eq!((small.first.len(), small.later.len()), (3, 7));
         let mut none = Survey::new(0);
         none.keep(held(1, 10));
         assert!(none.first.is_empty());

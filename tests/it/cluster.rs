@@ -603,7 +603,7 @@ async fn consume_forever(
 }
 
 /// Sends `signal` (e.g. "STOP", "CONT") to `p`.
-fn signal(p: &Process, signal: &str) {
+pub(super) fn signal(p: &Process, signal: &str) {
     let status = std::process::Command::new("kill")
         .args([&format!("-{signal}"), &p.child.id().to_string()])
         .status()

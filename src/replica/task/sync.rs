@@ -339,7 +339,12 @@ async fn replay(
         }
     }
     log.commit().map_err(store)?;
-    log.reserve_ids(fold.next_id()).map_err(store)?;
+    // Past what parts of adoptions gave away too: a compaction since may
+    // have left their ids out of the stream, and a message of this id
+    // under one of them would be left out as given.
+    let past_given = given.iter().max().map_or(0, |id| id + 1);
+    log.reserve_ids(fold.next_id().max(past_given))
+        .map_err(store)?;
     Ok(locs.len())
 }
 
