@@ -561,15 +561,16 @@ async fn settle(
         abandon(engine, config, from, progress).await;
         return None;
     };
-    match Directory::read(client, from).await {
-        // No directory: nobody can adopt it any more (as `Commits` says).
-        Ok(dir) if dir.as_ref().is_none_or(|d| d.committed.contains(&epoch)) => {
+    match Directory::read(client, from)
+        .await
+        .map(|dir| Verdict::of(dir, epoch))
+    {
+        Ok(Verdict::Committed) => {
             schedule(engine, config, from, epoch, progress).await;
             None
         }
-        Ok(dir) => {
-            let mut dir = dir.expect("read");
-            progress.landed = dir.parts.remove(&epoch).unwrap_or_default();
+        Ok(Verdict::Parts(landed)) => {
+            progress.landed = landed;
             abandon(engine, config, from, progress).await;
             None
         }
@@ -874,7 +875,7 @@ impl Adopter<'_> {
         let skip: HashSet<u64> = (parks.ours.keys().chain(parts.given.iter()))
             .copied()
             .collect();
-        let survey = self.survey(&stream, &skip).await?;
+        let mut survey = self.survey(&stream, &skip).await?;
         // Parked by an earlier try, and not held by the stream any more
         // (completed since): not ours to hold either. (What a part gave
         // away stays: it is ours whatever the stream says.)
@@ -887,12 +888,11 @@ impl Adopter<'_> {
                 let _ = self.engine.send(Adopt::Complete(id)).await;
             }
         }
-        let soonest: HashSet<u64> = survey.first_due.keys().copied().collect();
+        let soonest = |id: &u64| survey.first_due.contains_key(id);
         let rest = (survey.live.keys())
-            .filter(|id| !skip.contains(id) && !soonest.contains(id))
+            .filter(|id| !skip.contains(id) && !soonest(id))
             .count();
-        let (steps, held) = (survey.steps, survey.held);
-        for one in survey.first.into_values() {
+        for one in std::mem::take(&mut survey.first).into_values() {
             parks.send(self.engine, one, from).await?;
             self.part_if_full(parks, parts).await?;
         }
@@ -910,14 +910,14 @@ impl Adopter<'_> {
                 let Step::Put(put) = one else { continue };
                 step += 1;
                 let last = survey.live.get(&put.id) == Some(&step);
-                if last && !skip.contains(&put.id) && !soonest.contains(&put.id) {
+                if last && !skip.contains(&put.id) && !soonest(&put.id) {
                     parks.send(self.engine, put, from).await?;
                     parked += 1;
                     self.part_if_full(parks, parts).await?;
                 }
             }
         }
-        if (step, fold.held(), parked) != (steps, held, rest) {
+        if (step, fold.held(), parked) != (survey.steps, survey.held, rest) {
             return Err(ClientError::Unreachable(format!(
                 "the adopted stream {stream} changed between two reads ({parked} of {rest} found again): adopting again"
             )));
@@ -990,13 +990,10 @@ impl Adopter<'_> {
             // Checked right before each append: what is left between the
             // check and the append is one round trip (Limits, cluster.md).
             if !self.still_active() {
-                let why = "this instance's lease was lost during the adoption: not committing";
-                return Err(ClientError::Unreachable(why.into()));
+                return Err(ClientError::Unreachable(phase::LOST_OWN.into()));
             }
             if !self.majority(parts.lease).await {
-                let why =
-                    "the adopted instance's lease was lost during the adoption: not committing";
-                return Err(ClientError::Unreachable(why.into()));
+                return Err(ClientError::Unreachable(phase::LOST_ADOPTED.into()));
             }
             let part = Record::AdoptedPart {
                 by: self.config.instance.clone(),

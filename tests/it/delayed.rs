@@ -716,26 +716,18 @@ async fn delayed_messages_are_listed_fired_and_purged_by_exchange() {
         assert!(c.is_ack());
     }
     let enc = |s: &str| s.replace('/', "%2F");
-    let held = common::ops::json(
-        ops,
-        "GET",
-        &format!("/api/held?exchange={}", enc(&x)),
-        Some(TOKEN),
-    )
-    .await;
+    let list = |filter: &str, name: &str| {
+        let path = format!("/api/held?{filter}={}", enc(name));
+        async move { common::ops::json(ops, "GET", &path, Some(TOKEN)).await }
+    };
+    let held = list("exchange", &x).await;
     assert_eq!(held["total"], 3, "{held}");
     let first = &held["held"][0];
     assert_eq!(first["delayed"], true, "{first}");
     assert_eq!(first["dead_letter"], false, "{first}");
     assert_eq!(first["queue"], x.as_str(), "{first}");
     // The same name as a queue: no retries there.
-    let as_queue = common::ops::json(
-        ops,
-        "GET",
-        &format!("/api/held?queue={}", enc(&x)),
-        Some(TOKEN),
-    )
-    .await;
+    let as_queue = list("queue", &x).await;
     assert_eq!(as_queue["total"], 0, "{as_queue}");
     let scrape = common::ops::scrape(ops).await;
     assert_eq!(
@@ -777,13 +769,7 @@ async fn delayed_messages_are_listed_fired_and_purged_by_exchange() {
     // publish, which can come just after its delivery to the consumer.
     let began = std::time::Instant::now();
     loop {
-        let held = common::ops::json(
-            ops,
-            "GET",
-            &format!("/api/held?exchange={}", enc(&x)),
-            Some(TOKEN),
-        )
-        .await;
+        let held = list("exchange", &x).await;
         if held["total"] == 0 {
             break;
         }

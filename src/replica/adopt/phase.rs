@@ -31,6 +31,14 @@ use super::{Adoption, Directory};
 use crate::replica::client::ClientError;
 use crate::replica::Config;
 
+/// Why a commit (the intent's, or a part's) is not written: this
+/// instance's own lease was lost meanwhile.
+pub(super) const LOST_OWN: &str =
+    "this instance's lease was lost during the adoption: not committing";
+/// Why a commit is not written: the adopted id's lease lost its majority.
+pub(super) const LOST_ADOPTED: &str =
+    "the adopted instance's lease was lost during the adoption: not committing";
+
 /// Where an adoption attempt stands: each names the I/O to do next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Phase {
@@ -208,20 +216,13 @@ impl Attempt {
             }
             // The store may have been rebuilt without these parks: the
             // next round drops them.
-            (Phase::Confirming { .. }, Outcome::Active(false)) => {
-                return self
-                    .fail("this instance's lease was lost during the adoption: not committing");
-            }
+            (Phase::Confirming { .. }, Outcome::Active(false)) => return self.fail(LOST_OWN),
             (Phase::Confirming { g, epoch, count }, Outcome::Active(true)) => {
                 Phase::Probing { g, epoch, count }
             }
             // Another adopter (or the instance itself) may act on its
             // directory now.
-            (Phase::Probing { .. }, Outcome::Majority(false)) => {
-                return self.fail(
-                    "the adopted instance's lease was lost during the adoption: not committing",
-                );
-            }
+            (Phase::Probing { .. }, Outcome::Majority(false)) => return self.fail(LOST_ADOPTED),
             (Phase::Probing { g, epoch, count }, Outcome::Majority(true)) => {
                 Phase::Committing { g, epoch, count }
             }
