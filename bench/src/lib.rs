@@ -13,6 +13,7 @@
 //! - [`launcher`]: runs the `nackd` binary as a separate process;
 //! - [`haproxy`]: installs and runs HAProxy in TCP mode (issue 24's baseline);
 //! - [`load`]: producer/consumer pairs that put messages through the broker;
+//! - [`framewise`]: the same, written frame by frame as pika and amqplib write;
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;
@@ -30,6 +31,7 @@ pub mod adopt;
 pub mod baseline;
 pub mod cpu;
 pub mod delayed;
+pub mod framewise;
 pub mod haproxy;
 pub mod hold;
 pub mod launcher;

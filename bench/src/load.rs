@@ -52,7 +52,8 @@ pub enum Sizes {
 }
 
 impl Sizes {
-    fn of(self, i: u64) -> usize {
+    /// The size of message `i` (at least the stamp's 8 bytes).
+    pub fn of(self, i: u64) -> usize {
         match self {
             Sizes::Fixed(n) => n,
             Sizes::Mix { large, every, .. } if i % every == every - 1 => large,
@@ -61,7 +62,8 @@ impl Sizes {
         .max(STAMP)
     }
 
-    fn max(self) -> usize {
+    /// The largest size.
+    pub fn max(self) -> usize {
         match self {
             Sizes::Fixed(n) => n,
             Sizes::Mix { small, large, .. } => small.max(large),

@@ -1,12 +1,16 @@
 //! Scenario `passthrough`: what putting nackd between clients and RabbitMQ
-//! costs when nothing is intercepted. Four figures, each measured directly
+//! costs when nothing is intercepted. Its figures, each measured directly
 //! and through nackd in alternating rounds (with `--haproxy`, through
 //! HAProxy in TCP mode too: the toll of a proxy that parses nothing):
 //!
 //! - throughput of one producer and one consumer, 1 KiB messages;
+//! - the same, one message in flight at a time on each side;
 //! - publish → deliver latency at a fixed, non-queueing rate;
 //! - aggregate throughput of busy pairs beside many idle connections;
-//! - throughput of a 1 KiB / 64 KiB mix.
+//! - throughput of a 1 KiB / 64 KiB mix;
+//! - the throughput figure again, written the way pika writes (a write per
+//!   frame) and the way amqplib writes (a write per message), each
+//!   delivery acked on its own ([`super::framewise`]).
 //!
 //! Each figure reports the CPU per message of every process in the path;
 //! the report's lines are written in [`report`].
@@ -19,8 +23,9 @@ use tokio::task::JoinSet;
 
 use super::baseline::BaselineArgs;
 use super::cpu::{CpuSample, CpuUse};
+use super::framewise::{self, Writes};
 use super::haproxy::Splice;
-use super::load::{self, Mark, Pair, PairSpec, Sizes};
+use super::load::{self, Flow, Mark, Pair, PairSpec, Sizes};
 use super::machine::Machine;
 use super::rounds::alternate;
 use super::stats::Summary;
@@ -45,6 +50,12 @@ pub enum Figure {
     Many,
     /// 90% 1 KiB / 10% 64 KiB.
     Mix,
+    /// The throughput figure written the way pika writes: each frame in
+    /// a write of its own, each delivery acked on its own.
+    PikaWrites,
+    /// The same, written the way amqplib writes: a message's frames in
+    /// one write, each delivery acked on its own.
+    AmqplibWrites,
 }
 
 /// `nackd-bench passthrough`
@@ -187,6 +198,27 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
         .await?;
         print_rates("mix         90% 1 KiB / 10% 64 KiB", &sides, None, true);
     }
+    let clients = [
+        (
+            Figure::PikaWrites,
+            Writes::Frame,
+            "pika-like   1 KiB, a write per frame, an ack per message",
+        ),
+        (
+            Figure::AmqplibWrites,
+            Writes::Message,
+            "amqplib-like 1 KiB, a write per message, an ack per message",
+        ),
+    ];
+    for (figure, writes, what) in clients {
+        if args.wants(figure) {
+            let sides = alternate(common.rounds, targets, |target| {
+                client_writes(target, writes, common)
+            })
+            .await?;
+            print_rates(what, &sides, None, false);
+        }
+    }
     Ok(())
 }
 
@@ -212,16 +244,16 @@ struct Window {
 
 impl Window {
     /// Reads the counters of `pairs` and of the processes of `target`.
-    fn open(pairs: &[Pair], target: &Target) -> Self {
+    fn open(flows: &[&Flow], target: &Target) -> Self {
         Self {
-            marks: pairs.iter().map(|p| p.flow.mark()).collect(),
+            marks: flows.iter().map(|f| f.mark()).collect(),
             cpu: CpuSample::now(&target.processes),
         }
     }
 
     /// Reads them again: what the consumers received and the CPU it cost.
-    fn close(self, pairs: &[Pair], target: &Target) -> BenchResult<Rate> {
-        let after: Vec<Mark> = pairs.iter().map(|p| p.flow.mark()).collect();
+    fn close(self, flows: &[&Flow], target: &Target) -> BenchResult<Rate> {
+        let after: Vec<Mark> = flows.iter().map(|f| f.mark()).collect();
         let cpu = self.cpu.until(&CpuSample::now(&target.processes));
         let mut rate = Rate {
             msgs: 0.0,
@@ -242,17 +274,30 @@ impl Window {
     }
 }
 
-/// Measures the consumers of `pairs` between the warm-up and the end.
-async fn measure(pairs: &[Pair], target: &Target, common: &Common) -> BenchResult<Rate> {
+/// Measures the consumers of `flows` between the warm-up and the end.
+async fn measure(flows: &[&Flow], target: &Target, common: &Common) -> BenchResult<Rate> {
     tokio::time::sleep(common.warmup()).await;
-    let window = Window::open(pairs, target);
+    let window = Window::open(flows, target);
     tokio::time::sleep(common.measure()).await;
-    window.close(pairs, target)
+    window.close(flows, target)
 }
 
 async fn throughput(target: Target, sizes: Sizes, common: &Common) -> BenchResult<Rate> {
     let pair = Pair::start(&target.addr, "throughput", flat_out(sizes)).await?;
-    let rate = measure(std::slice::from_ref(&pair), &target, common).await;
+    let rate = measure(&[&pair.flow], &target, common).await;
+    pair.stop().await?;
+    rate
+}
+
+/// The throughput figure's load written as `writes` says, each delivery
+/// acked on its own: how pika and amqplib write ([`framewise`]).
+async fn client_writes(target: Target, writes: Writes, common: &Common) -> BenchResult<Rate> {
+    let spec = PairSpec {
+        ack_every: 1,
+        ..flat_out(Sizes::Fixed(KIB))
+    };
+    let pair = framewise::Pair::start(&target.addr, "writes", spec, writes).await?;
+    let rate = measure(&[&pair.flow], &target, common).await;
     pair.stop().await?;
     rate
 }
@@ -267,7 +312,7 @@ async fn sync(target: Target, common: &Common) -> BenchResult<Rate> {
         ..flat_out(Sizes::Fixed(KIB))
     };
     let pair = Pair::start(&target.addr, "sync", spec).await?;
-    let rate = measure(std::slice::from_ref(&pair), &target, common).await;
+    let rate = measure(&[&pair.flow], &target, common).await;
     pair.stop().await?;
     rate
 }
@@ -286,12 +331,12 @@ async fn latency(target: Target, rate: u32, common: &Common) -> BenchResult<Late
         ..flat_out(Sizes::Fixed(KIB))
     };
     let pair = Pair::start(&target.addr, "latency", spec).await?;
-    let pairs = std::slice::from_ref(&pair);
+    let flows = [&*pair.flow];
     tokio::time::sleep(common.warmup()).await;
     pair.flow.recording.store(true, Ordering::Relaxed);
-    let window = Window::open(pairs, &target);
+    let window = Window::open(&flows, &target);
     tokio::time::sleep(common.measure()).await;
-    let measured = window.close(pairs, &target);
+    let measured = window.close(&flows, &target);
     pair.flow.recording.store(false, Ordering::Relaxed);
     let latencies = pair.stop().await?;
     let summary = latencies
@@ -309,7 +354,8 @@ async fn many(target: Target, idle: usize, pairs: usize, common: &Common) -> Ben
     for _ in 0..pairs {
         busy.push(Pair::start(&target.addr, "many", flat_out(Sizes::Fixed(KIB))).await?);
     }
-    let rate = measure(&busy, &target, common).await;
+    let flows: Vec<&Flow> = busy.iter().map(|p| &*p.flow).collect();
+    let rate = measure(&flows, &target, common).await;
     for pair in busy {
         pair.stop().await?;
     }

@@ -1,0 +1,63 @@
+//! The pass-through figures written the way pika and amqplib write: a
+//! short run through a real nackd in front of the broker on
+//! 127.0.0.1:5672 measures both lanes of both, and every lane delivered.
+
+use std::process::Command;
+
+mod common;
+
+use common::{nackd, BENCH};
+
+/// The messages per second a report line of `what` and `lane` gives.
+fn rate(report: &str, what: &str, lane: &str) -> f64 {
+    let line = report
+        .lines()
+        .find(|l| l.starts_with(what) && l[what.len()..].trim_start().starts_with(lane))
+        .unwrap_or_else(|| panic!("no {what} {lane} line in:\n{report}"));
+    let after = line[what.len()..].trim_start()[lane.len()..].trim_start();
+    after
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no rate in {line:?}"))
+}
+
+#[test]
+fn the_pika_and_amqplib_figures_measure_both_lanes() {
+    nackd();
+    let out = Command::new(BENCH)
+        .env("NACKD_BENCH_LOG", "warn,lapin=off")
+        .args([
+            "passthrough",
+            "--seconds",
+            "1",
+            "--warmup",
+            "0",
+            "--rounds",
+            "1",
+        ])
+        .args(["--only", "pika-writes", "--only", "amqplib-writes"])
+        .output()
+        .expect("running nackd-bench");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nackd-bench failed:\n{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for what in [
+        "pika-like   1 KiB, a write per frame, an ack per message",
+        "amqplib-like 1 KiB, a write per message, an ack per message",
+    ] {
+        for lane in ["direct", "nackd"] {
+            let r = rate(&report, what, lane);
+            assert!(r > 100.0, "{what} {lane}: {r} msg/s");
+        }
+        assert!(
+            report
+                .lines()
+                .any(|l| l.starts_with(what) && l.contains("nackd/direct")),
+            "no ratio for {what}:\n{report}"
+        );
+    }
+}
