@@ -11,17 +11,20 @@
 //!   `sendto` on a `TCP_NODELAY` socket: 3 000 `sendto` for the publishes
 //!   (method, header, body), 1 002 for the acks;
 //! - amqplib 2.3.1 (a confirm channel) writes each message's three frames
-//!   in one `write` of 1 084 bytes: 1 000 writes; its acks, 926 writes.
+//!   in one `write` of 1 084 bytes: 1 000 writes; its acks, 926 to 993
+//!   writes (three runs: a few are written together).
 //!
-//! A proxy in front of such a client is woken for each small segment, so
-//! the cost per message of two proxies compares differently than under
-//! lapin ([`Writes`]).
+//! With `TCP_NODELAY`, each write leaves as a segment of its own; how many
+//! of them a proxy then reads per wake-up depends on how far behind it
+//! falls. The producer here keeps `window` publishes unconfirmed, as an
+//! amqplib confirm channel does (a pika `BlockingConnection` waits for each
+//! confirm, which is the `sync` figure's shape), so it writes like pika
+//! and pipelines like amqplib. `bench/profile/client-writes.sh` repeats
+//! the `strace` counts above.
 //!
-//! The producer keeps `window` publishes unconfirmed (as a confirm channel
-//! of amqplib does; a pika `BlockingConnection` waits for each confirm,
-//! which is the `sync` figure's shape). The AMQP written here is the least a
-//! client needs: the handshake as guest, one channel, `confirm.select`,
-//! `basic.qos`, `basic.consume`, publishes and acks.
+//! The AMQP written here is the least a client needs: the handshake as
+//! guest with pika's capabilities and the broker's heartbeat, one channel,
+//! `confirm.select`, `basic.qos`, `basic.consume`, publishes and acks.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
@@ -30,8 +33,8 @@ use std::time::Duration;
 
 use amq_protocol::protocol::basic::{self, AMQPProperties};
 use amq_protocol::protocol::{channel, confirm, connection, AMQPClass};
-use amq_protocol::types::{FieldTable, LongString};
-use bytes::BytesMut;
+use amq_protocol::types::{AMQPValue, FieldTable, LongString};
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -54,6 +57,8 @@ const FRAME_MAX: u32 = 128 * 1024;
 const CHANNEL: u16 = 1;
 /// How long the handshake and each setup method may take.
 const ANSWER_WITHIN: Duration = Duration::from_secs(10);
+/// How long a side that failed waits for the broker's reason to arrive.
+const REASON_WITHIN: Duration = Duration::from_secs(1);
 
 /// The reading side of a connection: frames as they come.
 struct Reader {
@@ -63,10 +68,13 @@ struct Reader {
 }
 
 impl Reader {
-    /// The next frame that is not a heartbeat.
+    /// The next frame that is not a heartbeat, on channel 0 or ours.
     async fn frame(&mut self) -> BenchResult<Frame> {
         loop {
             if let Some(frame) = self.decoder.decode(&mut self.buf)? {
+                if frame.channel != 0 && frame.channel != CHANNEL {
+                    return Err(format!("a frame on channel {}", frame.channel).into());
+                }
                 if frame.kind != FrameType::Heartbeat {
                     return Ok(frame);
                 }
@@ -78,39 +86,42 @@ impl Reader {
         }
     }
 
-    /// The next method; an error for any other frame or a `close`.
+    /// The next method; an error for any other frame.
     async fn method(&mut self) -> BenchResult<AMQPClass> {
-        let frame = self.frame().await?;
-        if frame.kind != FrameType::Method {
-            return Err(format!("expected a method, got a {:?} frame", frame.kind).into());
-        }
-        match method::decode_any(frame.payload_slice())? {
-            AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
-                Err(format!("connection closed: {} {}", c.reply_code, c.reply_text).into())
-            }
-            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
-                Err(format!("channel closed: {} {}", c.reply_code, c.reply_text).into())
-            }
-            class => Ok(class),
-        }
+        class_of(&self.frame().await?)
     }
 
-    /// Reads methods until `want` accepts one (within [`ANSWER_WITHIN`]).
+    /// The next method, which must be the one `want` accepts (within
+    /// [`ANSWER_WITHIN`]); any other is an error.
     async fn expect<T>(
         &mut self,
         what: &str,
-        want: impl Fn(AMQPClass) -> Option<T>,
+        want: impl Fn(&AMQPClass) -> Option<T>,
     ) -> BenchResult<T> {
-        let wait = async {
-            loop {
-                if let Some(t) = want(self.method().await?) {
-                    return BenchResult::Ok(t);
-                }
-            }
-        };
-        tokio::time::timeout(ANSWER_WITHIN, wait)
+        let class = tokio::time::timeout(ANSWER_WITHIN, self.method())
             .await
-            .map_err(|_| format!("no {what} within {ANSWER_WITHIN:?}"))?
+            .map_err(|_| format!("no {what} within {ANSWER_WITHIN:?}"))??;
+        want(&class).ok_or_else(|| format!("expected {what}, got {class:?}").into())
+    }
+}
+
+/// The method a frame carries; the broker closing the connection or the
+/// channel, or cancelling the consumer, is an error naming its reason.
+fn class_of(frame: &Frame) -> BenchResult<AMQPClass> {
+    if frame.kind != FrameType::Method {
+        return Err(format!("expected a method, got a {:?} frame", frame.kind).into());
+    }
+    match method::decode_any(frame.payload_slice())? {
+        AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
+            Err(format!("connection closed: {} {}", c.reply_code, c.reply_text).into())
+        }
+        AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
+            Err(format!("channel closed: {} {}", c.reply_code, c.reply_text).into())
+        }
+        AMQPClass::Basic(basic::AMQPMethod::Cancel(_)) => {
+            Err("the broker cancelled the consumer".into())
+        }
+        class => Ok(class),
     }
 }
 
@@ -129,8 +140,9 @@ struct Writer<W = OwnedWriteHalf> {
     write: W,
     frame_max: u32,
     writes: Writes,
-    /// A message's frames, gathered for [`Writes::Message`].
-    out: Vec<u8>,
+    /// A publish's frames for the last body size, encoded once: the
+    /// frames of a pika-like write, or the one buffer of an amqplib-like.
+    publish: Option<(usize, Vec<Bytes>)>,
 }
 
 impl<W: AsyncWrite + Unpin> Writer<W> {
@@ -141,42 +153,34 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
         Ok(())
     }
 
-    /// `basic.publish` to the default exchange: method, header and body
-    /// frames, written as [`Writes`] says.
-    async fn publish(&mut self, queue: &str, body: &[u8]) -> BenchResult<()> {
-        let publish = basic::Publish {
-            exchange: "".into(),
-            routing_key: queue.into(),
-            mandatory: false,
-            immediate: false,
-        };
-        let class = AMQPClass::Basic(basic::AMQPMethod::Publish(publish));
-        let header = encode_header(60, body.len() as u64, &AMQPProperties::default());
-        let mut frames = vec![
-            method::encode(CHANNEL, &class),
-            Frame::new(FrameType::Header, CHANNEL, &header).raw,
-        ];
-        for chunk in body.chunks(self.frame_max as usize - FRAME_OVERHEAD) {
-            frames.push(Frame::new(FrameType::Body, CHANNEL, chunk).raw);
+    /// A heartbeat frame.
+    async fn heartbeat(&mut self) -> BenchResult<()> {
+        self.write
+            .write_all(&Frame::new(FrameType::Heartbeat, 0, &[]).raw)
+            .await?;
+        Ok(())
+    }
+
+    /// `basic.publish` of `size` bytes to `queue` on the default exchange:
+    /// method, header and body frames, written as [`Writes`] says.
+    async fn publish(&mut self, queue: &str, size: usize) -> BenchResult<()> {
+        if self.publish.as_ref().is_none_or(|(n, _)| *n != size) {
+            let frames = publish_frames(queue, size, self.frame_max);
+            let frames = match self.writes {
+                Writes::Frame => frames,
+                Writes::Message => vec![frames.concat().into()],
+            };
+            self.publish = Some((size, frames));
         }
-        match self.writes {
-            Writes::Frame => {
-                for frame in frames {
-                    self.write.write_all(&frame).await?;
-                }
-            }
-            Writes::Message => {
-                self.out.clear();
-                for frame in frames {
-                    self.out.extend_from_slice(&frame);
-                }
-                self.write.write_all(&self.out).await?;
-            }
+        let (_, frames) = self.publish.as_ref().expect("encoded above");
+        for frame in frames {
+            self.write.write_all(frame).await?;
         }
         Ok(())
     }
 
-    /// `connection.close`, without waiting for its answer.
+    /// `connection.close`, without waiting for its answer (the socket is
+    /// dropped after it).
     async fn close(&mut self) {
         let close = connection::Close {
             reply_code: 200,
@@ -189,8 +193,73 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
     }
 }
 
+/// The frames of one publish of `size` bytes (0xA5 each) to `queue`.
+fn publish_frames(queue: &str, size: usize, frame_max: u32) -> Vec<Bytes> {
+    let publish = basic::Publish {
+        exchange: "".into(),
+        routing_key: queue.into(),
+        mandatory: false,
+        immediate: false,
+    };
+    let class = AMQPClass::Basic(basic::AMQPMethod::Publish(publish));
+    let header = encode_header(60, size as u64, &AMQPProperties::default());
+    let mut frames = vec![
+        method::encode(CHANNEL, &class),
+        Frame::new(FrameType::Header, CHANNEL, &header).raw,
+    ];
+    let body = vec![0xA5u8; size];
+    for chunk in body.chunks(frame_max as usize - FRAME_OVERHEAD) {
+        frames.push(Frame::new(FrameType::Body, CHANNEL, chunk).raw);
+    }
+    frames
+}
+
+/// The capabilities pika 1.4 announces: with them the broker sends
+/// `basic.cancel` and `connection.blocked` as it would to pika.
+fn client_properties() -> FieldTable {
+    let mut capabilities = FieldTable::default();
+    for name in [
+        "authentication_failure_close",
+        "basic.nack",
+        "connection.blocked",
+        "consumer_cancel_notify",
+        "publisher_confirms",
+    ] {
+        capabilities.insert(name.into(), AMQPValue::Boolean(true));
+    }
+    let mut properties = FieldTable::default();
+    properties.insert(
+        "product".into(),
+        AMQPValue::LongString("nackd-bench".into()),
+    );
+    properties.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+    properties
+}
+
+/// An open connection: its two sides, and how often to send a heartbeat
+/// (half the negotiated interval; none when the broker asks for none).
+struct Conn {
+    reader: Reader,
+    writer: Writer,
+    beat: Option<Duration>,
+}
+
+/// Ticks every `beat`, or never.
+async fn beat_due(beat: &mut Option<tokio::time::Interval>) {
+    match beat {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+fn beats(beat: Option<Duration>) -> Option<tokio::time::Interval> {
+    beat.map(|every| tokio::time::interval_at(tokio::time::Instant::now() + every, every))
+}
+
 /// Opens a connection to `addr` as guest, and channel 1 on it.
-async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
+async fn open(addr: &str, writes: Writes) -> BenchResult<Conn> {
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connect {addr}: {e}"))?;
@@ -205,7 +274,7 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
         write,
         frame_max: FRAME_MAX,
         writes,
-        out: Vec::new(),
+        publish: None,
     };
     writer.write.write_all(PROTOCOL_HEADER).await?;
     reader
@@ -214,7 +283,7 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
         })
         .await?;
     let start_ok = connection::StartOk {
-        client_properties: FieldTable::default(),
+        client_properties: client_properties(),
         mechanism: "PLAIN".into(),
         response: LongString::from("\0guest\0guest"),
         locale: "en_US".into(),
@@ -227,7 +296,7 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
         .await?;
     let tune = reader
         .expect("connection.tune", |m| match m {
-            AMQPClass::Connection(connection::AMQPMethod::Tune(t)) => Some(t),
+            AMQPClass::Connection(connection::AMQPMethod::Tune(t)) => Some(t.clone()),
             _ => None,
         })
         .await?;
@@ -235,10 +304,11 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
         0 => FRAME_MAX,
         n => n.min(FRAME_MAX),
     };
+    // The broker's heartbeat, as pika and lapin take it.
     let tune_ok = connection::TuneOk {
         channel_max: tune.channel_max,
         frame_max,
-        heartbeat: 0,
+        heartbeat: tune.heartbeat,
     };
     writer
         .method(
@@ -270,7 +340,12 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<(Reader, Writer)> {
             matches!(m, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))).then_some(())
         })
         .await?;
-    Ok((reader, writer))
+    let beat = (tune.heartbeat > 0).then(|| Duration::from_secs(tune.heartbeat.into()) / 2);
+    Ok(Conn {
+        reader,
+        writer,
+        beat,
+    })
 }
 
 /// A producer and a consumer, each on a connection of its own, writing
@@ -290,7 +365,7 @@ pub struct Pair {
 
 impl Pair {
     /// Declares a fresh queue through `addr` and starts both sides. Of
-    /// `spec`, this uses the body size, `window`, `prefetch` and
+    /// `spec`, this uses the body sizes, `window`, `prefetch` and
     /// `ack_every` (1: an ack per delivery, as pika's users write; more: a
     /// multiple ack every so many).
     pub async fn start(
@@ -303,9 +378,22 @@ impl Pair {
         let admin = load::connect(addr).await?;
         let admin_ch = admin.create_channel().await?;
         load::declare_queue(&admin_ch, &queue).await?;
+        // Both connections before either side starts, so a failure leaves
+        // no task behind.
+        let opened =
+            async { Ok::<_, Box<_>>((open(addr, writes).await?, open(addr, writes).await?)) };
+        let (consumer, producer) = match opened.await {
+            Ok(both) => both,
+            Err(e) => {
+                let options = lapin::options::QueueDeleteOptions::default();
+                let delete = admin_ch.queue_delete(queue.as_str().into(), options);
+                let _ = tokio::time::timeout(ANSWER_WITHIN, delete).await;
+                load::close(&admin).await;
+                return Err(e);
+            }
+        };
         let flow = Arc::new(Flow::default());
         let stop = CancellationToken::new();
-        let consumer = open(addr, writes).await?;
         let consumer = tokio::spawn(consume(
             consumer,
             queue.clone(),
@@ -313,7 +401,6 @@ impl Pair {
             flow.clone(),
             stop.clone(),
         ));
-        let producer = open(addr, writes).await?;
         let producer = tokio::spawn(produce(
             producer,
             queue.clone(),
@@ -359,11 +446,16 @@ impl Pair {
     }
 }
 
-async fn join(task: JoinHandle<BenchResult<()>>, what: &str) -> BenchResult<()> {
-    match tokio::time::timeout(ANSWER_WITHIN, task).await {
+/// The task's outcome; one that does not end within [`ANSWER_WITHIN`] is
+/// aborted, so it cannot go on writing into the next round.
+async fn join(mut task: JoinHandle<BenchResult<()>>, what: &str) -> BenchResult<()> {
+    match tokio::time::timeout(ANSWER_WITHIN, &mut task).await {
         Ok(Ok(result)) => result.map_err(|e| format!("{what}: {e}").into()),
         Ok(Err(e)) => Err(format!("{what} task: {e}").into()),
-        Err(_) => Err(format!("{what} did not stop within {ANSWER_WITHIN:?}").into()),
+        Err(_) => {
+            task.abort();
+            Err(format!("{what} did not stop within {ANSWER_WITHIN:?}").into())
+        }
     }
 }
 
@@ -395,14 +487,76 @@ impl Confirms {
     }
 }
 
+/// Reads the producer's confirms until the connection fails, telling
+/// `confirmed` how far they reached.
+async fn read_confirms(
+    mut reader: Reader,
+    confirmed: watch::Sender<u64>,
+    flow: Arc<Flow>,
+) -> BenchResult<()> {
+    let mut seen = Confirms::default();
+    loop {
+        match reader.method().await? {
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                let n = seen.ack(a.delivery_tag, a.multiple);
+                flow.confirmed.fetch_add(n, Ordering::Relaxed);
+                let _ = confirmed.send(seen.upto);
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(_)) => {
+                return Err("the broker nacked a publish".into())
+            }
+            // A memory or disk alarm: the broker stops reading; so do we.
+            AMQPClass::Connection(connection::AMQPMethod::Blocked(_))
+            | AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)) => {}
+            other => return Err(format!("unexpected {other:?}").into()),
+        }
+    }
+}
+
+/// What ended a side: its own error, unless the task reading its
+/// connection ended with one (the broker's reason comes first); a panic
+/// is an error too.
+async fn outcome(result: BenchResult<()>, reader: JoinHandle<BenchResult<()>>) -> BenchResult<()> {
+    let reader = match result {
+        // Stopped: the reader has nothing more to say.
+        Ok(()) => {
+            reader.abort();
+            reader.await
+        }
+        Err(_) => match tokio::time::timeout(REASON_WITHIN, reader).await {
+            Ok(ended) => ended,
+            Err(_) => return result,
+        },
+    };
+    match reader {
+        Ok(Err(e)) => Err(e),
+        Err(e) if e.is_panic() => Err(format!("the confirms reader panicked: {e}").into()),
+        _ => result,
+    }
+}
+
+/// Waits until fewer than `window` of `published` are unconfirmed;
+/// `false` if the confirms stopped.
+async fn room(confirmed: &mut watch::Receiver<u64>, published: u64, window: u64) -> bool {
+    confirmed
+        .wait_for(|upto| published - upto < window)
+        .await
+        .is_ok()
+}
+
 /// Publishes until `stop`, at most `spec.window` unconfirmed at a time.
 async fn produce(
-    (mut reader, mut writer): (Reader, Writer),
+    conn: Conn,
     queue: String,
     spec: PairSpec,
     flow: Arc<Flow>,
     stop: CancellationToken,
 ) -> BenchResult<()> {
+    let Conn {
+        mut reader,
+        mut writer,
+        beat,
+    } = conn;
     let select = confirm::Select { nowait: false };
     writer
         .method(
@@ -415,59 +569,71 @@ async fn produce(
             matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))).then_some(())
         })
         .await?;
-    // The confirms, read on a task of their own as the broker sends them.
     let (confirmed_tx, mut confirmed) = watch::channel(0u64);
-    let confirms = {
-        let flow = flow.clone();
-        tokio::spawn(async move {
-            let mut seen = Confirms::default();
-            loop {
-                match reader.method().await? {
-                    AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
-                        let n = seen.ack(a.delivery_tag, a.multiple);
-                        flow.confirmed.fetch_add(n, Ordering::Relaxed);
-                        let _ = confirmed_tx.send(seen.upto);
-                    }
-                    AMQPClass::Basic(basic::AMQPMethod::Nack(_)) => {
-                        return BenchResult::<()>::Err("the broker nacked a publish".into())
-                    }
-                    other => return Err(format!("unexpected {other:?}").into()),
-                }
-            }
-        })
-    };
-    let body = vec![0xA5u8; spec.sizes.max()];
+    let confirms = tokio::spawn(read_confirms(reader, confirmed_tx, flow));
     let window = spec.window.max(1) as u64;
+    let mut beat = beats(beat);
     let mut published = 0u64;
     let result = async {
         for i in 0u64.. {
-            let room = confirmed.wait_for(|upto| published - upto < window);
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                room = room => drop(room.map_err(|_| "the confirms stopped")?),
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = beat_due(&mut beat) => writer.heartbeat().await?,
+                    room = room(&mut confirmed, published, window) => match room {
+                        true => break,
+                        false => return Err("the confirms stopped".into()),
+                    },
+                }
             }
-            writer.publish(&queue, &body[..spec.sizes.of(i)]).await?;
+            writer.publish(&queue, spec.sizes.of(i)).await?;
             published += 1;
         }
         BenchResult::Ok(())
     }
     .await;
+    let ended = outcome(result, confirms).await;
     writer.close().await;
-    confirms.abort();
-    match confirms.await {
-        Ok(Err(e)) => Err(e),
-        _ => result,
+    ended
+}
+
+/// Reads one delivery's header and body after its `basic.deliver`; its
+/// size.
+async fn delivery_body(reader: &mut Reader) -> BenchResult<u64> {
+    let header = reader.frame().await?;
+    if header.kind != FrameType::Header {
+        class_of(&header)?;
+        return Err("a delivery without its header".into());
     }
+    let size = body_size(header.payload_slice())?;
+    let mut got = 0u64;
+    while got < size {
+        let body = reader.frame().await?;
+        if body.kind != FrameType::Body {
+            class_of(&body)?;
+            return Err("a delivery short of its body".into());
+        }
+        got += body.payload_slice().len() as u64;
+    }
+    if got != size {
+        return Err(format!("a body of {got} bytes where the header said {size}").into());
+    }
+    Ok(size)
 }
 
 /// Consumes until `stop`, acking as `spec.ack_every` says.
 async fn consume(
-    (mut reader, mut writer): (Reader, Writer),
+    conn: Conn,
     queue: String,
     spec: PairSpec,
     flow: Arc<Flow>,
     stop: CancellationToken,
 ) -> BenchResult<()> {
+    let Conn {
+        mut reader,
+        mut writer,
+        beat,
+    } = conn;
     let qos = basic::Qos {
         prefetch_count: spec.prefetch,
         global: false,
@@ -501,33 +667,23 @@ async fn consume(
         })
         .await?;
     let ack_every = spec.ack_every.max(1);
+    let mut beat = beats(beat);
     let result = async {
         let mut unacked = 0u64;
         loop {
             let frame = tokio::select! {
                 _ = stop.cancelled() => return BenchResult::Ok(()),
+                _ = beat_due(&mut beat) => {
+                    writer.heartbeat().await?;
+                    continue;
+                }
                 frame = reader.frame() => frame?,
             };
-            let tag = match frame.kind {
-                FrameType::Method => match method::decode_any(frame.payload_slice())? {
-                    AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => d.delivery_tag,
-                    other => return Err(format!("unexpected {other:?}").into()),
-                },
-                other => return Err(format!("a {other:?} frame where a delivery starts").into()),
+            let tag = match class_of(&frame)? {
+                AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => d.delivery_tag,
+                other => return Err(format!("unexpected {other:?}").into()),
             };
-            let header = reader.frame().await?;
-            if header.kind != FrameType::Header {
-                return Err("a delivery without its header".into());
-            }
-            let size = body_size(header.payload_slice())?;
-            let mut got = 0u64;
-            while got < size {
-                let body = reader.frame().await?;
-                if body.kind != FrameType::Body {
-                    return Err("a delivery short of its body".into());
-                }
-                got += body.payload_slice().len() as u64;
-            }
+            let size = delivery_body(&mut reader).await?;
             flow.delivered.fetch_add(1, Ordering::Relaxed);
             flow.delivered_bytes.fetch_add(size, Ordering::Relaxed);
             unacked += 1;
@@ -581,9 +737,9 @@ mod tests {
             write: Counted::default(),
             frame_max: 4096,
             writes,
-            out: Vec::new(),
+            publish: None,
         };
-        writer.publish("q", &vec![0; body]).await.unwrap();
+        writer.publish("q", body).await.unwrap();
         writer.write.0
     }
 
@@ -609,6 +765,30 @@ mod tests {
         assert_eq!(
             written(Writes::Message, 5000).await,
             [method + header + frame(most) + frame(5000 - most)]
+        );
+        // Encoded once per size: the same bytes again, then the new size's.
+        let mut writer = Writer {
+            write: Counted::default(),
+            frame_max: 4096,
+            writes: Writes::Frame,
+            publish: None,
+        };
+        for size in [1024, 1024, 100] {
+            writer.publish("q", size).await.unwrap();
+        }
+        assert_eq!(
+            writer.write.0,
+            [
+                method,
+                header,
+                frame(1024),
+                method,
+                header,
+                frame(1024),
+                method,
+                header,
+                frame(100)
+            ]
         );
     }
 

@@ -13,7 +13,8 @@
 //! - [`launcher`]: runs the `nackd` binary as a separate process;
 //! - [`haproxy`]: installs and runs HAProxy in TCP mode (issue 24's baseline);
 //! - [`load`]: producer/consumer pairs that put messages through the broker;
-//! - [`framewise`]: the same, written frame by frame as pika and amqplib write;
+//! - [`framewise`]: the same, written per frame as pika writes or per
+//!   message as amqplib writes;
 //! - [`stats`]: percentiles and medians;
 //! - [`machine`]: what the run was measured on;
 //! - [`cpu`]: CPU use of the machine, the client, the broker and nackd;

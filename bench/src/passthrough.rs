@@ -95,6 +95,20 @@ impl Args {
     }
 }
 
+/// The figures of [`framewise`]'s clients: how each writes, and its line.
+const CLIENTS: [(Figure, Writes, &str); 2] = [
+    (
+        Figure::PikaWrites,
+        Writes::Frame,
+        "as pika     1 KiB, a write per frame, an ack per message",
+    ),
+    (
+        Figure::AmqplibWrites,
+        Writes::Message,
+        "as amqplib  1 KiB, a write per message, an ack per message",
+    ),
+];
+
 /// The load of the throughput figures: confirms window 200, prefetch 1000,
 /// ack (multiple) every 100.
 fn flat_out(sizes: Sizes) -> PairSpec {
@@ -198,19 +212,7 @@ async fn figures(args: &Args, targets: &Targets) -> BenchResult<()> {
         .await?;
         print_rates("mix         90% 1 KiB / 10% 64 KiB", &sides, None, true);
     }
-    let clients = [
-        (
-            Figure::PikaWrites,
-            Writes::Frame,
-            "pika-like   1 KiB, a write per frame, an ack per message",
-        ),
-        (
-            Figure::AmqplibWrites,
-            Writes::Message,
-            "amqplib-like 1 KiB, a write per message, an ack per message",
-        ),
-    ];
-    for (figure, writes, what) in clients {
+    for (figure, writes, what) in CLIENTS {
         if args.wants(figure) {
             let sides = alternate(common.rounds, targets, |target| {
                 client_writes(target, writes, common)
@@ -243,7 +245,7 @@ struct Window {
 }
 
 impl Window {
-    /// Reads the counters of `pairs` and of the processes of `target`.
+    /// Reads the counters of `flows` and of the processes of `target`.
     fn open(flows: &[&Flow], target: &Target) -> Self {
         Self {
             marks: flows.iter().map(|f| f.mark()).collect(),
@@ -265,6 +267,9 @@ impl Window {
             let rates = b.rate_until(a);
             if rates.delivered == 0.0 {
                 return Err("a consumer received nothing while measured".into());
+            }
+            if rates.confirmed == 0.0 {
+                return Err("no publish was confirmed while measured".into());
             }
             rate.msgs += rates.delivered;
             rate.bytes += rates.bytes;
@@ -403,4 +408,29 @@ async fn close_idle(idle: Vec<(lapin::Connection, lapin::Channel)>) {
         }
     }
     closing.join_all().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pika_figure_writes_per_frame_and_the_amqplib_figure_per_message() {
+        let of = |figure| {
+            CLIENTS
+                .iter()
+                .find(|(f, ..)| *f == figure)
+                .map(|c| (c.1, c.2))
+        };
+        let (pika, line) = of(Figure::PikaWrites).unwrap();
+        assert_eq!(pika, Writes::Frame);
+        assert!(line.starts_with("as pika ") && line.contains("a write per frame"));
+        let (amqplib, line) = of(Figure::AmqplibWrites).unwrap();
+        assert_eq!(amqplib, Writes::Message);
+        assert!(line.starts_with("as amqplib ") && line.contains("a write per message"));
+        // The report's columns: every figure's name is 12 characters wide.
+        for (_, _, line) in CLIENTS {
+            assert_eq!(line.find("1 KiB"), Some(12), "{line}");
+        }
+    }
 }

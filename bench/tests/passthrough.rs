@@ -1,6 +1,9 @@
 //! The pass-through figures written the way pika and amqplib write: a
 //! short run through a real nackd in front of the broker on
-//! 127.0.0.1:5672 measures both lanes of both, and every lane delivered.
+//! 127.0.0.1:5672 measures both lanes of both, and in every lane the
+//! producer's window kept moving (the bench itself fails a side whose
+//! consumer received nothing, or whose publishes went unconfirmed, while
+//! measured).
 
 use std::process::Command;
 
@@ -32,7 +35,7 @@ fn the_pika_and_amqplib_figures_measure_both_lanes() {
             "--seconds",
             "1",
             "--warmup",
-            "0",
+            "1",
             "--rounds",
             "1",
         ])
@@ -46,12 +49,13 @@ fn the_pika_and_amqplib_figures_measure_both_lanes() {
         String::from_utf8_lossy(&out.stderr)
     );
     for what in [
-        "pika-like   1 KiB, a write per frame, an ack per message",
-        "amqplib-like 1 KiB, a write per message, an ack per message",
+        "as pika     1 KiB, a write per frame, an ack per message",
+        "as amqplib  1 KiB, a write per message, an ack per message",
     ] {
         for lane in ["direct", "nackd"] {
             let r = rate(&report, what, lane);
-            assert!(r > 100.0, "{what} {lane}: {r} msg/s");
+            // A producer whose window stopped moving sends 200 in all.
+            assert!(r > 1000.0, "{what} {lane}: {r} msg/s");
         }
         assert!(
             report
