@@ -7,6 +7,7 @@
 #
 # Needs strace, python3 (venv, pip) and node with npm; installs pika and
 # amqplib (versions below) from PyPI and npm into a temporary directory.
+# The ack counts include the consumer's basic.consume and basic.cancel.
 set -euo pipefail
 PIKA_VERSION=1.4.4
 AMQPLIB_VERSION=2.3.1
@@ -63,13 +64,28 @@ count() {
     sort | uniq -c | awk '{printf "%s%s %s", (NR > 1 ? ", " : " "), $1, $2}'
 }
 phase() { # the Nth START..END block of $1
-  awk -v n="$2" '/write\(2, "START/{k++} k==n' "$1" | awk '/write\(2, "END/{exit} 1'
+  awk -v n="$2" '/write\(2, "START/{k++} k==n && /write\(2, "END/{exit} k==n' "$1"
 }
 trace=write,writev,sendto,sendmsg
-strace -f -e trace=$trace -o pika.st venv/bin/python pika_pub.py 2>/dev/null
-strace -f -e trace=$trace -o amqplib.st node amqplib_pub.js 2>/dev/null
+# The clients' own stderr (the markers, and any error) goes to a file,
+# shown when a client fails.
+traced() {
+  local name="$1"
+  shift
+  if ! strace -f -e trace=$trace -o "$name.st" "$@" 2>"$name.err"; then
+    echo "client-writes: $name failed:" >&2
+    grep -v -x -e START -e END "$name.err" >&2 || true
+    exit 1
+  fi
+}
+traced pika venv/bin/python pika_pub.py
+traced amqplib node amqplib_pub.js
 for client in "pika $PIKA_VERSION:pika.st" "amqplib $AMQPLIB_VERSION:amqplib.st"; do
   name="${client%%:*}" file="${client##*:}"
   phase "$file" 1 >pub.st; phase "$file" 2 >ack.st
+  if [ ! -s pub.st ] || [ ! -s ack.st ]; then
+    echo "client-writes: no START..END block in $file" >&2
+    exit 1
+  fi
   echo "$name: 1000 publishes:$(count pub.st); 1000 acks:$(count ack.st)"
 done

@@ -9,7 +9,9 @@
 #
 #   bench/profile/freeze-probe.sh [3.10|4.3]     (default 3.10)
 #
-# Needs python3 (venv, pip: pika is installed into a temporary directory).
+# Needs python3 (venv, pip: pika is installed into a temporary directory),
+# and root for the 4.3 cluster (scripts/cluster). Queues it declared are
+# deleted at the end; a run cut short leaves its freeze-probe-* streams.
 # Run it on a fresh cluster: on 3.10 a node frozen past net_ticktime
 # (60 s) is partitioned after it thaws (`scripts/cluster stop` and
 # `start` mend it).
@@ -47,11 +49,13 @@ PY
 # op NODE WHAT QUEUE: prints what took how long, or that it hung.
 op() {
   local out
-  if out="$(timeout 12 "$dir/venv/bin/python" "$dir/op.py" "${base}$1" "$2" "$3" 2>&1)"; then
-    printf '%-8s %-22s through node %s: %s\n' "$2" "$3" "$1" "$(tail -1 <<<"$out")"
-  else
-    printf '%-8s %-22s through node %s: no answer within 12 s (%s)\n' "$2" "$3" "$1" "$(tail -1 <<<"$out" | cut -c1-80)"
-  fi
+  local out rc=0
+  out="$(timeout 12 "$dir/venv/bin/python" "$dir/op.py" "${base}$1" "$2" "$3" 2>&1)" || rc=$?
+  case "$rc" in
+    0) printf '%-8s %-22s through node %s: %s\n' "$2" "$3" "$1" "$(tail -1 <<<"$out")" ;;
+    124) printf '%-8s %-22s through node %s: no answer within 12 s\n' "$2" "$3" "$1" ;;
+    *) printf '%-8s %-22s through node %s: failed: %s\n' "$2" "$3" "$1" "$(tail -1 <<<"$out" | cut -c1-100)" ;;
+  esac
 }
 q="freeze-probe-$$"
 NACKD_CLUSTER_BROKER=$version scripts/cluster start >/dev/null
@@ -68,4 +72,6 @@ op 3 publish "$q-led-by-2"
 echo "asked at $(date -u +%T)"
 NACKD_CLUSTER_BROKER=$version scripts/cluster thaw-node 2 >/dev/null
 sleep 3
-for name in led-by-1 led-by-2 led-by-3 new classic; do op 1 delete "$q-$name" >/dev/null || true; done
+for name in led-by-1 led-by-2 led-by-3 new classic; do
+  op 1 delete "$q-$name" | grep -v ': [0-9.]* s$' || true
+done
