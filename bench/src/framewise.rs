@@ -55,7 +55,7 @@ use super::BenchResult;
 const FRAME_MAX: u32 = 128 * 1024;
 /// The channel every method goes on.
 const CHANNEL: u16 = 1;
-/// How long the handshake and each setup method may take.
+/// How long each answer of the handshake and the setup may take.
 const ANSWER_WITHIN: Duration = Duration::from_secs(10);
 /// How long a side that failed waits for the broker's reason to arrive.
 const REASON_WITHIN: Duration = Duration::from_secs(1);
@@ -123,6 +123,24 @@ fn class_of(frame: &Frame) -> BenchResult<AMQPClass> {
         }
         class => Ok(class),
     }
+}
+
+/// Sends `class` on `channel` and reads the answer `want` accepts (see
+/// [`Reader::expect`]).
+async fn call<T>(
+    (reader, writer): (&mut Reader, &mut Writer),
+    channel: u16,
+    class: AMQPClass,
+    what: &str,
+    want: impl Fn(&AMQPClass) -> Option<T>,
+) -> BenchResult<T> {
+    writer.method(channel, class).await?;
+    reader.expect(what, want).await
+}
+
+/// `want` for an answer that carries nothing the caller needs.
+fn is(answer: impl Fn(&AMQPClass) -> bool) -> impl Fn(&AMQPClass) -> Option<()> {
+    move |m| answer(m).then_some(())
 }
 
 /// How a client puts a publish on the wire.
@@ -278,9 +296,10 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<Conn> {
     };
     writer.write.write_all(PROTOCOL_HEADER).await?;
     reader
-        .expect("connection.start", |m| {
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Start(_))).then_some(())
-        })
+        .expect(
+            "connection.start",
+            is(|m| matches!(m, AMQPClass::Connection(connection::AMQPMethod::Start(_)))),
+        )
         .await?;
     let start_ok = connection::StartOk {
         client_properties: client_properties(),
@@ -288,18 +307,17 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<Conn> {
         response: LongString::from("\0guest\0guest"),
         locale: "en_US".into(),
     };
-    writer
-        .method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
-        )
-        .await?;
-    let tune = reader
-        .expect("connection.tune", |m| match m {
+    let tune = call(
+        (&mut reader, &mut writer),
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
+        "connection.tune",
+        |m| match m {
             AMQPClass::Connection(connection::AMQPMethod::Tune(t)) => Some(t.clone()),
             _ => None,
-        })
-        .await?;
+        },
+    )
+    .await?;
     let frame_max = match tune.frame_max {
         0 => FRAME_MAX,
         n => n.min(FRAME_MAX),
@@ -321,25 +339,22 @@ async fn open(addr: &str, writes: Writes) -> BenchResult<Conn> {
     let open = connection::Open {
         virtual_host: "/".into(),
     };
-    writer
-        .method(0, AMQPClass::Connection(connection::AMQPMethod::Open(open)))
-        .await?;
-    reader
-        .expect("connection.open-ok", |m| {
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))).then_some(())
-        })
-        .await?;
-    writer
-        .method(
-            CHANNEL,
-            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-        )
-        .await?;
-    reader
-        .expect("channel.open-ok", |m| {
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))).then_some(())
-        })
-        .await?;
+    call(
+        (&mut reader, &mut writer),
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::Open(open)),
+        "connection.open-ok",
+        is(|m| matches!(m, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))),
+    )
+    .await?;
+    call(
+        (&mut reader, &mut writer),
+        CHANNEL,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        "channel.open-ok",
+        is(|m| matches!(m, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))),
+    )
+    .await?;
     let beat = (tune.heartbeat > 0).then(|| Duration::from_secs(tune.heartbeat.into()) / 2);
     Ok(Conn {
         reader,
@@ -385,9 +400,7 @@ impl Pair {
         let (consumer, producer) = match opened.await {
             Ok(both) => both,
             Err(e) => {
-                let options = lapin::options::QueueDeleteOptions::default();
-                let delete = admin_ch.queue_delete(queue.as_str().into(), options);
-                let _ = tokio::time::timeout(ANSWER_WITHIN, delete).await;
+                let _ = load::delete_queue(&admin_ch, &queue).await;
                 load::close(&admin).await;
                 return Err(e);
             }
@@ -422,40 +435,14 @@ impl Pair {
     /// Stops both sides, deletes the queue and closes the connections.
     pub async fn stop(self) -> BenchResult<()> {
         self.stop.cancel();
-        let produced = join(self.producer, "producer").await;
-        let consumed = join(self.consumer, "consumer").await;
-        let options = lapin::options::QueueDeleteOptions::default();
-        let deleted = self
-            .admin_ch
-            .queue_delete(self.queue.as_str().into(), options);
-        let deleted = tokio::time::timeout(ANSWER_WITHIN, deleted).await;
+        let produced = load::join(self.producer, "producer").await;
+        let consumed = load::join(self.consumer, "consumer").await;
+        let deleted = load::delete_queue(&self.admin_ch, &self.queue).await;
         load::close(&self.admin).await;
         drop(self.admin_ch);
         produced?;
         consumed?;
-        match deleted {
-            Ok(result) => result
-                .map(drop)
-                .map_err(|e| format!("deleting {}: {e}", self.queue).into()),
-            Err(_) => Err(format!(
-                "deleting {}: no answer within {ANSWER_WITHIN:?}",
-                self.queue
-            )
-            .into()),
-        }
-    }
-}
-
-/// The task's outcome; one that does not end within [`ANSWER_WITHIN`] is
-/// aborted, so it cannot go on writing into the next round.
-async fn join(mut task: JoinHandle<BenchResult<()>>, what: &str) -> BenchResult<()> {
-    match tokio::time::timeout(ANSWER_WITHIN, &mut task).await {
-        Ok(Ok(result)) => result.map_err(|e| format!("{what}: {e}").into()),
-        Ok(Err(e)) => Err(format!("{what} task: {e}").into()),
-        Err(_) => {
-            task.abort();
-            Err(format!("{what} did not stop within {ANSWER_WITHIN:?}").into())
-        }
+        deleted
     }
 }
 
@@ -558,17 +545,14 @@ async fn produce(
         beat,
     } = conn;
     let select = confirm::Select { nowait: false };
-    writer
-        .method(
-            CHANNEL,
-            AMQPClass::Confirm(confirm::AMQPMethod::Select(select)),
-        )
-        .await?;
-    reader
-        .expect("confirm.select-ok", |m| {
-            matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))).then_some(())
-        })
-        .await?;
+    call(
+        (&mut reader, &mut writer),
+        CHANNEL,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(select)),
+        "confirm.select-ok",
+        is(|m| matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_)))),
+    )
+    .await?;
     let (confirmed_tx, mut confirmed) = watch::channel(0u64);
     let confirms = tokio::spawn(read_confirms(reader, confirmed_tx, flow));
     let window = spec.window.max(1) as u64;
@@ -638,14 +622,14 @@ async fn consume(
         prefetch_count: spec.prefetch,
         global: false,
     };
-    writer
-        .method(CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Qos(qos)))
-        .await?;
-    reader
-        .expect("basic.qos-ok", |m| {
-            matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))).then_some(())
-        })
-        .await?;
+    call(
+        (&mut reader, &mut writer),
+        CHANNEL,
+        AMQPClass::Basic(basic::AMQPMethod::Qos(qos)),
+        "basic.qos-ok",
+        is(|m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_)))),
+    )
+    .await?;
     let consume = basic::Consume {
         queue: queue.as_str().into(),
         consumer_tag: "".into(),
@@ -655,17 +639,14 @@ async fn consume(
         nowait: false,
         arguments: FieldTable::default(),
     };
-    writer
-        .method(
-            CHANNEL,
-            AMQPClass::Basic(basic::AMQPMethod::Consume(consume)),
-        )
-        .await?;
-    reader
-        .expect("basic.consume-ok", |m| {
-            matches!(m, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))).then_some(())
-        })
-        .await?;
+    call(
+        (&mut reader, &mut writer),
+        CHANNEL,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(consume)),
+        "basic.consume-ok",
+        is(|m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_)))),
+    )
+    .await?;
     let ack_every = spec.ack_every.max(1);
     let mut beat = beats(beat);
     let result = async {

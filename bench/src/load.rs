@@ -270,23 +270,23 @@ impl Pair {
         self.stop.cancel();
         let produced = join(self.producer, "producer").await;
         let consumed = join(self.consumer, "consumer").await;
-        let delete = self
-            .admin
-            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default());
-        let deleted = tokio::time::timeout(CLOSE_TIMEOUT, delete).await;
+        let deleted = delete_queue(&self.admin, &self.queue).await;
         close(&self.producer_conn).await;
         close(&self.consumer_conn).await;
         drop(self.channels);
         produced?;
-        match deleted {
-            Ok(Ok(_)) => consumed,
-            Ok(Err(e)) => Err(format!("deleting {}: {e}", self.queue).into()),
-            Err(_) => Err(format!(
-                "deleting {}: no answer within {CLOSE_TIMEOUT:?}",
-                self.queue
-            )
-            .into()),
-        }
+        deleted?;
+        consumed
+    }
+}
+
+/// Deletes `queue` on `ch`, within [`CLOSE_TIMEOUT`].
+pub async fn delete_queue(ch: &Channel, queue: &str) -> BenchResult<()> {
+    let delete = ch.queue_delete(queue.into(), QueueDeleteOptions::default());
+    match tokio::time::timeout(CLOSE_TIMEOUT, delete).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(format!("deleting {queue}: {e}").into()),
+        Err(_) => Err(format!("deleting {queue}: no answer within {CLOSE_TIMEOUT:?}").into()),
     }
 }
 
@@ -303,11 +303,16 @@ pub async fn close(conn: &Connection) {
     }
 }
 
-async fn join<T>(task: JoinHandle<BenchResult<T>>, what: &str) -> BenchResult<T> {
-    match tokio::time::timeout(Duration::from_secs(10), task).await {
+/// The task's outcome; one that does not end within 10 s is aborted, so
+/// it cannot go on writing into the next round.
+pub async fn join<T>(mut task: JoinHandle<BenchResult<T>>, what: &str) -> BenchResult<T> {
+    match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
         Ok(Ok(result)) => result.map_err(|e| format!("{what}: {e}").into()),
         Ok(Err(e)) => Err(format!("{what} task: {e}").into()),
-        Err(_) => Err(format!("{what} did not stop within 10 s").into()),
+        Err(_) => {
+            task.abort();
+            Err(format!("{what} did not stop within 10 s").into())
+        }
     }
 }
 
