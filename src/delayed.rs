@@ -223,46 +223,97 @@ pub fn open(config: &Config) -> Result<Arc<DelayedExchanges>, String> {
 /// How often a failed write of the list is tried again.
 const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The hook sessions call after a change: it wakes the writer thread,
-/// which saves the registry's list as it is when it writes (changes that
-/// came meanwhile go in together), until the registry is gone.
+/// What the file holds: the list and the changes not shared yet.
+type Snapshot = (Vec<DelayedExchange>, Vec<(Change, Version)>);
+
+/// The hook sessions call after a change: it takes the registry's list as
+/// it is then and hands it to the writer thread, which saves the latest it
+/// got (lists that came meanwhile are skipped). The list is taken in the
+/// hook, not in the thread: a change made just before the registry is
+/// dropped (a stop) is saved all the same, and the drop waits for it.
 fn persist(
     dir: PathBuf,
     registry: Arc<OnceLock<Weak<DelayedExchanges>>>,
 ) -> Result<Persist, String> {
-    let (wake, woken) = mpsc::channel::<()>();
-    std::thread::Builder::new()
+    let (send, received) = mpsc::channel::<Snapshot>();
+    let thread = std::thread::Builder::new()
         .name("nackd-registry".into())
-        .spawn(move || {
-            // A failed write is tried again every RETRY until one succeeds
-            // (or the next change comes).
-            let mut failed = false;
-            loop {
-                match woken.recv_timeout(RETRY) {
-                    Ok(()) => {}
-                    Err(mpsc::RecvTimeoutError::Timeout) if failed => {}
-                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
-                while woken.try_recv().is_ok() {}
-                let Some(set) = registry.get().and_then(Weak::upgrade) else {
-                    return;
-                };
-                let (list, unshared) = (set.list(), set.unshared());
-                drop(set);
-                failed = match save_all(&dir, &list, &unshared) {
-                    Ok(()) => false,
-                    Err(e) => {
-                        tracing::error!(error = %e, file = %path(&dir).display(), "cannot store the list of delayed exchanges: tried again every second, kept in memory meanwhile");
-                        true
-                    }
-                };
-            }
-        })
+        .spawn(move || write_latest(&dir, received))
         .map_err(|e| format!("cannot start the thread that saves delayed exchanges: {e}"))?;
+    let saver = Saver {
+        send: std::sync::Mutex::new(Some(send)),
+        thread: Some(thread),
+    };
     Ok(Box::new(move || {
-        let _ = wake.send(());
+        let Some(set) = registry.get().and_then(Weak::upgrade) else {
+            return;
+        };
+        saver.send(|| (set.list(), set.unshared()));
     }))
+}
+
+/// The writer thread's end of the hook; dropped with the registry, it
+/// waits for the thread's last write.
+struct Saver {
+    send: std::sync::Mutex<Option<mpsc::Sender<Snapshot>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Saver {
+    /// Takes a snapshot and sends it, under one lock: of two changes made
+    /// at once, the later snapshot is sent later.
+    fn send(&self, take: impl FnOnce() -> Snapshot) {
+        let send = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(send) = send.as_ref() {
+            let _ = send.send(take());
+        }
+    }
+}
+
+impl Drop for Saver {
+    fn drop(&mut self) {
+        self.send.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Saves the latest snapshot received; a failed write is tried again
+/// every [`RETRY`] until one succeeds or a newer snapshot comes. Once the
+/// hook is gone, the last one is tried once more, then the thread ends.
+fn write_latest(dir: &Path, received: mpsc::Receiver<Snapshot>) {
+    let mut unsaved: Option<Snapshot> = None;
+    loop {
+        let next = match unsaved {
+            Some(_) => received.recv_timeout(RETRY),
+            None => received
+                .recv()
+                .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+        };
+        let gone = match next {
+            Ok(snapshot) => {
+                unsaved = Some(snapshot);
+                false
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => false,
+            Err(mpsc::RecvTimeoutError::Disconnected) => true,
+        };
+        while let Ok(snapshot) = received.try_recv() {
+            unsaved = Some(snapshot);
+        }
+        if let Some((list, unshared)) = &unsaved {
+            match save_all(dir, list, unshared) {
+                Ok(()) => unsaved = None,
+                Err(e) => {
+                    tracing::error!(error = %e, file = %path(dir).display(), "cannot store the list of delayed exchanges: tried again every second, kept in memory meanwhile");
+                }
+            }
+        }
+        if gone {
+            return;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -398,5 +449,26 @@ mod tests {
             std::fs::read_to_string(path(dir.path())).unwrap(),
             "damaged"
         );
+    }
+
+    /// The CI run of 2026-12-01 (a loaded machine): a declare followed at
+    /// once by a stop was never saved, since the writer thread read the
+    /// list only once woken, and by then the registry was gone. The list
+    /// is taken when the change is made, and the registry's drop waits for
+    /// the write.
+    #[test]
+    fn a_change_made_just_before_a_stop_is_saved_by_the_stop() {
+        for round in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            let set = open(&config(dir.path(), "")).unwrap();
+            set.declare("/", "last", "direct");
+            drop(set);
+            let on_disk = load(dir.path()).unwrap();
+            assert_eq!(
+                on_disk,
+                vec![exchange("/", "last", "direct")],
+                "round {round}"
+            );
+        }
     }
 }
