@@ -146,7 +146,9 @@ async fn sync(
     tokio::pin!(synced);
     loop {
         ready.set(match *state.borrow_and_update() {
-            replica::State::Missing | replica::State::Reseeding => Ready::NoReplica,
+            replica::State::Missing | replica::State::Reseeding | replica::State::Switching => {
+                Ready::NoReplica
+            }
             _ => Ready::NoLease,
         });
         tokio::select! {

@@ -29,7 +29,7 @@ fn nodes() -> Vec<String> {
 }
 
 /// [`config`], with `nodes` as `upstream.addresses`.
-fn config_listing(
+pub(super) fn config_listing(
     dir: &Path,
     instance: &str,
     queue: &str,
