@@ -539,6 +539,7 @@ impl Task {
         let next = self.compaction.as_ref().map(|c| c.next);
         if next.map(|n| Config::generation(instance, n)).as_deref() == Some(stream) {
             self.compaction = None;
+            self.spares.reset();
             warn!(
                 stream,
                 "replica stream compaction abandoned: its new stream is gone"
@@ -720,8 +721,18 @@ impl Task {
                     client.delete(&stream).await?; // left by a switch that did not finish
                     client.declare_stream(&stream).await
                 };
-                if let Err(e) = fresh.await {
-                    return warn!(error = %e, "cannot start a new replica generation; trying later");
+                // On 3.x a declare waits while any node is frozen.
+                let within = self.config.target.answer_within() * 2;
+                match tokio::time::timeout(within, fresh).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        return warn!(error = %e, "cannot start a new replica generation; trying later")
+                    }
+                    Err(_) => {
+                        return warn!(
+                        "cannot start a new replica generation: no answer in time; trying later"
+                    )
+                    }
                 }
                 self.config
                     .target
@@ -766,10 +777,17 @@ impl Task {
         let (Some(old), true) = (self.generation, self.writable() && self.client.is_some()) else {
             return;
         };
-        if let Err(e) = self.append_to_directory(&Record::Generation(c.next)).await {
+        // Waited for without a limit: given up on while it could still
+        // land, the directory could come to name a stream this process
+        // stopped writing to.
+        let client = self.client.as_ref().expect("checked");
+        let directory = Config::directory(&self.config.instance);
+        if let Err(e) = client
+            .append_confirmed(&directory, &Record::Generation(c.next))
+            .await
+        {
             return self.writes_lost(&e.to_string());
         }
-        let client = self.client.as_ref().expect("checked");
         self.generation = Some(c.next);
         self.placed = c.node;
         self.spares.reset();
@@ -831,7 +849,10 @@ impl Task {
         if self.compaction.take().is_some() {
             warn!("replica stream compaction abandoned with the lease");
         }
+        // A switch decided under the lease is not carried past it: the
+        // next holder may have written since.
         self.spares.reset();
+        self.spares.switching = None;
         if self.client.take().is_some() || held {
             warn!(
                 error = why,
@@ -843,7 +864,7 @@ impl Task {
         let state = self.state.borrow().clone();
         if matches!(
             state,
-            State::Active | State::Syncing | State::Missing | State::Reseeding
+            State::Active | State::Syncing | State::Missing | State::Reseeding | State::Switching
         ) {
             self.set(State::Connecting);
         }
@@ -855,13 +876,22 @@ impl Task {
     /// Until then appends fail (their nacks are deferred, not lost).
     fn writes_lost(&mut self, why: &str) {
         if self.compaction.take().is_some() {
+            // Its stream is the spare's: made again, empty.
+            self.spares.reset();
             warn!("replica stream compaction abandoned with its connection");
         }
         if self.client.take().is_some() {
             warn!(error = why, "replica writes connection lost; making it again on another node (the lease is kept)");
         }
+        self.spares.warm = false;
         self.completions.lost();
         self.next_node += 1;
+        // Not onto the generation's node: a freeze of it would then be
+        // told from a silent connection only a heartbeat later.
+        let nodes = self.config.target.nodes.len();
+        if nodes > 2 && Some(self.next_node % nodes) == self.placed {
+            self.next_node += 1;
+        }
     }
 
     /// Every half heartbeat: notice a dead or silent writes connection, a
@@ -879,7 +909,8 @@ impl Task {
                 false => None,
             };
             let within = self.config.target.answer_within();
-            match spare::probe(client, stream.as_deref(), within).await {
+            let directory = Config::directory(&self.config.instance);
+            match spare::probe(client, stream.as_deref(), &directory, within).await {
                 Writes::Alive => {}
                 Writes::Missing => self.missing(stream.as_deref().unwrap_or_default()),
                 Writes::Stalled => self.switch_or_wait(&stream.unwrap_or_default()).await,
@@ -923,7 +954,15 @@ impl Task {
             Err(e) => return warn!(error = %e, "replica cannot connect"),
         };
         let stream = self.targets().into_iter().next();
-        match spare::probe(&client, stream.as_deref(), target.answer_within()).await {
+        let directory = Config::directory(&self.config.instance);
+        match spare::probe(
+            &client,
+            stream.as_deref(),
+            &directory,
+            target.answer_within(),
+        )
+        .await
+        {
             Writes::Alive => {
                 info!(node = client.node, "replica writes connection made again");
                 self.client = Some(client);

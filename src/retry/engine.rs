@@ -121,12 +121,9 @@ const LOAD_STEP: usize = 65_536;
 
 /// How often the engine looks whether the store stalls.
 const STALL_CHECK: Duration = Duration::from_millis(500);
-/// How long a hand-back waits for new messages' answers (see
-/// [`Engine::settle`]).
+/// How long a hand-back waits for new messages' answers and republishes'
+/// confirms (see [`Engine::settle`]).
 const SETTLE_NEW: Duration = Duration::from_secs(2);
-/// How long a hand-back waits for the next republisher report, while
-/// republishes are in flight (see [`Engine::settle`]).
-const SETTLE_QUIET: Duration = Duration::from_millis(200);
 
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
@@ -445,40 +442,25 @@ impl Engine {
     ///   store's. One not held is deleted and its session told (its nack
     ///   goes back to the broker), never seeded into the new generation
     ///   while the broker redelivers it. A switch gave up the writes they
-    ///   waited for, so the replica's answers come at once; one that has
-    ///   not come within [`SETTLE_NEW`] counts as not replicated.
+    ///   waited for, so the replica's answers come at once.
     /// - Republishes in flight get their confirms, so that they are
-    ///   completed instead of held, and fired again after the restart
-    ///   (twice). Waited for until [`SETTLE_QUIET`] passes without a
-    ///   report: a republisher whose node froze too is not waited for (its
-    ///   messages go again, as after any lost connection).
+    ///   completed instead of held and fired again after the restart.
+    ///
+    /// Both for [`SETTLE_NEW`] at most: a new message whose answer has not
+    /// come counts as not replicated, a republish not confirmed goes again
+    /// (as after a lost connection).
     async fn settle(&mut self) {
-        let clock = self.clock.clone();
-        let now = || tokio::time::Instant::from_std(clock.now());
-        let deadline = now() + SETTLE_NEW;
-        let mut quiet = now() + SETTLE_QUIET;
+        let deadline = tokio::time::Instant::from_std(self.clock.now() + SETTLE_NEW);
         loop {
             let new = self.link.as_ref().is_some_and(|l| l.waiting() > 0);
-            let fired = self.firing.handed() > 0 && now() < quiet;
-            if !new && !fired {
+            if !new && self.firing.handed() == 0 {
                 break;
             }
-            let until = match new {
-                true => deadline,
-                false => quiet.min(deadline),
-            };
             tokio::select! {
                 Some(answer) = link::answer(&mut self.link), if new => self.on_replicated(answer),
                 Some(event) = self.events.recv() => self.on_store_event(event),
-                Some(report) = self.reports.recv() => {
-                    self.on_report(report);
-                    quiet = now() + SETTLE_QUIET;
-                }
-                _ = tokio::time::sleep_until(until) => {
-                    if until == deadline {
-                        break;
-                    }
-                }
+                Some(report) = self.reports.recv() => self.on_report(report),
+                _ = tokio::time::sleep_until(deadline) => break,
             }
         }
         let unanswered = self.link.as_mut().map(link::Link::unanswered);

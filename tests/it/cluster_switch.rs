@@ -19,7 +19,7 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 
-use super::cluster::{config_listing, consumer, delete, id_of};
+use super::cluster::{config_listing, consumer, delete, id_of, park_all};
 
 /// The replica's heartbeat in [`config`]: the switch's budget is two.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -141,8 +141,11 @@ async fn a_frozen_generation_leader_stalls_interception_two_heartbeats_at_most()
         .find(|id| nackd::replica::home_node(id, 3) == 1)
         .unwrap();
     let q = unique("cluster-switch");
-    let extra = "[republish]\nheartbeat = \"1s\"\n";
-    let config = config_listing(dir.path(), &id, &q, "4s", extra, &nodes);
+    // The second policy keeps what rebuilt_from_the_spare parks held.
+    let extra = format!(
+        "[republish]\nheartbeat = \"1s\"\n\n[[policy]]\nqueues = [\"{id}-held\"]\ndelays = [\"1h\"]\n"
+    );
+    let config = config_listing(dir.path(), &id, &q, "4s", &extra, &nodes);
     let nackd = Process::start(&config);
     logged(&nackd, "spare replica generation ready").await;
     let (directory, generation, spare) = (
@@ -284,6 +287,33 @@ async fn a_frozen_generation_leader_stalls_interception_two_heartbeats_at_most()
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let _ = conn.close(200, "".into()).await;
-    drop(nackd);
+    rebuilt_from_the_spare(nackd, &config, dir.path(), &id, other).await;
+    delete(&q).await;
+}
+
+/// What the switch wrote is what a rebuild reads: messages held after the
+/// switch (on a queue whose delay keeps them held), then the host lost
+/// with its disk; a new process of the id on an empty store holds every
+/// one of them again, from the generation the directory names.
+async fn rebuilt_from_the_spare(
+    nackd: Process,
+    config: &std::path::Path,
+    dir: &std::path::Path,
+    id: &str,
+    node: usize,
+) {
+    let (q, n) = (format!("{id}-held"), 300u32);
+    publish_via(node, &q, n).await;
+    park_all(&nackd, &q, n).await;
+    nackd.kill9();
+    std::fs::remove_dir_all(dir.join(format!("{id}.store"))).unwrap();
+    let again = Process::start(config);
+    let held = [("vhost", "/"), ("queue", q.as_str())];
+    let s = common::ops::until(again.metrics, "all held again", |s| {
+        s.get("nackd_held_messages", &held) == f64::from(n)
+    })
+    .await;
+    assert!(s.get("nackd_replica_rebuilt_messages_total", &[]) >= f64::from(n));
+    drop(again);
     delete(&q).await;
 }

@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{Event, Task};
 use crate::replica::client::{Client, ClientError, Probe, Target};
@@ -38,6 +38,8 @@ pub(super) struct Spare {
 /// How long a spare may take to be made, or a retired generation to be
 /// deleted, in heartbeats (on 3.x a declare waits while a node is frozen).
 const SLOW_STEPS: u32 = 4;
+/// What [`make`] says of a stream of the spare's name that is not empty.
+const HOLDS_RECORDS: &str = "holds records";
 /// How long after a failed attempt a spare is tried again.
 const SPARE_AGAIN: Duration = Duration::from_secs(5);
 
@@ -73,14 +75,25 @@ pub(super) enum Writes {
     Silent,
 }
 
-/// Asks the node and the stream at once, within `within`.
-pub(super) async fn probe(client: &Client, stream: Option<&str>, within: Duration) -> Writes {
-    let (stream, node) = tokio::join!(client.probe(stream, within), client.probe(None, within));
-    match (stream, node) {
+/// Asks about the stream and, at once and at the same cost, about
+/// `beside`, a stream led elsewhere (the directory), within `within`: a
+/// broker slow to answer answers neither, a frozen leader only the one it
+/// does not lead.
+pub(super) async fn probe(
+    client: &Client,
+    stream: Option<&str>,
+    beside: &str,
+    within: Duration,
+) -> Writes {
+    let asked = tokio::join!(
+        client.probe(stream, within),
+        client.probe(Some(beside), within)
+    );
+    match asked {
         (Probe::Alive, _) => Writes::Alive,
         (Probe::Missing, _) => Writes::Missing,
-        (Probe::Silent, Probe::Alive) => Writes::Stalled,
-        (Probe::Silent, _) => Writes::Silent,
+        (Probe::Silent, Probe::Alive | Probe::Missing) => Writes::Stalled,
+        (Probe::Silent, Probe::Silent) => Writes::Silent,
     }
 }
 
@@ -142,19 +155,32 @@ pub(super) struct Spares {
     retired: Vec<u64>,
     /// A delete of a retired generation under way.
     retiring: Option<JoinHandle<()>>,
+    /// The writes connection's channel wrote to the spare and the
+    /// directory (see [`Task::warm_up`]); a switch needs it.
+    pub warm: bool,
 }
 
 impl Spares {
+    /// Deletes generation `n` (the directory names a later one), in a
+    /// task of its own, once active.
+    pub(super) fn retire(&mut self, n: u64) {
+        if n > 0 && !self.retired.contains(&n) {
+            self.retired.push(n);
+        }
+    }
+
     /// Whether a spare is being made (a compaction waits: it writes to
     /// the same stream).
+    /// Until its answer was handled ([`Task::on_spare`]).
     pub(super) fn making(&self) -> bool {
-        self.making.as_ref().is_some_and(|h| !h.is_finished())
+        self.making.is_some()
     }
 
     /// Forgets the spare and stops making one: the lease or the
     /// generation changed.
     pub(super) fn reset(&mut self) {
         self.ready = None;
+        self.warm = false;
         if let Some(h) = self.making.take() {
             h.abort();
         }
@@ -216,9 +242,12 @@ impl Task {
 
     /// A spare was made, or not.
     pub(super) async fn on_spare(&mut self, made: Result<Spare, String>) {
+        self.spares.making = None;
         let current = self.generation.map(|g| g + 1);
+        // A compaction started meanwhile writes to that very stream.
+        let usable = self.writable() && self.compaction.is_none();
         match made {
-            Ok(spare) if Some(spare.n) == current && self.writable() => {
+            Ok(spare) if Some(spare.n) == current && usable => {
                 self.spares.failed_at = None;
                 info!(
                     stream = Config::generation(&self.config.instance, spare.n),
@@ -234,43 +263,68 @@ impl Task {
                     warn!(error = why, "cannot make a spare replica generation yet; trying again every few seconds");
                 }
                 self.spares.failed_at = Some(self.clock.now());
-                // A leftover holds records: deleted here, on the writes
-                // connection, while this process holds the lease.
-                if why.contains("holds records") && self.compaction.is_none() {
-                    if let (Some(client), Some(n)) = (&self.client, current) {
-                        let stream = Config::generation(&self.config.instance, n);
-                        let within = self.config.target.answer_within();
-                        let _ = tokio::time::timeout(within, client.delete(&stream)).await;
-                    }
+                if let (true, true, Some(n)) = (why.contains(HOLDS_RECORDS), usable, current) {
+                    self.clear_leftover(n).await;
                 }
             }
         }
+    }
+
+    /// The spare's stream `n` holds records: left by a switch or a
+    /// compaction that did not finish, and deleted, unless the directory
+    /// names it (the `Generation` record of an attempt given up on landed
+    /// after all). Then this process writes to another stream than the
+    /// directory names: it gives the lease up and syncs again.
+    async fn clear_leftover(&mut self, n: u64) {
+        let Some(client) = &self.client else { return };
+        let instance = &self.config.instance;
+        let within = self.config.target.answer_within() * 2;
+        let read = tokio::time::timeout(within, super::Directory::read(client, instance)).await;
+        let Ok(Ok(dir)) = read else {
+            return; // tried again with the next spare
+        };
+        if dir.generation == self.generation {
+            let stream = Config::generation(instance, n);
+            let _ = tokio::time::timeout(within, client.delete(&stream)).await;
+            return;
+        }
+        error!(
+            named = dir.generation,
+            writing = self.generation,
+            "the replica directory names another generation than the one written to; syncing again"
+        );
+        self.lost("the directory names another generation");
     }
 
     /// Writes a marker to the spare (if ready) and the directory on the
     /// writes connection (not waited for): a switch writes there on this channel,
     /// and on 4.x a channel's first write to a stream can wait for as long
     /// as a node is frozen, where one that wrote there before does not.
-    pub(super) async fn warm_up(&self) {
+    pub(super) async fn warm_up(&mut self) {
         let Some(client) = &self.client else {
             return;
         };
         let instance = &self.config.instance;
         let spare = self.spares.ready.map(|s| Config::generation(instance, s.n));
+        let warm = spare.is_some();
         for stream in spare.into_iter().chain([Config::directory(instance)]) {
             let marker = Record::Marker(fastrand::u128(..));
             if client.append(&stream, &marker).await.is_err() {
                 return; // the connection failed: the watch notices
             }
         }
+        self.spares.warm = warm;
     }
 
     /// The stream takes no writes while the node answers: switches to
     /// the spare if there is one (else the connection is made again, and
     /// the broker is waited for, as before spares).
     pub(super) async fn switch_or_wait(&mut self, stream: &str) {
+        // A channel that did not write to the spare before the freeze may
+        // wait for as long as it lasts: then no switch, as before spares.
         let ready = self.spares.ready.filter(|_| {
-            self.writable()
+            self.spares.warm
+                && self.writable()
                 && self.compaction.is_none()
                 && !local::adoption_under_way(&self.config.store_dir)
         });
@@ -303,7 +357,7 @@ impl Task {
     pub(super) fn switched(&mut self) {
         if let Some((spare, from)) = self.spares.switching.take() {
             self.placed = Some(spare.node);
-            self.spares.retired.push(from);
+            self.spares.retire(from);
         }
     }
 

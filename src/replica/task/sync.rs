@@ -36,11 +36,26 @@ impl Task {
                 self.acquire().await;
             }
             self.set(State::Syncing);
+            let switched = self.spares.switching.is_some();
             let synced = self.try_sync(log).await;
             // A switch is tried once: a sync tried again is any other sync.
             self.spares.switching = None;
             match synced {
+                // The lease is still held: kept, and the writes the switch
+                // waited for given up (the sync reads on that channel).
+                Err(Failed::Broker(back, e)) if switched && self.lease.is_some() => {
+                    warn!(error = %e, "the switch to the spare generation failed; syncing as before it (nacks are deferred until the broker moves the stream's leader)");
+                    if let Some(client) = &self.client {
+                        client.abandon();
+                    }
+                    log = back;
+                }
                 Ok(outcome) => {
+                    // The generation before, left by a switch or a
+                    // process stopped before it deleted it, goes.
+                    if let Some(before) = self.generation.and_then(|g| g.checked_sub(1)) {
+                        self.spares.retire(before);
+                    }
                     self.set(State::Active);
                     if let Some((reply, reseeded)) = self.reseeded.take() {
                         let _ = reply.send(Ok(reseeded));
@@ -298,6 +313,9 @@ impl Task {
             return Err(Failed::Broker(log, e));
         }
         self.completions.clear();
+        // Counted from the new stream's start: a compaction right after a
+        // switch would declare a stream while a node may be frozen.
+        self.appended = 0;
         Ok((log, seeded))
     }
 
