@@ -886,12 +886,6 @@ impl Task {
         self.spares.warm = false;
         self.completions.lost();
         self.next_node += 1;
-        // Not onto the generation's node: a freeze of it would then be
-        // told from a silent connection only a heartbeat later.
-        let nodes = self.config.target.nodes.len();
-        if nodes > 2 && Some(self.next_node % nodes) == self.placed {
-            self.next_node += 1;
-        }
     }
 
     /// Every half heartbeat: notice a dead or silent writes connection, a
