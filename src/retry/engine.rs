@@ -124,6 +124,9 @@ const STALL_CHECK: Duration = Duration::from_millis(500);
 /// How long a hand-back waits for new messages' answers and republishes'
 /// confirms (see [`Engine::settle`]).
 const SETTLE_NEW: Duration = Duration::from_secs(2);
+/// How long a hand-back waits for republishes' confirms (see
+/// [`Engine::settle`]).
+const SETTLE_FIRED: Duration = Duration::from_millis(300);
 
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
@@ -446,21 +449,35 @@ impl Engine {
     /// - Republishes in flight get their confirms, so that they are
     ///   completed instead of held and fired again after the restart.
     ///
-    /// Both for [`SETTLE_NEW`] at most: a new message whose answer has not
-    /// come counts as not replicated, a republish not confirmed goes again
-    /// (as after a lost connection).
+    /// New messages for [`SETTLE_NEW`] at most (one whose answer has not
+    /// come counts as not replicated), republishes for [`SETTLE_FIRED`]
+    /// (one not confirmed by then goes again, as after a lost connection:
+    /// in the switch test some never were while a node was frozen, and a
+    /// switch waits for this).
     async fn settle(&mut self) {
-        let deadline = tokio::time::Instant::from_std(self.clock.now() + SETTLE_NEW);
+        let now = self.clock.now();
+        let deadline = tokio::time::Instant::from_std(now + SETTLE_NEW);
+        let fired = tokio::time::Instant::from_std(now + SETTLE_FIRED);
         loop {
             let new = self.link.as_ref().is_some_and(|l| l.waiting() > 0);
-            if !new && self.firing.handed() == 0 {
+            let waiting = tokio::time::Instant::from_std(self.clock.now()) < fired;
+            let handed = self.firing.handed() > 0 && waiting;
+            if !new && !handed {
                 break;
             }
+            let until = match new {
+                true => deadline,
+                false => fired,
+            };
             tokio::select! {
                 Some(answer) = link::answer(&mut self.link), if new => self.on_replicated(answer),
                 Some(event) = self.events.recv() => self.on_store_event(event),
                 Some(report) = self.reports.recv() => self.on_report(report),
-                _ = tokio::time::sleep_until(deadline) => break,
+                _ = tokio::time::sleep_until(until) => {
+                    if until == deadline {
+                        break;
+                    }
+                }
             }
         }
         let unanswered = self.link.as_mut().map(link::Link::unanswered);
