@@ -70,6 +70,9 @@ enum Event {
     Spare(Result<spare::Spare, String>),
     /// A generation a switch left behind was deleted, or why not.
     Retired(u64, Result<(), String>),
+    /// A stream of the spare's name held records: deleted (`Ok(true)`),
+    /// or named by the directory (`Ok(false)`), or unknown.
+    Leftover(u64, Result<bool, String>),
 }
 
 /// What the directory and the local store say after the lease came back.
@@ -207,6 +210,8 @@ struct Task {
     clock: Clock,
     /// When the last lease probe (or acquisition) the broker answered was sent.
     heard: Option<Instant>,
+    /// Writes probes in a row that got no answer at all.
+    silent: u32,
     /// While this process refuses the lease (its `upstream.addresses`
     /// differ from those its id's last holder listed): when it last read
     /// the directory. It reads again after [`REFUSED_AGAIN`].
@@ -339,6 +344,7 @@ impl Task {
             fence,
             clock,
             heard: None,
+            silent: 0,
             config,
             state,
             metrics,
@@ -521,6 +527,7 @@ impl Task {
             },
             Event::Spare(made) => self.on_spare(made).await,
             Event::Retired(n, deleted) => self.on_retired(n, deleted),
+            Event::Leftover(n, cleared) => self.on_leftover(n, cleared),
         }
     }
 
@@ -714,6 +721,7 @@ impl Task {
         let stream = Config::generation(&self.config.instance, next);
         // The spare is that stream, empty, on another node than the
         // current generation's; without one it is made here.
+        self.spares.warm = false;
         let node = match self.spares.ready.take() {
             Some(spare) => Some(spare.node),
             None => {
@@ -904,11 +912,24 @@ impl Task {
             };
             let within = self.config.target.answer_within();
             let directory = Config::directory(&self.config.instance);
-            match spare::probe(client, stream.as_deref(), &directory, within).await {
+            let found = spare::probe(client, stream.as_deref(), &directory, within).await;
+            self.silent = match found {
+                Writes::Silent => self.silent + 1,
+                _ => 0,
+            };
+            match found {
                 Writes::Alive => {}
                 Writes::Missing => self.missing(stream.as_deref().unwrap_or_default()),
                 Writes::Stalled => self.switch_or_wait(&stream.unwrap_or_default()).await,
-                Writes::Silent => self.writes_lost("the broker did not answer within a heartbeat"),
+                // Twice in a row (a heartbeat and a half at least): probes
+                // come every half heartbeat, and one slow answer on a
+                // loaded broker must not cost the connection (its nacks
+                // would be deferred).
+                Writes::Silent if self.silent >= 2 => {
+                    self.silent = 0;
+                    self.writes_lost("the broker did not answer within a heartbeat, twice")
+                }
+                Writes::Silent => {}
             }
         }
         let switching = *self.state.borrow() == State::Switching;

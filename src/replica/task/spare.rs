@@ -140,6 +140,41 @@ async fn retire(target: Target, instance: String, n: u64) -> Result<(), String> 
     }
 }
 
+/// Reads `instance`'s directory on a connection of its own and deletes
+/// generation `n` if the directory still names `current` (and the fence
+/// holds): `Ok(true)`; `Ok(false)`: the directory names another.
+async fn leftover(
+    target: Target,
+    instance: String,
+    n: u64,
+    current: Option<u64>,
+    fence: std::sync::Arc<crate::replica::fence::Fence>,
+) -> Result<bool, String> {
+    let within = target.answer_within() * SLOW_STEPS;
+    let cleared = async {
+        let client =
+            Client::connect(&target, fastrand::usize(..), "nackd replica leftover").await?;
+        let checked = async {
+            let dir = super::Directory::read(&client, &instance).await?;
+            if dir.generation != current {
+                return Ok(false);
+            }
+            if !fence.holds() {
+                return Err(ClientError::Unreachable("the lease lapsed".into()));
+            }
+            client.delete(&Config::generation(&instance, n)).await?;
+            Ok(true)
+        }
+        .await;
+        let _ = tokio::time::timeout(target.answer_within(), client.close()).await;
+        checked
+    };
+    match tokio::time::timeout(within, cleared).await {
+        Ok(result) => result.map_err(|e: ClientError| e.to_string()),
+        Err(_) => Err(format!("no answer within {within:?}")),
+    }
+}
+
 /// The spare's side of the task: what it is making, and what it left.
 #[derive(Default)]
 pub(super) struct Spares {
@@ -155,6 +190,8 @@ pub(super) struct Spares {
     retired: Vec<u64>,
     /// A delete of a retired generation under way.
     retiring: Option<JoinHandle<()>>,
+    /// A leftover of the spare's name being looked at.
+    clearing: Option<JoinHandle<()>>,
     /// The writes connection's channel wrote to the spare and the
     /// directory (see [`Task::warm_up`]); a switch needs it.
     pub warm: bool,
@@ -264,7 +301,7 @@ impl Task {
                 }
                 self.spares.failed_at = Some(self.clock.now());
                 if let (true, true, Some(n)) = (why.contains(HOLDS_RECORDS), usable, current) {
-                    self.clear_leftover(n).await;
+                    self.clear_leftover(n);
                 }
             }
         }
@@ -273,27 +310,50 @@ impl Task {
     /// The spare's stream `n` holds records: left by a switch or a
     /// compaction that did not finish, and deleted, unless the directory
     /// names it (the `Generation` record of an attempt given up on landed
-    /// after all). Then this process writes to another stream than the
-    /// directory names: it gives the lease up and syncs again.
-    async fn clear_leftover(&mut self, n: u64) {
-        let Some(client) = &self.client else { return };
-        let instance = &self.config.instance;
-        let within = self.config.target.answer_within() * 2;
-        let read = tokio::time::timeout(within, super::Directory::read(client, instance)).await;
-        let Ok(Ok(dir)) = read else {
-            return; // tried again with the next spare
-        };
-        if dir.generation == self.generation {
-            let stream = Config::generation(instance, n);
-            let _ = tokio::time::timeout(within, client.delete(&stream)).await;
+    /// after all). In a task of its own, on a connection of its own: on
+    /// 3.x a delete waits while any node is frozen.
+    fn clear_leftover(&mut self, n: u64) {
+        if self
+            .spares
+            .clearing
+            .as_ref()
+            .is_some_and(|h| !h.is_finished())
+        {
             return;
         }
-        error!(
-            named = dir.generation,
-            writing = self.generation,
-            "the replica directory names another generation than the one written to; syncing again"
+        let (target, instance, events) = (
+            self.config.target.clone(),
+            self.config.instance.clone(),
+            self.events_tx.clone(),
         );
-        self.lost("the directory names another generation");
+        let (current, fence) = (self.generation, self.fence.clone());
+        self.spares.clearing = Some(tokio::spawn(async move {
+            let cleared = leftover(target, instance, n, current, fence).await;
+            let _ = events.send(Event::Leftover(n, cleared));
+        }));
+    }
+
+    /// What [`leftover`] found. Named by the directory: this process
+    /// writes to another stream than the directory names, so it gives the
+    /// lease up and syncs again.
+    pub(super) fn on_leftover(&mut self, n: u64, cleared: Result<bool, String>) {
+        match cleared {
+            Ok(true) => info!(generation = n, "leftover replica stream deleted"),
+            Ok(false) if self.generation.map(|g| g + 1) == Some(n) => {
+                error!(
+                    named = n,
+                    writing = self.generation,
+                    "the replica directory names another generation than the one written to; syncing again"
+                );
+                self.lost("the directory names another generation");
+            }
+            Ok(false) => {}
+            Err(e) => warn!(
+                error = e,
+                generation = n,
+                "cannot clear the leftover replica stream yet"
+            ),
+        }
     }
 
     /// Writes a marker to the spare (if ready) and the directory on the
@@ -307,6 +367,7 @@ impl Task {
         let instance = &self.config.instance;
         let spare = self.spares.ready.map(|s| Config::generation(instance, s.n));
         let warm = spare.is_some();
+        self.spares.warm = false;
         for stream in spare.into_iter().chain([Config::directory(instance)]) {
             let marker = Record::Marker(fastrand::u128(..));
             if client.append(&stream, &marker).await.is_err() {
