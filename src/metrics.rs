@@ -217,9 +217,6 @@ pub struct Metrics {
     pub replica_adopted: Counter,
     /// Replica generations replaced by a compacted one.
     pub replica_generations: Counter,
-    /// Switches to the spare generation because the current one took no
-    /// writes while its node answered (its leader's node frozen).
-    pub replica_switches: Counter,
     /// Replica records the broker returned (their stream does not exist).
     pub replica_returns: Counter,
     /// Whether this instance's replica stream is missing.
@@ -356,7 +353,6 @@ impl Metrics {
             replica_rebuilt: Counter::default(),
             replica_adopted: Counter::default(),
             replica_generations: Counter::default(),
-            replica_switches: Counter::default(),
             replica_returns: Counter::default(),
             replica_missing: ReplicaMissing::default(),
             replica_unadoptable: Gauge::default(),
@@ -648,11 +644,6 @@ impl Metrics {
             "nackd_replica_compactions",
             "Replica generation streams replaced by a compacted one",
             self.replica_generations.clone(),
-        );
-        r.register(
-            "nackd_replica_switches",
-            "Switches to the spare replica generation: the current one took no writes while its node answered (its leader's node frozen or cut off)",
-            self.replica_switches.clone(),
         );
         r.register(
             "nackd_replica_rebuilt_messages",

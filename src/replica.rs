@@ -51,7 +51,6 @@ pub use adopt::Adopt;
 pub use client::{ClientError, Target};
 pub use local::Synced;
 pub use record::{Fold, Intent, Record, Step, PART_MAX};
-pub use task::spare::home as home_node;
 #[cfg(test)]
 pub(crate) use task::Command;
 pub use task::SyncOutcome;
@@ -126,10 +125,6 @@ pub enum State {
     /// A reseed was asked for: the local store must be handed back
     /// ([`Replica::sync`] writes the new generation from it).
     Reseeding,
-    /// The generation stream takes no writes while a node answers (its
-    /// leader's node froze): the local store must be handed back, and
-    /// [`Replica::sync`] seeds the spare generation from it.
-    Switching,
     /// This process lists other `upstream.addresses` than its id's last
     /// holder did: it does not take the lease (and says so in the log).
     Refused,

@@ -724,8 +724,6 @@ impl Adopter<'_> {
             Phase::Finishing { generation, .. } => {
                 if let Some(g) = generation {
                     client.delete(&Config::generation(name, *g)).await?;
-                    // Its spare, if it had one (empty: see task/spare.rs).
-                    client.delete(&Config::generation(name, *g + 1)).await?;
                 }
                 give_back(lease).await;
                 Outcome::Finished

@@ -188,8 +188,6 @@ pub struct Client {
     /// Publishes and hands over the confirm as one step, so that the
     /// settler sees confirms in delivery-tag order.
     publishing: tokio::sync::Mutex<mpsc::UnboundedSender<Sent>>,
-    /// Writes numbered up to this much are given up ([`Client::abandon`]).
-    abandoned: tokio::sync::watch::Sender<u64>,
 }
 
 /// A write waiting for the broker, in publish order.
@@ -262,8 +260,7 @@ impl Client {
             }
         };
         let (sent, settling) = mpsc::unbounded_channel();
-        let (abandoned, given_up) = tokio::sync::watch::channel(0);
-        tokio::spawn(settle(settling, given_up));
+        tokio::spawn(settle(settling));
         Ok(Self {
             conn,
             writes,
@@ -272,20 +269,7 @@ impl Client {
             answer_within: target.answer_within(),
             next: AtomicU64::new(1),
             publishing: tokio::sync::Mutex::new(sent),
-            abandoned,
         })
-    }
-
-    /// Gives up every write sent so far that the broker has not
-    /// answered: each of their confirms fails at once, however long the
-    /// broker would have taken (a stream whose leader froze answers
-    /// nothing until RabbitMQ moves it). Later writes are settled as
-    /// usual, on the same channel: on 4.x a channel's first write to a
-    /// stream can wait while a node is frozen, one that wrote there before
-    /// does not.
-    pub fn abandon(&self) {
-        let sent = self.next.load(Ordering::Relaxed).saturating_sub(1);
-        self.abandoned.send_replace(sent);
     }
 
     /// The heartbeat negotiated with the node (`None`: none).
@@ -562,36 +546,11 @@ impl Client {
 /// Settles writes in publish order: a write is returned when its own
 /// number came back, on its confirm or on an earlier one of the same ack
 /// (which lapin completes first), else acked or nacked by its own confirm.
-async fn settle(
-    mut sent: mpsc::UnboundedReceiver<Sent>,
-    mut abandoned: tokio::sync::watch::Receiver<u64>,
-) {
+async fn settle(mut sent: mpsc::UnboundedReceiver<Sent>) {
     // Numbers the broker returned whose write is not settled yet.
     let mut returned: HashSet<u64> = HashSet::new();
     while let Some(s) = sent.recv().await {
-        let given_up = || {
-            Err(ClientError::Unreachable(
-                "a replica write given up: its stream took no writes".into(),
-            ))
-        };
-        let mut confirm = s.confirm;
-        let confirmed = loop {
-            if *abandoned.borrow_and_update() >= s.number {
-                break None;
-            }
-            tokio::select! {
-                confirmed = &mut confirm => break Some(confirmed),
-                changed = abandoned.changed() => if changed.is_err() {
-                    break Some(confirm.await);
-                },
-            }
-        };
-        let Some(confirmed) = confirmed else {
-            returned.retain(|n| *n > s.number);
-            let _ = s.reply.send(given_up());
-            continue;
-        };
-        let outcome = match confirmed {
+        let outcome = match s.confirm.await {
             Ok(confirmation) => {
                 let acked = confirmation.is_ack();
                 if let Some(message) = confirmation.take_message() {

@@ -27,11 +27,6 @@ pub struct Synced {
     /// tell their stores apart by it. `None` in a file of an earlier
     /// release.
     pub holder: Option<String>,
-    /// The node (its place in `upstream.addresses`) the generation stream
-    /// was declared through, so led by when it began: a spare generation
-    /// goes elsewhere. `None`: not known (declared by an earlier release,
-    /// or through whichever node the connection was on).
-    pub node: Option<usize>,
 }
 
 fn path(dir: &Path) -> PathBuf {
@@ -52,23 +47,11 @@ pub(super) fn load(dir: &Path) -> Option<Synced> {
             .strip_prefix(' ')
             .map(str::to_string)
     };
-    let (instance, generation, epoch) = (field("instance")?, field("generation")?, field("epoch")?);
-    // Optional lines, in any order (an earlier release wrote the holder
-    // only, or nothing).
-    let (mut holder, mut node) = (None, None);
-    for line in lines {
-        if let Some(h) = line.strip_prefix("holder ") {
-            holder = Some(h.to_string());
-        } else if let Some(n) = line.strip_prefix("node ") {
-            node = n.parse().ok();
-        }
-    }
     Some(Synced {
-        instance,
-        generation: generation.parse().ok()?,
-        epoch: epoch.parse().ok()?,
-        holder,
-        node,
+        instance: field("instance")?,
+        generation: field("generation")?.parse().ok()?,
+        epoch: field("epoch")?.parse().ok()?,
+        holder: field("holder"),
     })
 }
 
@@ -84,9 +67,6 @@ pub(super) fn save(dir: &Path, state: &Synced) -> io::Result<()> {
     )?;
     if let Some(holder) = &state.holder {
         writeln!(f, "holder {holder}")?;
-    }
-    if let Some(node) = state.node {
-        writeln!(f, "node {node}")?;
     }
     f.sync_all()?;
     std::fs::rename(&tmp, path(dir))?;
@@ -157,13 +137,9 @@ mod tests {
             generation: 3,
             epoch: 12,
             holder: Some("pid 7 on host-a".into()),
-            node: Some(2),
         };
         save(dir.path(), &s).unwrap();
-        assert_eq!(load(dir.path()), Some(s.clone()));
-        let unplaced = Synced { node: None, ..s };
-        save(dir.path(), &unplaced).unwrap();
-        assert_eq!(load(dir.path()), Some(unplaced));
+        assert_eq!(load(dir.path()), Some(s));
         // A file of an earlier release, without the holder, still reads.
         std::fs::write(
             dir.path().join(FILE),

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, info_span, warn, Instrument};
 
 use super::adopt::Adopt;
-use super::client::{Client, ClientError, Confirm};
+use super::client::{Client, ClientError, Confirm, Probe};
 use super::completions::Completions;
 use super::fence::Fence;
 use super::lease::{nodes_agree, Keeper, Kept, Lease};
@@ -23,9 +23,7 @@ use super::record::{Intent, Record};
 use super::{Config, ReplicaError, Reseeded, State};
 use crate::metrics::Metrics;
 use crate::store::{Log, Recovered};
-use spare::Writes;
 
-pub(super) mod spare;
 mod sync;
 
 /// How often a standby asks for the lease, and a lost connection is retried.
@@ -39,9 +37,6 @@ const REBUILD_BATCH: usize = 512;
 const SEED_WINDOW: usize = 512;
 /// How long a stop waits for the broker to confirm the last completions.
 const STOP_CONFIRMS: Duration = Duration::from_secs(2);
-/// The writes connection and its stream are watched every half heartbeat,
-/// but not more often than this.
-const WATCH_MIN: Duration = Duration::from_millis(250);
 
 #[allow(clippy::large_enum_variant)] // moved once per message or state change: boxing buys nothing
 pub(crate) enum Command {
@@ -66,13 +61,6 @@ enum Event {
     Returned(String),
     /// A batch of completions was confirmed on every target, or not.
     Done { batch: u64, confirmed: bool },
-    /// A spare generation was made, or why not.
-    Spare(Result<spare::Spare, String>),
-    /// A generation a switch left behind was deleted, or why not.
-    Retired(u64, Result<(), String>),
-    /// A stream of the spare's name held records: deleted (`Ok(true)`),
-    /// or named by the directory (`Ok(false)`), or unknown.
-    Leftover(u64, Result<bool, String>),
 }
 
 /// What the directory and the local store say after the lease came back.
@@ -86,20 +74,11 @@ enum Current {
 }
 
 impl Directory {
-    /// Reads `instance`'s directory over `client`, declared first if the
-    /// broker returns the read's marker (it does not exist). Not declared
-    /// otherwise: on 3.x a declare, even of a stream that exists, waits
-    /// while any node is frozen, and a switch reads the directory then.
+    /// Reads `instance`'s directory over `client` (declared if need be).
     async fn read(client: &Client, instance: &str) -> Result<Self, ClientError> {
         let name = Config::directory(instance);
-        let records = match client.read_all(&name).await {
-            Err(ClientError::Returned(_)) => {
-                client.declare_stream(&name).await?;
-                client.read_all(&name).await?
-            }
-            read => read?,
-        };
-        Ok(Self::fold(records))
+        client.declare_stream(&name).await?;
+        Ok(Self::fold(client.read_all(&name).await?))
     }
 
     /// What the directory's records say. Of two records of the same epoch
@@ -174,11 +153,6 @@ struct Task {
     client: Option<Client>,
     /// The generation stream appends go to, once synced.
     generation: Option<u64>,
-    /// The node the current generation was declared through (so its
-    /// leader, unless RabbitMQ moved it since), if known.
-    placed: Option<usize>,
-    /// The spare generation, and what switches to it left behind.
-    spares: spare::Spares,
     /// Completed ids until the broker confirmed them.
     completions: Completions,
     /// Confirms awaited beside the task report here.
@@ -210,8 +184,6 @@ struct Task {
     clock: Clock,
     /// When the last lease probe (or acquisition) the broker answered was sent.
     heard: Option<Instant>,
-    /// Writes probes in a row that got no answer at all.
-    silent: u32,
     /// While this process refuses the lease (its `upstream.addresses`
     /// differ from those its id's last holder listed): when it last read
     /// the directory. It reads again after [`REFUSED_AGAIN`].
@@ -222,8 +194,6 @@ struct Task {
 /// record goes to both generations until it ends.
 struct Compaction {
     next: u64,
-    /// The node `next` was declared through, if known.
-    node: Option<usize>,
     appended: u64,
     copies: mpsc::Receiver<super::compact::Copy>,
     finished: oneshot::Receiver<Result<u64, ClientError>>,
@@ -336,29 +306,22 @@ impl Task {
         clock: Clock,
     ) -> Self {
         let (events_tx, events) = mpsc::unbounded_channel();
-        // The writes connection starts on the directory's node: off the
-        // generation's, so a frozen generation leader is told from a
-        // frozen connection.
-        let home = spare::home(&config.instance, config.target.nodes.len());
         Self {
             fence,
             clock,
             heard: None,
-            silent: 0,
             config,
             state,
             metrics,
             lease: None,
             client: None,
             generation: None,
-            placed: None,
-            spares: spare::Spares::default(),
             completions: Completions::default(),
             events_tx,
             events,
             reseed: None,
             reseeded: None,
-            next_node: home,
+            next_node: 0,
             epoch: 0,
             holder: None,
             synced_once: false,
@@ -377,22 +340,18 @@ impl Task {
     async fn serve(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         let mut flush = tokio::time::interval(self.config.done_every);
         let mut check = tokio::time::interval(RETRY);
-        let every = (self.config.target.heartbeat / 2).clamp(WATCH_MIN, RETRY);
-        let mut watch = tokio::time::interval(every);
-        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
                     Some(command) => self.on_received(command, &mut commands).await,
                     None => break,
                 },
-                Some(event) = self.events.recv() => self.on_event(event).await,
+                Some(event) = self.events.recv() => self.on_event(event),
                 _ = flush.tick() => {
                     self.flush_done().await;
                     self.maybe_compact().await;
                 }
                 _ = check.tick() => self.keep_lease().await,
-                _ = watch.tick() => self.watch_writes().await,
                 kept = next_kept(&mut self.lease) => self.on_kept(kept),
                 event = compaction(&mut self.compaction) => match event {
                     Progress::Copy(copy) => self.append_copy(copy).await,
@@ -405,7 +364,7 @@ impl Task {
             let until = tokio::time::Instant::from_std(self.clock.now() + STOP_CONFIRMS);
             while self.completions.unconfirmed() > 0 {
                 match tokio::time::timeout_at(until, self.events.recv()).await {
-                    Ok(Some(event)) => self.on_event(event).await,
+                    Ok(Some(event)) => self.on_event(event),
                     _ => break,
                 }
             }
@@ -487,7 +446,6 @@ impl Task {
     fn inactive(&self) -> &'static str {
         match *self.state.borrow() {
             State::Missing | State::Reseeding => "the replica stream is missing",
-            State::Switching => "the replica is switching to its spare generation",
             State::Active if self.client.is_none() => {
                 "the replica's writes connection is being made again"
             }
@@ -516,18 +474,14 @@ impl Task {
         }
     }
 
-    /// What the broker said about writes awaited beside the task, and
-    /// what the spare's tasks did.
-    async fn on_event(&mut self, event: Event) {
+    /// What the broker said about writes awaited beside the task.
+    fn on_event(&mut self, event: Event) {
         match event {
             Event::Returned(stream) => self.on_returned(&stream),
             Event::Done { batch, confirmed } => match confirmed {
                 true => self.completions.confirmed(batch),
                 false => self.completions.failed(batch),
             },
-            Event::Spare(made) => self.on_spare(made).await,
-            Event::Retired(n, deleted) => self.on_retired(n, deleted),
-            Event::Leftover(n, cleared) => self.on_leftover(n, cleared),
         }
     }
 
@@ -546,7 +500,6 @@ impl Task {
         let next = self.compaction.as_ref().map(|c| c.next);
         if next.map(|n| Config::generation(instance, n)).as_deref() == Some(stream) {
             self.compaction = None;
-            self.spares.reset();
             warn!(
                 stream,
                 "replica stream compaction abandoned: its new stream is gone"
@@ -712,43 +665,18 @@ impl Task {
             return;
         };
         let live = self.metrics.store_live_bytes.get().max(0) as u64;
-        let due = self.appended > 2 * live + self.config.generation_slack;
-        // A spare being made may delete the stream the copy would go to.
-        if self.compaction.is_some() || !due || self.spares.making() {
+        if self.compaction.is_some() || self.appended <= 2 * live + self.config.generation_slack {
             return;
         }
         let next = g + 1;
         let stream = Config::generation(&self.config.instance, next);
-        // The spare is that stream, empty, on another node than the
-        // current generation's; without one it is made here.
-        self.spares.warm = false;
-        let node = match self.spares.ready.take() {
-            Some(spare) => Some(spare.node),
-            None => {
-                let fresh = async {
-                    client.delete(&stream).await?; // left by a switch that did not finish
-                    client.declare_stream(&stream).await
-                };
-                // On 3.x a declare waits while any node is frozen.
-                let within = self.config.target.answer_within() * 2;
-                match tokio::time::timeout(within, fresh).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        return warn!(error = %e, "cannot start a new replica generation; trying later")
-                    }
-                    Err(_) => {
-                        return warn!(
-                        "cannot start a new replica generation: no answer in time; trying later"
-                    )
-                    }
-                }
-                self.config
-                    .target
-                    .nodes
-                    .iter()
-                    .position(|a| *a == client.node)
-            }
+        let fresh = async {
+            client.delete(&stream).await?; // left by a switch that did not finish
+            client.declare_stream(&stream).await
         };
+        if let Err(e) = fresh.await {
+            return warn!(error = %e, "cannot start a new replica generation; trying later");
+        }
         let (copies_tx, copies) = mpsc::channel(1024);
         let (finish, finished) = oneshot::channel();
         let from = Config::generation(&self.config.instance, g);
@@ -765,7 +693,6 @@ impl Task {
         );
         self.compaction = Some(Compaction {
             next,
-            node,
             appended: 0,
             copies,
             finished,
@@ -782,13 +709,10 @@ impl Task {
             Ok(n) => n,
             Err(e) => return warn!(error = %e, "replica stream compaction failed; trying later"),
         };
-        let (Some(old), true) = (self.generation, self.writable() && self.client.is_some()) else {
+        let (Some(client), Some(old), true) = (&self.client, self.generation, self.writable())
+        else {
             return;
         };
-        // Waited for without a limit: given up on while it could still
-        // land, the directory could come to name a stream this process
-        // stopped writing to.
-        let client = self.client.as_ref().expect("checked");
         let directory = Config::directory(&self.config.instance);
         if let Err(e) = client
             .append_confirmed(&directory, &Record::Generation(c.next))
@@ -797,8 +721,6 @@ impl Task {
             return self.writes_lost(&e.to_string());
         }
         self.generation = Some(c.next);
-        self.placed = c.node;
-        self.spares.reset();
         self.appended = c.appended;
         self.save_synced();
         let _ = client
@@ -857,10 +779,6 @@ impl Task {
         if self.compaction.take().is_some() {
             warn!("replica stream compaction abandoned with the lease");
         }
-        // A switch decided under the lease is not carried past it: the
-        // next holder may have written since.
-        self.spares.reset();
-        self.spares.switching = None;
         if self.client.take().is_some() || held {
             warn!(
                 error = why,
@@ -872,7 +790,7 @@ impl Task {
         let state = self.state.borrow().clone();
         if matches!(
             state,
-            State::Active | State::Syncing | State::Missing | State::Reseeding | State::Switching
+            State::Active | State::Syncing | State::Missing | State::Reseeding
         ) {
             self.set(State::Connecting);
         }
@@ -884,23 +802,19 @@ impl Task {
     /// Until then appends fail (their nacks are deferred, not lost).
     fn writes_lost(&mut self, why: &str) {
         if self.compaction.take().is_some() {
-            // Its stream is the spare's: made again, empty.
-            self.spares.reset();
             warn!("replica stream compaction abandoned with its connection");
         }
         if self.client.take().is_some() {
             warn!(error = why, "replica writes connection lost; making it again on another node (the lease is kept)");
         }
-        self.spares.warm = false;
         self.completions.lost();
         self.next_node += 1;
     }
 
-    /// Every half heartbeat: notice a dead or silent writes connection, a
-    /// stream that is gone, or one that takes no writes while its node
-    /// answers (then switch to the spare); make the connection again while
-    /// the lease is held; keep a spare ready.
-    async fn watch_writes(&mut self) {
+    /// Once a second: notice a dead or silent writes connection and make
+    /// it again; take the lease back if it was lost (a process holding it
+    /// already synced).
+    async fn keep_lease(&mut self) {
         if self.client.as_ref().is_some_and(|c| !c.alive()) {
             self.writes_lost("the connection closed");
         }
@@ -911,40 +825,20 @@ impl Task {
                 false => None,
             };
             let within = self.config.target.answer_within();
-            let directory = Config::directory(&self.config.instance);
-            let found = spare::probe(client, stream.as_deref(), &directory, within).await;
-            self.silent = match found {
-                Writes::Silent => self.silent + 1,
-                _ => 0,
-            };
-            match found {
-                Writes::Alive => {}
-                Writes::Missing => self.missing(stream.as_deref().unwrap_or_default()),
-                Writes::Stalled => self.switch_or_wait(&stream.unwrap_or_default()).await,
-                // Twice in a row (a heartbeat and a half at least): probes
-                // come every half heartbeat, and one slow answer on a
-                // loaded broker must not cost the connection (its nacks
-                // would be deferred).
-                Writes::Silent if self.silent >= 2 => {
-                    self.silent = 0;
-                    self.writes_lost("the broker did not answer within a heartbeat, twice")
-                }
-                Writes::Silent => {}
+            match client.probe(stream.as_deref(), within).await {
+                Probe::Alive => {}
+                Probe::Missing => self.missing(stream.as_deref().unwrap_or_default()),
+                Probe::Silent => self.writes_lost("the broker did not answer within a heartbeat"),
             }
         }
-        let switching = *self.state.borrow() == State::Switching;
-        if self.lease.is_some() && self.generation.is_some() && self.client.is_none() && !switching
-        {
-            self.reconnect_writes().await;
+        if self.generation.is_none() {
+            return; // never synced: `sync` takes the lease
         }
-        self.tend_spares();
-    }
-
-    /// Once a second: take the lease back if it was lost (a process
-    /// holding it already synced).
-    async fn keep_lease(&mut self) {
-        if self.generation.is_none() || self.lease.is_some() {
-            return; // never synced (`sync` takes the lease), or held
+        if self.lease.is_some() {
+            if self.client.is_none() {
+                self.reconnect_writes().await;
+            }
+            return;
         }
         if self.still_refused().await || !self.acquire_once().await {
             return;
@@ -969,32 +863,21 @@ impl Task {
             Err(e) => return warn!(error = %e, "replica cannot connect"),
         };
         let stream = self.targets().into_iter().next();
-        let directory = Config::directory(&self.config.instance);
-        match spare::probe(
-            &client,
-            stream.as_deref(),
-            &directory,
-            target.answer_within(),
-        )
-        .await
+        match client
+            .probe(stream.as_deref(), target.answer_within())
+            .await
         {
-            Writes::Alive => {
+            Probe::Alive => {
                 info!(node = client.node, "replica writes connection made again");
                 self.client = Some(client);
-                self.warm_up().await;
             }
-            Writes::Missing => {
+            Probe::Missing => {
                 self.client = Some(client);
                 self.missing(stream.as_deref().unwrap_or_default());
             }
-            Writes::Stalled => {
-                self.client = Some(client);
-                self.switch_or_wait(&stream.unwrap_or_default()).await;
-            }
-            Writes::Silent => {
+            Probe::Silent => {
                 self.next_node += 1;
-                let within = target.answer_within();
-                let _ = tokio::time::timeout(within, client.close()).await;
+                client.close().await;
             }
         }
     }
@@ -1190,20 +1073,6 @@ impl Task {
         }
     }
 
-    /// What the directory says while this process holds the lease and is
-    /// synced: what it wrote there last.
-    fn own_directory(&self) -> Directory {
-        Directory {
-            generation: self.generation,
-            epoch: self.epoch,
-            holder: self.holder.clone(),
-            nodes: Some(self.config.target.nodes.clone()),
-            adopted_by: None,
-            given: self.given.clone(),
-            given_since_epoch: false,
-        }
-    }
-
     async fn directory(&self) -> Result<Directory, ClientError> {
         let client = self.client.as_ref().expect("held");
         Directory::read(client, &self.config.instance).await
@@ -1238,31 +1107,25 @@ impl Task {
         })
     }
 
-    /// Appends `record` to the directory over the writes connection,
-    /// confirmed within two heartbeats.
-    async fn append_to_directory(&self, record: &Record) -> Result<(), ClientError> {
-        let directory = Config::directory(&self.config.instance);
-        let within = self.config.target.answer_within() * 2;
-        let client = self.client.as_ref().expect("held");
-        confirmed_within(client, &directory, record, within).await
-    }
-
     async fn new_epoch(&mut self, last: u64, generation: u64) -> Result<u64, ClientError> {
+        let client = self.client.as_ref().expect("held");
         let epoch = last + 1;
         let holder = format!(
             "pid {} on {}",
             std::process::id(),
             crate::replica::hostname()
         );
-        let record = Record::Epoch {
-            n: epoch,
-            holder: holder.clone(),
-            nodes: Some(self.config.target.nodes.clone()),
-        };
-        // Not confirmed in time: the sync is tried again (should the
-        // record land later, the next sync finds an epoch it did not
-        // write, and rebuilds).
-        self.append_to_directory(&record).await?;
+        let directory = Config::directory(&self.config.instance);
+        client
+            .append_confirmed(
+                &directory,
+                &Record::Epoch {
+                    n: epoch,
+                    holder: holder.clone(),
+                    nodes: Some(self.config.target.nodes.clone()),
+                },
+            )
+            .await?;
         self.holder = Some(holder);
         self.epoch = epoch;
         self.generation = Some(generation);
@@ -1277,26 +1140,10 @@ impl Task {
             generation: self.generation.unwrap_or(0),
             epoch: self.epoch,
             holder: self.holder.clone(),
-            node: self.placed,
         };
         if let Err(e) = local::save(&self.config.store_dir, &synced) {
             error!(error = %e, "cannot save replica.state; a restart will rebuild from the stream");
         }
-    }
-}
-
-/// Appends `record` to `stream` over `client`, confirmed `within`.
-async fn confirmed_within(
-    client: &Client,
-    stream: &str,
-    record: &Record,
-    within: Duration,
-) -> Result<(), ClientError> {
-    match tokio::time::timeout(within, client.append_confirmed(stream, record)).await {
-        Ok(appended) => appended,
-        Err(_) => Err(ClientError::Unreachable(format!(
-            "{stream}: a write was not confirmed within {within:?}"
-        ))),
     }
 }
 
@@ -1423,7 +1270,6 @@ mod directory_tests {
             generation: 1,
             epoch: 2,
             holder: Some(holder.into()),
-            node: None,
         };
         assert!(same_holder(&synced("pid 2 on s"), &dir));
         assert!(!same_holder(&synced("pid 1 on h"), &dir));

@@ -121,12 +121,6 @@ const LOAD_STEP: usize = 65_536;
 
 /// How often the engine looks whether the store stalls.
 const STALL_CHECK: Duration = Duration::from_millis(500);
-/// How long a hand-back waits for new messages' answers and republishes'
-/// confirms (see [`Engine::settle`]).
-const SETTLE_NEW: Duration = Duration::from_secs(2);
-/// How long a hand-back waits for republishes' confirms (see
-/// [`Engine::settle`]).
-const SETTLE_FIRED: Duration = Duration::from_millis(300);
 
 impl Engine {
     /// An engine over an opened log and what its recovery found; its store
@@ -313,7 +307,11 @@ impl Engine {
                     Some(Command::Admin(command)) => self.on_admin(command),
                     None => break Exit::Stopped,
                 },
-                Some(event) = self.events.recv() => self.on_store_event(event),
+                Some(event) = self.events.recv() => match event {
+                    store::Event::Written(w) => self.on_written(w),
+                    store::Event::Relocated(copies) => copies.into_iter().for_each(|c| self.on_relocated(c)),
+                    store::Event::Firing(paused) => self.on_firing(paused),
+                },
                 Some(report) = self.reports.recv() => self.on_report(report),
                 read = self.recovery.read() => self.on_backlog(read),
                 _ = std::future::ready(()), if self.recovery.is_loading() => self.load_step(LOAD_STEP),
@@ -414,108 +412,16 @@ impl Engine {
         self.ready.set(ready);
     }
 
-    fn on_store_event(&mut self, event: store::Event<PutCtx>) {
-        match event {
-            store::Event::Written(w) => self.on_written(w),
-            store::Event::Relocated(copies) => {
-                copies.into_iter().for_each(|c| self.on_relocated(c))
-            }
-            store::Event::Firing(paused) => self.on_firing(paused),
-        }
-    }
-
-    /// Stops for a reseed or a switch of generation: nothing more is
-    /// fired, new messages get both answers, what the republishers had
-    /// sent is confirmed (and completed) if the broker answers soon, and
-    /// the store is handed back with everything committed.
+    /// Stops for a reseed: nothing more is fired, what the republishers
+    /// got confirmed meanwhile is completed, and the store is handed back
+    /// with everything committed.
     async fn hand_back(&mut self) -> Log {
         self.ready.set(Ready::NoReplica);
-        self.settle().await;
         self.firing.stop().await;
         while let Ok(report) = self.reports.try_recv() {
             self.on_report(report);
         }
-        let mut log = self.stop_store();
-        self.drop_unsettled(&mut log);
-        log
-    }
-
-    /// Before the store goes to a new generation:
-    /// - New messages still waiting for the replica get its answer and the
-    ///   store's. One not held is deleted and its session told (its nack
-    ///   goes back to the broker), never seeded into the new generation
-    ///   while the broker redelivers it. A switch gave up the writes they
-    ///   waited for, so the replica's answers come at once.
-    /// - Republishes in flight get their confirms, so that they are
-    ///   completed instead of held and fired again after the restart.
-    ///
-    /// New messages for [`SETTLE_NEW`] at most (one whose answer has not
-    /// come counts as not replicated), republishes for [`SETTLE_FIRED`]
-    /// (one not confirmed by then goes again, as after a lost connection:
-    /// in the switch test some never were while a node was frozen, and a
-    /// switch waits for this).
-    async fn settle(&mut self) {
-        let now = self.clock.now();
-        let deadline = tokio::time::Instant::from_std(now + SETTLE_NEW);
-        let fired = tokio::time::Instant::from_std(now + SETTLE_FIRED);
-        loop {
-            let new = self.link.as_ref().is_some_and(|l| l.waiting() > 0);
-            let waiting = tokio::time::Instant::from_std(self.clock.now()) < fired;
-            let handed = self.firing.handed() > 0 && waiting;
-            if !new && !handed {
-                break;
-            }
-            let until = match new {
-                true => deadline,
-                false => fired,
-            };
-            tokio::select! {
-                Some(answer) = link::answer(&mut self.link), if new => self.on_replicated(answer),
-                Some(event) = self.events.recv() => self.on_store_event(event),
-                Some(report) = self.reports.recv() => self.on_report(report),
-                _ = tokio::time::sleep_until(until) => {
-                    if until == deadline {
-                        break;
-                    }
-                }
-            }
-        }
-        let unanswered = self.link.as_mut().map(link::Link::unanswered);
-        for w in unanswered.unwrap_or_default() {
-            self.parked(
-                w,
-                Err("the replica did not answer before the store was handed back".into()),
-            );
-        }
-    }
-
-    /// After the store thread ended: a new message whose store answer came
-    /// only then, its replica's never, is deleted from `log` and its
-    /// session told.
-    fn drop_unsettled(&mut self, log: &mut Log) {
-        let mut dropped = 0;
-        while let Ok(event) = self.events.try_recv() {
-            let store::Event::Written(w) = event else {
-                continue;
-            };
-            if !self.link.as_mut().is_some_and(|l| l.forget(w.id)) {
-                continue;
-            }
-            if let Ok(loc) = w.result {
-                log.del(w.id, loc);
-                dropped += 1;
-            }
-            self.parked(
-                w,
-                Err("the replica did not answer before the store was handed back".into()),
-            );
-        }
-        if dropped > 0 {
-            warn!(dropped, "new messages the replica never answered: not held");
-            if let Err(e) = log.commit() {
-                warn!(error = %e, "cannot commit the deletes: a restart may fire them");
-            }
-        }
+        self.stop_store()
     }
 
     /// Ends the store thread once everything sent to it is committed, and

@@ -146,9 +146,7 @@ async fn sync(
     tokio::pin!(synced);
     loop {
         ready.set(match *state.borrow_and_update() {
-            replica::State::Missing | replica::State::Reseeding | replica::State::Switching => {
-                Ready::NoReplica
-            }
+            replica::State::Missing | replica::State::Reseeding => Ready::NoReplica,
             _ => Ready::NoLease,
         });
         tokio::select! {

@@ -29,7 +29,7 @@ fn nodes() -> Vec<String> {
 }
 
 /// [`config`], with `nodes` as `upstream.addresses`.
-pub(super) fn config_listing(
+fn config_listing(
     dir: &Path,
     instance: &str,
     queue: &str,

@@ -13,7 +13,6 @@ mod cluster;
 mod cluster_adopt;
 mod cluster_replica;
 mod cluster_smoke;
-mod cluster_switch;
 mod coalesce;
 mod deferral;
 mod delayed;

@@ -36,26 +36,8 @@ impl Task {
                 self.acquire().await;
             }
             self.set(State::Syncing);
-            let switched = self.spares.switching.is_some();
-            let synced = self.try_sync(log).await;
-            // A switch is tried once: a sync tried again is any other sync.
-            self.spares.switching = None;
-            match synced {
-                // The lease is still held: kept, and the writes the switch
-                // waited for given up (the sync reads on that channel).
-                Err(Failed::Broker(back, e)) if switched && self.lease.is_some() => {
-                    warn!(error = %e, "the switch to the spare generation failed; syncing as before it (nacks are deferred until the broker moves the stream's leader)");
-                    if let Some(client) = &self.client {
-                        client.abandon();
-                    }
-                    log = back;
-                }
+            match self.try_sync(log).await {
                 Ok(outcome) => {
-                    // The generation before, left by a switch or a
-                    // process stopped before it deleted it, goes.
-                    if let Some(before) = self.generation.and_then(|g| g.checked_sub(1)) {
-                        self.spares.retire(before);
-                    }
                     self.set(State::Active);
                     if let Some((reply, reseeded)) = self.reseeded.take() {
                         let _ = reply.send(Ok(reseeded));
@@ -114,11 +96,6 @@ impl Task {
     async fn try_sync(&mut self, log: Log) -> Result<SyncOutcome, Failed> {
         let first = !self.synced_once;
         let mut sync = Sync::new(&self.config.instance, self.reseed.is_some(), first);
-        if let Some((spare, _)) = self.spares.switching {
-            sync = sync.switching(spare.n);
-        }
-        // No spare is made or kept while the generation may change.
-        self.spares.reset();
         let mut log = Some(log);
         let mut recovered = None;
         loop {
@@ -154,7 +131,17 @@ impl Task {
     ) -> Outcome {
         let broker = Outcome::Broker;
         match *phase {
-            Phase::Reading => self.read_directory().await,
+            Phase::Reading => match self.directory().await {
+                Ok(dir) => {
+                    self.given.clone_from(&dir.given);
+                    Outcome::Read {
+                        dir,
+                        local: local::load(&self.config.store_dir),
+                        adopting: local::adoption_under_way(&self.config.store_dir),
+                    }
+                }
+                Err(e) => broker(e),
+            },
             Phase::Checking { g, .. } => {
                 let stream = Config::generation(&self.config.instance, g);
                 let client = self.client.as_ref().expect("held");
@@ -163,12 +150,9 @@ impl Task {
                     .await
                     .map_or_else(broker, Outcome::Exists)
             }
-            Phase::Reseeding { next }
-            | Phase::Starting { next, .. }
-            | Phase::Switching { next } => {
+            Phase::Reseeding { next } | Phase::Starting { next, .. } => {
                 let wipe = matches!(phase, Phase::Starting { wipe: true, .. });
-                let spare = matches!(phase, Phase::Switching { .. });
-                let started = self.start_generation(taken(log), next, wipe, spare).await;
+                let started = self.start_generation(taken(log), next, wipe).await;
                 given_back(
                     log,
                     started.map(|(l, seeded)| (l, Outcome::Started { seeded })),
@@ -195,40 +179,6 @@ impl Task {
         }
     }
 
-    /// The directory and the local store's marks, as [`Phase::Reading`]
-    /// finds them. A switch does not read the directory: while this
-    /// process holds the lease nobody else writes there, so it says what
-    /// this process last wrote. (On 4.x a read, which consumes the stream,
-    /// waited until the frozen node was back in some runs.)
-    async fn read_directory(&mut self) -> Outcome {
-        let local = local::load(&self.config.store_dir);
-        let adopting = local::adoption_under_way(&self.config.store_dir);
-        if self.spares.switching.is_some() {
-            let dir = self.own_directory();
-            return Outcome::Read {
-                dir,
-                local,
-                adopting,
-            };
-        }
-        let dir = match self.directory().await {
-            Ok(dir) => dir,
-            Err(e) => return Outcome::Broker(e),
-        };
-        self.given.clone_from(&dir.given);
-        // Where the directory's generation was put, if this store's
-        // process put it (a new one is placed anew).
-        self.placed = local
-            .as_ref()
-            .filter(|l| Some(l.generation) == dir.generation)
-            .and_then(|l| l.node);
-        Outcome::Read {
-            dir,
-            local,
-            adopting,
-        }
-    }
-
     /// Applies what a transition asked for.
     fn apply_sync(&mut self, effect: Effect) {
         match effect {
@@ -246,14 +196,6 @@ impl Task {
                     self.reseeded = Some((reply, Reseeded { seeded, stream }));
                 }
             }
-            Effect::Switched { seeded, generation } => {
-                let stream = Config::generation(&self.config.instance, generation);
-                warn!(
-                    seeded,
-                    stream, "replica switched to its spare generation, seeded from the local store"
-                );
-                self.switched();
-            }
             Effect::EndAdoptionsAtStart => {
                 local::end_adoptions_at_start(&self.config.store_dir);
                 self.synced_once = true;
@@ -265,15 +207,13 @@ impl Task {
     /// adopted elsewhere), else seeded with what the local store holds;
     /// with it, how many messages it was seeded with. Completions not
     /// written yet are dropped: the new stream never held those messages.
-    /// `spare`: the stream was declared ahead (and is empty); else it is
-    /// declared through another node than the directory's.
     async fn start_generation(
         &mut self,
         log: Log,
         n: u64,
         wipe: bool,
-        spare: bool,
     ) -> Result<(Log, u64), Failed> {
+        let client = self.client.as_ref().expect("held");
         let stream = Config::generation(&self.config.instance, n);
         let (log, recovered) = reopen(log)?;
         let log = match wipe {
@@ -286,20 +226,17 @@ impl Task {
             }
             false => drop_given(log, &recovered, &self.given)?,
         };
-        if !spare {
-            match self.declare_fresh(&stream).await {
-                Ok(node) => self.placed = node,
-                Err(e) => return Err(Failed::Broker(log, e)),
-            }
+        // A switch that did not finish may have left a stream of that name.
+        let fresh = async {
+            client.delete(&stream).await?;
+            client.declare_stream(&stream).await
+        };
+        if let Err(e) = fresh.await {
+            return Err(Failed::Broker(log, e));
         }
-        let client = self.client.as_ref().expect("held");
-        // A broker that does not confirm within two heartbeats fails the
-        // step (a switch to a spare whose leader froze too, say): the sync
-        // is tried again.
-        let within = self.config.target.answer_within() * 2;
         let mut seeded = 0;
         if !wipe {
-            seeded = match seed(client, &stream, &log, &recovered, &self.given, within).await {
+            seeded = match seed(client, &stream, &log, &recovered, &self.given).await {
                 Ok(seeded) => seeded,
                 Err(e) => return Err(Failed::Broker(log, e)),
             };
@@ -309,38 +246,15 @@ impl Task {
                 "new replica stream seeded from the local store"
             );
         }
-        if let Err(e) = self.append_to_directory(&Record::Generation(n)).await {
+        let directory = Config::directory(&self.config.instance);
+        if let Err(e) = client
+            .append_confirmed(&directory, &Record::Generation(n))
+            .await
+        {
             return Err(Failed::Broker(log, e));
         }
         self.completions.clear();
-        // Counted from the new stream's start: a compaction right after a
-        // switch would declare a stream while a node may be frozen.
-        self.appended = 0;
         Ok((log, seeded))
-    }
-
-    /// Declares `stream` anew (a switch or compaction that did not finish
-    /// may have left one of that name) through another node than the
-    /// directory's, so led by it; through the writes connection if that
-    /// node does not answer. The node it went through, if known.
-    async fn declare_fresh(&self, stream: &str) -> Result<Option<usize>, ClientError> {
-        async fn fresh(client: &Client, stream: &str) -> Result<(), ClientError> {
-            client.delete(stream).await?;
-            client.declare_stream(stream).await
-        }
-        let target = &self.config.target;
-        if let Some(node) = self.fresh_node() {
-            if let Ok(placing) = Client::connect_node(target, node, &self.name()).await {
-                let declared = fresh(&placing, stream).await;
-                let _ = tokio::time::timeout(target.answer_within(), placing.close()).await;
-                if declared.is_ok() {
-                    return Ok(Some(node));
-                }
-            }
-        }
-        let client = self.client.as_ref().expect("held");
-        fresh(client, stream).await?;
-        Ok(target.nodes.iter().position(|a| *a == client.node))
     }
 
     /// Wipes the local store and rebuilds it from generation `g`.
@@ -442,14 +356,7 @@ async fn seed(
     log: &Log,
     recovered: &Recovered,
     given: &HashSet<u64>,
-    within: std::time::Duration,
 ) -> Result<u64, ClientError> {
-    let wait = |confirm: Confirm| async move {
-        match tokio::time::timeout(within, confirm.wait()).await {
-            Ok(result) => result,
-            Err(_) => Err(unconfirmed(stream, within)),
-        }
-    };
     let reader = log.reader();
     let mut window = std::collections::VecDeque::new();
     let mut seeded = 0;
@@ -460,21 +367,14 @@ async fn seed(
         window.push_back(client.append(stream, &Record::put(&held, true)).await?);
         if window.len() >= SEED_WINDOW {
             let oldest: Confirm = window.pop_front().expect("full");
-            wait(oldest).await?;
+            oldest.wait().await?;
         }
         seeded += 1;
     }
     for confirm in window {
-        wait(confirm).await?;
+        confirm.wait().await?;
     }
     Ok(seeded)
-}
-
-/// A write to `stream` the broker did not confirm `within`.
-fn unconfirmed(stream: &str, within: std::time::Duration) -> ClientError {
-    ClientError::Unreachable(format!(
-        "{stream}: a write was not confirmed within {within:?}"
-    ))
 }
 
 /// Applies one step of a rebuild to the log (locations are valid once

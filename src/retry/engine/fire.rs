@@ -343,11 +343,6 @@ impl Firing {
         self.vhosts.iter().map(|v| v.pending_bytes).sum()
     }
 
-    /// Messages handed to the republishers and not reported on yet.
-    pub(super) fn handed(&self) -> usize {
-        self.handed.len()
-    }
-
     /// Whether `id` is handed to a republisher.
     #[cfg(test)]
     pub(super) fn is_handed(&self, id: u64) -> bool {

@@ -55,7 +55,7 @@ impl Link {
     pub(super) fn ready(&self) -> crate::retry::Ready {
         match *self.state.borrow() {
             State::Active => crate::retry::Ready::Ready,
-            State::Missing | State::Reseeding | State::Switching => crate::retry::Ready::NoReplica,
+            State::Missing | State::Reseeding => crate::retry::Ready::NoReplica,
             _ => crate::retry::Ready::NoLease,
         }
     }
@@ -104,30 +104,6 @@ impl Link {
         }
     }
 
-    /// New messages waiting for an answer of the replica or the store.
-    pub(super) fn waiting(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Takes the new messages the store answered but the replica did not:
-    /// they count as not replicated.
-    pub(super) fn unanswered(&mut self) -> Vec<Written<PutCtx>> {
-        let ids: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| p.written.is_some())
-            .map(|(id, _)| *id)
-            .collect();
-        ids.into_iter()
-            .filter_map(|id| self.pending.remove(&id)?.written)
-            .collect()
-    }
-
-    /// Stops waiting for `id`; whether it was waited for.
-    pub(super) fn forget(&mut self, id: u64) -> bool {
-        self.pending.remove(&id).is_some()
-    }
-
     /// The replica's answer; both answers once the store's came too.
     pub(super) fn replicated(
         &mut self,
@@ -155,18 +131,9 @@ pub(super) enum Event {
     Lease,
     /// The local store went stale: the engine must stop, the store be rebuilt.
     Stale,
-    /// A reseed was asked for, or a switch to the spare generation: the
-    /// engine stops (cleanly: the lease is held) and hands the store back,
-    /// for a new generation from it.
+    /// A reseed was asked for: the engine stops (cleanly: the lease is
+    /// held) and hands the store back, for a new generation from it.
     Resync,
-}
-
-/// The replica's next answer to a new message (never, without a replica).
-pub(super) async fn answer(link: &mut Option<Link>) -> Option<Answer> {
-    match link {
-        Some(link) => link.rx.recv().await,
-        None => std::future::pending().await,
-    }
 }
 
 /// The next replica event (never, without a replica).
@@ -178,7 +145,7 @@ pub(super) async fn event(link: &mut Option<Link>) -> Event {
         Some(answer) = link.rx.recv() => Event::Answer(answer),
         Ok(()) = link.state.changed() => match *link.state.borrow() {
             State::Stale => Event::Stale,
-            State::Reseeding | State::Switching => Event::Resync,
+            State::Reseeding => Event::Resync,
             _ => Event::Lease,
         },
     }

@@ -6,7 +6,6 @@
 //!
 //! ```text
 //! Reading ─┬─ reseed asked, not adopted ─→ Reseeding ────────────┐
-//!          ├─ a switch to a spare, current ─→ Switching ─────────┤
 //!          ├─ a generation, not adopted ─→ Checking ─ current ─→ Sealing → Reopening → Synced
 //!          │                                  ├─ stale → Rebuilding ─┘
 //!          │                                  └─ gone → Failed (Missing)
@@ -30,9 +29,6 @@ pub(super) enum Phase {
     /// An operator asked: a new generation `next` seeded from the
     /// local store.
     Reseeding { next: u64 },
-    /// The current generation takes no writes: the spare generation
-    /// `next` (declared ahead, empty) is seeded from the local store.
-    Switching { next: u64 },
     /// A new generation `next`: seeded from the local store, or empty
     /// when `wipe` (the held messages were adopted elsewhere).
     Starting { next: u64, wipe: bool },
@@ -64,8 +60,7 @@ pub(super) enum Outcome {
     },
     /// [`Phase::Checking`].
     Exists(bool),
-    /// [`Phase::Reseeding`], [`Phase::Switching`], [`Phase::Starting`]:
-    /// seeded with this many.
+    /// [`Phase::Reseeding`], [`Phase::Starting`]: seeded with this many.
     Started { seeded: u64 },
     /// [`Phase::Rebuilding`].
     Rebuilt,
@@ -88,8 +83,6 @@ pub(super) enum Effect {
     RefuseReseed { by: String },
     /// The reseed is done: answered once the sync is.
     Reseeded { seeded: u64, generation: u64 },
-    /// The switch to the spare is written (the directory names it).
-    Switched { seeded: u64, generation: u64 },
     /// The first sync of this process: no adoption of its own is under
     /// way (the rebuild the markers asked for dropped the uncommitted
     /// parks).
@@ -112,8 +105,6 @@ pub(super) struct Sync {
     reseed: bool,
     /// No sync succeeded in this process yet.
     first: bool,
-    /// A spare generation to switch to (the current one takes no writes).
-    switch: Option<u64>,
     /// The highest lease epoch in the directory.
     last: u64,
     phase: Phase,
@@ -126,19 +117,10 @@ impl Sync {
             instance: instance.to_owned(),
             reseed,
             first,
-            switch: None,
             last: 0,
             phase: Phase::Reading,
             failure: None,
         }
-    }
-
-    /// A sync that switches to the spare generation `next`, if the
-    /// directory and the local store say the current one is still this
-    /// process's (else it syncs as any other would).
-    pub(super) fn switching(mut self, next: u64) -> Self {
-        self.switch = Some(next);
-        self
     }
 
     pub(super) fn phase(&self) -> &Phase {
@@ -182,11 +164,6 @@ impl Sync {
             (Phase::Reseeding { next }, Outcome::Started { seeded }) => {
                 let generation = next;
                 effects.push(Effect::Reseeded { seeded, generation });
-                sealing(next, false)
-            }
-            (Phase::Switching { next }, Outcome::Started { seeded }) => {
-                let generation = next;
-                effects.push(Effect::Switched { seeded, generation });
                 sealing(next, false)
             }
             (Phase::Starting { next, wipe }, Outcome::Started { .. }) => sealing(next, wipe),
@@ -234,16 +211,8 @@ impl Sync {
                 })
         };
         let after = |g: Option<u64>| g.map_or(1, |g| g + 1);
-        // A switch only from the generation this store mirrors, to a
-        // spare after it.
-        let switch = self
-            .switch
-            .filter(|next| dir.generation.is_some_and(|g| *next > g && current(g)));
         let next = match (dir.generation, &dir.adopted_by, self.reseed) {
             (g, None, true) => Phase::Reseeding { next: after(g) },
-            (Some(_), None, false) if switch.is_some() => Phase::Switching {
-                next: switch.expect("checked"),
-            },
             (Some(g), None, false) => Phase::Checking {
                 g,
                 current: current(g),
@@ -285,7 +254,6 @@ mod tests {
             generation,
             epoch,
             holder: Some("pid 1 on h".into()),
-            node: None,
         }
     }
 
@@ -525,75 +493,5 @@ mod tests {
         let mut s = Sync::new("a", false, false);
         assert!(s.on(Outcome::Rebuilt).is_empty());
         assert!(matches!(s.failure(), Some(Failure::Broker(_))));
-    }
-
-    /// Issue 36: the current generation's leader froze; the spare after it
-    /// is seeded from the local store, without a look at the frozen stream.
-    #[test]
-    fn a_switch_seeds_the_spare_from_a_current_store() {
-        let mut s = Sync::new("a", false, false).switching(3);
-        let effects = s.on(Outcome::Read {
-            dir: dir(Some(2), 5, None),
-            local: Some(synced(2, 5)),
-            adopting: false,
-        });
-        assert!(effects.is_empty());
-        assert_eq!(s.phase(), &Phase::Switching { next: 3 });
-        let effects = s.on(Outcome::Started { seeded: 7 });
-        let switched = Effect::Switched {
-            seeded: 7,
-            generation: 3,
-        };
-        assert_eq!(effects, vec![switched]);
-        assert_eq!(s.phase(), &sealing(5, 3, false));
-    }
-
-    /// A switch only replaces the generation this store mirrors: a stale
-    /// store, one left mid-adoption, another holder's generation, an
-    /// adopted id, or a spare that is not after the directory's generation
-    /// sync as they would without it (a reseed asked for wins).
-    #[test]
-    fn a_switch_is_not_taken_unless_the_store_is_the_current_generations() {
-        let cases = [
-            (dir(Some(2), 5, None), Some(synced(2, 4)), false, 3),
-            (dir(Some(2), 5, None), None, false, 3),
-            (dir(Some(2), 5, None), Some(synced(2, 5)), true, 3),
-            (dir(Some(3), 6, None), Some(synced(2, 5)), false, 3),
-            (dir(Some(2), 5, None), Some(synced(2, 5)), false, 2),
-        ];
-        for (d, local, adopting, next) in cases {
-            let mut s = Sync::new("a", false, false).switching(next);
-            let read = Outcome::Read {
-                dir: d,
-                local: local.clone(),
-                adopting,
-            };
-            s.on(read);
-            assert!(
-                matches!(s.phase(), Phase::Checking { .. }),
-                "{local:?} {adopting} {next}: {:?}",
-                s.phase()
-            );
-        }
-        let mut s = Sync::new("a", false, false).switching(4);
-        s.on(Outcome::Read {
-            dir: dir(Some(3), 7, Some("b")),
-            local: Some(synced(3, 7)),
-            adopting: false,
-        });
-        assert_eq!(
-            s.phase(),
-            &Phase::Starting {
-                next: 4,
-                wipe: true
-            }
-        );
-        let mut s = Sync::new("a", true, false).switching(3);
-        s.on(Outcome::Read {
-            dir: dir(Some(2), 5, None),
-            local: Some(synced(2, 5)),
-            adopting: false,
-        });
-        assert_eq!(s.phase(), &Phase::Reseeding { next: 3 });
     }
 }
